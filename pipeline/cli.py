@@ -1,0 +1,229 @@
+"""`specpipe` command line. The only module that touches argv, terminal formatting and exit codes.
+
+Exit codes: 0 success, 1 a stage failed (or the workdir is locked), 2 usage or config error.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+import click
+
+from pipeline.errors import ConfigError, LockedError, SpecpipeError, StageError, UsageError
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def _setup_logging(level: str = "info") -> None:
+    root = logging.getLogger("specpipe")
+    if root.handlers:
+        return
+    h = logging.StreamHandler(sys.stderr)
+    h.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+    root.addHandler(h)
+    root.setLevel(level.upper())
+
+
+def _default_workdir(config: str) -> Path:
+    return Path("runs") / Path(config).stem
+
+
+def _load(config: str, overrides: tuple[str, ...]):
+    from pipeline.config import load_config
+
+    return load_config(config, list(overrides))
+
+
+def _fail(e: SpecpipeError) -> None:
+    if isinstance(e, ConfigError):
+        click.echo(f"config error{' in ' + e.source if e.source else ''}:", err=True)
+        for line in e.lines():
+            click.echo(f"  {line}", err=True)
+        sys.exit(EXIT_USAGE)
+    if isinstance(e, UsageError):
+        click.echo(f"error: {e}", err=True)
+        sys.exit(EXIT_USAGE)
+    click.echo(f"error: {e}", err=True)
+    sys.exit(EXIT_FAILED)
+
+
+config_arg = click.argument("config", type=click.Path(dir_okay=False))
+override_opt = click.option("-o", "--override", "overrides", multiple=True, metavar="SECTION.FIELD=VALUE",
+                            help="override a config field (repeatable), validated like the file")
+workdir_opt = click.option("--workdir", type=click.Path(file_okay=False), default=None,
+                           help="where artifacts live (default: runs/<config file stem>)")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="specpipe")
+def cli() -> None:
+    """specpipe: from a target LLM to a verified FP8 speculative-decoding deployment."""
+
+
+@cli.command()
+@config_arg
+@workdir_opt
+@override_opt
+@click.option("--only", default=None, metavar="STAGE", help="run this stage only (its inputs must be up to date)")
+@click.option("--from", "from_", default=None, metavar="STAGE", help="run from this stage on")
+@click.option("--force", multiple=True, metavar="STAGE|all", help="rerun this stage even if up to date (repeatable)")
+def build(config, workdir, overrides, only, from_, force):
+    """Run every stage that is not up to date, in order."""
+    from pipeline import runner
+    from pipeline.store import Store
+
+    try:
+        cfg = _load(config, overrides)
+        _setup_logging(cfg.run.log_level)
+        store = Store(Path(workdir) if workdir else _default_workdir(config))
+        outcomes = runner.build(cfg, store, argv=["specpipe", *sys.argv[1:]], config_path=config,
+                                only=only, from_=from_, force=tuple(force))
+    except SpecpipeError as e:
+        _fail(e)
+        return
+    except KeyboardInterrupt:
+        click.echo("interrupted: nothing half-written was committed; run the same command to resume", err=True)
+        sys.exit(130)
+    _print_outcomes(outcomes, store)
+    failed = [o for o in outcomes if o.action == "failed"]
+    if failed:
+        o = failed[0]
+        click.echo(f"stage '{o.name}' failed: {o.error}\n  log: {o.log_file}", err=True)
+        sys.exit(EXIT_FAILED)
+
+
+def _print_outcomes(outcomes, store) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"specpipe build: {store.root}")
+    for c in ("stage", "action", "reason", "time"):
+        t.add_column(c)
+    colors = {"ran": "green", "skip": "dim", "failed": "red", "blocked": "yellow", "disabled": "dim", "excluded": "dim"}
+    for o in outcomes:
+        t.add_row(o.name, f"[{colors.get(o.action, '')}]{o.action}[/]", o.reason, f"{o.wall_s:.1f}s" if o.action in ("ran", "failed") else "")
+    Console(stderr=True, width=160).print(t)
+
+
+@cli.command()
+@config_arg
+@workdir_opt
+@override_opt
+@click.option("--only", default=None, metavar="STAGE")
+@click.option("--from", "from_", default=None, metavar="STAGE")
+@click.option("--force", multiple=True, metavar="STAGE|all")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+def plan(config, workdir, overrides, only, from_, force, as_json):
+    """Show what `build` would run and why, without running anything."""
+    from pipeline import runner
+    from pipeline.store import Store
+
+    try:
+        cfg = _load(config, overrides)
+        store = Store(Path(workdir) if workdir else _default_workdir(config))
+        items = runner.make_plan(cfg, store, only=only, from_=from_, force=tuple(force))
+    except SpecpipeError as e:
+        _fail(e)
+        return
+    if as_json:
+        click.echo(json.dumps([{"stage": i.name, "action": i.action, "reason": i.reason, "fingerprint": i.fingerprint} for i in items], indent=2))
+        return
+    for i in items:
+        click.echo(f"{i.name:12s} {i.action:9s} {i.reason}")
+
+
+@cli.command()
+@config_arg
+@override_opt
+def check(config, overrides):
+    """Validate a config (and overrides) without running anything."""
+    try:
+        cfg = _load(config, overrides)
+    except SpecpipeError as e:
+        _fail(e)
+        return
+    from pipeline import registry
+
+    on = [s.name for s in registry.stages() if getattr(cfg, s.name).enabled]
+    click.echo(f"{config}: OK ({len(on)} stages enabled: {', '.join(on)})")
+
+
+@cli.command()
+@workdir_opt
+@click.option("--json", "as_json", is_flag=True, help="stable machine-readable summary (shape in README)")
+@click.option("--verify", is_flag=True, help="also re-hash every committed file against its manifest")
+def status(workdir, as_json, verify):
+    """Each stage's state, fingerprint, timings and metrics."""
+    from pipeline import runner
+    from pipeline.store import Store
+
+    wd = Path(workdir) if workdir else None
+    if wd is None:
+        runs = sorted(Path("runs").glob("*/last_build.json")) if Path("runs").exists() else []
+        if len(runs) != 1:
+            _fail(UsageError("give --workdir (default only when exactly one run exists under ./runs)"))
+        wd = runs[0].parent
+    if not wd.exists():
+        _fail(UsageError(f"--workdir {wd}: no such directory"))
+    store = Store(wd)
+    doc = runner.status(store)
+    if verify:
+        for st in doc["stages"]:
+            if st["state"] == "committed":
+                st["verify"] = store.verify(st["name"]) or "ok"
+    if as_json:
+        click.echo(json.dumps(doc, indent=2, default=str))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"specpipe status: {wd}")
+    for c in ("stage", "state", "fingerprint", "wall", "peak RSS", "key metrics"):
+        t.add_column(c)
+    for st in doc["stages"]:
+        metrics = ", ".join(f"{k}={_short(v)}" for k, v in list(st["metrics"].items())[:4] if not isinstance(v, (dict, list)))
+        t.add_row(st["name"], st["state"], (st["fingerprint"] or "")[:12],
+                  f"{st['wall_time_s']:.1f}s" if st["wall_time_s"] is not None else "",
+                  f"{st['peak_rss_mb']:.0f} MB" if st["peak_rss_mb"] is not None else "", metrics)
+    Console(width=180).print(t)
+
+
+def _short(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+@cli.command()
+@workdir_opt
+@click.option("--out", type=click.Path(dir_okay=False), default=None, help="default: <workdir>/report.html")
+def report(workdir, out):
+    """Write a self-contained HTML report of the run."""
+    from pipeline.report import write_report
+    from pipeline.store import Store
+
+    if workdir is None:
+        _fail(UsageError("give --workdir (e.g. runs/tiny_fp8_eagle3)"))
+    if not Path(workdir).exists():
+        _fail(UsageError(f"--workdir {workdir}: no such directory"))
+    path = write_report(Store(Path(workdir)), Path(out) if out else None)
+    click.echo(str(path))
+
+
+def main() -> None:
+    try:
+        cli.main(standalone_mode=False)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(EXIT_USAGE)
+    except SystemExit:
+        raise
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,301 @@
+"""One strict config: YAML file + `-o section.field=value` overrides -> validated `PipelineConfig`.
+
+The root model is assembled from the stage registry (each stage owns its section's model) plus the shared
+sections `run` and `hardware`. Every problem is reported as `dotted.path: message`, the path spelled as
+the user wrote it (union tags and validator names stripped), with the file line where it is known.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, ValidationError, create_model, field_validator
+
+from pipeline.errors import ConfigError
+from pipeline.stage import Strict
+
+
+class RunConfig(Strict):
+    """How to execute. Never part of a fingerprint: changing it does not invalidate artifacts."""
+
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    threads: int | None = Field(default=None, ge=1, description="torch intra-op threads; default: all cores")
+    log_level: Literal["debug", "info", "warning"] = "info"
+
+
+class HardwareConfig(Strict):
+    """The deployment GPU. Enters the fingerprints of the stages that list 'hardware' in USES."""
+
+    gpu: str = "h200"
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    profile: Path | None = Field(default=None, description="a measured profile from `specpipe profile`")
+
+    @field_validator("gpu")
+    @classmethod
+    def _known_gpu(cls, v: str) -> str:
+        from pipeline.hardware import GPUS
+
+        key = v.lower()
+        if key not in GPUS:
+            raise ValueError(f"unknown GPU '{v}'; known: {', '.join(sorted(GPUS))}")
+        return key
+
+
+def _root_model():
+    from pipeline.registry import stages
+
+    fields: dict[str, Any] = {
+        "run": (RunConfig, Field(default_factory=RunConfig)),
+        "hardware": (HardwareConfig, Field(default_factory=HardwareConfig)),
+    }
+    for st in stages():
+        # `target` has required fields (what to load or build); every other section has full defaults.
+        if st.required:
+            fields[st.name] = (st.module.Config, ...)
+        else:
+            fields[st.name] = (st.module.Config, Field(default_factory=st.module.Config))
+    return create_model("PipelineConfig", __base__=Strict, **fields)
+
+
+_ROOT = None
+
+
+def root_model():
+    global _ROOT
+    if _ROOT is None:
+        _ROOT = _root_model()
+    return _ROOT
+
+
+# ---------------------------------------------------------------- YAML with line numbers and no duplicates
+
+
+class _Loader(yaml.SafeLoader):
+    pass
+
+
+def _no_duplicates(loader: _Loader, node: yaml.MappingNode, deep: bool = False):
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key '{key}' (first at line {seen[key] + 1})", key_node.start_mark)
+        seen[key] = key_node.start_mark.line
+    return loader.construct_mapping(node, deep=deep)
+
+
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _no_duplicates)
+
+
+def _line_map(text: str) -> dict[str, int]:
+    """dotted path -> 1-based line of its key in the YAML text."""
+    out: dict[str, int] = {}
+
+    def walk(node, prefix: str) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                path = f"{prefix}.{k.value}" if prefix else str(k.value)
+                out[path] = k.start_mark.line + 1
+                walk(v, path)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, v in enumerate(node.value):
+                path = f"{prefix}.{i}"
+                out[path] = v.start_mark.line + 1
+                walk(v, path)
+
+    try:
+        walk(yaml.compose(text, Loader=yaml.SafeLoader), "")
+    except yaml.YAMLError:
+        pass
+    return out
+
+
+def read_yaml(path: Path) -> tuple[dict, dict[str, int]]:
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError([("", f"{path}: config file not found")])
+    if path.is_dir():
+        raise ConfigError([("", f"{path}: is a directory, expected a YAML config file")])
+    text = path.read_text()
+    try:
+        data = yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader subclass
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        raise ConfigError([("", f"{where}: YAML syntax error: {e.problem or e.context}")]) from None
+    except yaml.YAMLError as e:
+        raise ConfigError([("", f"{path}: YAML error: {e}")]) from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError([("", f"{path}: the top level must be a mapping of sections, found {type(data).__name__}")])
+    return data, _line_map(text)
+
+
+# ---------------------------------------------------------------- overrides
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError([(f"-o {item}", "expected section.field=value")])
+    key, _, raw = item.partition("=")
+    parts = key.strip().split(".")
+    if not key.strip() or any(not p for p in parts):
+        raise ConfigError([(f"-o {item}", "expected section.field=value with a dotted path")])
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return parts, value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> set[str]:
+    applied: set[str] = set()
+    for item in overrides:
+        parts, value = parse_override(item)
+        node = data
+        for i, p in enumerate(parts[:-1]):
+            nxt = node.get(p) if isinstance(node, dict) else None
+            if nxt is None:
+                nxt = {}
+                node[p] = nxt
+            elif not isinstance(nxt, dict):
+                raise ConfigError([(".".join(parts[: i + 1]), f"is a {type(nxt).__name__}, cannot set '{parts[i + 1]}' in it (-o {item})")])
+            node = nxt
+        node[parts[-1]] = value
+        applied.add(".".join(parts))
+    return applied
+
+
+# ---------------------------------------------------------------- error formatting
+
+
+def _user_path(loc: tuple, raw: Any) -> list[str]:
+    """Map a pydantic error location onto the keys the user wrote, dropping union tags and validator names."""
+    out: list[str] = []
+    node = raw
+    for el in loc:
+        if isinstance(node, dict) and el in node:
+            out.append(str(el))
+            node = node[el]
+        elif isinstance(node, list) and isinstance(el, int) and 0 <= el < len(node):
+            out.append(str(el))
+            node = node[el]
+        elif isinstance(node, dict) and isinstance(el, str) and not any(c in el for c in "[]()") and el not in _tag_values(node):
+            # a missing required field or an unknown key below this node
+            out.append(el)
+            node = None
+        # else: a discriminated-union tag or a validator name: not something the user wrote
+    return out
+
+
+def _tag_values(node: dict) -> set:
+    return {v for v in node.values() if isinstance(v, str)}
+
+
+def _known_fields(model, parts: list[str], raw: Any) -> list[str] | None:
+    """Field names of the model at `parts` (best effort, following discriminated unions through raw data)."""
+    import typing
+
+    from pydantic import BaseModel
+
+    node = raw
+    cur = model
+    for p in parts:
+        if cur is None or not (isinstance(cur, type) and issubclass(cur, BaseModel)):
+            return None
+        f = cur.model_fields.get(p)
+        if f is None:
+            return None
+        node = node.get(p) if isinstance(node, dict) else None
+        cur = _resolve(f.annotation, node)
+    if isinstance(cur, type) and issubclass(cur, BaseModel):
+        return list(cur.model_fields)
+    return None
+
+
+def _resolve(ann, node):
+    import typing
+
+    from pydantic import BaseModel
+
+    origin = typing.get_origin(ann)
+    if origin is typing.Annotated:
+        return _resolve(typing.get_args(ann)[0], node)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        for a in typing.get_args(ann):
+            r = _resolve(a, node)
+            if isinstance(r, type) and issubclass(r, BaseModel):
+                tags = {getattr(fi, "default", None) for fi in r.model_fields.values()}
+                if isinstance(node, dict) and tags & set(v for v in node.values() if isinstance(v, str)):
+                    return r
+        for a in typing.get_args(ann):
+            r = _resolve(a, node)
+            if isinstance(r, type) and issubclass(r, BaseModel):
+                return r
+        return None
+    return ann
+
+
+def _format(err: ValidationError, raw: dict, lines: dict[str, int], source: str | None, overridden: set[str]) -> ConfigError:
+    problems: list[tuple[str, str]] = []
+    model = root_model()
+    for e in err.errors(include_url=False):
+        parts = _user_path(tuple(e["loc"]), raw)
+        path = ".".join(parts)
+        msg = e["msg"]
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, "):]
+        if e["type"] == "extra_forbidden":
+            known = _known_fields(model, parts[:-1], raw)
+            msg = "unknown field" + (f"; known fields here: {', '.join(known)}" if known else "")
+        elif e["type"] == "missing":
+            msg = "required field is missing"
+        elif e["type"] in ("union_tag_invalid", "literal_error", "enum"):
+            msg = msg.replace("Input tag", "value").replace("Input should be", "expected")
+        if path in overridden or any(path.startswith(o + ".") for o in overridden):
+            msg += " (from -o)"
+        elif path in lines and source:
+            msg += f" ({source}, line {lines[path]})"
+        problems.append((path, msg))
+    return ConfigError(problems, source)
+
+
+# ---------------------------------------------------------------- entry point
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None):
+    """Read, override, validate. Raises ConfigError with every problem found."""
+    data, lines = read_yaml(Path(path))
+    overridden = apply_overrides(data, list(overrides or []))
+    return validate(data, source=str(path), lines=lines, overridden=overridden)
+
+
+def validate(data: dict, source: str | None = None, lines: dict[str, int] | None = None, overridden: set[str] | None = None):
+    from pipeline.registry import stages
+
+    model = root_model()
+    try:
+        cfg = model.model_validate(data)
+    except ValidationError as e:
+        raise _format(e, data, lines or {}, source, overridden or set()) from None
+    # Cross-section checks that each stage declares (e.g. a mask token that must exist in the target vocab).
+    problems: list[tuple[str, str]] = []
+    enabled = {st.name for st in stages() if getattr(cfg, st.name).enabled}
+    for st in stages():
+        if st.name not in enabled:
+            continue
+        for dep in st.consumes:
+            if dep not in enabled:
+                problems.append((f"{dep}.enabled", f"stage '{st.name}' consumes '{dep}', which is disabled; enable it or disable '{st.name}'"))
+        if st.check is not None:
+            problems.extend(st.check(cfg))
+    if problems:
+        raise ConfigError([(p, m + (f" ({source}, line {lines[p]})" if lines and p in lines and source else "")) for p, m in problems], source)
+    return cfg
+
+
+def section_dict(cfg, name: str) -> dict:
+    return getattr(cfg, name).model_dump(mode="json")

@@ -1,0 +1,68 @@
+"""The explicit, ordered stage registry: the one place the pipeline core learns about concrete stages."""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+from dataclasses import dataclass
+from functools import lru_cache
+from types import ModuleType
+from typing import Callable
+
+# Order is execution order. A stage may only consume stages listed before it.
+STAGE_MODULES: tuple[str, ...] = (
+    "stages.target",
+)
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    name: str
+    module: ModuleType
+    consumes: tuple[str, ...]
+    uses: tuple[str, ...]          # shared config sections (e.g. "hardware") that enter the fingerprint
+    packages: tuple[str, ...]
+    version: str
+    code_hash: str
+    required: bool                 # the section must appear in the config file
+    check: Callable | None
+    report: Callable | None
+    fingerprint_extra: Callable | None
+
+
+def _code_hash(module: ModuleType) -> str:
+    src = inspect.getsource(module).encode()
+    return hashlib.sha256(src).hexdigest()[:16]
+
+
+@lru_cache(maxsize=1)
+def stages() -> tuple[StageSpec, ...]:
+    out: list[StageSpec] = []
+    seen: set[str] = set()
+    for modname in STAGE_MODULES:
+        m = importlib.import_module(modname)
+        for attr in ("NAME", "CONSUMES", "VERSION", "PACKAGES", "Config", "run"):
+            if not hasattr(m, attr):
+                raise RuntimeError(f"{modname} does not follow the stage contract: missing {attr}")
+        for dep in m.CONSUMES:
+            if dep not in seen:
+                raise RuntimeError(f"{modname} consumes '{dep}', which is not registered before it")
+        seen.add(m.NAME)
+        out.append(StageSpec(
+            name=m.NAME, module=m, consumes=tuple(m.CONSUMES), uses=tuple(getattr(m, "USES", ())),
+            packages=tuple(m.PACKAGES), version=str(m.VERSION), code_hash=_code_hash(m),
+            required=bool(getattr(m, "REQUIRED", False)), check=getattr(m, "check", None),
+            report=getattr(m, "report", None), fingerprint_extra=getattr(m, "fingerprint_extra", None),
+        ))
+    return tuple(out)
+
+
+def names() -> list[str]:
+    return [s.name for s in stages()]
+
+
+def get(name: str) -> StageSpec:
+    for s in stages():
+        if s.name == name:
+            return s
+    raise KeyError(name)

@@ -1,0 +1,369 @@
+"""Stage runner: fingerprints, plan (what runs and why), execution with atomic commit and provenance."""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from functools import lru_cache
+from importlib import metadata
+from pathlib import Path
+
+from pipeline import registry
+from pipeline.config import section_dict
+from pipeline.errors import StageError, UsageError
+from pipeline.stage import StageContext
+from pipeline.store import Store, atomic_write_text
+
+log = logging.getLogger("specpipe")
+
+
+# ------------------------------------------------------------------ fingerprints
+
+
+@lru_cache(maxsize=None)
+def package_version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def fingerprint_inputs(spec: registry.StageSpec, cfg, upstream: dict[str, str]) -> dict:
+    params = section_dict(cfg, spec.name)
+    params.pop("enabled", None)
+    doc = {
+        "stage": spec.name,
+        "version": spec.version,
+        "code": spec.code_hash,
+        "params": params,
+        "uses": {u: section_dict(cfg, u) for u in spec.uses},
+        "inputs": {d: upstream[d] for d in spec.consumes},
+        "packages": {p: package_version(p) for p in spec.packages},
+    }
+    if spec.fingerprint_extra is not None:
+        doc["external"] = spec.fingerprint_extra(getattr(cfg, spec.name))
+    return doc
+
+
+def fingerprint(doc: dict) -> str:
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":"), default=str).encode()).hexdigest()
+
+
+def _diff_paths(old, new, prefix: str) -> list[str]:
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for k in sorted(set(old) | set(new), key=str):
+            out += _diff_paths(old.get(k, "<absent>"), new.get(k, "<absent>"), f"{prefix}.{k}" if prefix else str(k))
+        return out
+    return [] if old == new else [prefix]
+
+
+def stale_reason(old_doc: dict | None, new_doc: dict) -> str:
+    """Why a committed artifact with `old_doc` does not match `new_doc`; cheapest, most useful first."""
+    if old_doc is None:
+        return "no artifact"
+    reasons = []
+    if p := _diff_paths(old_doc.get("params", {}), new_doc["params"], new_doc["stage"]):
+        reasons.append("params changed: " + ", ".join(p))
+    if p := _diff_paths(old_doc.get("uses", {}), new_doc["uses"], ""):
+        reasons.append("params changed: " + ", ".join(p))
+    if changed := [d for d in new_doc["inputs"] if old_doc.get("inputs", {}).get(d) != new_doc["inputs"][d]]:
+        reasons.append("input changed: " + ", ".join(changed))
+    if old_doc.get("code") != new_doc["code"] or old_doc.get("version") != new_doc["version"]:
+        reasons.append("code changed")
+    if p := [k for k in new_doc["packages"] if old_doc.get("packages", {}).get(k) != new_doc["packages"][k]]:
+        reasons.append("packages changed: " + ", ".join(
+            f"{k} {old_doc.get('packages', {}).get(k)} -> {new_doc['packages'][k]}" for k in p))
+    if old_doc.get("external") != new_doc.get("external"):
+        reasons.append("external input changed: " + ", ".join(_diff_paths(old_doc.get("external"), new_doc.get("external"), "")) )
+    return "; ".join(reasons) or "fingerprint changed"
+
+
+# ------------------------------------------------------------------ plan
+
+
+@dataclass
+class PlanItem:
+    name: str
+    action: str            # run | skip | disabled | excluded
+    reason: str
+    fingerprint: str
+    doc: dict = field(repr=False, default_factory=dict)
+
+
+def make_plan(cfg, store: Store, only: str | None = None, from_: str | None = None,
+              force: tuple[str, ...] = ()) -> list[PlanItem]:
+    names = registry.names()
+    for opt, val in (("--only", only), ("--from", from_)):
+        if val is not None and val not in names:
+            raise UsageError(f"{opt} {val}: unknown stage; stages are: {', '.join(names)}")
+    for f in force:
+        if f != "all" and f not in names:
+            raise UsageError(f"--force {f}: unknown stage; use 'all' or one of: {', '.join(names)}")
+    forced = set(names) if "all" in force else set(force)
+
+    upstream: dict[str, str] = {}
+    plan: list[PlanItem] = []
+    start = names.index(from_) if from_ else 0
+    for i, spec in enumerate(registry.stages()):
+        doc = fingerprint_inputs(spec, cfg, upstream)
+        fp = fingerprint(doc)
+        upstream[spec.name] = fp
+        if not getattr(cfg, spec.name).enabled:
+            plan.append(PlanItem(spec.name, "disabled", "disabled in config", fp, doc))
+            continue
+        m = store.manifest(spec.name)
+        current = m is not None and m["fingerprint"] == fp
+        excluded = (only is not None and spec.name != only) or i < start
+        if excluded:
+            state = "up to date" if current else ("not committed" if m is None else "stale")
+            plan.append(PlanItem(spec.name, "excluded", f"not selected ({state})", fp, doc))
+        elif spec.name in forced:
+            plan.append(PlanItem(spec.name, "run", "forced", fp, doc))
+        elif current:
+            plan.append(PlanItem(spec.name, "skip", "up to date", fp, doc))
+        else:
+            plan.append(PlanItem(spec.name, "run", stale_reason(m.get("fingerprint_inputs") if m else None, doc), fp, doc))
+
+    # A stage that runs needs each input committed with the fingerprint it was planned with.
+    by_name = {p.name: p for p in plan}
+    for p in plan:
+        if p.action != "run":
+            continue
+        for dep in registry.get(p.name).consumes:
+            d = by_name[dep]
+            if d.action in ("run", "skip"):
+                continue
+            m = store.manifest(dep)
+            if m is None or m["fingerprint"] != d.fingerprint:
+                raise UsageError(
+                    f"stage '{p.name}' needs '{dep}' up to date, but it is {d.reason.replace('not selected ', '').strip('()')}; "
+                    f"run `specpipe build` without --only/--from, or with --from {dep}")
+    return plan
+
+
+# ------------------------------------------------------------------ provenance helpers
+
+
+@lru_cache(maxsize=1)
+def git_commit() -> str | None:
+    here = Path(__file__).resolve().parent.parent
+    try:
+        out = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+        if out.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+class PeakMemory:
+    """Samples RSS of this process and its children (e.g. torchrun workers) while a stage runs."""
+
+    def __init__(self, interval: float = 0.2):
+        self.interval = interval
+        self.peak = 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._loop, daemon=True)
+
+    def _sample(self) -> None:
+        import psutil
+
+        p = psutil.Process()
+        try:
+            rss = p.memory_info().rss + sum(c.memory_info().rss for c in p.children(recursive=True))
+        except psutil.Error:
+            return
+        self.peak = max(self.peak, rss)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def __enter__(self):
+        self._sample()
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+        self._sample()
+
+
+# ------------------------------------------------------------------ execution
+
+
+@dataclass
+class Outcome:
+    name: str
+    action: str
+    reason: str
+    fingerprint: str
+    wall_s: float = 0.0
+    error: str | None = None
+    log_file: str | None = None
+
+
+def _stage_logger(store: Store, name: str) -> tuple[logging.Logger, logging.Handler]:
+    store.logs.mkdir(parents=True, exist_ok=True)
+    lg = logging.getLogger(f"specpipe.{name}")
+    fh = logging.FileHandler(store.logs / f"{name}.log")
+    fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    lg.addHandler(fh)
+    return lg, fh
+
+
+def _apply_run_settings(cfg) -> None:
+    if cfg.run.threads:
+        os.environ.setdefault("OMP_NUM_THREADS", str(cfg.run.threads))
+        if "torch" in sys.modules:
+            sys.modules["torch"].set_num_threads(cfg.run.threads)
+
+
+def run_stage(item: PlanItem, cfg, store: Store, argv: list[str]) -> Outcome:
+    spec = registry.get(item.name)
+    lg, fh = _stage_logger(store, spec.name)
+    tmp = store.new_tmp(spec.name)
+    lg.info("running (%s)", item.reason)
+    inputs = {}
+    for d in spec.consumes:
+        a = store.artifact(d)
+        assert a is not None and a.fingerprint == item.doc["inputs"][d], f"input {d} not committed"
+        inputs[d] = a
+    ctx = StageContext(
+        name=spec.name, config=cfg, section=getattr(cfg, spec.name), out_dir=tmp,
+        scratch_dir=store.scratch_dir(spec.name, item.fingerprint), inputs=inputs, workdir=store.root,
+        fingerprint=item.fingerprint, log=lg,
+    )
+    started = datetime.now(timezone.utc)
+    t0 = time.monotonic()
+    log_file = str(store.logs / f"{spec.name}.log")
+    try:
+        _apply_run_settings(cfg)
+        with PeakMemory() as mem:
+            metrics = spec.module.run(ctx) or {}
+        wall = time.monotonic() - t0
+        manifest = {
+            "stage": spec.name,
+            "fingerprint": item.fingerprint,
+            "fingerprint_inputs": item.doc,
+            "metrics": metrics,
+            "provenance": {
+                "config": section_dict(cfg, spec.name),
+                "uses": {u: section_dict(cfg, u) for u in spec.uses},
+                "command": shlex.join(argv),
+                "specpipe_version": package_version("specpipe"),
+                "git_commit": git_commit(),
+                "packages": item.doc["packages"],
+                "python": sys.version.split()[0],
+                "host": socket.gethostname(),
+                "started": started.isoformat(timespec="seconds"),
+                "wall_time_s": round(wall, 3),
+                "peak_rss_mb": round(mem.peak / 2**20, 1),
+                "inputs": {d: {"fingerprint": a.fingerprint, "digest": a.manifest.get("digest")} for d, a in inputs.items()},
+            },
+        }
+        store.commit(spec.name, tmp, manifest)
+        lg.info("committed in %.1fs (peak RSS %.0f MB)", wall, mem.peak / 2**20)
+        return Outcome(spec.name, "ran", item.reason, item.fingerprint, wall, log_file=log_file)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        wall = time.monotonic() - t0
+        if isinstance(e, KeyboardInterrupt):
+            lg.error("interrupted after %.1fs; nothing committed", wall)
+            raise
+        if isinstance(e, StageError):
+            lg.error("%s", e)
+            msg = str(e)
+        else:
+            lg.error("unexpected error:\n%s", traceback.format_exc())
+            msg = f"{type(e).__name__}: {e}"
+        return Outcome(spec.name, "failed", item.reason, item.fingerprint, wall, error=msg, log_file=log_file)
+    finally:
+        lg.removeHandler(fh)
+        fh.close()
+
+
+def build(cfg, store: Store, *, argv: list[str], config_path: str, only=None, from_=None, force=()) -> list[Outcome]:
+    """Run the plan under the workdir lock. Returns one Outcome per stage, stopping at the first failure."""
+    store.lock()
+    try:
+        removed = store.clean_tmp()
+        if removed:
+            log.info("removed leftovers of an interrupted run: %s", ", ".join(removed))
+        plan = make_plan(cfg, store, only=only, from_=from_, force=force)
+        outcomes: list[Outcome] = []
+        failed = False
+        for item in plan:
+            if failed:
+                outcomes.append(Outcome(item.name, "blocked", "an earlier stage failed", item.fingerprint))
+                continue
+            if item.action == "run":
+                log.info("[%s] run: %s", item.name, item.reason)
+                o = run_stage(item, cfg, store, argv)
+                if o.action == "failed":
+                    failed = True
+                    log.error("[%s] failed after %.1fs: %s", item.name, o.wall_s, o.error)
+                else:
+                    log.info("[%s] committed (%.1fs)", item.name, o.wall_s)
+                outcomes.append(o)
+            else:
+                log.info("[%s] %s: %s", item.name, "skip" if item.action == "skip" else item.action, item.reason)
+                outcomes.append(Outcome(item.name, item.action, item.reason, item.fingerprint))
+        _write_last_build(store, outcomes, argv, config_path)
+        return outcomes
+    finally:
+        store.unlock()
+
+
+def _write_last_build(store: Store, outcomes: list[Outcome], argv: list[str], config_path: str) -> None:
+    doc = {
+        "config": str(Path(config_path).resolve()),
+        "command": shlex.join(argv),
+        "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "stages": {o.name: {"action": o.action, "reason": o.reason, "error": o.error, "wall_s": round(o.wall_s, 3)} for o in outcomes},
+    }
+    atomic_write_text(store.root / "last_build.json", json.dumps(doc, indent=2))
+
+
+def status(store: Store) -> dict:
+    """The stable machine-readable summary printed by `specpipe status --json` (shape in README)."""
+    last = {}
+    try:
+        last = json.loads((store.root / "last_build.json").read_text())
+    except (OSError, ValueError):
+        pass
+    out = {"workdir": str(store.root), "config": last.get("config"), "last_command": last.get("command"),
+           "last_finished": last.get("finished"), "stages": []}
+    for spec in registry.stages():
+        m = store.manifest(spec.name)
+        lb = last.get("stages", {}).get(spec.name, {})
+        entry = {
+            "name": spec.name,
+            "state": "committed" if m else ("failed" if lb.get("action") == "failed" else "not committed"),
+            "fingerprint": m["fingerprint"] if m else None,
+            "digest": m.get("digest") if m else None,
+            "started": m["provenance"]["started"] if m else None,
+            "wall_time_s": m["provenance"]["wall_time_s"] if m else None,
+            "peak_rss_mb": m["provenance"]["peak_rss_mb"] if m else None,
+            "metrics": m.get("metrics", {}) if m else {},
+            "last_build": lb.get("action"),
+            "last_reason": lb.get("reason"),
+            "error": lb.get("error"),
+        }
+        out["stages"].append(entry)
+    return out

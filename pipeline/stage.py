@@ -1,0 +1,106 @@
+"""The one small contract every stage module in `stages/` follows.
+
+A stage module is plain Python with these module-level names (checked by `pipeline.registry`):
+
+    NAME: str                      # "quantize"; also the name of its config section
+    CONSUMES: tuple[str, ...]      # stages whose committed artifacts it reads, e.g. ("target", "data")
+    VERSION: str                   # bump when the artifact's meaning changes (the source hash counts too)
+    PACKAGES: tuple[str, ...]      # distributions whose versions enter the fingerprint
+    Config: type[StageSection]     # pydantic model of its config section (extra="forbid")
+    def run(ctx: StageContext) -> dict:   # writes only into ctx.out_dir, returns JSON-able metrics
+
+and optionally
+
+    def check(cfg) -> list[tuple[str, str]]   # cross-section checks before anything runs: (dotted path, message)
+    def report(artifact: Artifact) -> str     # an HTML fragment for `specpipe report`
+
+Rules that keep the pipeline honest:
+- Import heavy libraries (torch, transformers, modelopt, datasets) inside `run`, never at module top:
+  `plan`, `status` and a fully-skipped `build` must not pay for them.
+- Stages never import each other. Shared code lives in `runtime/` (executing models and artifacts) or in
+  `pipeline/` (infrastructure).
+- Read inputs only through `ctx.inputs[name]` (an `Artifact`: its directory, manifest and metrics).
+- Write only into `ctx.out_dir`. It becomes the committed artifact after `run` returns; on any exception
+  it is thrown away. Long work that must survive an interruption (checkpoints, hidden-state dumps)
+  goes into `ctx.scratch_dir`, which is keyed by the stage's fingerprint and kept until commit.
+- Raise `pipeline.errors.StageError` for expected failures (a gate, a check) with a message that says
+  what was expected, what was found and what to do; the runner logs it and exits 1.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from pydantic import BaseModel, ConfigDict
+
+
+class Strict(BaseModel):
+    """Base for every config model: unknown keys are errors, values are validated on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+class StageSection(Strict):
+    """Base for a stage's config section. Every stage can be switched off."""
+
+    enabled: bool = True
+
+
+@dataclass
+class Artifact:
+    """A committed stage output, as a later stage sees it."""
+
+    stage: str
+    path: Path            # the artifact directory (files the stage wrote, plus manifest.json)
+    manifest: dict
+
+    @property
+    def metrics(self) -> dict:
+        return self.manifest.get("metrics", {})
+
+    @property
+    def fingerprint(self) -> str:
+        return self.manifest["fingerprint"]
+
+    def read_json(self, rel: str) -> Any:
+        return json.loads((self.path / rel).read_text())
+
+
+@dataclass
+class StageContext:
+    name: str
+    config: Any                    # the whole validated config (pipeline.config.PipelineConfig)
+    section: Any                   # this stage's own section (an instance of the module's Config)
+    out_dir: Path                  # write here only
+    scratch_dir: Path              # resumable work (checkpoints); survives a crash, removed after commit
+    inputs: dict[str, Artifact]    # consumed stage name -> committed artifact
+    workdir: Path
+    fingerprint: str
+    log: logging.Logger
+    progress_factory: Any = field(default=None, repr=False)
+
+    def progress(self, iterable: Iterable | None = None, *, total: int | None = None, desc: str = "") -> "Progress":
+        """A progress bar on a terminal, periodic log lines otherwise. Use as a context manager:
+
+            with ctx.progress(total=steps, desc="train") as bar:
+                for step in ...: bar.update(1, loss=f"{loss:.3f}")
+        """
+        from pipeline.progress import Progress
+
+        return Progress(self.log, total=total, desc=desc or self.name, iterable=iterable)
+
+    def input(self, name: str) -> Artifact:
+        try:
+            return self.inputs[name]
+        except KeyError:  # a contract bug, not a user error
+            raise RuntimeError(f"stage {self.name} reads '{name}' but does not list it in CONSUMES") from None
+
+
+def iter_files(root: Path) -> Iterator[Path]:
+    """Every regular file under root, sorted, as paths relative to root."""
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            yield p.relative_to(root)
