@@ -12,6 +12,7 @@ from typing import Callable
 # Order is execution order. A stage may only consume stages listed before it.
 STAGE_MODULES: tuple[str, ...] = (
     "stages.target",
+    "stages.data",
 )
 
 
