@@ -253,7 +253,16 @@ def _format(err: ValidationError, raw: dict, lines: dict[str, int], source: str 
             msg = "unknown field" + (f"; known fields here: {', '.join(known)}" if known else "")
         elif e["type"] == "missing":
             msg = "required field is missing"
-        elif e["type"] in ("union_tag_invalid", "literal_error", "enum"):
+        elif e["type"] in ("union_tag_invalid", "union_tag_not_found"):
+            disc = str(e.get("ctx", {}).get("discriminator", "")).strip("'")
+            if disc:
+                parts = [*parts, disc]
+                path = ".".join(parts)
+            if e["type"] == "union_tag_not_found":
+                msg = "required field is missing (it selects the variant)"
+            else:
+                msg = f"value '{e['ctx'].get('tag')}' is not one of: {e['ctx'].get('expected_tags', '').replace(chr(39), '')}"
+        elif e["type"] in ("literal_error", "enum"):
             msg = msg.replace("Input tag", "value").replace("Input should be", "expected")
         if path in overridden or any(path.startswith(o + ".") for o in overridden):
             msg += " (from -o)"

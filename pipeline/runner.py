@@ -23,7 +23,7 @@ from pipeline import registry
 from pipeline.config import section_dict
 from pipeline.errors import StageError, UsageError
 from pipeline.stage import StageContext
-from pipeline.store import Store, atomic_write_text
+from pipeline.store import Store, atomic_write_text, fault_point
 
 log = logging.getLogger("specpipe")
 
@@ -238,7 +238,6 @@ def run_stage(item: PlanItem, cfg, store: Store, argv: list[str]) -> Outcome:
     spec = registry.get(item.name)
     lg, fh = _stage_logger(store, spec.name)
     tmp = store.new_tmp(spec.name)
-    lg.info("running (%s)", item.reason)
     inputs = {}
     for d in spec.consumes:
         a = store.artifact(d)
@@ -256,6 +255,7 @@ def run_stage(item: PlanItem, cfg, store: Store, argv: list[str]) -> Outcome:
         _apply_run_settings(cfg)
         with PeakMemory() as mem:
             metrics = spec.module.run(ctx) or {}
+        fault_point(spec.name, "after-run")
         wall = time.monotonic() - t0
         manifest = {
             "stage": spec.name,

@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 
@@ -25,6 +26,12 @@ from pipeline.errors import LockedError
 from pipeline.stage import Artifact, iter_files
 
 MANIFEST = "manifest.json"
+
+
+def fault_point(stage: str, point: str) -> None:
+    """Fault injection for crash tests: SPECPIPE_FAULT=<stage>:<point> kills this process with SIGKILL there."""
+    if os.environ.get("SPECPIPE_FAULT") == f"{stage}:{point}":
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -162,8 +169,10 @@ class Store:
             (final / MANIFEST).unlink(missing_ok=True)      # untrusted from here on
             old = self.artifacts / f".old-{stage}-{os.getpid()}"
             os.rename(final, old)
+            fault_point(stage, "old-moved")
             shutil.rmtree(old, ignore_errors=True)
         os.rename(tmp_dir, final)
+        fault_point(stage, "after-rename")
         atomic_write_text(final / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True, default=str))
         shutil.rmtree(self.scratch / stage, ignore_errors=True)
         return Artifact(stage, final, manifest)

@@ -1,0 +1,65 @@
+"""Shared test helpers: run the real `specpipe` CLI, and a tiny pipeline run shared by the whole session.
+
+Tests never touch the network; models and data are built here, tiny.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+TINY_CONFIG = REPO / "configs" / "tiny_fp8_eagle3.yaml"
+SPECPIPE = str(Path(sys.executable).parent / "specpipe")
+
+# Overrides that shrink the built-in tiny default to test size, one list per stage section.
+TINY = {
+    "target": [
+        "target.tiny.hidden_size=64", "target.tiny.intermediate_size=128", "target.tiny.num_layers=4",
+        "target.tiny.num_heads=4", "target.tiny.num_kv_heads=2", "target.tiny.vocab_size=512",
+        "target.tiny.steps=40", "target.tiny.seq_len=64", "target.tiny.corpus_mb=1", "target.tiny.checkpoint_every=10",
+    ],
+    "data": ["data.max_samples=120", "data.eval_prompts=4", "data.max_length=128", "data.max_prompt_tokens=48"],
+}
+
+
+def tiny_overrides(*sections: str) -> list[str]:
+    """`-o` arguments for the given sections (all known sections when none are given)."""
+    out: list[str] = []
+    for name, items in TINY.items():
+        if not sections or name in sections:
+            for it in items:
+                out += ["-o", it]
+    return out
+
+
+def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 1800) -> subprocess.CompletedProcess:
+    e = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), "HF_HUB_OFFLINE": "1",
+         "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    return subprocess.run([SPECPIPE, *args], cwd=cwd or REPO, env=e, capture_output=True, text=True, timeout=timeout)
+
+
+def status_json(workdir: Path) -> dict:
+    r = run_cli("status", "--workdir", str(workdir), "--json")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """The tiny default config, shrunk, built once for the session with every registered stage.
+    Returns (workdir, the build's CompletedProcess). A later stage may have failed: tests that need
+    an artifact assert it exists."""
+    wd = tmp_path_factory.mktemp("tiny_run") / "run"
+    r = run_cli("build", str(TINY_CONFIG), "--workdir", str(wd), *tiny_overrides())
+    return wd, r
+
+
+def artifact_dir(workdir: Path, stage: str) -> Path:
+    d = workdir / "artifacts" / stage
+    assert (d / "manifest.json").exists(), f"stage {stage} has no committed artifact in {workdir}"
+    return d

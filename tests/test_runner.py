@@ -1,0 +1,203 @@
+"""Fingerprints, skip/rerun reasons, atomic commit, crash recovery and the workdir lock."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, SPECPIPE, TINY_CONFIG, run_cli, status_json, tiny_overrides
+from pipeline import registry, runner
+from pipeline.config import load_config
+from pipeline.errors import LockedError, UsageError
+from pipeline.store import MANIFEST, Store
+
+
+def _cfg(*overrides: str):
+    ov = [o for o in tiny_overrides("target", "data")[1::2]] + list(overrides)
+    return load_config(TINY_CONFIG, ov)
+
+
+def _fps(cfg, store) -> dict[str, str]:
+    return {p.name: p.fingerprint for p in runner.make_plan(cfg, store)}
+
+
+def test_fingerprints_are_deterministic_and_scoped(tmp_path):
+    store = Store(tmp_path)
+    a, b = _fps(_cfg(), store), _fps(_cfg(), store)
+    assert a == b
+    c = _fps(_cfg("data.max_samples=99"), store)
+    assert c["target"] == a["target"]
+    assert c["data"] != a["data"]
+    # everything downstream of data changes too
+    for spec in registry.stages():
+        if spec.name not in ("target", "data"):
+            assert c[spec.name] != a[spec.name], spec.name
+    # run settings never enter a fingerprint
+    assert _fps(_cfg("run.threads=1", "run.log_level=debug"), store) == a
+    # nor does switching a stage off and on
+    assert _fps(_cfg("target.enabled=true"), store) == a
+
+
+def _fake_commit(store: Store, cfg, name: str) -> None:
+    """Commit an artifact for `name` exactly as the runner would record it (without running the stage)."""
+    item = next(p for p in runner.make_plan(cfg, store) if p.name == name)
+    tmp = store.new_tmp(name)
+    (tmp / "x.txt").write_text(name)
+    store.commit(name, tmp, {"stage": name, "fingerprint": item.fingerprint, "fingerprint_inputs": item.doc,
+                             "metrics": {}, "provenance": {}})
+
+
+def test_plan_reasons(tmp_path):
+    store = Store(tmp_path)
+    cfg = _cfg()
+    plan = {p.name: p for p in runner.make_plan(cfg, store)}
+    assert plan["target"].action == "run" and plan["target"].reason == "no artifact"
+    _fake_commit(store, cfg, "target")
+    _fake_commit(store, cfg, "data")
+    plan = {p.name: p for p in runner.make_plan(cfg, store)}
+    assert plan["target"].action == "skip" and plan["data"].action == "skip"
+
+    plan = {p.name: p for p in runner.make_plan(_cfg("data.max_samples=7"), store)}
+    assert plan["target"].action == "skip"
+    assert plan["data"].reason == "params changed: data.max_samples"
+
+    plan = {p.name: p for p in runner.make_plan(_cfg("target.tiny.steps=41"), store)}
+    assert plan["target"].reason == "params changed: target.tiny.steps"
+    assert plan["data"].reason == "input changed: target"
+
+    plan = {p.name: p for p in runner.make_plan(cfg, store, force=("data",))}
+    assert plan["data"].action == "run" and plan["data"].reason == "forced"
+    assert plan["target"].action == "skip"
+    plan = {p.name: p for p in runner.make_plan(cfg, store, force=("all",))}
+    assert plan["target"].reason == "forced"
+
+    # a manifest whose code hash differs says so
+    m = json.loads((store.artifacts / "data" / MANIFEST).read_text())
+    m["fingerprint"] = "0" * 64
+    m["fingerprint_inputs"]["code"] = "old"
+    (store.artifacts / "data" / MANIFEST).write_text(json.dumps(m))
+    plan = {p.name: p for p in runner.make_plan(cfg, store)}
+    assert plan["data"].reason == "code changed"
+
+    with pytest.raises(UsageError, match="unknown stage"):
+        runner.make_plan(cfg, store, only="nope")
+
+
+def test_only_requires_up_to_date_inputs(tmp_path):
+    store = Store(tmp_path)
+    cfg = _cfg()
+    with pytest.raises(UsageError, match="needs 'target' up to date"):
+        runner.make_plan(cfg, store, only="data")
+    _fake_commit(store, cfg, "target")
+    plan = {p.name: p for p in runner.make_plan(cfg, store, only="data")}
+    assert plan["data"].action == "run" and plan["target"].action == "excluded"
+
+
+def test_commit_is_atomic_and_replaces(tmp_path):
+    store = Store(tmp_path)
+    tmp = store.new_tmp("s")
+    (tmp / "a.bin").write_bytes(b"1")
+    (tmp / "sub").mkdir()
+    (tmp / "sub" / "b.txt").write_text("2")
+    art = store.commit("s", tmp, {"stage": "s", "fingerprint": "f1"})
+    assert not tmp.exists()
+    assert set(art.manifest["files"]) == {"a.bin", "sub/b.txt"}
+    assert store.manifest("s")["fingerprint"] == "f1"
+    assert store.verify("s") == []
+    (store.artifacts / "s" / "a.bin").write_bytes(b"tampered")
+    assert store.verify("s") == ["a.bin: changed"]
+    tmp2 = store.new_tmp("s")
+    (tmp2 / "c.txt").write_text("3")
+    store.commit("s", tmp2, {"stage": "s", "fingerprint": "f2"})
+    assert sorted(p.name for p in (store.artifacts / "s").iterdir()) == ["c.txt", MANIFEST]
+    # a directory without a manifest (a crash between rename and manifest) is never trusted
+    (store.artifacts / "s" / MANIFEST).unlink()
+    assert store.manifest("s") is None and store.artifact("s") is None
+
+
+def test_lock_refuses_a_second_build(tmp_path):
+    wd = tmp_path / "w"
+    holder = Store(wd)
+    holder.lock()
+    try:
+        with pytest.raises(LockedError):
+            Store(wd).lock()
+        r = run_cli("build", str(TINY_CONFIG), "--workdir", str(wd), *tiny_overrides())
+        assert r.returncode == 1
+        assert "in use by another specpipe process" in r.stderr and str(os.getpid()) in r.stderr
+        assert not (wd / "artifacts").exists()
+    finally:
+        holder.unlock()
+
+
+def _reference_fps(tmp_path) -> dict[str, str]:
+    r = run_cli("plan", str(TINY_CONFIG), "--workdir", str(tmp_path / "ref"), "--json", *tiny_overrides())
+    assert r.returncode == 0, r.stderr
+    return {i["stage"]: i["fingerprint"] for i in json.loads(r.stdout)}
+
+
+@pytest.mark.parametrize("fault", ["target:after-run", "target:after-rename", "data:after-run", "data:after-rename"])
+def test_crash_at_commit_points_then_resume(tmp_path, fault):
+    """SIGKILL at the riskiest points of a commit; the next build completes with the same fingerprints."""
+    wd = tmp_path / "w"
+    ov = tiny_overrides("target", "data")
+    disable = []
+    for name in registry.names():
+        if name not in ("target", "data"):
+            disable += ["-o", f"{name}.enabled=false"]
+    r = run_cli("build", str(TINY_CONFIG), "--workdir", str(wd), *ov, *disable, env={"SPECPIPE_FAULT": fault})
+    assert r.returncode == -signal.SIGKILL, (r.returncode, r.stderr[-2000:])
+    stage = fault.split(":")[0]
+    st = {s["name"]: s for s in status_json(wd)["stages"]}
+    assert st[stage]["state"] != "committed"          # nothing half-written is trusted
+    r = run_cli("build", str(TINY_CONFIG), "--workdir", str(wd), *ov, *disable)
+    assert r.returncode == 0, r.stderr[-3000:]
+    st = {s["name"]: s for s in status_json(wd)["stages"]}
+    ref = _reference_fps(tmp_path)
+    for name in ("target", "data"):
+        assert st[name]["state"] == "committed"
+        assert st[name]["fingerprint"] == ref[name]
+    assert not any((wd / ".tmp").iterdir()) if (wd / ".tmp").exists() else True
+    assert not list((wd / "artifacts").glob(".old-*"))
+
+
+def test_sigkill_mid_training_resumes_from_checkpoint(tmp_path):
+    """Kill the real CLI while the target is pretraining; the next build resumes from the last checkpoint."""
+    wd = tmp_path / "w"
+    ov = tiny_overrides("target", "data") + ["-o", "target.tiny.steps=400", "-o", "target.tiny.checkpoint_every=20"]
+    ov += [x for name in registry.names() if name not in ("target", "data") for x in ("-o", f"{name}.enabled=false")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    p = subprocess.Popen([SPECPIPE, "build", str(TINY_CONFIG), "--workdir", str(wd), *ov], cwd=REPO, env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ckpt_dir = wd / "scratch" / "target"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if list(ckpt_dir.glob("*/pretrain.pt")):
+            break
+        if p.poll() is not None:
+            pytest.fail("build finished before a checkpoint was written")
+        time.sleep(0.2)
+    else:
+        p.kill()
+        pytest.fail("no checkpoint within the deadline")
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert not (wd / "artifacts" / "target" / MANIFEST).exists()
+    r = run_cli("build", str(TINY_CONFIG), "--workdir", str(wd), *ov)
+    assert r.returncode == 0, r.stderr[-3000:]
+    log = (wd / "logs" / "target.log").read_text()
+    assert "resuming pretraining from step" in log
+    step = int(log.split("resuming pretraining from step ")[1].split()[0])
+    assert step >= 20
+    st = {s["name"]: s for s in status_json(wd)["stages"]}
+    ref = run_cli("plan", str(TINY_CONFIG), "--workdir", str(tmp_path / "ref"), "--json", *ov)
+    ref_fps = {i["stage"]: i["fingerprint"] for i in json.loads(ref.stdout)}
+    assert st["target"]["fingerprint"] == ref_fps["target"]
+    assert st["data"]["fingerprint"] == ref_fps["data"]
+    assert not (wd / "scratch" / "target").exists()   # scratch is dropped once committed
