@@ -1,0 +1,533 @@
+"""Speculative decoding of deployed artifacts: a target checkpoint (BF16 or ModelOpt FP8) with an exported draft.
+
+One engine runs every mode through the same code: plain autoregressive decoding (no drafter), EAGLE-3 chain
+drafting and DFlash block drafting, for a batch of B requests of different lengths.
+
+Each step for every live request (target has processed n tokens; x is the next token, not yet processed):
+  1. the drafter proposes k tokens d1..dk (EAGLE-3: one draft pass over the newly verified positions, then
+     k-1 single-token passes; DFlash: one pass over the block [x, mask, ..., mask]);
+  2. the target verifies [x, d1..dk] in ONE forward (positions n..n+k) with its KV cache;
+  3. acceptance: greedy (d_j accepted while it equals the target's argmax) or the standard rejection-sampling
+     rule (accept d_j with probability min(1, p(d_j)/q(d_j)); on the first rejection sample from
+     norm(max(0, p - q)); if all k are accepted, sample a bonus token from p), so the output distribution is
+     exactly the target's;
+  4. rollback: the target keeps n + a + 1 cache positions (x and the a accepted tokens), the rest are
+     overwritten later; the drafter receives the target hidden states of the kept positions.
+
+Statistics follow TensorRT-LLM's definitions (reference trtllm-triton.md §4): acceptance length AL = mean over
+steps of (1 + accepted), draft acceptance rate = accepted / drafted, totals, per-position conditional
+acceptance (P(position j accepted | positions < j accepted)), and draft vs target time per step.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from runtime.drafts import KVCache, TargetShape, apply_rope, attention, causal_mask, load_draft, positions_for
+
+# ---------------------------------------------------------------------------------------------- target
+
+
+def load_target(path: str | Path, *, device="cpu", compute_dtype=torch.float32):
+    """The one place the runtime loads a target checkpoint: BF16 or ModelOpt FP8 through `runtime.fp8`."""
+    from runtime.fp8 import load_causal_lm
+
+    return load_causal_lm(path, device=device, compute_dtype=compute_dtype)
+
+
+def target_shape(model) -> TargetShape:
+    c = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return TargetShape(hidden_size=c.hidden_size, vocab_size=c.vocab_size, num_layers=c.num_hidden_layers)
+
+
+class TargetRunner:
+    """Runs a Hugging Face Llama-family causal LM (its modules, so FP8Linear layers and FP8 KV scales from
+    `runtime.fp8` apply) with a KV cache of per-row lengths, returning logits and the outputs of chosen layers."""
+
+    def __init__(self, model, capture_layers: list[int] | tuple[int, ...] = ()):
+        self.model = model
+        inner = model.model
+        self.embed = inner.embed_tokens
+        self.layers = inner.layers
+        self.norm = inner.norm
+        self.lm_head = model.lm_head
+        self.rotary = inner.rotary_emb
+        c = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.n_kv = c.num_key_value_heads
+        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        self.vocab_size = c.vocab_size
+        self.capture_layers = list(capture_layers)
+        self.param_dtype = self.embed.weight.dtype if self.embed.weight.is_floating_point() else torch.float32
+        self.device = self.embed.weight.device
+        self.cache: KVCache | None = None
+        try:
+            from runtime.fp8 import qdq_e4m3
+        except ImportError:  # FP8 KV needs the fp8 module; plain checkpoints do not
+            qdq_e4m3 = None
+        self._qdq = qdq_e4m3
+
+    def reset(self, batch: int, capacity: int) -> None:
+        self.cache = KVCache(len(self.layers), batch, self.n_kv, self.head_dim, capacity, self.param_dtype, self.device)
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.cache.lengths
+
+    def select_rows(self, idx: torch.Tensor) -> None:
+        self.cache.select_rows(idx)
+
+    def forward(self, tokens: torch.Tensor, logits_at: torch.Tensor | None = None):
+        """tokens [B, T] at positions lengths[b] + j. Returns (logits [B, T, V] or [B, V] at `logits_at`,
+        captured hidden [B, T, n*H] or None). Does not move the cache lengths (see `commit`)."""
+        cache = self.cache
+        B, T = tokens.shape
+        pos, uniform = positions_for(cache.lengths, T)
+        kv_len = int(pos.max()) + 1
+        h = self.embed(tokens).to(self.param_dtype)
+        cos, sin = self.rotary(h, pos)
+        mask = causal_mask(pos, kv_len)
+        captured = {}
+        for i, layer in enumerate(self.layers):
+            a = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = a.q_proj(x).view(B, T, -1, self.head_dim)
+            k = a.k_proj(x).view(B, T, -1, self.head_dim)
+            v = a.v_proj(x).view(B, T, -1, self.head_dim)
+            if getattr(a, "q_norm", None) is not None:   # Qwen3-style QK norm
+                q, k = a.q_norm(q), a.k_norm(k)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            ks, vs = getattr(a, "fp8_k_scale", None), getattr(a, "fp8_v_scale", None)
+            if ks is not None:       # FP8 KV cache: keys after RoPE and values pass through E4M3
+                k = self._qdq(k, ks)
+            if vs is not None:
+                v = self._qdq(v, vs)
+            cache.write(i, k, v, pos, uniform)
+            o = attention(q, cache.k[i][:, :, :kv_len], cache.v[i][:, :, :kv_len], mask, a.scaling)
+            h = h + a.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            if i in self.capture_layers:
+                captured[i] = h
+        hid = torch.cat([captured[i] for i in self.capture_layers], dim=-1) if self.capture_layers else None
+        if logits_at is not None:
+            h = h[torch.arange(B, device=h.device), logits_at]
+        return self.lm_head(self.norm(h)).float(), hid
+
+    def commit(self, n: torch.Tensor) -> None:
+        self.cache.lengths = self.cache.lengths + n
+
+
+# ---------------------------------------------------------------------------------------------- drafters
+
+
+class Drafter:
+    """What the engine asks of a drafter. `observe` receives, for the positions the target just kept, their
+    captured hidden states and the token that follows each one (now known); `propose` returns k draft tokens
+    (target ids) and, for sampling, their distributions q over the target vocabulary."""
+
+    capture_layers: list[int] = []
+    max_draft_len: int | None = None
+
+    def reset(self, batch: int, capacity: int) -> None: ...
+    def select_rows(self, idx: torch.Tensor) -> None: ...
+    def observe(self, hidden, next_tokens: torch.Tensor, counts: torch.Tensor) -> None: ...
+    def propose(self, last: torch.Tensor, k: int, temperature: float, gen) -> tuple[torch.Tensor, torch.Tensor | None]:
+        raise NotImplementedError
+
+
+def _pick(logits: torch.Tensor, temperature: float, gen) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Greedy argmax, or a sample from softmax(logits / T) with its distribution."""
+    if temperature <= 0:
+        return logits.argmax(-1), None
+    p = torch.softmax(logits.float() / temperature, dim=-1)
+    flat = p.reshape(-1, p.shape[-1])
+    return torch.multinomial(flat, 1, generator=gen).reshape(p.shape[:-1]), p
+
+
+class Eagle3Drafter(Drafter):
+    """EAGLE-3 chain drafting with a draft KV cache. The draft entry at position i pairs fc(aux hidden of
+    target position i) with the embedding of token i+1 (ModelOpt's shifted `eagle_ids`); chain steps feed
+    back the draft's own pre-norm hidden. Chain positions are rolled back once the target has verified."""
+
+    def __init__(self, draft, target: TargetRunner):
+        self.draft = draft
+        self.embed = target.embed
+        self.vocab_size = target.vocab_size
+        self.capture_layers = list(draft.aux_layer_ids)
+        self.max_draft_len = None
+        self.trace: list | None = None     # set to [] to record draft logits (tests compare them with ModelOpt)
+
+    def reset(self, batch, capacity):
+        self.cache = self.draft.new_cache(batch, capacity, self.embed.weight.device)
+        self.pending_h: list[list[torch.Tensor]] = [[] for _ in range(batch)]
+        self.pending_t: list[list[torch.Tensor]] = [[] for _ in range(batch)]
+
+    def select_rows(self, idx):
+        self.cache.select_rows(idx)
+        self.pending_h = [self.pending_h[i] for i in idx.tolist()]
+        self.pending_t = [self.pending_t[i] for i in idx.tolist()]
+
+    def observe(self, hidden, next_tokens, counts):
+        for b, c in enumerate(counts.tolist()):
+            self.pending_h[b].append(hidden[b, :c])
+            self.pending_t[b].append(next_tokens[b, :c])
+
+    def propose(self, last, k, temperature, gen):
+        d = self.draft
+        B = len(self.pending_h)
+        hs = [torch.cat(x) for x in self.pending_h]
+        ts = [torch.cat(x) for x in self.pending_t]
+        counts = torch.tensor([len(t) for t in ts], device=last.device)
+        T = int(counts.max())
+        aux = hs[0].new_zeros(B, T, hs[0].shape[-1])
+        nxt = torch.zeros(B, T, dtype=torch.long, device=last.device)
+        for b in range(B):
+            aux[b, :counts[b]] = hs[b]
+            nxt[b, :counts[b]] = ts[b]
+        self.pending_h = [[] for _ in range(B)]
+        self.pending_t = [[] for _ in range(B)]
+        cache = self.cache
+        pos, uniform = positions_for(cache.lengths, T)
+        logits, pre = d.step(d.fc(aux), self.embed(nxt).to(aux.dtype), cache, pos, uniform)
+        if self.trace is not None:
+            self.trace.append(logits[torch.arange(B), counts - 1])
+        rows = torch.arange(B, device=last.device)
+        logits, pre = logits[rows, counts - 1], pre[rows, counts - 1]
+        cache.lengths = cache.lengths + counts          # verified positions stay
+        base = cache.lengths.clone()
+        tokens, qs = [], []
+        for j in range(k):
+            tok_d, q = _pick(logits, temperature, gen)
+            tok = d.to_target_ids(tok_d)
+            tokens.append(tok)
+            if q is not None:
+                qs.append(self._to_target_vocab(q))
+            if j == k - 1:
+                break
+            pos = (base + j)[:, None]
+            logits, pre = d.step(pre[:, None], self.embed(tok[:, None]).to(pre.dtype), cache, pos,
+                                 int(base[0]) + j if bool((base == base[0]).all()) else None)
+            logits, pre = logits[:, 0], pre[:, 0]
+            if self.trace is not None:
+                self.trace.append(logits)
+        cache.lengths = base                            # roll back the chain positions
+        return torch.stack(tokens, 1), (torch.stack(qs, 1) if qs else None)
+
+    def _to_target_vocab(self, q):
+        if q.shape[-1] == self.vocab_size and self.draft.d2t is None:
+            return q
+        out = q.new_zeros(*q.shape[:-1], self.vocab_size)
+        ids = self.draft.to_target_ids(torch.arange(q.shape[-1], device=q.device))
+        out[..., ids] = q
+        return out
+
+
+class DFlashDrafter(Drafter):
+    """DFlash block drafting: the context K/V (projected target hidden states) is cached per draft layer and
+    grows with every verified position; each step drafts block_size-1 tokens in one pass."""
+
+    def __init__(self, draft, target: TargetRunner):
+        self.draft = draft
+        self.embed = target.embed
+        self.lm_head = target.lm_head
+        self.capture_layers = list(draft.target_layer_ids)
+        self.max_draft_len = draft.block_size - 1
+
+    def reset(self, batch, capacity):
+        self.cache = self.draft.new_cache(batch, capacity, self.embed.weight.device)
+
+    def select_rows(self, idx):
+        self.cache.select_rows(idx)
+
+    def observe(self, hidden, next_tokens, counts):
+        cache = self.cache
+        pos, uniform = positions_for(cache.lengths, hidden.shape[1])
+        self.draft.add_context(hidden, cache, pos, uniform)
+        cache.lengths = cache.lengths + counts
+
+    def propose(self, last, k, temperature, gen):
+        d = self.draft
+        if k > d.block_size - 1:
+            raise ValueError(f"DFlash drafts at most block_size-1 = {d.block_size - 1} tokens, asked for {k}")
+        B = last.shape[0]
+        block = torch.full((B, d.block_size), d.mask_token_id, dtype=torch.long, device=last.device)
+        block[:, 0] = last
+        h = d.block(self.embed(block).to(d.norm.weight.dtype), self.cache)
+        logits = self.lm_head(h[:, 1:1 + k]).float()
+        return _pick(logits, temperature, gen)
+
+
+def make_drafter(draft, target: TargetRunner) -> Drafter:
+    return Eagle3Drafter(draft, target) if draft.algorithm == "eagle3" else DFlashDrafter(draft, target)
+
+
+# ---------------------------------------------------------------------------------------------- statistics
+
+
+@dataclass
+class RequestStats:
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def acceptance_length(self) -> float:
+        return (self.steps + self.accepted) / self.steps if self.steps else 1.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def as_dict(self) -> dict:
+        return {"steps": self.steps, "total_draft_tokens": self.drafted, "total_accepted_draft_tokens": self.accepted,
+                "acceptance_rate": round(self.acceptance_rate, 6), "acceptance_length": round(self.acceptance_length, 6)}
+
+
+@dataclass
+class RunStats:
+    draft_len: int
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    reached: list[int] = field(default_factory=list)      # steps in which position j was drafted with j-1 accepted
+    hits: list[int] = field(default_factory=list)         # ... and position j was accepted too
+    output_tokens: int = 0
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    target_s: float = 0.0
+    other_s: float = 0.0
+    wall_s: float = 0.0
+    rows_per_step: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.reached = self.reached or [0] * self.draft_len
+        self.hits = self.hits or [0] * self.draft_len
+
+    @property
+    def acceptance_length(self) -> float:
+        return (self.steps + self.accepted) / self.steps if self.steps else 1.0
+
+    @property
+    def per_position(self) -> list[float | None]:
+        return [h / r if r else None for h, r in zip(self.hits, self.reached)]
+
+    def merge(self, o: "RunStats") -> "RunStats":
+        out = RunStats(max(self.draft_len, o.draft_len))
+        pad = lambda xs: xs + [0] * (out.draft_len - len(xs))  # noqa: E731
+        for f in ("steps", "drafted", "accepted", "output_tokens", "prefill_s", "draft_s", "target_s", "other_s", "wall_s"):
+            setattr(out, f, getattr(self, f) + getattr(o, f))
+        out.reached = [a + b for a, b in zip(pad(self.reached), pad(o.reached))]
+        out.hits = [a + b for a, b in zip(pad(self.hits), pad(o.hits))]
+        out.rows_per_step = self.rows_per_step + o.rows_per_step
+        return out
+
+    def as_dict(self) -> dict:
+        gen_s = self.draft_s + self.target_s + self.other_s
+        return {
+            "draft_len": self.draft_len, "steps": self.steps, "drafted": self.drafted, "accepted": self.accepted,
+            "acceptance_length": round(self.acceptance_length, 6),
+            "draft_acceptance_rate": round(self.accepted / self.drafted, 6) if self.drafted else None,
+            "per_position": [None if p is None else round(p, 6) for p in self.per_position],
+            "output_tokens": self.output_tokens,
+            "draft_ms_per_step": round(1000 * self.draft_s / self.steps, 4) if self.steps else None,
+            "target_ms_per_step": round(1000 * self.target_s / self.steps, 4) if self.steps else None,
+            "overhead_ms_per_step": round(1000 * self.other_s / self.steps, 4) if self.steps else None,
+            "prefill_s": round(self.prefill_s, 4), "decode_s": round(gen_s, 4), "wall_s": round(self.wall_s, 4),
+            "decode_tokens_per_s": round(self.output_tokens / gen_s, 3) if gen_s else None,
+        }
+
+
+@dataclass
+class Generation:
+    tokens: list[list[int]]                 # generated ids per request (prompt excluded), cut at eos/max
+    requests: list[RequestStats]
+    stats: RunStats
+
+
+# ---------------------------------------------------------------------------------------------- engine
+
+
+class SpeculativeEngine:
+    """`generate(prompts, ...)`: speculative decoding when a drafter is given and draft_len > 0, plain
+    autoregressive decoding otherwise (same target code path, one token per step)."""
+
+    def __init__(self, target_model, draft=None, *, drafter: Drafter | None = None):
+        if drafter is None and draft is not None:
+            self.target = TargetRunner(target_model, draft.aux_layer_ids if draft.algorithm == "eagle3"
+                                       else draft.target_layer_ids)
+            self.drafter = make_drafter(draft, self.target)
+        else:
+            self.drafter = drafter
+            self.target = TargetRunner(target_model, drafter.capture_layers if drafter else ())
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, draft_len: int = 0, temperature: float = 0.0,
+                 eos_token_id: int | None = None, seed: int = 0, speculative: bool = True) -> Generation:
+        t_start = time.perf_counter()
+        drafter = self.drafter if (speculative and draft_len > 0) else None
+        k = draft_len if drafter is not None else 0
+        if drafter is not None and drafter.max_draft_len is not None and k > drafter.max_draft_len:
+            raise ValueError(f"draft_len {k} exceeds what the drafter can propose ({drafter.max_draft_len})")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("empty prompt")
+        tgt = self.target
+        dev = tgt.device
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        B = len(prompts)
+        cap = max(len(p) for p in prompts) + max_new_tokens + k + 2
+        tgt.reset(B, cap)
+        if drafter is not None:
+            drafter.reset(B, cap)
+        stats = RunStats(k)
+        reqs = [RequestStats() for _ in range(B)]
+        out: list[list[int]] = [[] for _ in range(B)]
+
+        # prefill: the target processes every prompt token; its last logits give the first new token
+        t0 = time.perf_counter()
+        lens = torch.tensor([len(p) for p in prompts], device=dev)
+        T = int(lens.max())
+        toks = torch.zeros(B, T, dtype=torch.long, device=dev)
+        for b, p in enumerate(prompts):
+            toks[b, :len(p)] = torch.tensor(p, device=dev)
+        logits, hid = tgt.forward(toks, logits_at=lens - 1)
+        tgt.commit(lens)
+        x, _ = _pick(logits, temperature, gen)
+        if drafter is not None:
+            nxt = torch.cat((toks[:, 1:], toks.new_zeros(B, 1)), 1)
+            nxt[torch.arange(B, device=dev), lens - 1] = x
+            drafter.observe(hid, nxt, lens)
+        stats.prefill_s = time.perf_counter() - t0
+
+        live = list(range(B))                   # request index of each batch row
+        done = self._append(out, live, [[t] for t in x.tolist()], max_new_tokens, eos_token_id)
+        x, live = self._compact(x, live, done, drafter)
+        while live:
+            t0 = time.perf_counter()
+            if drafter is not None:
+                d, q = drafter.propose(x, k, temperature, gen)
+                verify = torch.cat((x[:, None], d), 1)
+            else:
+                d, q = None, None
+                verify = x[:, None]
+            t1 = time.perf_counter()
+            logits, hid = tgt.forward(verify)
+            t2 = time.perf_counter()
+            acc, bonus = self._accept(logits, d, q, temperature, gen)
+            tgt.commit(acc + 1)
+            if drafter is not None:
+                nxt = torch.cat((d, d.new_zeros(len(live), 1)), 1)
+                nxt[torch.arange(len(live), device=dev), acc] = bonus
+                drafter.observe(hid, nxt, acc + 1)
+            new = []
+            acc_l, bonus_l = acc.tolist(), bonus.tolist()
+            d_l = d.tolist() if d is not None else None
+            for r, b in enumerate(live):
+                a = acc_l[r]
+                new.append((d_l[r][:a] if d_l else []) + [bonus_l[r]])
+                if k:
+                    rs = reqs[b]
+                    rs.steps += 1
+                    rs.drafted += k
+                    rs.accepted += a
+                    for j in range(min(a + 1, k)):
+                        stats.reached[j] += 1
+                    for j in range(a):
+                        stats.hits[j] += 1
+            stats.steps += len(live) if k else 0
+            stats.drafted += k * len(live)
+            stats.accepted += int(acc.sum()) if k else 0
+            stats.rows_per_step.append(len(live))
+            done = self._append(out, live, new, max_new_tokens, eos_token_id)
+            x, live = self._compact(bonus, live, done, drafter)
+            t3 = time.perf_counter()
+            stats.draft_s += t1 - t0
+            stats.target_s += t2 - t1
+            stats.other_s += t3 - t2
+        stats.output_tokens = sum(len(o) for o in out)
+        stats.wall_s = time.perf_counter() - t_start
+        return Generation(out, reqs, stats)
+
+    @staticmethod
+    def _append(out, live, new, max_new, eos) -> list[bool]:
+        done = []
+        for r, b in enumerate(live):
+            toks = new[r]
+            if eos is not None and eos in toks:
+                toks = toks[: toks.index(eos) + 1]
+            room = max_new - len(out[b])
+            out[b].extend(toks[:room])
+            done.append(len(out[b]) >= max_new or (eos is not None and eos in toks))
+        return done
+
+    def _compact(self, x, live, done, drafter):
+        if not any(done):
+            return x, live
+        keep = [r for r, d in enumerate(done) if not d]
+        idx = torch.tensor(keep, dtype=torch.long, device=x.device)
+        if keep:
+            self.target.select_rows(idx)
+            if drafter is not None:
+                drafter.select_rows(idx)
+        return x.index_select(0, idx), [live[r] for r in keep]
+
+    @staticmethod
+    def _accept(logits, d, q, temperature, gen):
+        """logits [B, k+1, V]. Returns (accepted count [B], next token [B])."""
+        B, T, V = logits.shape
+        rows = torch.arange(B, device=logits.device)
+        if temperature <= 0:
+            tgt = logits.argmax(-1)
+            if d is None:
+                return torch.zeros(B, dtype=torch.long, device=logits.device), tgt[:, 0]
+            acc = torch.cumprod((d == tgt[:, :-1]).long(), 1).sum(1)
+            return acc, tgt[rows, acc]
+        p = torch.softmax(logits / temperature, -1)
+        if d is None:
+            return torch.zeros(B, dtype=torch.long, device=logits.device), torch.multinomial(p[:, 0], 1, generator=gen)[:, 0]
+        k = d.shape[1]
+        pd = p[:, :k].gather(-1, d[..., None])[..., 0]
+        qd = q.gather(-1, d[..., None])[..., 0]
+        u = torch.rand(B, k, generator=gen).to(logits.device)
+        ok = u * qd < pd                                # u < min(1, p/q) without dividing by q
+        acc = torch.cumprod(ok.long(), 1).sum(1)
+        # where rejected at position a: residual norm(max(0, p_a - q_a)); all accepted: p_k
+        q_full = torch.cat((q, q.new_zeros(B, 1, V)), 1)
+        resid = (p - q_full).clamp_min(0)
+        resid_a = resid[rows, acc]
+        mass = resid_a.sum(-1, keepdim=True)
+        dist = torch.where(mass > 0, resid_a / mass.clamp_min(1e-30), p[rows, acc])
+        return acc, torch.multinomial(dist, 1, generator=gen)[:, 0]
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def load_pair(target_dir, draft_dir, *, device="cpu", compute_dtype=torch.float32, strict: bool = True,
+              first_layer_norm: str = "modelopt"):
+    """Target + draft from their deployed directories, with the pairing checks; returns (model, draft)."""
+    model = load_target(target_dir, device=device, compute_dtype=compute_dtype)
+    draft = load_draft(draft_dir, target_shape(model), compute_dtype=compute_dtype, device=device, strict=strict,
+                       first_layer_norm=first_layer_norm)
+    return model, draft
+
+
+def predicted_speedup(al: float, k: int, t_target_1: float, t_draft: float, t_target_verify: float,
+                      parallel_draft: bool = False) -> float:
+    """anchors.md: S ~= AL * T_target(B) / (k T_draft + T_target(B (k+1))); a parallel drafter (DFlash) pays
+    one draft pass instead of k."""
+    draft_cost = t_draft if parallel_draft else k * t_draft
+    return al * t_target_1 / (draft_cost + t_target_verify)
+
+
+def lossless_diff(spec: list[list[int]], ref: list[list[int]]) -> list[dict]:
+    """Requests whose greedy speculative output differs from target-only output, with the first divergence."""
+    bad = []
+    for i, (a, b) in enumerate(zip(spec, ref)):
+        if a != b:
+            j = next((n for n, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            bad.append({"request": i, "position": j, "speculative": a[j:j + 4], "target": b[j:j + 4]})
+    return bad
+
