@@ -440,6 +440,30 @@ def run(ctx: StageContext) -> dict:
             raise StageError(f"data: {len(bad.items)} malformed input lines (limit data.max_malformed={sec.max_malformed}); first: "
                              + "; ".join(bad.items[:5]))
 
+    # eval prompts -------------------------------------------------------------------------------
+    (ctx.out_dir / "eval").mkdir()
+    domain_stats = {}
+    chosen_keys: set[str] = set()   # eval prompts (or the samples they were cut from) never train the draft
+    for name, samples in evals.items():
+        samples = sorted({s.key: s for s in samples}.values(), key=lambda s: _bucket(s.key, sec.seed))
+        lines = []
+        for s in samples:
+            chosen_keys.add(s.key)
+            prompt = _render_prompt(tok, s)
+            ids = tok(prompt, add_special_tokens=False)["input_ids"][-sec.max_prompt_tokens:]
+            if len(ids) < 4:
+                continue
+            ref = s.content[-1]["content"] if s.fmt == "messages" and s.content[-1]["role"] == "assistant" else None
+            lines.append({"id": f"{name}-{len(lines)}", "prompt": tok.decode(ids), "prompt_ids": ids, "reference": ref})
+            if len(lines) >= sec.eval_prompts:
+                break
+        if not lines:
+            raise StageError(f"data.eval_domains.{name}: no usable prompts (need at least 4 tokens each)")
+        with open(ctx.out_dir / "eval" / f"{name}.jsonl", "w") as f:
+            for line in lines:
+                f.write(json.dumps(line) + "\n")
+        domain_stats[name] = {"prompts": len(lines), "mean_prompt_tokens": round(sum(len(x["prompt_ids"]) for x in lines) / len(lines), 1)}
+
     # dedup, split, subsample -----------------------------------------------------------------
     n_raw = len(train)
     n_dup = 0
@@ -451,9 +475,8 @@ def run(ctx: StageContext) -> dict:
                 uniq.append(s)
         n_dup = len(train) - len(uniq)
         train = uniq
-    eval_keys = {s.key for v in evals.values() for s in v}
-    overlap = [s for s in train if s.key in eval_keys]
-    train = [s for s in train if s.key not in eval_keys]   # an eval prompt never trains the draft
+    overlap = [s for s in train if s.key in chosen_keys]
+    train = [s for s in train if s.key not in chosen_keys]
     train.sort(key=lambda s: _bucket(s.key, sec.seed))
     heldout = [s for s in train if _bucket("heldout:" + s.key, sec.seed) < sec.eval_fraction]
     train = [s for s in train if _bucket("heldout:" + s.key, sec.seed) >= sec.eval_fraction][: sec.max_samples]
@@ -484,28 +507,6 @@ def run(ctx: StageContext) -> dict:
     calib_rows = {k: v[: sec.calib_samples] for k, v in train_rows.items()}
     for name, r in (("train", train_rows), ("heldout", held_rows), ("calib", calib_rows)):
         Dataset.from_dict(r).to_parquet(str(ctx.out_dir / f"{name}.parquet"))
-
-    # eval prompts -------------------------------------------------------------------------------
-    (ctx.out_dir / "eval").mkdir()
-    domain_stats = {}
-    for name, samples in evals.items():
-        samples = sorted({s.key: s for s in samples}.values(), key=lambda s: _bucket(s.key, sec.seed))
-        lines = []
-        for s in samples:
-            prompt = _render_prompt(tok, s)
-            ids = tok(prompt, add_special_tokens=False)["input_ids"][-sec.max_prompt_tokens:]
-            if len(ids) < 4:
-                continue
-            ref = s.content[-1]["content"] if s.fmt == "messages" and s.content[-1]["role"] == "assistant" else None
-            lines.append({"id": f"{name}-{len(lines)}", "prompt": tok.decode(ids), "prompt_ids": ids, "reference": ref})
-            if len(lines) >= sec.eval_prompts:
-                break
-        if not lines:
-            raise StageError(f"data.eval_domains.{name}: no usable prompts (need at least 4 tokens each)")
-        with open(ctx.out_dir / "eval" / f"{name}.jsonl", "w") as f:
-            for line in lines:
-                f.write(json.dumps(line) + "\n")
-        domain_stats[name] = {"prompts": len(lines), "mean_prompt_tokens": round(sum(len(x["prompt_ids"]) for x in lines) / len(lines), 1)}
 
     def split_stats(r):
         lens = [len(x) for x in r["input_ids"]]

@@ -196,7 +196,12 @@ def _check_local(src: Path, sec: Config) -> None:
         raise StageError(f"target.model: {src} has no config.json; is it a Hugging Face model directory?")
     cfg = AutoConfig.from_pretrained(src, trust_remote_code=sec.trust_remote_code)
     archs = cfg.architectures or []
-    if cfg.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not any(a.endswith("ForCausalLM") for a in archs):
+    causal_classes = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    if archs:   # the checkpoint says which head it has: it must be a causal-LM head
+        causal = any(a in causal_classes or a.endswith("ForCausalLM") for a in archs)
+    else:
+        causal = cfg.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not getattr(cfg, "is_encoder_decoder", False)
+    if not causal:
         raise StageError(f"target.model: {src} is a '{cfg.model_type}' model ({', '.join(archs) or 'no architectures'}), "
                          "not a causal language model; speculative decoding needs a decoder-only causal LM")
     if not list(src.glob("*.safetensors")):
