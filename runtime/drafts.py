@@ -517,13 +517,22 @@ def draft_algorithm(path: str | Path) -> str:
 
 
 def load_draft(path: str | Path, target: TargetShape | None = None, *, compute_dtype=torch.float32,
-               device="cpu", strict: bool = True, first_layer_norm: str = "modelopt"):
-    """Load a draft directory exactly as exported. `target` enables the pairing checks."""
+               device="cpu", strict: bool = True, first_layer_norm: str = "modelopt",
+               expected_capture_layers: list[int] | None = None):
+    """Load a draft directory exactly as exported. `target` enables the pairing checks;
+    `expected_capture_layers` (the aux / target layer ids training used, e.g. from draft.json) must match the
+    ids the export declares: an edited or stale config.json would otherwise feed the draft the wrong layers."""
     if first_layer_norm not in ("modelopt", "serving"):
         raise ValueError(f"first_layer_norm must be 'modelopt' or 'serving', not {first_layer_norm!r}")
     path = Path(path)
     cfg, sd = _read_dir(path)
     algo = draft_algorithm(path)
+    if expected_capture_layers is not None:
+        declared = ((cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") if algo == "eagle3"
+                    else (cfg.get("dflash_config") or {}).get("target_layer_ids"))
+        if declared is None or sorted(map(int, declared)) != sorted(map(int, expected_capture_layers)):
+            raise DraftFormatError(f"{path}: config.json declares capture layers {declared}, but the draft was trained "
+                                   f"on target layers {list(expected_capture_layers)}")
     if algo == "eagle3":
         cfg = _check_eagle3(cfg, sd, path, target, strict)
         m = Eagle3Draft(cfg, sd, compute_dtype, first_layer_norm)

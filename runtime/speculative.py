@@ -417,10 +417,12 @@ class SpeculativeEngine:
             t2 = time.perf_counter()
             acc, bonus = self._accept(logits, d, q, temperature, gen)
             tgt.commit(acc + 1)
-            if drafter is not None:
+            t3 = time.perf_counter()
+            if drafter is not None:       # draft-side work: counted as draft time
                 nxt = torch.cat((d, d.new_zeros(len(live), 1)), 1)
                 nxt[torch.arange(len(live), device=dev), acc] = bonus
                 drafter.observe(hid, nxt, acc + 1)
+            t4 = time.perf_counter()
             new = []
             acc_l, bonus_l = acc.tolist(), bonus.tolist()
             d_l = d.tolist() if d is not None else None
@@ -442,10 +444,10 @@ class SpeculativeEngine:
             stats.rows_per_step.append(len(live))
             done = self._append(out, live, new, max_new_tokens, eos_token_id)
             x, live = self._compact(bonus, live, done, drafter)
-            t3 = time.perf_counter()
-            stats.draft_s += t1 - t0
+            t5 = time.perf_counter()
+            stats.draft_s += (t1 - t0) + (t4 - t3)
             stats.target_s += t2 - t1
-            stats.other_s += t3 - t2
+            stats.other_s += (t3 - t2) + (t5 - t4)
         stats.output_tokens = sum(len(o) for o in out)
         stats.wall_s = time.perf_counter() - t_start
         return Generation(out, reqs, stats)

@@ -1,0 +1,476 @@
+"""Stage `validate`: acceptance of the deployed pair, per evaluation domain, against gates.
+
+Measured on what will be deployed: the target and draft directories named by `quantize.json` (the FP8 target,
+and the draft to deploy), read from their exported files by `runtime.speculative`. The unquantized pair
+(`target/model` + `train_draft/draft`) is measured the same way, so retention = AL(deployed) / AL(BF16) shows
+what quantization cost (reference trtllm-triton.md §8.1: a draft trained on BF16 hidden states can lose
+acceptance on an FP8 target).
+
+Per domain and pair: acceptance length (TensorRT-LLM's definition), per-position conditional acceptance up to
+`validate.max_draft_len` (the `tune` stage derives the deployed length from these curves), draft acceptance
+rate, drafted/accepted totals. On the deployed pair also: the lossless check (greedy speculative output ==
+target-only output, token for token), tokens/s of speculative vs autoregressive decoding and the step costs.
+
+Gates (`validate.gates`): a per-domain minimum AL, an overall minimum AL, a minimum retention, and the
+lossless check. A failed gate fails the stage (nothing downstream runs); the table of measured vs required is
+in the error message, the stage log and `<scratch>/acceptance.json` (a failed stage commits nothing).
+
+`validate.runtime`: `reference` (this project's runtime, CPU or CUDA), `tensorrt_llm` (the TensorRT-LLM LLM
+API with the same speculative config; only where tensorrt_llm imports and a GPU exists), `auto` (tensorrt_llm
+there, reference elsewhere). The artifact records which ran.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from pipeline.errors import StageError
+from pipeline.stage import StageContext, StageSection, Strict
+
+NAME = "validate"
+CONSUMES: tuple[str, ...] = ("target", "data", "train_draft", "quantize")
+VERSION = "1"
+PACKAGES = ("torch", "transformers", "safetensors")
+
+
+class Gates(Strict):
+    """Minimums the deployed pair must reach. AL is measured with `validate.max_draft_len` draft tokens."""
+
+    min_acceptance_length: float | dict[str, float] | None = Field(
+        None, description="per-domain minimum AL: one number for every domain, or {domain: minimum}")
+    min_overall_acceptance_length: float | None = Field(None, ge=1.0, description="minimum AL over all domains")
+    min_retention: float | None = Field(None, gt=0, le=1.5, description="minimum AL(deployed)/AL(BF16) per domain and overall")
+    require_lossless: bool = Field(True, description="fail when greedy speculative output differs from the target's")
+
+
+class Config(StageSection):
+    runtime: Literal["auto", "reference", "tensorrt_llm"] = "auto"
+    max_draft_len: int = Field(4, ge=1, le=16, description="draft tokens per step while measuring (DFlash: capped at block_size-1)")
+    max_new_tokens: int = Field(48, ge=1)
+    num_prompts: int = Field(16, ge=1, description="prompts per domain (at most what `data` wrote)")
+    batch_size: int = Field(4, ge=1)
+    temperature: float = Field(0.0, ge=0.0, description="0 = greedy acceptance; > 0 = rejection sampling")
+    lossless_prompts: int = Field(8, ge=0, description="prompts per domain for the lossless check (0: skip)")
+    measure_bf16: bool = Field(True, description="also measure the unquantized pair (needed for retention)")
+    first_layer_norm: Literal["modelopt", "serving"] = Field(
+        "modelopt", description="EAGLE-3 first-layer norm: as ModelOpt trains it, or as serving engines compute it")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    seed: int = 0
+    gates: Gates = Field(default_factory=Gates)
+
+
+def check(cfg) -> list[tuple[str, str]]:
+    problems = []
+    sec: Config = cfg.validate
+    data = getattr(cfg, "data", None)
+    domains = set(getattr(data, "eval_domains", {}) or {})
+    g = sec.gates.min_acceptance_length
+    if isinstance(g, dict):
+        for d, v in g.items():
+            if domains and d not in domains:
+                problems.append((f"validate.gates.min_acceptance_length.{d}",
+                                 f"unknown domain; data.eval_domains has {', '.join(sorted(domains))}"))
+            if v < 1.0:
+                problems.append((f"validate.gates.min_acceptance_length.{d}", f"{v} < 1: AL is at least 1 by definition"))
+    elif g is not None and g < 1.0:
+        problems.append(("validate.gates.min_acceptance_length", f"{g} < 1: AL is at least 1 by definition"))
+    if g is not None and not isinstance(g, dict) and g > sec.max_draft_len + 1:
+        problems.append(("validate.gates.min_acceptance_length",
+                         f"{g} > max_draft_len + 1 = {sec.max_draft_len + 1}: no draft can reach it"))
+    if sec.gates.min_retention is not None and not sec.measure_bf16:
+        problems.append(("validate.gates.min_retention", "needs validate.measure_bf16: true"))
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------- run
+
+
+def run(ctx: StageContext) -> dict:
+    sec: Config = ctx.section
+    runtime, why = _choose_runtime(sec.runtime)
+    ctx.log.info("runtime: %s (%s)", runtime, why)
+    arts = ctx.input("quantize").path.parent
+    q = ctx.input("quantize").read_json("quantize.json")
+    deployed = {"target_dir": arts / q["target_dir"], "draft_dir": arts / q["draft_dir"]}
+    bf16 = {"target_dir": ctx.input("target").path / "model", "draft_dir": ctx.input("train_draft").path / "draft"}
+    for pair in (deployed, bf16):
+        for k, p in pair.items():
+            if not Path(p).is_dir():
+                raise StageError(f"validate: {k} {p} does not exist (quantize.json or the train_draft artifact is incomplete)")
+    same = all(Path(deployed[k]).resolve() == Path(bf16[k]).resolve() for k in deployed)
+    tinfo = ctx.input("target").read_json("target.json")
+    eos = tinfo.get("eos_token_id")
+    prompts = _read_prompts(ctx, sec)
+
+    if runtime == "tensorrt_llm":
+        res = _run_trtllm(ctx, sec, deployed, bf16 if sec.measure_bf16 and not same else None, prompts, eos)
+    else:
+        res = _run_reference(ctx, sec, deployed, bf16 if sec.measure_bf16 and not same else None, prompts, eos)
+    if sec.measure_bf16 and same:
+        ctx.log.info("quantize deployed the unquantized pair: the BF16 figures are the deployed ones")
+        for d in res["domains"].values():
+            d["bf16"] = d["fp8"]
+        res["overall"]["bf16"] = res["overall"]["fp8"]
+    _add_retention(res)
+    res.update({"runtime": runtime, "runtime_reason": why, "max_draft_len": res.pop("draft_len"),
+                "requested_max_draft_len": sec.max_draft_len, "temperature": sec.temperature,
+                "max_new_tokens": sec.max_new_tokens, "batch_size": sec.batch_size,
+                "pairs": {"fp8": {k: str(Path(v).relative_to(arts)) for k, v in deployed.items()},
+                          "bf16": {k: str(Path(v).relative_to(arts)) for k, v in bf16.items()}},
+                "same_pair": same})
+    res["gates"] = evaluate_gates(res, sec.gates)
+    table = gate_table(res["gates"]["rows"])
+    text = json.dumps(res, indent=2)
+    (ctx.scratch_dir / "acceptance.json").write_text(text)
+    ctx.log.info("gates:\n%s", table)
+    if not res["gates"]["passed"]:
+        raise StageError("validate: acceptance gate failed; the pair is not deployed.\n" + table +
+                         f"\n(full measurements: {ctx.scratch_dir / 'acceptance.json'}; lower validate.gates or "
+                         "train a better draft / keep the draft BF16 / quantize with calibration data of the domain)")
+    (ctx.out_dir / "acceptance.json").write_text(text)
+    metrics = {"runtime": runtime, "max_draft_len": res["max_draft_len"], "gates_passed": True,
+               "lossless": res["lossless"].get("passed"),
+               "overall_acceptance_length": res["overall"]["fp8"]["acceptance_length"],
+               "overall_retention": res["overall"].get("retention"),
+               "acceptance_length": {d: v["fp8"]["acceptance_length"] for d, v in res["domains"].items()},
+               "retention": {d: v.get("retention") for d, v in res["domains"].items()},
+               "speedup_measured": res.get("tokens_per_s", {}).get("speedup")}
+    return metrics
+
+
+def _choose_runtime(want: str) -> tuple[str, str]:
+    ok, why = trtllm_available()
+    if want == "tensorrt_llm" and not ok:
+        raise StageError(f"validate.runtime: tensorrt_llm requested but not usable here ({why}); "
+                         "use runtime: auto or reference, or run in a TensorRT-LLM container with a GPU")
+    if want == "reference":
+        return "reference", "configured"
+    if ok:
+        return "tensorrt_llm", "tensorrt_llm importable and a CUDA GPU present"
+    return "reference", f"auto: {why}"
+
+
+def trtllm_available() -> tuple[bool, str]:
+    import importlib.util
+
+    if importlib.util.find_spec("tensorrt_llm") is None:
+        return False, "tensorrt_llm is not installed"
+    import torch
+
+    if not torch.cuda.is_available():
+        return False, "no CUDA GPU"
+    return True, "available"
+
+
+def _read_prompts(ctx: StageContext, sec: Config) -> dict[str, list[list[int]]]:
+    ev = ctx.input("data").path / "eval"
+    out = {}
+    for f in sorted(ev.glob("*.jsonl")):
+        rows = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+        ids = [r["prompt_ids"] for r in rows if r.get("prompt_ids")][: sec.num_prompts]
+        if not ids:
+            raise StageError(f"validate: {f} has no prompts with prompt_ids")
+        out[f.stem] = ids
+    if not out:
+        raise StageError(f"validate: no evaluation domains in {ev}")
+    g = sec.gates.min_acceptance_length
+    if isinstance(g, dict) and (missing := sorted(set(g) - set(out))):
+        raise StageError(f"validate.gates.min_acceptance_length names domains {missing} that data did not write")
+    return out
+
+
+def _device(sec: Config) -> str:
+    import torch
+
+    if sec.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if sec.device == "cuda" and not torch.cuda.is_available():
+        raise StageError("validate.device: cuda requested but no CUDA GPU is available")
+    return sec.device
+
+
+def _run_reference(ctx, sec: Config, deployed: dict, bf16: dict | None, prompts: dict, eos) -> dict:
+    import torch
+
+    from runtime.drafts import DraftFormatError, summarize
+    from runtime.speculative import SpeculativeEngine, load_pair
+
+    dev = _device(sec)
+    pairs = [("fp8", deployed)] + ([("bf16", bf16)] if bf16 else [])
+    res: dict = {"domains": {d: {} for d in prompts}, "overall": {}}
+    K = sec.max_draft_len
+    n_runs = len(pairs) * len(prompts) + (len(prompts) if sec.lossless_prompts else 0)
+    with ctx.progress(total=n_runs, desc="validate") as bar:
+        for label, pair in pairs:
+            try:
+                model, draft = load_pair(pair["target_dir"], pair["draft_dir"], device=dev,
+                                         first_layer_norm=sec.first_layer_norm)
+            except DraftFormatError as e:
+                raise StageError(f"validate: the {label} draft does not load as exported: {e}") from None
+            if draft.algorithm == "dflash" and K > draft.block_size - 1:
+                ctx.log.warning("DFlash block_size %d drafts at most %d tokens: measuring %d positions, not %d",
+                                draft.block_size, draft.block_size - 1, draft.block_size - 1, K)
+                K = draft.block_size - 1
+            res.setdefault("draft", summarize(draft))
+            res.setdefault("fp8_info", getattr(model, "fp8_info", {}))
+            eng = SpeculativeEngine(model, draft)
+            total = None
+            for d, ps in prompts.items():
+                st = _measure(eng, ps, sec, K, eos, speculative=True)[0]
+                res["domains"][d][label] = st.as_dict()
+                total = st if total is None else total.merge(st)
+                ctx.log.info("%s %s: AL %.3f over %d steps, acceptance rate %s, per position %s", label, d,
+                             st.acceptance_length, st.steps, res["domains"][d][label]["draft_acceptance_rate"],
+                             res["domains"][d][label]["per_position"])
+                bar.update(1)
+            res["overall"][label] = total.as_dict()
+            if label == "fp8":
+                res["lossless"], res["tokens_per_s"], res["step_ms"] = _lossless_and_speed(
+                    ctx, eng, sec, K, eos, prompts, bar, draft.algorithm)
+            del eng, model, draft
+            if dev == "cuda":
+                torch.cuda.empty_cache()
+    res["draft_len"] = K
+    return res
+
+
+def _measure(eng, prompts, sec: Config, K: int, eos, *, speculative: bool, temperature: float | None = None):
+    from runtime.speculative import RunStats
+
+    total, outs = RunStats(K if speculative else 0), []
+    for i in range(0, len(prompts), sec.batch_size):
+        g = eng.generate(prompts[i:i + sec.batch_size], max_new_tokens=sec.max_new_tokens, draft_len=K if speculative else 0,
+                         temperature=sec.temperature if temperature is None else temperature, eos_token_id=eos,
+                         seed=sec.seed + i, speculative=speculative)
+        total = total.merge(g.stats)
+        outs += g.tokens
+    return total, outs
+
+
+def _lossless_and_speed(ctx, eng, sec: Config, K: int, eos, prompts: dict, bar, algorithm: str):
+    """Greedy speculative vs target-only on the same prompts: equality, tokens/s, step costs."""
+    from runtime.speculative import lossless_diff, predicted_speedup
+
+    n = sec.lossless_prompts
+    if n == 0:
+        return {"checked_prompts": 0, "passed": None}, {}, {}
+    sub = [p for ps in prompts.values() for p in ps[:n]]
+    _measure(eng, sub[:1], sec, K, eos, speculative=True, temperature=0.0)    # warm-up (allocator, kernels)
+    t0 = time.perf_counter()
+    spec, spec_out = _measure(eng, sub, sec, K, eos, speculative=True, temperature=0.0)
+    t1 = time.perf_counter()
+    ar, ar_out = _measure(eng, sub, sec, K, eos, speculative=False, temperature=0.0)
+    t2 = time.perf_counter()
+    bar.update(len(prompts))
+    bad = lossless_diff(spec_out, ar_out)
+    lossless = {"checked_prompts": len(sub), "generated_tokens": sum(map(len, ar_out)), "passed": not bad,
+                "mismatches": bad[:10]}
+    ctx.log.info("lossless check on %d prompts: %s", len(sub), "identical" if not bad else f"{len(bad)} differ: {bad[:3]}")
+    sd, ad = spec.as_dict(), ar.as_dict()
+    ar_fwd = len(ar.rows_per_step)
+    t_ar = ar.target_s / ar_fwd if ar_fwd else None
+    t_ver = spec.target_s / len(spec.rows_per_step) if spec.rows_per_step else None
+    t_draft = spec.draft_s / len(spec.rows_per_step) if spec.rows_per_step else None
+    passes = 1 if algorithm == "dflash" else K
+    step_ms = {"batch_size": sec.batch_size, "draft_len": K, "target_ar": _ms(t_ar), "target_verify": _ms(t_ver),
+               "draft_step": _ms(t_draft), "draft_pass": _ms(t_draft / passes if t_draft else None),
+               "draft_passes_per_step": passes, "overhead_per_step": sd["overhead_ms_per_step"]}
+    tps = {"speculative": round(spec.output_tokens / (t1 - t0), 2), "autoregressive": round(ar.output_tokens / (t2 - t1), 2),
+           "decode_speculative": sd["decode_tokens_per_s"], "decode_autoregressive": ad["decode_tokens_per_s"]}
+    tps["speedup"] = round(tps["speculative"] / tps["autoregressive"], 3)
+    if t_ar and t_ver and t_draft:
+        tps["predicted_speedup"] = round(predicted_speedup(spec.acceptance_length, K, t_ar, t_draft / passes, t_ver,
+                                                           parallel_draft=algorithm == "dflash"), 3)
+    ctx.log.info("tokens/s: speculative %.1f vs autoregressive %.1f (x%.2f; predicted x%s from AL and step costs)",
+                 tps["speculative"], tps["autoregressive"], tps["speedup"], tps.get("predicted_speedup"))
+    return lossless, tps, step_ms
+
+
+def _ms(s):
+    return None if s is None else round(1000 * s, 4)
+
+
+def _add_retention(res: dict) -> None:
+    for d in [*res["domains"].values(), res["overall"]]:
+        if "bf16" in d and d["bf16"]["acceptance_length"]:
+            d["retention"] = round(d["fp8"]["acceptance_length"] / d["bf16"]["acceptance_length"], 4)
+
+
+def evaluate_gates(res: dict, g: Gates) -> dict:
+    rows = []
+    per = g.min_acceptance_length
+    for d, v in res["domains"].items():
+        req = per.get(d) if isinstance(per, dict) else per
+        if req is not None:
+            m = v["fp8"]["acceptance_length"]
+            rows.append({"domain": d, "metric": "acceptance_length", "measured": m, "required": req, "passed": m >= req})
+        if g.min_retention is not None and v.get("retention") is not None:
+            rows.append({"domain": d, "metric": "retention", "measured": v["retention"], "required": g.min_retention,
+                         "passed": v["retention"] >= g.min_retention})
+    if g.min_overall_acceptance_length is not None:
+        m = res["overall"]["fp8"]["acceptance_length"]
+        rows.append({"domain": "overall", "metric": "acceptance_length", "measured": m,
+                     "required": g.min_overall_acceptance_length, "passed": m >= g.min_overall_acceptance_length})
+    if g.min_retention is not None and res["overall"].get("retention") is not None:
+        rows.append({"domain": "overall", "metric": "retention", "measured": res["overall"]["retention"],
+                     "required": g.min_retention, "passed": res["overall"]["retention"] >= g.min_retention})
+    if g.require_lossless and res.get("lossless", {}).get("passed") is not None:
+        ok = res["lossless"]["passed"]
+        rows.append({"domain": "all", "metric": "lossless", "measured": "identical" if ok else
+                     f"{len(res['lossless']['mismatches'])} differ", "required": "identical", "passed": ok})
+    return {"passed": all(r["passed"] for r in rows), "rows": rows}
+
+
+def gate_table(rows: list[dict]) -> str:
+    if not rows:
+        return "  (no gates configured)"
+    head = f"  {'domain':<12} {'metric':<18} {'measured':>10} {'required':>10}  result"
+    lines = [head, "  " + "-" * (len(head) - 2)]
+    for r in rows:
+        m = f"{r['measured']:.3f}" if isinstance(r["measured"], float) else str(r["measured"])
+        q = f"{r['required']:.3f}" if isinstance(r["required"], float) else str(r["required"])
+        lines.append(f"  {r['domain']:<12} {r['metric']:<18} {m:>10} {q:>10}  {'pass' if r['passed'] else 'FAIL'}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- TensorRT-LLM
+
+
+TRTLLM_SPEC_CLASSES = {"Eagle3": "Eagle3DecodingConfig", "DFlash": "DFlashDecodingConfig"}
+
+
+def default_layers_to_capture(num_layers: int) -> set[int]:
+    return {1, num_layers // 2 - 1, num_layers - 4}
+
+
+def trtllm_llm_kwargs(target_dir, draft_dir, *, algorithm: str, max_draft_len: int, num_target_layers: int,
+                      aux_layer_ids: list[int] | None, batch_size: int, max_seq_len: int) -> dict:
+    """LLM(...) arguments for measuring acceptance with TensorRT-LLM (PyTorch backend, LLM API), field names
+    as in `schemas/trtllm-1.2-llmapi.json` (DFlash needs 1.3+)."""
+    spec: dict = {"decoding_type": "Eagle3" if algorithm == "eagle3" else "DFlash",
+                  "max_draft_len": max_draft_len, "speculative_model": str(draft_dir)}
+    if algorithm == "eagle3":
+        spec["eagle3_one_model"] = True
+        if aux_layer_ids is not None and set(aux_layer_ids) != default_layers_to_capture(num_target_layers):
+            spec["eagle3_layers_to_capture"] = sorted(aux_layer_ids)   # 1.2 ignores the draft config's ids
+    return {
+        "model": str(target_dir), "backend": "pytorch", "max_batch_size": batch_size,
+        "max_num_tokens": max(8192, batch_size * (1 + max_draft_len), batch_size * max_seq_len),
+        "max_seq_len": max_seq_len, "kv_cache_config": {"free_gpu_memory_fraction": 0.7},
+        "enable_iter_perf_stats": True, "speculative_config": spec,
+    }
+
+
+def trtllm_sampling_kwargs(*, max_new_tokens: int, temperature: float, seed: int, eos_token_id) -> dict:
+    kw = {"max_tokens": max_new_tokens, "return_perf_metrics": True, "seed": seed}
+    if temperature > 0:
+        kw["temperature"] = temperature
+    else:
+        kw["top_k"] = 1                  # greedy
+    if eos_token_id is not None:
+        kw["end_id"] = eos_token_id
+    return kw
+
+
+def _run_trtllm(ctx, sec: Config, deployed: dict, bf16: dict | None, prompts: dict, eos) -> dict:  # pragma: no cover - needs a GPU
+    """Runs only inside a TensorRT-LLM installation with a GPU; this machine never gets here."""
+    import tensorrt_llm
+    from tensorrt_llm import LLM, SamplingParams
+    from tensorrt_llm import llmapi
+
+    from runtime.drafts import draft_algorithm
+
+    res: dict = {"domains": {d: {} for d in prompts}, "overall": {}, "trtllm_version": tensorrt_llm.__version__,
+                 "lossless": {"checked_prompts": 0, "passed": None, "note": "not checked by the tensorrt_llm runtime"}}
+    for label, pair in [("fp8", deployed)] + ([("bf16", bf16)] if bf16 else []):
+        dcfg = json.loads((Path(pair["draft_dir"]) / "config.json").read_text())
+        tcfg = json.loads((Path(pair["target_dir"]) / "config.json").read_text())
+        algo = draft_algorithm(pair["draft_dir"])
+        K = min(sec.max_draft_len, int(dcfg.get("block_size", 1 << 30)) - 1)
+        longest = max(len(p) for ps in prompts.values() for p in ps)
+        kw = trtllm_llm_kwargs(pair["target_dir"], pair["draft_dir"], algorithm=algo, max_draft_len=K,
+                               num_target_layers=tcfg["num_hidden_layers"],
+                               aux_layer_ids=(dcfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"),
+                               batch_size=sec.batch_size, max_seq_len=longest + sec.max_new_tokens + K + 8)
+        spec = kw.pop("speculative_config")
+        cls = getattr(llmapi, TRTLLM_SPEC_CLASSES[spec.pop("decoding_type")])
+        llm = LLM(**kw, speculative_config=cls(**spec))
+        sp = SamplingParams(**trtllm_sampling_kwargs(max_new_tokens=sec.max_new_tokens, temperature=sec.temperature,
+                                                     seed=sec.seed, eos_token_id=eos))
+        tot = {"drafted": 0, "accepted": 0, "tokens": 0}
+        for d, ps in prompts.items():
+            t0 = time.perf_counter()
+            outs = llm.generate(ps, sampling_params=sp)
+            wall = time.perf_counter() - t0
+            drafted = sum(o.request_perf_metrics.speculative_decoding.total_draft_tokens for o in outs)
+            accepted = sum(o.request_perf_metrics.speculative_decoding.total_accepted_draft_tokens for o in outs)
+            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+            steps = drafted / K if K else 0
+            res["domains"][d][label] = {"acceptance_length": round(1 + accepted / steps, 6) if steps else 1.0,
+                                        "draft_acceptance_rate": round(accepted / drafted, 6) if drafted else None,
+                                        "drafted": drafted, "accepted": accepted, "steps": steps, "output_tokens": tokens,
+                                        "per_position": None, "wall_s": round(wall, 3)}
+            tot["drafted"] += drafted
+            tot["accepted"] += accepted
+            tot["tokens"] += tokens
+        steps = tot["drafted"] / K if K else 0
+        res["overall"][label] = {"acceptance_length": round(1 + tot["accepted"] / steps, 6) if steps else 1.0,
+                                 "draft_acceptance_rate": round(tot["accepted"] / tot["drafted"], 6) if tot["drafted"] else None,
+                                 "drafted": tot["drafted"], "accepted": tot["accepted"], "output_tokens": tot["tokens"],
+                                 "per_position": None}
+        res["draft_len"] = K
+        del llm
+    return res
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+
+def report(artifact) -> str:
+    from pipeline.report import esc, figure, table
+
+    a = artifact.read_json("acceptance.json")
+    parts = [f"<p>runtime <b>{esc(a['runtime'])}</b> ({esc(a.get('runtime_reason', ''))}); "
+             f"draft length {a['max_draft_len']}, temperature {a['temperature']}, "
+             f"{a['max_new_tokens']} new tokens per prompt, batch {a['batch_size']}; deployed pair "
+             f"<code>{esc(a['pairs']['fp8']['target_dir'])}</code> + <code>{esc(a['pairs']['fp8']['draft_dir'])}</code></p>"]
+    rows = []
+    for d, v in [*a["domains"].items(), ("overall", a["overall"])]:
+        f, b = v["fp8"], v.get("bf16") or {}
+        rows.append([d, f["acceptance_length"], b.get("acceptance_length", ""), v.get("retention", ""),
+                     f.get("draft_acceptance_rate"), f.get("accepted"), f.get("drafted")])
+    parts.append(table(rows, ["domain", "AL deployed (FP8)", "AL BF16", "retention", "acceptance rate", "accepted", "drafted"]))
+    g = a["gates"]
+    parts.append(f"<p>gates: <span class='{'pass' if g['passed'] else 'fail'}'>{'passed' if g['passed'] else 'FAILED'}</span></p>")
+    if g["rows"]:
+        parts.append(table([[r["domain"], r["metric"], r["measured"], r["required"], "pass" if r["passed"] else "FAIL"]
+                            for r in g["rows"]], ["domain", "metric", "measured", "required", "result"]))
+    ll = a.get("lossless", {})
+    parts.append(f"<p>lossless check: {esc(str(ll.get('passed')))} on {ll.get('checked_prompts', 0)} prompts "
+                 f"({ll.get('generated_tokens', 0)} tokens, greedy speculative vs target-only)</p>")
+    tps = a.get("tokens_per_s") or {}
+    if tps:
+        parts.append(table([[k, v] for k, v in tps.items()] + [[f"step ms {k}", v] for k, v in (a.get("step_ms") or {}).items()],
+                           ["", ""]))
+    curves = [(d, v) for d, v in a["domains"].items() if v["fp8"].get("per_position")]
+    if curves:
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 3.4))
+        for i, (d, v) in enumerate(curves):
+            for label, style in (("fp8", "-"), ("bf16", "--")):
+                pp = (v.get(label) or {}).get("per_position")
+                if pp:
+                    ax.plot(range(1, len(pp) + 1), [p if p is not None else float("nan") for p in pp], style,
+                            marker="o", color=f"C{i}", label=f"{d} {label}")
+        ax.set_xlabel("draft position")
+        ax.set_ylabel("P(accepted | previous accepted)")
+        ax.set_ylim(0, 1.02)
+        ax.legend(fontsize=7)
+        ax.set_title("per-position conditional acceptance")
+        parts.append(figure(fig))
+    return "".join(parts)
