@@ -54,6 +54,7 @@ class HFSource(Strict):
     split: str = "train"
     revision: str | None = None
     columns: dict[Literal["messages", "prompt", "text"], str] = Field(default_factory=dict, description="our field -> dataset column")
+    where: dict[str, str | int | bool] = Field(default_factory=dict, description="keep rows whose columns equal these values, e.g. {category: coding}")
     format: Format = "auto"
     chat: bool | None = None
     domain: str | None = None
@@ -170,6 +171,8 @@ def _normalize(rec, fmt: str, where: str, bad: Malformed, columns: dict | None =
             bad.add(where, "no 'messages', 'prompt' or 'text' field")
             return None
     val = rec.get(fmt)
+    if fmt == "prompt" and isinstance(val, list) and val and all(isinstance(x, str) for x in val):
+        val = val[0]   # multi-turn benchmarks (MT-Bench, SPEED-Bench `turns`): the first turn is the prompt
     if fmt == "messages":
         if not isinstance(val, list) or not val or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in val):
@@ -221,11 +224,15 @@ def _read_hf(src: HFSource, domain: str, bad: Malformed) -> list[Sample]:
     except Exception as e:
         raise StageError(f"data: could not load dataset '{src.name}' split '{src.split}' ({type(e).__name__}: {str(e)[:300]}); "
                          "check the name, split and network, or use a local JSONL source") from None
-    if src.max_samples:
-        ds = ds.select(range(min(len(ds), src.max_samples)))
-    missing = [c for c in src.columns.values() if c not in ds.column_names]
+    missing = [c for c in [*src.columns.values(), *src.where] if c not in ds.column_names]
     if missing:
         raise StageError(f"data: dataset '{src.name}' has no column(s) {missing}; it has {ds.column_names} (set data.sources.*.columns)")
+    if src.where:
+        ds = ds.filter(lambda row: all(row[k] == v for k, v in src.where.items()))
+        if len(ds) == 0:
+            raise StageError(f"data: dataset '{src.name}' has no rows where {src.where}")
+    if src.max_samples:
+        ds = ds.select(range(min(len(ds), src.max_samples)))
     out = []
     for i, rec in enumerate(ds):
         r = _normalize(rec, src.format, f"{src.name}[{i}]", bad, src.columns or None)

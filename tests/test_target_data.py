@@ -225,13 +225,19 @@ def test_local_hf_dataset_with_column_mapping_and_determinism(tmp_path, target_w
 
     ds_dir = tmp_path / "ds"
     Dataset.from_dict({"body": [f"def h{i}():\n    return {i}\n" * 6 for i in range(30)], "id": list(range(30))}).save_to_disk(str(ds_dir))
-    ev = _jsonl(tmp_path, [{"text": "def k():\n    return 1\n" * 4}], "ev.jsonl")
+    bench = tmp_path / "bench"   # shaped like SPEED-Bench / MT-Bench: multi-turn `turns`, a `category` column
+    Dataset.from_dict({"turns": [[f"Write code number {i} please", "and again"] for i in range(6)],
+                       "category": ["coding", "math"] * 3}).save_to_disk(str(bench))
     data = {"sources": [{"kind": "hf", "name": str(ds_dir), "columns": {"text": "body"}, "domain": "code"}],
-            "eval_domains": {"c": {"kind": "jsonl", "path": str(ev)}}, "min_length": 4, "max_samples": 20}
+            "eval_domains": {"coding": {"kind": "hf", "name": str(bench), "columns": {"prompt": "turns"}, "where": {"category": "coding"}, "chat": True}},
+            "min_length": 4, "max_samples": 20}
     wd, r = _data_run(tmp_path, target_workdir, data)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = _rows(wd, "train")
     assert 0 < len(rows) <= 20 and all(sum(x["loss_mask"]) == len(x["loss_mask"]) for x in rows)
+    ev = [json.loads(x) for x in (wd / "artifacts" / "data" / "eval" / "coding.jsonl").read_text().splitlines()]
+    assert len(ev) == 3 and all("Write code number" in e["prompt"] and "and again" not in e["prompt"] for e in ev)
+    assert {int(e["prompt"].split("number ")[1].split()[0]) % 2 for e in ev} == {0}   # only category == coding
     (tmp_path / "b").mkdir()
     wd2, r = _data_run(tmp_path / "b", target_workdir, data)
     assert _rows(wd2, "train") == rows   # same split and order every time
