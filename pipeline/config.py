@@ -19,16 +19,16 @@ from pipeline.stage import Strict
 class RunConfig(Strict):
     """How to execute. Never part of a fingerprint: changing it does not invalidate artifacts."""
 
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where stages run models; auto = cuda when available")
     threads: int | None = Field(default=None, ge=1, description="torch intra-op threads; default: all cores")
-    log_level: Literal["debug", "info", "warning"] = "info"
+    log_level: Literal["debug", "info", "warning"] = Field("info", description="console log level (stage logs in <workdir>/logs always keep info)")
 
 
 class HardwareConfig(Strict):
     """The deployment GPU. Enters the fingerprints of the stages that list 'hardware' in USES."""
 
-    gpu: str = "h200"
-    tensor_parallel_size: int = Field(default=1, ge=1)
+    gpu: str = Field("h200", description="deployment GPU from the built-in table (pipeline/hardware.py)")
+    tensor_parallel_size: int = Field(default=1, ge=1, description="GPUs the target is split across when served")
     profile: Path | None = Field(default=None, description="a measured profile from `specpipe profile`")
 
     @field_validator("gpu")

@@ -83,19 +83,19 @@ def _default_domains():
 
 
 class Config(StageSection):
-    sources: list[Source] = Field(default_factory=_default_sources, min_length=1)
-    eval_domains: dict[str, Source] = Field(default_factory=_default_domains, min_length=1)
+    sources: list[Source] = Field(default_factory=_default_sources, min_length=1, description="training data sources (kind: bootstrap | jsonl | hf)")
+    eval_domains: dict[str, Source] = Field(default_factory=_default_domains, min_length=1, description="domain name -> prompt source; acceptance is measured and gated per domain")
     max_samples: int = Field(2000, ge=1, description="training samples kept after dedup (a deterministic subset)")
     max_length: int = Field(256, ge=16, description="tokens per training sample (longer ones are truncated)")
-    min_length: int = Field(16, ge=1)
+    min_length: int = Field(16, ge=1, description="shorter samples are dropped")
     eval_fraction: float = Field(0.05, ge=0, lt=0.5, description="share of samples held out for quality measurement")
-    calib_samples: int = Field(64, ge=1)
+    calib_samples: int = Field(64, ge=1, description="size of the calibration split (FP8 scales)")
     eval_prompts: int = Field(32, ge=1, description="prompts per evaluation domain")
-    max_prompt_tokens: int = Field(128, ge=8)
-    dedup: bool = True
+    max_prompt_tokens: int = Field(128, ge=8, description="eval prompts keep their last N tokens")
+    dedup: bool = Field(True, description="drop exact duplicate samples")
     max_malformed: int = Field(0, ge=0, description="malformed input lines tolerated before the stage fails")
-    regenerate: RegenerateConfig = Field(default_factory=RegenerateConfig)
-    seed: int = 0
+    regenerate: RegenerateConfig = Field(default_factory=RegenerateConfig, description="replace responses by the target's own generations")
+    seed: int = Field(0, description="split and subsample seed")
 
     @field_validator("eval_domains")
     @classmethod

@@ -47,21 +47,21 @@ CHAT_TEMPLATE = (
 class TinyConfig(Strict):
     """The built-in tiny Llama. Defaults: ~5M parameters, pretrained in a few minutes on 2 cores."""
 
-    vocab_size: int = Field(4096, ge=300)
+    vocab_size: int = Field(4096, ge=300, description="BPE vocabulary incl. special tokens")
     hidden_size: int = Field(256, ge=16)
     intermediate_size: int = Field(688, ge=16)
-    num_layers: int = Field(4, ge=1)
+    num_layers: int = Field(4, ge=1, description="decoder layers (deeper makes a 1-layer draft relatively cheaper)")
     num_heads: int = Field(4, ge=1)
     num_kv_heads: int = Field(2, ge=1)
     max_position_embeddings: int = Field(2048, ge=64)
-    seq_len: int = Field(256, ge=16)
+    seq_len: int = Field(256, ge=16, description="pretraining window in tokens")
     batch_size: int = Field(8, ge=1)
-    steps: int = Field(400, ge=1)
+    steps: int = Field(400, ge=1, description="pretraining steps (batch_size x seq_len tokens each)")
     lr: float = Field(1e-3, gt=0)
     warmup_steps: int = Field(20, ge=0)
     corpus_mb: float = Field(8.0, gt=0, description="MB of stdlib sources to read")
-    heldout_fraction: float = Field(0.1, gt=0, lt=0.5)
-    checkpoint_every: int = Field(100, ge=1)
+    heldout_fraction: float = Field(0.1, gt=0, lt=0.5, description="share of corpus files never pretrained on (feed eval domains)")
+    checkpoint_every: int = Field(100, ge=1, description="steps between resumable checkpoints")
     seed: int = 0
 
     @model_validator(mode="after")
@@ -75,11 +75,11 @@ class TinyConfig(Strict):
 
 class Config(StageSection):
     model: str | None = Field(None, description="local directory or hub id of the target")
-    revision: str | None = None
-    bootstrap: Literal["tiny"] | None = None
+    revision: str | None = Field(None, description="hub revision (branch, tag or commit)")
+    bootstrap: Literal["tiny"] | None = Field(None, description="build the built-in tiny target instead of loading one")
     tiny: TinyConfig = Field(default_factory=TinyConfig)
-    trust_remote_code: bool = False
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    trust_remote_code: bool = Field(False, description="allow model code from the checkpoint; off unless you trust it")
+    dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="dtype of the committed target weights")
     materialize: Literal["link", "copy"] = Field("link", description="local models: hard-link files (copy across filesystems) or copy")
 
     @model_validator(mode="after")
