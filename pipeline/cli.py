@@ -210,6 +210,59 @@ def report(workdir, out):
     click.echo(str(path))
 
 
+@cli.command()
+@workdir_opt
+@click.option("--http-port", type=click.IntRange(1, 65535), default=None, help="default: a free port")
+@click.option("--grpc-port", type=click.IntRange(1, 65535), default=None, help="default: a free port")
+@click.option("--metrics-port", type=click.IntRange(1, 65535), default=None, help="default: a free port")
+@click.option("--ready-timeout", type=float, default=300.0, show_default=True, help="seconds to wait for the model to load")
+def serve(workdir, http_port, grpc_port, metrics_port, ready_timeout):
+    """Serve the exported CPU Triton repository (FP8 target + draft) on 127.0.0.1 until Ctrl-C."""
+    import time
+
+    from runtime import triton_server
+
+    wd = Path(workdir) if workdir else None
+    if wd is None:
+        runs = sorted(Path("runs").glob("*/artifacts/export/triton_cpu")) if Path("runs").exists() else []
+        if len(runs) != 1:
+            _fail(UsageError("give --workdir (default only when exactly one run under ./runs has an export)"))
+        wd = runs[0].parents[2]
+    repo = wd / "artifacts" / "export" / "triton_cpu"
+    if not (wd / "artifacts" / "export" / "manifest.json").exists() or not repo.is_dir():
+        _fail(UsageError(f"{wd}: no committed export with a CPU repository; run `specpipe build <config>` first"))
+    click.echo(f"starting Triton on {repo} ...", err=True)
+    try:
+        srv = triton_server.start(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
+                                  load_timeout=ready_timeout)
+    except SpecpipeError as e:
+        _fail(e)
+        return
+    name = srv.loaded[0] if srv.loaded else "tensorrt_llm"
+    click.echo(f"Triton {', '.join(srv.loaded)} ready (pid {srv.pid})\n"
+               f"  HTTP     http://{srv.http_url}\n  gRPC     {srv.grpc_url}\n  metrics  {srv.metrics_url}\n"
+               f"  try: curl -s http://{srv.http_url}/v2/models/{name}/generate -d "
+               "'{\"text_input\": \"def add(a, b):\", \"sampling_param_max_tokens\": 32, "
+               "\"sampling_param_return_perf_metrics\": true}'\n"
+               f"  log: {srv.log_path}\nCtrl-C stops it.")
+    import signal
+
+    def _term(*_):  # `kill <pid>` stops the server too, the same way as Ctrl-C
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _term)
+    try:
+        while srv.alive():
+            time.sleep(0.5)
+        click.echo(f"error: tritonserver exited with code {srv.process.returncode}:\n{srv.log_tail()}", err=True)
+        srv.stop()
+        sys.exit(EXIT_FAILED)
+    except KeyboardInterrupt:
+        click.echo("stopping Triton ...", err=True)
+        rc = srv.stop()
+        click.echo(f"stopped (exit code {rc})", err=True)
+
+
 def main() -> None:
     try:
         cli.main(standalone_mode=False)

@@ -1,0 +1,248 @@
+"""Stage `export`: Triton model repositories for the deployment `build` wrote.
+
+  triton/        the production repository for Triton's TensorRT-LLM LLM-API model
+                 (`tensorrt_llm/config.pbtxt`, `tensorrt_llm/1/model.yaml` = the LLM-API options + `triton_config`,
+                 the FP8 target and the draft under `tensorrt_llm/1/`), plus `launch.sh` and a README for
+                 `nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3`. The container provides the model code
+                 (`/app/all_models/llmapi/tensorrt_llm/1/{model.py,helpers.py}`); launch.sh assembles a
+                 serving copy of the repository with it, so the mounted directory stays read-only.
+  triton_cpu/    the same model name and request/response interface, served by a Python-backend model that runs
+                 the same FP8 pair through specpipe's speculative runtime (runtime/triton_model/model.py), so
+                 `specpipe serve` answers on a CPU with the acceptance statistics TensorRT-LLM would report.
+  export.json    what was exported and checked.
+
+Refuses to run when `validate`'s gate failed. Every config.pbtxt is parsed with Triton's model-config protobuf
+(tritonclient 2.51, the version of the server `specpipe serve` runs) and model.yaml is checked against the
+targeted TensorRT-LLM version's field list.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from pipeline.errors import StageError
+from pipeline.stage import Artifact, StageContext, StageSection
+
+NAME = "export"
+CONSUMES: tuple[str, ...] = ("quantize", "validate", "build")
+VERSION = "1"
+PACKAGES = ("tritonclient",)
+
+
+class Config(StageSection):
+    model_name: str = Field("tensorrt_llm", pattern=r"^[A-Za-z0-9_.-]+$",
+                            description="Triton model name in both repositories (the LLM-API template's name)")
+    decoupled: bool = Field(True, description="decoupled transaction policy: needed for streaming")
+    cancellation_check_period_ms: int = Field(100, ge=1)
+    container_path: str = Field("/opt/specpipe/triton", pattern=r"^/",
+                                description="where launch.sh expects triton/ mounted inside the container")
+    weights: Literal["link", "copy"] = Field("link", description="hard-link the checkpoints (copy across filesystems) or copy")
+    cpu_repository: bool = True
+
+
+def run(ctx: StageContext) -> dict:
+    import yaml
+
+    from runtime import compat
+    from runtime import trtllm_options as T
+
+    sec: Config = ctx.section
+    _require_gate(ctx.input("validate").read_json("acceptance.json"))
+    bpath = ctx.input("build").path
+    dep = json.loads((bpath / "deployment.json").read_text())
+    options = yaml.safe_load((bpath / dep["options_file"]).read_text())
+    version = dep["trtllm_version"]
+    io = T.load_schema("triton-llmapi-model")["config_pbtxt"]
+
+    # -- production repository
+    prod = ctx.out_dir / "triton"
+    mdir = prod / sec.model_name / "1"
+    mdir.mkdir(parents=True)
+    _place(Path(dep["target_dir"]), mdir / "target_fp8", sec.weights)
+    _place(Path(dep["draft_dir"]), mdir / "draft", sec.weights)
+    in_container = f"{sec.container_path.rstrip('/')}/{sec.model_name}/1"
+    body = {"model": f"{in_container}/target_fp8", "backend": "pytorch", **options}
+    body["speculative_config"] = {**options["speculative_config"], "speculative_model": f"{in_container}/draft"}
+    body["triton_config"] = {"max_batch_size": 0, "decoupled": sec.decoupled,
+                             "cancellation_check_period_ms": sec.cancellation_check_period_ms}
+    if bad := T.unknown_keys(body, version, model_yaml=True):
+        raise StageError(f"model.yaml would carry keys TensorRT-LLM {version} does not know: {bad}")
+    (mdir / "model.yaml").write_text(
+        f"# TensorRT-LLM {version} LLM-API options for Triton's llmapi model (every key but triton_config goes to LLM(...)).\n"
+        f"# Paths are inside the container: triton/ mounted at {sec.container_path}.\n"
+        "# triton_config.max_batch_size 0: the LLM-API model batches in TensorRT-LLM, not in Triton.\n"
+        + yaml.safe_dump(body, sort_keys=False, default_flow_style=None))
+    (prod / sec.model_name / "config.pbtxt").write_text(config_pbtxt(sec.model_name, io, production=True))
+    image = compat.triton_image_for(version)
+    (prod / "launch.sh").write_text(_launch_sh(sec, dep))
+    (prod / "launch.sh").chmod(0o755)
+    (prod / "README.md").write_text(_readme(sec, dep, image, ctx.workdir))
+
+    # -- CPU repository: same interface, specpipe's runtime
+    cpu = ctx.out_dir / "triton_cpu"
+    if sec.cpu_repository:
+        cdir = cpu / sec.model_name / "1"
+        cdir.mkdir(parents=True)
+        _place(Path(dep["target_dir"]), cdir / "target_fp8", sec.weights)
+        _place(Path(dep["draft_dir"]), cdir / "draft", sec.weights)
+        from importlib import resources
+
+        import runtime
+
+        (cdir / "model.py").write_text(resources.files("runtime").joinpath("triton_model", "model.py").read_text())
+        (cdir / "specpipe_model.json").write_text(json.dumps({
+            "target": "target_fp8", "draft": "draft", "algorithm": dep["algorithm"],
+            "draft_len": dep["draft_len_by_batch"][0] if dep.get("draft_len_by_batch") else dep["max_draft_len"],
+            "trtllm_version": version, "specpipe_src": str(Path(runtime.__file__).resolve().parents[1])}, indent=2))
+        (cpu / sec.model_name / "config.pbtxt").write_text(
+            config_pbtxt(sec.model_name, io, production=False, decoupled=sec.decoupled))
+
+    parsed = check_pbtxt([p for p in ctx.out_dir.rglob("config.pbtxt")])
+    ctx.log.info("config.pbtxt: %s", ", ".join(f"{Path(k).relative_to(ctx.out_dir)} {v}" for k, v in parsed.items()))
+    doc = {"model_name": sec.model_name, "trtllm_version": version, "triton_image": image,
+           "serving_image": dep["serving_image"], "decoupled": sec.decoupled, "container_path": sec.container_path,
+           "cpu_repository": "triton_cpu" if sec.cpu_repository else None,
+           "config_pbtxt": {str(Path(k).relative_to(ctx.out_dir)): v for k, v in parsed.items()}}
+    (ctx.out_dir / "export.json").write_text(json.dumps(doc, indent=2))
+    if image is None:
+        ctx.log.warning("no Triton image ships TensorRT-LLM %s: serve the production repository from a custom image "
+                        "built on %s (see triton/README.md)", version, dep["serving_image"])
+    return {"model_name": sec.model_name, "trtllm_version": version, "triton_image": image or "custom",
+            "cpu_repository": sec.cpu_repository, "config_pbtxt_checked": sum(v == "parsed" for v in parsed.values())}
+
+
+def _require_gate(acc: dict) -> None:
+    gates = acc.get("gates") or {}
+    if gates.get("passed") is True:
+        return
+    detail = {k: v for k, v in gates.items() if k != "passed"} if isinstance(gates, dict) else gates
+    raise StageError("validate's acceptance gate did not pass, so there is nothing to export: "
+                     f"{json.dumps(detail, default=str)[:800]}. Retrain or retune the draft, or relax the gate in "
+                     "the validate section if the measured acceptance is acceptable.")
+
+
+def _place(src: Path, dst: Path, mode: str) -> None:
+    """Hard-link (or copy) a checkpoint directory: the repositories must be self-contained to be mounted."""
+    if not (src / "config.json").exists():
+        raise StageError(f"{src} is not a checkpoint directory (no config.json)")
+    for f in sorted(p for p in src.rglob("*") if p.is_file()):
+        out = dst / f.relative_to(src)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if mode == "link":
+            try:
+                os.link(f, out)
+                continue
+            except OSError:
+                pass
+        shutil.copy2(f, out)
+
+
+# ---------------------------------------------------------------------------------------------- config.pbtxt
+
+
+def config_pbtxt(name: str, io: dict, *, production: bool, decoupled: bool = True) -> str:
+    """The LLM-API model's config (inputs/outputs from the extracted schema). The production config leaves
+    max_batch_size and the transaction policy to model.yaml's triton_config (the container's model.py sets them
+    in auto_complete_config); the CPU config states them."""
+    lines = [f'name: "{name}"', 'backend: "python"']
+    if not production:
+        lines += ["max_batch_size: 0", f"model_transaction_policy {{ decoupled: {'true' if decoupled else 'false'} }}"]
+    for kind, items in (("input", io["inputs"]), ("output", io["outputs"])):
+        for it in items:
+            opt = " optional: true" if it.get("optional") else ""
+            dims = ", ".join(str(d) for d in it["dims"])
+            lines.append(f'{kind} {{ name: "{it["name"]}" data_type: {it["data_type"]} dims: [ {dims} ]{opt} }}')
+    lines.append("instance_group [ { count: 1 kind: KIND_CPU } ]")
+    return "\n".join(lines) + "\n"
+
+
+def check_pbtxt(paths: list[Path]) -> dict[str, str]:
+    """Parse each config.pbtxt with Triton's model-config protobuf; a parse error fails the stage."""
+    try:
+        from google.protobuf import text_format
+        from tritonclient.grpc import model_config_pb2
+    except ImportError:
+        return {str(p): "not checked (tritonclient not installed)" for p in paths}
+    out = {}
+    for p in paths:
+        try:
+            text_format.Parse(p.read_text(), model_config_pb2.ModelConfig())
+        except text_format.ParseError as e:
+            raise StageError(f"{p} does not parse as a Triton model config: {e}") from None
+        out[str(p)] = "parsed"
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- launch + README
+
+
+def _launch_sh(sec: Config, dep: dict) -> str:
+    tp = 1  # model.yaml's tensor_parallel_size: TensorRT-LLM spawns its own workers from the LLM-API model
+    repo = shlex.quote(sec.container_path)
+    name = shlex.quote(sec.model_name)
+    return f"""#!/usr/bin/env bash
+# Runs INSIDE a tritonserver:<yy.mm>-trtllm-python-py3 container with this directory mounted at {sec.container_path}.
+# The container ships the LLM-API model code; this assembles a serving copy of the repository with it (the
+# mount stays read-only), then starts Triton through the container's launcher.
+set -euo pipefail
+SRC=/app/all_models/llmapi/tensorrt_llm/1
+REPO={repo}
+SERVE="${{SERVE_REPO:-/tmp/specpipe_model_repo}}"
+[ -f "$SRC/model.py" ] || {{ echo "no $SRC/model.py: is this a *-trtllm-python-py3 image?" >&2; exit 1; }}
+mkdir -p "$SERVE"/{name}/1
+ln -sf "$REPO"/{name}/config.pbtxt "$SERVE"/{name}/config.pbtxt
+ln -sf "$REPO"/{name}/1/model.yaml "$SERVE"/{name}/1/model.yaml
+cp "$SRC/model.py" "$SRC/helpers.py" "$SERVE"/{name}/1/
+exec python3 /app/scripts/launch_triton_server.py --model_repo="$SERVE" --world_size={tp} "$@"
+"""
+
+
+def _readme(sec: Config, dep: dict, image: str | None, workdir: Path) -> str:
+    here = shlex.quote(str(Path(workdir).resolve() / "artifacts" / "export" / "triton"))
+    img = image or f"<a custom Triton image built on {dep['serving_image']}>"
+    return f"""# Triton repository for TensorRT-LLM {dep['trtllm_version']} (LLM-API model)
+
+`{sec.model_name}/config.pbtxt` is the LLM-API model's interface; `{sec.model_name}/1/model.yaml` holds the
+LLM-API options specpipe built (every key but `triton_config` goes to `LLM(...)`), with the FP8 target
+(`1/target_fp8/`) and the {dep['decoding_type']} draft (`1/draft/`) next to it, referenced by their paths inside
+the container ({sec.container_path}).
+
+The model code (`model.py`, `helpers.py`) is not copied here: it comes with the container, under
+`/app/all_models/llmapi/tensorrt_llm/1/`, and must match its TensorRT-LLM. `launch.sh` copies it into a
+serving copy of this repository (`/tmp/specpipe_model_repo`) and starts Triton with
+`/app/scripts/launch_triton_server.py`.
+
+## Serve
+```bash
+docker run --gpus all --rm -it --ipc=host --shm-size=2g -p 8000:8000 -p 8001:8001 -p 8002:8002 \\
+  -v {here}:{sec.container_path}:ro \\
+  {img} bash {sec.container_path}/launch.sh
+```
+Container for this version (runtime/compat.py): `{img}`.
+
+## Ask
+```bash
+curl -s localhost:8000/v2/models/{sec.model_name}/generate -d '{{"text_input": "def add(a, b):", "sampling_param_max_tokens": 64, "sampling_param_return_perf_metrics": true}}'
+curl -s -N localhost:8000/v2/models/{sec.model_name}/generate_stream -d '{{"text_input": "def add(a, b):", "streaming": true}}'
+```
+With `sampling_param_return_perf_metrics: true` the response carries `acceptance_rate`,
+`total_accepted_draft_tokens` and `total_draft_tokens`. `triton_config.decoupled: {str(sec.decoupled).lower()}`.
+
+The sibling repository `../triton_cpu/` serves the same FP8 pair with the same interface on a CPU
+(`specpipe serve --workdir <run>`), through specpipe's speculative runtime instead of TensorRT-LLM.
+"""
+
+
+def report(artifact: Artifact) -> str:
+    from pipeline.report import esc, table
+
+    doc = artifact.read_json("export.json")
+    return (f"<p>model <code>{esc(doc['model_name'])}</code> for TensorRT-LLM {esc(doc['trtllm_version'])} in "
+            f"<code>{esc(str(doc['triton_image']))}</code>; CPU repository: {esc(str(doc['cpu_repository']))}</p>"
+            + table([{"config.pbtxt": k, "check": v} for k, v in doc["config_pbtxt"].items()]))
