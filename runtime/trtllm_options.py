@@ -103,13 +103,13 @@ def schedule_to_intervals(schedule: dict, semantics: compat.Semantics) -> Interv
             out.append((lo, hi, k))
             lo = hi + 1
         out.append((lo, None, 0))
-    return _merge(out)
+    return merge_intervals(out)
 
 
 def intervals_to_schedule(intervals: Intervals, semantics: compat.Semantics, max_batch_size: int) -> dict[int, int]:
     """The version's dict form. Batch sizes above max_batch_size never occur, so an unbounded last interval
     becomes max_batch_size for upper-bound semantics."""
-    iv = _merge([(lo, hi, k) for lo, hi, k in intervals if lo <= max_batch_size])
+    iv = merge_intervals([(lo, hi, k) for lo, hi, k in intervals if lo <= max_batch_size])
     if semantics == "lower_bound":
         return {lo: k for lo, _, k in iv}
     out: dict[int, int] = {}
@@ -119,7 +119,7 @@ def intervals_to_schedule(intervals: Intervals, semantics: compat.Semantics, max
     return out
 
 
-def _merge(iv: Intervals) -> Intervals:
+def merge_intervals(iv: Intervals) -> Intervals:
     out: Intervals = []
     for lo, hi, k in sorted(iv):
         if out and out[-1][2] == k and out[-1][1] is not None and out[-1][1] + 1 == lo:
@@ -141,7 +141,7 @@ def cap_intervals(intervals: Intervals, max_concurrency: int | None) -> Interval
             out += [(lo, max_concurrency, k), (max_concurrency + 1, hi, 0)]
         else:
             out.append((lo, hi, k))
-    return _merge(out)
+    return merge_intervals(out)
 
 
 def schedule_problems(schedule: dict, max_draft_len: int, version: str) -> list[str]:
@@ -211,7 +211,7 @@ def llm_api_options(spec: DeploymentSpec) -> dict:
         # draft length with a cut-off is just max_concurrency; anything else is a schedule (in 1.3 the
         # schedule must carry the cut-off itself: the two fields are mutually exclusive there).
         iv = cap_intervals(spec.schedule or [(1, None, spec.max_draft_len)], spec.max_concurrency)
-        iv = _merge([(lo, hi, k) for lo, hi, k in iv if lo <= spec.max_batch_size])
+        iv = merge_intervals([(lo, hi, k) for lo, hi, k in iv if lo <= spec.max_batch_size])
         on = [x for x in iv if x[2] > 0]
         if len(on) == 1 and on[0][0] == 1 and on[0][2] == spec.max_draft_len:
             hi = on[0][1]

@@ -210,6 +210,10 @@ def _tuned_intervals(tuning: dict, max_draft_len: int):
     wrote it for (not necessarily the version built here)."""
     from runtime import trtllm_options as T
 
+    runs = tuning.get("draft_len_by_batch")   # [[first batch, last batch, k], ...]: the step function itself
+    if runs and all(isinstance(r, (list, tuple)) and len(r) == 3 for r in runs):
+        iv = [(int(lo), int(hi), int(k)) for lo, hi, k in runs]
+        return T.merge_intervals(iv[:-1] + [(iv[-1][0], None, iv[-1][2])])   # the last run extends past tune's table
     sched = tuning.get("draft_len_schedule")
     if not sched:
         return None

@@ -313,3 +313,17 @@ def test_command_files_quote_paths_safely(tmp_path):
     assert bench[:4] == ["--model", "org/my model", "--model_path", str(ck["target"])]
     assert bench[bench.index("--dataset") + 1] == str(dep / "bench_dataset.jsonl")
     assert bench[bench.index("--concurrency") + 1] == "16"
+
+
+def test_build_reads_tunes_step_function_whatever_version_tune_wrote_for(tmp_path):
+    """tune's `draft_len_by_batch` runs are version-free; a 1.3-style schedule next to them is not reused as is."""
+    write_checkpoints(tmp_path)
+    p = tmp_path / "artifacts" / "tune" / "tuning.json"
+    t = json.loads(p.read_text())
+    t.update(trtllm_version="1.3.0rc27", draft_len_schedule={"4": 4, "8": 2},
+             draft_len_by_batch=[[1, 4, 4], [5, 8, 2], [9, 16, 0]])
+    p.write_text(json.dumps(t))
+    ctx = make_ctx(tmp_path, build.Config())      # builds for 1.2.1
+    build.run(ctx)
+    opts = yaml.safe_load((ctx.out_dir / "deployment" / "llm_api_options.yaml").read_text())
+    assert opts["speculative_config"]["draft_len_schedule"] == {1: 4, 5: 2, 9: 0}
