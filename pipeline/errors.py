@@ -23,7 +23,14 @@ class UsageError(SpecpipeError):
 
 
 class StageError(SpecpipeError):
-    """An expected stage failure (a failed check or gate). Exit code 1; the message is shown as is."""
+    """An expected stage failure (a failed check or gate). Exit code 1; the message is shown as is.
+
+    `metrics` (JSON-able) are kept although nothing is committed: a failed gate's table of measured vs
+    required stays visible in `status --json` (`failed_metrics`) and the report."""
+
+    def __init__(self, message: str, metrics: dict | None = None):
+        super().__init__(message)
+        self.metrics = metrics or {}
 
 
 class LockedError(SpecpipeError):

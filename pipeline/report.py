@@ -73,8 +73,15 @@ def write_report(store: Store, out: Path | None = None) -> Path:
                      esc(st.get("error") or "")])
     head = "".join(f"<th>{h}</th>" for h in ("stage", "state", "last build", "fingerprint", "wall time", "peak RSS", "error"))
     parts.append(f"<table><tr>{head}</tr>" + "".join("<tr>" + "".join(f"<td>{c}</td>" for c in r) + "</tr>" for r in rows) + "</table>")
-    for spec in registry.stages():
+    for spec, st in zip(registry.stages(), doc["stages"]):
         art = store.artifact(spec.name)
+        if st.get("failed_metrics") and st.get("last_build") == "failed":
+            parts.append(f"<h2>{esc(spec.name)} <span class='fail'>failed</span></h2><p class='fail'>{esc(st.get('error') or '')}</p>")
+            fm = st["failed_metrics"]
+            if spec.report is not None and hasattr(spec.module, "report_failed"):
+                parts.append(spec.module.report_failed(fm))
+            else:
+                parts.append(table([[k, v] for k, v in fm.items()], ["metric", "value"]))
         if art is None:
             continue
         parts.append(f"<h2>{esc(spec.name)}</h2>")

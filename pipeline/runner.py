@@ -216,6 +216,7 @@ class Outcome:
     wall_s: float = 0.0
     error: str | None = None
     log_file: str | None = None
+    failed_metrics: dict | None = None
 
 
 def _stage_logger(store: Store, name: str) -> tuple[logging.Logger, logging.Handler]:
@@ -286,13 +287,16 @@ def run_stage(item: PlanItem, cfg, store: Store, argv: list[str]) -> Outcome:
         if isinstance(e, KeyboardInterrupt):
             lg.error("interrupted after %.1fs; nothing committed", wall)
             raise
+        failed_metrics = None
         if isinstance(e, StageError):
             lg.error("%s", e)
             msg = str(e)
+            failed_metrics = e.metrics or None
         else:
             lg.error("unexpected error:\n%s", traceback.format_exc())
             msg = f"{type(e).__name__}: {e}"
-        return Outcome(spec.name, "failed", item.reason, item.fingerprint, wall, error=msg, log_file=log_file)
+        return Outcome(spec.name, "failed", item.reason, item.fingerprint, wall, error=msg, log_file=log_file,
+                       failed_metrics=failed_metrics)
     finally:
         lg.removeHandler(fh)
         fh.close()
@@ -335,7 +339,8 @@ def _write_last_build(store: Store, outcomes: list[Outcome], argv: list[str], co
         "config": str(Path(config_path).resolve()),
         "command": shlex.join(argv),
         "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "stages": {o.name: {"action": o.action, "reason": o.reason, "error": o.error, "wall_s": round(o.wall_s, 3)} for o in outcomes},
+        "stages": {o.name: {"action": o.action, "reason": o.reason, "error": o.error, "wall_s": round(o.wall_s, 3),
+                            "failed_metrics": o.failed_metrics} for o in outcomes},
     }
     atomic_write_text(store.root / "last_build.json", json.dumps(doc, indent=2))
 
@@ -364,6 +369,7 @@ def status(store: Store) -> dict:
             "last_build": lb.get("action"),
             "last_reason": lb.get("reason"),
             "error": lb.get("error"),
+            "failed_metrics": lb.get("failed_metrics"),
         }
         out["stages"].append(entry)
     return out
