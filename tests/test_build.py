@@ -34,7 +34,7 @@ REF_SCHEMAS = Path(__file__).resolve().parents[2] / "shared" / "reference" / "sc
 
 
 def write_checkpoints(root: Path, *, layers: int = 8, vocab: int = 512, draft_vocab: int | None = 256,
-                      d2t: bool = True, aux: list[int] | None = None, fp8: bool = True) -> dict:
+                      d2t: bool = True, aux: list[int] | None = None, fp8: bool = True, algorithm: str = "eagle3") -> dict:
     """Synthetic upstream artifacts laid out as the stages write them (docs/architecture.md contracts)."""
     from safetensors.numpy import save_file
 
@@ -57,12 +57,17 @@ def write_checkpoints(root: Path, *, layers: int = 8, vocab: int = 512, draft_vo
         tensors["lm_head.weight"] = np.zeros((draft_vocab, 4), np.float32)
         if d2t:
             tensors["d2t"] = np.zeros((draft_vocab,), np.int64)
+    if algorithm == "dflash":   # ModelOpt's DFlash export: no lm_head/embeddings, block + dflash_config
+        dcfg = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": 8, "num_target_layers": layers,
+                "max_position_embeddings": 2048, "dflash_config": {"mask_token_id": 2, "target_layer_ids": [1, 5]}}
+        tensors = {"fc.weight": np.zeros((4, 8), np.float32)}
     (draft / "config.json").write_text(json.dumps(dcfg))
     save_file(tensors, str(draft / "model.safetensors"))
     (arts / "quantize" / "quantize.json").write_text(json.dumps({"format": "fp8", "target_dir": "quantize/target_fp8",
                                                                  "draft_dir": "train_draft/draft"}))
     (arts / "train_draft" / "draft.json").write_text(json.dumps({
-        "algorithm": "eagle3", "num_layers": 1, "aux_layer_ids": aux, "vocab_size": vocab,
+        "algorithm": algorithm, "num_layers": 1, "aux_layer_ids": aux if algorithm == "eagle3" else None,
+        "block_size": 8 if algorithm == "dflash" else None, "vocab_size": vocab,
         "draft_vocab_size": draft_vocab or vocab, "has_d2t": d2t, "trained_draft_len": 3, "max_position_embeddings": 2048}))
     (arts / "tune").mkdir(parents=True)
     (arts / "tune" / "tuning.json").write_text(json.dumps({

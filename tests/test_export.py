@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import subprocess
 from pathlib import Path
 from types import SimpleNamespace
@@ -130,3 +131,19 @@ def test_cpu_repository_carries_the_model_and_its_spec(exported):
     assert (mdir / spec["target"] / "hf_quant_config.json").exists() and (mdir / spec["draft"] / "config.json").exists()
     doc = json.loads((out / "export.json").read_text())
     assert set(doc["config_pbtxt"].values()) == {"parsed"}
+
+
+def test_dflash_exports_for_1_3_with_a_custom_image_note(tmp_path):
+    write_checkpoints(tmp_path, algorithm="dflash")
+    gate(tmp_path, True)
+    with pytest.raises(StageError, match="DFlash needs TensorRT-LLM 1.3"):
+        run_stage(tmp_path, build, build.Config())            # 1.2.1 default: refused at run time too
+    shutil.rmtree(tmp_path / ".tmp")
+    run_stage(tmp_path, build, build.Config(trtllm_version="1.3.0rc27"))
+    out = run_stage(tmp_path, export, export.Config())
+    body = yaml.safe_load((out / "triton" / "tensorrt_llm" / "1" / "model.yaml").read_text())
+    sc = body["speculative_config"]
+    assert sc["decoding_type"] == "DFlash" and "eagle3_one_model" not in sc and "eagle3_layers_to_capture" not in sc
+    assert T.unknown_keys(body, "1.3.0rc27", model_yaml=True) == []
+    assert "custom Triton image built on nvcr.io/nvidia/tensorrt-llm/release:1.3.0rc27" in (out / "triton" / "README.md").read_text()
+    assert json.loads((out / "export.json").read_text())["triton_image"] is None
