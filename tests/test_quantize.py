@@ -264,3 +264,12 @@ def test_config():
     assert [p for p, _ in Q.check(cfg)] == ["quantize.draft"]
     cfg.train_draft.algorithm.kind = "eagle3"
     assert Q.check(cfg) == []
+
+
+def test_report_section(built):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    html = Q.report(Artifact("quantize", built.out, {"metrics": built.metrics}))
+    assert "perplexity increase" in html and "finite_scales" in html and "<img" in html
+    assert "draft top1 fp8" in html
