@@ -159,11 +159,13 @@ def make_linear(sd: dict, prefix: str, compute_dtype: torch.dtype) -> nn.Module:
     w = sd[f"{prefix}.weight"]
     b = sd.get(f"{prefix}.bias")
     if w.dtype == torch.float8_e4m3fn:
-        try:
-            from runtime import fp8
-        except ImportError as e:
-            raise DraftFormatError(f"{prefix}: FP8 weights need runtime.fp8, which is not available ({e})") from None
-        return fp8.linear_from_state(sd, prefix, compute_dtype=compute_dtype)
+        from runtime.fp8 import FP8Linear
+
+        if f"{prefix}.weight_scale" not in sd:
+            raise DraftFormatError(f"{prefix}.weight is float8 but {prefix}.weight_scale is missing")
+        # use_scaled_mm: the real FP8 GEMM when the input is on CUDA, exact emulation otherwise
+        return FP8Linear(w, sd[f"{prefix}.weight_scale"], sd.get(f"{prefix}.input_scale"), b,
+                         compute_dtype=compute_dtype, use_scaled_mm=True)
     lin = nn.Linear(w.shape[1], w.shape[0], bias=b is not None)
     with torch.no_grad():
         lin.weight.copy_(w.to(compute_dtype))

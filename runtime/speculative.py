@@ -507,12 +507,11 @@ class SpeculativeEngine:
 # ---------------------------------------------------------------------------------------------- helpers
 
 
-def load_pair(target_dir, draft_dir, *, device="cpu", compute_dtype=torch.float32, strict: bool = True,
-              first_layer_norm: str = "modelopt"):
-    """Target + draft from their deployed directories, with the pairing checks; returns (model, draft)."""
+def load_pair(target_dir, draft_dir, *, device="cpu", compute_dtype=torch.float32, **draft_kw):
+    """Target + draft from their deployed directories, with the pairing checks; returns (model, draft).
+    `draft_kw`: strict, first_layer_norm, expected_capture_layers (see `runtime.drafts.load_draft`)."""
     model = load_target(target_dir, device=device, compute_dtype=compute_dtype)
-    draft = load_draft(draft_dir, target_shape(model), compute_dtype=compute_dtype, device=device, strict=strict,
-                       first_layer_norm=first_layer_norm)
+    draft = load_draft(draft_dir, target_shape(model), compute_dtype=compute_dtype, device=device, **draft_kw)
     return model, draft
 
 

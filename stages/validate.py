@@ -81,6 +81,10 @@ def check(cfg) -> list[tuple[str, str]]:
     if g is not None and not isinstance(g, dict) and g > sec.max_draft_len + 1:
         problems.append(("validate.gates.min_acceptance_length",
                          f"{g} > max_draft_len + 1 = {sec.max_draft_len + 1}: no draft can reach it"))
+    mo = sec.gates.min_overall_acceptance_length
+    if mo is not None and mo > sec.max_draft_len + 1:
+        problems.append(("validate.gates.min_overall_acceptance_length",
+                         f"{mo} > max_draft_len + 1 = {sec.max_draft_len + 1}: no draft can reach it"))
     if sec.gates.min_retention is not None and not sec.measure_bf16:
         problems.append(("validate.gates.min_retention", "needs validate.measure_bf16: true"))
     return problems
@@ -201,6 +205,7 @@ def _run_reference(ctx, sec: Config, deployed: dict, bf16: dict | None, prompts:
 
     dev = _device(sec)
     pairs = [("fp8", deployed)] + ([("bf16", bf16)] if bf16 else [])
+    expected = _trained_layers(ctx)
     res: dict = {"domains": {d: {} for d in prompts}, "overall": {}}
     K = sec.max_draft_len
     n_runs = len(pairs) * len(prompts) + (len(prompts) if sec.lossless_prompts else 0)
@@ -208,7 +213,7 @@ def _run_reference(ctx, sec: Config, deployed: dict, bf16: dict | None, prompts:
         for label, pair in pairs:
             try:
                 model, draft = load_pair(pair["target_dir"], pair["draft_dir"], device=dev,
-                                         first_layer_norm=sec.first_layer_norm)
+                                         first_layer_norm=sec.first_layer_norm, expected_capture_layers=expected)
             except DraftFormatError as e:
                 raise StageError(f"validate: the {label} draft does not load as exported: {e}") from None
             if draft.algorithm == "dflash" and K > draft.block_size - 1:
@@ -236,6 +241,15 @@ def _run_reference(ctx, sec: Config, deployed: dict, bf16: dict | None, prompts:
                 torch.cuda.empty_cache()
     res["draft_len"] = K
     return res
+
+
+def _trained_layers(ctx) -> list[int] | None:
+    """The capture layers training used, from train_draft's draft.json (None when it does not say)."""
+    f = ctx.input("train_draft").path / "draft.json"
+    if not f.exists():
+        return None
+    info = json.loads(f.read_text())
+    return info.get("aux_layer_ids") if info.get("algorithm") == "eagle3" else info.get("target_layer_ids")
 
 
 def _measure(eng, prompts, sec: Config, K: int, eos, *, speculative: bool, temperature: float | None = None):
@@ -365,14 +379,13 @@ def trtllm_llm_kwargs(target_dir, draft_dir, *, algorithm: str, max_draft_len: i
     }
 
 
-def trtllm_sampling_kwargs(*, max_new_tokens: int, temperature: float, seed: int, eos_token_id) -> dict:
+def trtllm_sampling_kwargs(*, max_new_tokens: int, temperature: float, seed: int) -> dict:
+    """SamplingParams(...) arguments (end token: the tokenizer's eos, TensorRT-LLM's default)."""
     kw = {"max_tokens": max_new_tokens, "return_perf_metrics": True, "seed": seed}
     if temperature > 0:
         kw["temperature"] = temperature
     else:
         kw["top_k"] = 1                  # greedy
-    if eos_token_id is not None:
-        kw["end_id"] = eos_token_id
     return kw
 
 
@@ -400,7 +413,7 @@ def _run_trtllm(ctx, sec: Config, deployed: dict, bf16: dict | None, prompts: di
         cls = getattr(llmapi, TRTLLM_SPEC_CLASSES[spec.pop("decoding_type")])
         llm = LLM(**kw, speculative_config=cls(**spec))
         sp = SamplingParams(**trtllm_sampling_kwargs(max_new_tokens=sec.max_new_tokens, temperature=sec.temperature,
-                                                     seed=sec.seed, eos_token_id=eos))
+                                                     seed=sec.seed))
         tot = {"drafted": 0, "accepted": 0, "tokens": 0}
         for d, ps in prompts.items():
             t0 = time.perf_counter()

@@ -471,3 +471,27 @@ def test_target_runner_rollback_matches_fresh_forward(tiny):
     fresh.reset(1, 64)
     b, _ = fresh.forward(torch.tensor([p + [5, 6, 11]]))
     torch.testing.assert_close(a[0, -1], b[0, -1], atol=1e-4, rtol=1e-4)
+
+
+def test_fp8_eagle3_draft_loads_through_fp8_linears(tiny, tmp_path):
+    """An FP8 EAGLE-3 draft (ModelOpt PTQ of the draft only, exported by export_speculative_decoding) loads with
+    FP8Linear layers, stays lossless and keeps acceptance close to the BF16 draft."""
+    import modelopt.torch.quantization as mtq
+    from modelopt.torch.export import export_speculative_decoding
+
+    from runtime.fp8 import FP8Linear
+
+    m = copy.deepcopy(tiny["eagle_model"])
+    cfg = copy.deepcopy(mtq.FP8_DEFAULT_CFG)
+    cfg["quant_cfg"].append({"quantizer_name": "model.*", "enable": False})      # target untouched
+    calib = list(_batches(tiny["data"], 4, 4, 64, 6))
+    m = mtq.quantize(m, cfg, lambda mm: [mm(input_ids=x) for x in calib])
+    export_speculative_decoding(m, export_dir=tmp_path / "draft_fp8")
+    assert (tmp_path / "draft_fp8" / "hf_quant_config.json").exists()
+    model, draft = load_pair(tiny["target_dir"], tmp_path / "draft_fp8")
+    assert isinstance(draft.layers[0].q_proj, FP8Linear) and isinstance(draft.fc, FP8Linear)
+    eng = SpeculativeEngine(model, draft)
+    ar = eng.generate(tiny["prompts"], max_new_tokens=24, draft_len=0).tokens
+    sp = eng.generate(tiny["prompts"], max_new_tokens=24, draft_len=3)
+    assert lossless_diff(sp.tokens, ar) == []
+    assert abs(sp.stats.acceptance_length - _al(tiny, tiny["eagle_dir"])) < 0.3
