@@ -147,3 +147,10 @@ def test_dflash_exports_for_1_3_with_a_custom_image_note(tmp_path):
     assert T.unknown_keys(body, "1.3.0rc27", model_yaml=True) == []
     assert "custom Triton image built on nvcr.io/nvidia/tensorrt-llm/release:1.3.0rc27" in (out / "triton" / "README.md").read_text()
     assert json.loads((out / "export.json").read_text())["triton_image"] is None
+
+
+def test_serve_without_an_export_is_a_usage_error(tmp_path):
+    from conftest import run_cli
+
+    r = run_cli("serve", "--workdir", str(tmp_path))
+    assert r.returncode == 2 and "no committed export with a CPU repository" in r.stderr
