@@ -1,0 +1,479 @@
+"""Roofline cost model of one decoding step of a target and its draft, and the draft-length optimiser.
+
+Pure functions, no torch: `tune` uses them to choose the draft length per batch size, `build` may reuse them,
+and `specpipe profile` compares them with measured step times.
+
+The model (anchors.md, "Formulas"):
+- every GEMM with M token rows and a K x N weight does 2 M K N FLOPs and moves K N weight bytes plus the
+  activations; attention reads each sequence's KV cache once per step (all of its 1+k query rows share it)
+  and does 4 q L heads head_dim FLOPs per sequence; tensor parallelism splits weights, heads and KV;
+- an operation takes max(bytes / bandwidth, FLOPs / peak) plus a fixed launch overhead, with bandwidth and
+  peak the *achieved* values (datasheet x efficiency, or measured by `specpipe profile`);
+- a step is the sum over its operations (layers are identical, so one layer is costed and multiplied).
+
+Speculation (one verification step with draft length k at batch B, context L):
+  tokens/step E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j   (a_j: conditional acceptance at draft position j)
+  speedup S(B, k) = E(k) * T_target(B, 1) / (T_target(B, 1+k) + T_draft(B, k))
+EAGLE-3 drafts serially (one pass over the 1+k verified rows, then k-1 one-row passes); DFlash drafts all k
+positions in one parallel pass.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+# ------------------------------------------------------------------------------------------ shapes
+
+
+@dataclass(frozen=True)
+class Gemm:
+    name: str
+    k: int          # input features
+    n: int          # output features
+    split: bool = True  # sharded by tensor parallelism (column/row parallel); False = replicated
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What one forward pass of a decoder costs: per-layer GEMMs, attention geometry, once-per-step GEMMs."""
+
+    name: str
+    num_layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    layer_gemms: tuple[Gemm, ...]
+    head_gemms: tuple[Gemm, ...] = ()     # lm_head (rows = logits rows)
+    input_gemms: tuple[Gemm, ...] = ()    # e.g. EAGLE-3 / DFlash `fc` over target features (rows = input rows)
+
+    def weight_params(self) -> int:
+        return (self.num_layers * sum(g.k * g.n for g in self.layer_gemms)
+                + sum(g.k * g.n for g in self.head_gemms) + sum(g.k * g.n for g in self.input_gemms))
+
+    def kv_bytes_per_token(self, kv_bytes: float) -> float:
+        """Bytes of KV cache one token occupies (all layers, K and V)."""
+        return 2 * self.num_layers * self.kv_heads * self.head_dim * kv_bytes
+
+
+def llama_layer_gemms(hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int,
+                      qkv_in: int | None = None) -> tuple[Gemm, ...]:
+    qkv_in = qkv_in or hidden
+    return (
+        Gemm("qkv_proj", qkv_in, (heads + 2 * kv_heads) * head_dim),
+        Gemm("o_proj", heads * head_dim, hidden),
+        Gemm("gate_up_proj", hidden, 2 * intermediate),
+        Gemm("down_proj", intermediate, hidden),
+    )
+
+
+def llama(name: str, *, num_layers: int, hidden: int, heads: int, kv_heads: int, intermediate: int, vocab: int,
+          head_dim: int | None = None) -> ModelShape:
+    hd = head_dim or hidden // heads
+    return ModelShape(name, num_layers, hidden, heads, kv_heads, hd,
+                      llama_layer_gemms(hidden, heads, kv_heads, hd, intermediate),
+                      head_gemms=(Gemm("lm_head", hidden, vocab),))
+
+
+def target_shape(t: dict) -> ModelShape:
+    """From the target stage's `target.json`."""
+    return llama("target", num_layers=t["num_layers"], hidden=t["hidden_size"], heads=t["num_attention_heads"],
+                 kv_heads=t["num_key_value_heads"], intermediate=t["intermediate_size"], vocab=t["vocab_size"],
+                 head_dim=t.get("head_dim"))
+
+
+def draft_shape(draft: dict, cfg: dict, target_hidden: int) -> ModelShape:
+    """From `draft.json` and the exported draft's `config.json`.
+
+    EAGLE-3: `fc` maps the concatenated aux hidden states (n_aux x hidden) to hidden; the first layer's q/k/v
+    read [embedding, hidden] (2 x hidden); lm_head over the draft vocabulary. DFlash: `fc` maps the
+    concatenated target-layer features to hidden; plain layers; lm_head over the full vocabulary.
+    """
+    hidden = cfg.get("hidden_size", target_hidden)
+    heads = cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads", heads)
+    hd = cfg.get("head_dim") or hidden // heads
+    inter = cfg["intermediate_size"]
+    layers = int(draft.get("num_layers") or cfg.get("num_hidden_layers", 1))
+    if draft["algorithm"] == "eagle3":
+        n_aux = len(draft.get("aux_layer_ids") or [0, 0, 0])
+        vocab = int(draft.get("draft_vocab_size") or cfg.get("draft_vocab_size") or cfg["vocab_size"])
+        return ModelShape("draft", layers, hidden, heads, kv_heads, hd,
+                          llama_layer_gemms(hidden, heads, kv_heads, hd, inter, qkv_in=2 * hidden),
+                          head_gemms=(Gemm("lm_head", hidden, vocab, split=False),),
+                          input_gemms=(Gemm("fc", n_aux * target_hidden, hidden, split=False),))
+    if draft["algorithm"] == "dflash":
+        n_feat = len(draft.get("target_layer_ids") or [0])
+        vocab = int(cfg.get("vocab_size") or draft["vocab_size"])
+        return ModelShape("draft", layers, hidden, heads, kv_heads, hd,
+                          llama_layer_gemms(hidden, heads, kv_heads, hd, inter),
+                          head_gemms=(Gemm("lm_head", hidden, vocab, split=False),),
+                          input_gemms=(Gemm("fc", n_feat * target_hidden, hidden, split=False),))
+    raise ValueError(f"unknown draft algorithm {draft['algorithm']!r}")
+
+
+# ------------------------------------------------------------------------------------------ machine
+
+
+@dataclass(frozen=True)
+class Precision:
+    gemm_dtype: str          # which peak the GEMMs run at: "fp8", "bf16" (GPU) or a measured profile's dtype
+    weight_bytes: float      # per weight element
+    kv_bytes: float          # per KV element
+    act_bytes: float = 2.0   # activations between ops (bf16)
+    attn_dtype: str = "bf16"
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Achieved (not datasheet) rates of one device, plus how tensor-parallel ranks talk."""
+
+    name: str
+    peak_flops: dict          # dtype -> achieved FLOP/s
+    bandwidth: float          # achieved memory bytes/s of weight-streaming GEMMs
+    op_overhead_s: float = 0.0   # fixed cost per operation (launch, framework, sync)
+    link_bandwidth: float = 0.0  # bytes/s per GPU for all-reduce (NVLink/PCIe); 0 = none
+    link_latency_s: float = 8e-6
+    memory_bytes: float = 0.0
+    # Achieved rates of the other kernels where they differ from GEMMs (0 = same as `bandwidth`): a decode
+    # attention kernel or an eager elementwise op rarely streams as well as a GEMV (on a CPU, far worse).
+    attn_bandwidth: float = 0.0
+    elem_bandwidth: float = 0.0
+    attn_peak: float = 0.0       # achieved attention FLOP/s (0 = the GEMM peak of the attention dtype)
+    # How memory and compute time combine in one kernel: (mem^p + compute^p)^(1/p). p = inf is the roofline's
+    # max(); a measured GEMM at the ridge point that takes 2^(1/p) x the roofline gives p (a CPU: p ~ 1, the
+    # two add up; a GPU GEMM overlaps them: p large).
+    overlap: float = math.inf
+    # A step whose whole working set fits in the last-level cache (a tiny model on a CPU) is partly served
+    # from it: the fraction 1 - working_set / cache_bytes of its weight reads runs at cache_bandwidth.
+    cache_bytes: float = 0.0
+    cache_bandwidth: float = 0.0
+
+    def combine(self, mem: float, compute: float) -> float:
+        if math.isinf(self.overlap) or mem == 0 or compute == 0:
+            return max(mem, compute)
+        p = self.overlap
+        hi = max(mem, compute)
+        return hi * ((mem / hi) ** p + (compute / hi) ** p) ** (1 / p)
+
+    def bandwidth_for(self, kind: str) -> float:
+        if kind == "attention" and self.attn_bandwidth:
+            return self.attn_bandwidth
+        if kind == "elementwise" and self.elem_bandwidth:
+            return self.elem_bandwidth
+        return self.bandwidth
+
+    def peak(self, dtype: str) -> float:
+        if dtype in self.peak_flops:
+            return self.peak_flops[dtype]
+        # A measured profile knows only the dtype it measured: use it for every GEMM (said in the tune log).
+        return next(iter(self.peak_flops.values()))
+
+    def ridge_rows(self, prec: Precision) -> float:
+        """GEMM rows M* where a weight-streaming GEMM turns compute-bound: 2 M / b = peak / bandwidth."""
+        return self.peak(prec.gemm_dtype) / self.bandwidth * prec.weight_bytes / 2
+
+
+def machine_from_gpu(gpu, *, compute_efficiency: float, memory_efficiency: float, op_overhead_us: float) -> Machine:
+    """A `pipeline.hardware.GPU` datasheet entry scaled by efficiency factors."""
+    peaks = {"bf16": gpu.bf16_tflops * 1e12 * compute_efficiency}
+    if gpu.fp8_tflops:
+        peaks["fp8"] = gpu.fp8_tflops * 1e12 * compute_efficiency
+    return Machine(gpu.name, peaks, gpu.hbm_tb_s * 1e12 * memory_efficiency, op_overhead_us * 1e-6,
+                   link_bandwidth=gpu.link_gb_s * 1e9, memory_bytes=gpu.memory_gb * 1e9)
+
+
+def machine_from_profile(profile: dict, memory_gb: float = 0.0) -> Machine:
+    """A measured profile (`specpipe profile`, bench/gpu_gemm_check.py): rates are already achieved ones."""
+    m = profile["machine"]
+    return Machine(profile.get("device", "measured"), {k: v * 1e12 for k, v in m["peak_tflops"].items()},
+                   m["bandwidth_tb_s"] * 1e12, m["op_overhead_us"] * 1e-6,
+                   link_bandwidth=(m.get("link_gb_s") or 0) * 1e9, memory_bytes=memory_gb * 1e9,
+                   attn_bandwidth=(m.get("attn_bandwidth_tb_s") or 0) * 1e12,
+                   elem_bandwidth=(m.get("elem_bandwidth_tb_s") or 0) * 1e12,
+                   attn_peak=(m.get("attn_tflops") or 0) * 1e12,
+                   overlap=float(m.get("overlap") or math.inf),
+                   cache_bytes=float(m.get("cache_bytes") or 0), cache_bandwidth=(m.get("cache_bandwidth_tb_s") or 0) * 1e12)
+
+
+# ------------------------------------------------------------------------------------------ step cost
+
+
+@dataclass(frozen=True)
+class Op:
+    name: str
+    flops: float
+    bytes: float
+    dtype: str
+    count: int = 1   # identical instances (layers)
+
+    kind: str = "gemm"   # gemm | attention | elementwise | allreduce
+
+    def time(self, m: Machine, hot: float = 0.0) -> float:
+        """Seconds for `count` instances; `hot` = fraction of GEMM bytes served from the last-level cache."""
+        if self.kind == "allreduce":
+            return self.count * (self.bytes / (m.link_bandwidth or m.bandwidth) + m.link_latency_s)
+        peak = m.attn_peak if self.kind == "attention" and m.attn_peak else m.peak(self.dtype)
+        compute = self.flops / peak if self.flops else 0.0
+        mem = self.bytes / m.bandwidth_for(self.kind)
+        if hot and self.kind == "gemm":
+            mem = mem * (1 - hot) + self.bytes / m.cache_bandwidth * hot
+        return self.count * (m.combine(mem, compute) + m.op_overhead_s)
+
+
+def gemm_op(g: Gemm, rows: int, prec: Precision, tp: int, count: int = 1) -> Op:
+    s = tp if g.split else 1
+    flops = 2.0 * rows * g.k * g.n / s
+    # Weights dominate at decode; activations in and out still count once M grows.
+    byts = g.k * g.n * prec.weight_bytes / s + rows * (g.k + g.n) * prec.act_bytes / (s if g.split else 1)
+    return Op(g.name, flops, byts, prec.gemm_dtype, count)
+
+
+def forward_ops(shape: ModelShape, *, batch: int, q_len: int, context: int, prec: Precision, tp: int = 1,
+                logits_rows: int | None = None, with_input_gemms: bool = True) -> list[Op]:
+    """The operations of one forward pass: `batch` sequences with `q_len` new rows each over `context` cached
+    tokens. `logits_rows` = rows that go through lm_head (default: all)."""
+    rows = batch * q_len
+    L = shape.num_layers
+    ops = [gemm_op(g, rows, prec, tp, count=L) for g in shape.layer_gemms]
+    flops, byts = attention_cost(shape, batch, q_len, context, prec, tp)
+    ops.append(Op("attention", flops, byts, prec.attn_dtype, L, "attention"))
+    ops.append(Op("elementwise", 0.0, elementwise_bytes(shape, rows, prec, tp), prec.attn_dtype, L, "elementwise"))
+    if with_input_gemms:
+        ops += [gemm_op(g, rows, prec, tp) for g in shape.input_gemms]
+    lr = rows if logits_rows is None else logits_rows
+    ops += [gemm_op(g, lr, prec, tp) for g in shape.head_gemms]
+    if tp > 1:
+        ops.append(allreduce_op(rows * shape.hidden * prec.act_bytes, tp, count=2 * L))
+    return ops
+
+
+def attention_cost(shape: ModelShape, batch: int, q_len: int, context: int, prec: Precision, tp: int = 1):
+    """(FLOPs, bytes) of one layer's attention: each sequence's KV (context + its new rows) is read once and
+    shared by its q_len query rows; the q and output rows are read and written."""
+    rows = batch * q_len
+    heads, kv_heads = max(1, shape.heads // tp), max(1, shape.kv_heads // tp)
+    kv_read = batch * (context + q_len) * 2 * kv_heads * shape.head_dim * prec.kv_bytes
+    qo = 2 * rows * heads * shape.head_dim * prec.act_bytes
+    return 4.0 * rows * (context + q_len) * heads * shape.head_dim, kv_read + qo
+
+
+def elementwise_bytes(shape: ModelShape, rows: int, prec: Precision, tp: int = 1) -> float:
+    """One layer's norms, residual adds and SiLU x up: 2 RMSNorms (2 hidden each), 2 residual adds
+    (3 hidden each), SiLU-and-multiply (3 x intermediate / tp); hidden states are replicated under TP."""
+    inter = max((g.n for g in shape.layer_gemms if g.name == "gate_up_proj"), default=2 * shape.hidden) // 2
+    return rows * (10 * shape.hidden + 3 * inter / tp) * prec.act_bytes
+
+
+def allreduce_op(nbytes: float, tp: int, count: int) -> Op:
+    # Ring all-reduce moves 2 (tp-1)/tp of the buffer over each GPU's link (priced against the link).
+    return Op("allreduce", 0.0, 2.0 * (tp - 1) / tp * nbytes, "link", count, "allreduce")
+
+
+def step_time(ops: list[Op], m: Machine) -> float:
+    hot = 0.0
+    if m.cache_bytes and m.cache_bandwidth:
+        working_set = sum(op.bytes * op.count for op in ops if op.kind != "allreduce")
+        hot = max(0.0, 1.0 - working_set / m.cache_bytes)
+    return sum(op.time(m, hot) for op in ops)
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """Everything the optimiser needs besides acceptance: shapes, precisions, machine, parallelism."""
+
+    target: ModelShape
+    draft: ModelShape | None
+    algorithm: str               # "eagle3" | "dflash"
+    target_prec: Precision
+    draft_prec: Precision
+    machine: Machine
+    tp: int = 1
+    context: int = 2048
+
+    def target_time(self, batch: int, q_len: int = 1) -> float:
+        return step_time(forward_ops(self.target, batch=batch, q_len=q_len, context=self.context,
+                                     prec=self.target_prec, tp=self.tp), self.machine)
+
+    def draft_time(self, batch: int, k: int) -> float:
+        """Cost of drafting k tokens for `batch` sequences (0 when k == 0)."""
+        if k == 0 or self.draft is None:
+            return 0.0
+        d, p, c = self.draft, self.draft_prec, self.context
+        if self.algorithm == "dflash":
+            # One parallel pass: 1+k rows per sequence (last token + k masks), logits for the k masks.
+            return step_time(forward_ops(d, batch=batch, q_len=1 + k, context=c, prec=p, tp=self.tp,
+                                         logits_rows=batch * k), self.machine)
+        # EAGLE-3: the first pass reads the 1+k verified rows' target features (fc), logits for the last row;
+        # then k-1 single-row passes on the draft's own hidden state.
+        t = step_time(forward_ops(d, batch=batch, q_len=1 + k, context=c, prec=p, tp=self.tp,
+                                  logits_rows=batch), self.machine)
+        if k > 1:
+            t += (k - 1) * step_time(forward_ops(d, batch=batch, q_len=1, context=c, prec=p, tp=self.tp,
+                                                 with_input_gemms=False), self.machine)
+        return t
+
+    def spec_time(self, batch: int, k: int) -> float:
+        return self.target_time(batch, 1 + k) + self.draft_time(batch, k)
+
+
+# ------------------------------------------------------------------------------------------ acceptance
+
+
+def expected_tokens(per_position: list[float], k: int) -> float:
+    """E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j: tokens emitted per verification step with draft length k."""
+    e, run = 1.0, 1.0
+    for a in per_position[:k]:
+        run *= min(1.0, max(0.0, float(a)))
+        e += run
+    return e
+
+
+def flat_acceptance(acceptance_length: float, k: int) -> float:
+    """The constant per-position rate a with E(k) = (1 - a^(k+1)) / (1 - a) = acceptance_length."""
+    target = min(max(acceptance_length, 1.0), k + 1.0)
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if expected_tokens([mid] * k, k) < target:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def mix_expected_tokens(curves: dict[str, list[float]], weights: dict[str, float], k: int) -> float:
+    tot = sum(weights.values())
+    return sum(w / tot * expected_tokens(curves[d], k) for d, w in weights.items() if w > 0)
+
+
+# ------------------------------------------------------------------------------------------ optimiser
+
+
+@dataclass
+class Choice:
+    batch: int
+    k: int
+    speedup: float                    # predicted for the traffic mix at the chosen k (1.0 when k == 0)
+    speedups: list[float]             # mix speedup for k = 0..K
+    rows_over_ridge: float            # B (1+k) / M* at the chosen k
+    domain_speedups: dict = field(default_factory=dict)   # domain -> speedup at the chosen k
+
+
+def choose_k(dep: Deployment, curves: dict[str, list[float]], weights: dict[str, float], batch: int, K: int,
+             *, min_speedup: float = 1.0, tie_tolerance: float = 0.01) -> Choice:
+    """The best draft length at one batch size.
+
+    Among k = 1..K take the best predicted speedup, then prefer a shorter k while it stays within
+    `tie_tolerance` of the best (a draft token that buys almost nothing still costs token budget and is
+    the first to hurt when acceptance drifts). Speculation is off (k = 0) when even the best falls below
+    `min_speedup`.
+    """
+    base = dep.target_time(batch, 1)
+    sp = [1.0] + [mix_expected_tokens(curves, weights, k) * base / dep.spec_time(batch, k) for k in range(1, K + 1)]
+    best = max(range(K + 1), key=lambda k: (sp[k], -k)) if K else 0
+    k = best
+    while k > 1 and sp[k - 1] >= sp[best] * (1 - tie_tolerance):
+        k -= 1
+    if k == 0 or sp[k] < min_speedup:
+        k = 0
+    ridge = dep.machine.ridge_rows(dep.target_prec)
+    dom = {d: (expected_tokens(c, k) * base / dep.spec_time(batch, k) if k else 1.0) for d, c in curves.items()}
+    return Choice(batch, k, sp[k], sp, batch * (1 + k) / ridge, dom)
+
+
+def k_by_batch(dep: Deployment, curves, weights, max_batch: int, K: int, **kw) -> list[int]:
+    """Chosen k at every batch size 1..max_batch (index 0 = batch 1), made non-increasing: a longer draft at a
+    larger batch only happens through model noise, and both TensorRT-LLM schedule formats are read as steps."""
+    ks = [choose_k(dep, curves, weights, b, K, **kw).k for b in range(1, max_batch + 1)]
+    out, cur = [], K
+    for k in ks:
+        cur = min(cur, k)
+        out.append(cur)
+    return out
+
+
+def runs(ks: list[int]) -> list[tuple[int, int, int]]:
+    """Run-length encoding of k per batch size: [(first batch, last batch, k)], batches 1-based."""
+    out: list[list[int]] = []
+    for b, k in enumerate(ks, start=1):
+        if out and out[-1][2] == k:
+            out[-1][1] = b
+        else:
+            out.append([b, b, k])
+    return [tuple(r) for r in out]  # type: ignore[misc]
+
+
+# ------------------------------------------------------------------------------------------ TensorRT-LLM formats
+
+
+def schedule_for(ks: list[int], semantics: str, with_max_concurrency: bool = True) -> dict:
+    """`max_draft_len`, `draft_len_schedule` and `max_concurrency` for a k-per-batch list (batch 1..len(ks)) in
+    one TensorRT-LLM version's terms (`runtime.compat.Release`: `schedule_semantics`,
+    `schedule_with_max_concurrency`). Both forms encode the same step function exactly.
+
+    lower_bound (1.2):  {1: 4, 9: 2, 33: 0} -> batch 1-8: 4, 9-32: 2, >= 33: off; key 1 == max_draft_len.
+    upper_bound (1.3+): {8: 4, 32: 2}       -> batch 1-8: 4, 9-32: 2, above 32: off; the smallest key's value
+                        == max_draft_len. 1.3 rejects max_concurrency next to a schedule; alone it means
+                        {max_concurrency: max_draft_len}.
+    """
+    rr = runs(ks)
+    max_draft_len = rr[0][2] if rr else 0
+    on = [r for r in rr if r[2] > 0]
+    off_above = on[-1][1] if on and on[-1][1] < len(ks) else None   # speculation off above this batch
+    constant = len({r[2] for r in on}) <= 1
+    out: dict = {"max_draft_len": max_draft_len, "speculation": max_draft_len > 0,
+                 "draft_len_schedule": None, "max_concurrency": None, "speculation_off_above": off_above}
+    if max_draft_len == 0:
+        return out
+    if constant:   # one draft length, maybe off above some batch: max_concurrency says it in every version
+        out["max_concurrency"] = off_above
+    elif semantics == "lower_bound":
+        out["draft_len_schedule"] = {str(lo): k for lo, _, k in rr}
+        out["max_concurrency"] = off_above if with_max_concurrency else None
+    elif semantics == "upper_bound":
+        out["draft_len_schedule"] = {str(hi): k for _, hi, k in on}   # above the last key: off
+        out["max_concurrency"] = off_above if with_max_concurrency else None
+    else:
+        raise ValueError(f"unknown schedule semantics {semantics!r}")
+    return out
+
+
+def parse_schedule(schedule: dict | None, max_concurrency: int | None, max_draft_len: int, semantics: str,
+                   max_batch: int) -> list[int]:
+    """The draft length TensorRT-LLM uses at batch 1..max_batch under these settings (the inverse of
+    `schedule_for`, written from the runtime's rules in the reference, used to check what is emitted)."""
+    sched = {int(k): int(v) for k, v in (schedule or {}).items()}
+    out = []
+    for b in range(1, max_batch + 1):
+        if not sched:
+            k = max_draft_len
+        elif semantics == "lower_bound":
+            k = sched[max(key for key in sched if key <= b)]
+        else:
+            ups = [key for key in sched if key >= b]
+            k = sched[min(ups)] if ups else 0
+        if max_concurrency is not None and b > max_concurrency:
+            k = 0
+        out.append(k)
+    return out
+
+
+def cuda_graph_batch_sizes(max_batch: int, schedule_points: list[int]) -> list[int]:
+    """Batch sizes to capture: TensorRT-LLM's padded default ([1, 2, 4] + multiples of 8 up to 128, then
+    powers of two) up to max_batch, plus max_batch and every schedule boundary, so that the batch where
+    the draft length changes has a graph of its own instead of being padded across the boundary."""
+    base = [1, 2, 4] + list(range(8, 129, 8))
+    p = 256
+    while p < max_batch:
+        base.append(p)
+        p *= 2
+    pts = {b for b in base if b <= max_batch} | {max_batch} | {b for b in schedule_points if 1 <= b <= max_batch}
+    return sorted(pts)
+
+
+def max_num_tokens(max_batch: int, max_draft_len: int, floor: int, multiple: int = 64) -> int:
+    """Token budget per iteration: every generation request needs 1 + max_draft_len rows, and the budget
+    keeps at least `floor` for chunked prefill."""
+    need = max(floor, max_batch * (1 + max_draft_len))
+    return int(math.ceil(need / multiple) * multiple)

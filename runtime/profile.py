@@ -1,0 +1,440 @@
+"""`specpipe profile`: measure the step time of a model's layer shapes on this machine and fit the cost model.
+
+What is measured: a real chained forward of the model's shapes (per layer: fused q/k/v GEMM, attention over a
+KV cache of `context` tokens, o_proj, RMSNorm, gate/up GEMM, SiLU x up, down_proj, residual adds; then
+lm_head), random weights, for a range of token rows M = batch x q_len. On a CPU the GEMMs run in float32 (or
+bfloat16); on a CUDA GPU in bfloat16, or FP8 through `torch._scaled_mm` where the GPU has FP8 tensor cores.
+
+How the machine is calibrated, from microbenchmarks that are *not* the step being predicted:
+- GEMM peak: the model's largest layer GEMM at many rows (compute-bound);
+- GEMM bandwidth: a one-row GEMV over the largest layer weight, rotated through copies larger than the cache;
+- attention and elementwise bandwidth: one layer's decode attention, and one layer's norms/adds/SiLU, with
+  bytes counted exactly as the cost model counts them (these are the efficiency factors of those kernels);
+- per-operation overhead: the same forward on a width-16 miniature of the model, divided by its op count.
+The profile file holds these achieved rates (`machine`), which `tune` uses instead of the datasheet when
+`hardware.profile` points at it, and every measured point with the model's prediction.
+"""
+from __future__ import annotations
+
+import math
+import platform
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from runtime.costmodel import (Gemm, Machine, ModelShape, Precision, attention_cost, elementwise_bytes, forward_ops,
+                               step_time)
+
+FORMAT = "specpipe.hardware-profile/1"
+DEFAULT_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timeit(fn, device, *, min_time: float = 0.15, min_reps: int = 5, max_reps: int = 200) -> float:
+    """Fastest seconds per call after two warm-up calls, repeating until `min_time` has passed. The minimum, not
+    the median: on a shared machine other processes only ever add time, so the fastest run is the closest to
+    what the hardware does."""
+    fn()
+    fn()
+    _sync(device)
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < min_reps or (time.perf_counter() - start < min_time and len(times) < max_reps):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+class Matmul:
+    """y = x @ W for a K x N weight, in the profile's GEMM dtype (FP8 via torch._scaled_mm on CUDA)."""
+
+    def __init__(self, k: int, n: int, gemm_dtype: str, device, gen):
+        import torch
+
+        self.k, self.n = k, n
+        self.fp8 = gemm_dtype == "fp8"
+        self.dtype = torch.bfloat16 if self.fp8 else getattr(torch, gemm_dtype)
+        w = torch.randn(n, k, generator=gen, dtype=torch.float32) * k ** -0.5
+        if self.fp8:
+            # _scaled_mm wants A row-major and B column-major: keep W as N x K row-major and pass W.t().
+            self.w = w.to(device=device, dtype=torch.float8_e4m3fn)
+            self.scale = torch.ones((), device=device)
+        else:
+            self.w = w.t().contiguous().to(device=device, dtype=self.dtype)
+
+    def __call__(self, x):
+        import torch
+
+        if self.fp8:
+            return torch._scaled_mm(x.to(torch.float8_e4m3fn), self.w.t(), scale_a=self.scale, scale_b=self.scale,
+                                    out_dtype=torch.bfloat16)
+        return x @ self.w
+
+
+class Stack:
+    """A model's shapes as a runnable forward (random weights; what is timed is the arithmetic, not the answer)."""
+
+    def __init__(self, shape: ModelShape, gemm_dtype: str, device, seed: int = 0):
+        import torch
+
+        self.shape, self.device = shape, device
+        self.act = torch.bfloat16 if gemm_dtype in ("fp8", "bfloat16") else getattr(torch, gemm_dtype)
+        gen = torch.Generator().manual_seed(seed)
+        self.layers = [{g.name: Matmul(g.k, g.n, gemm_dtype, device, gen) for g in shape.layer_gemms}
+                       for _ in range(shape.num_layers)]
+        self.heads = [Matmul(g.k, g.n, gemm_dtype, device, gen) for g in shape.head_gemms]
+        self.inputs = [Matmul(g.k, g.n, gemm_dtype, device, gen) for g in shape.input_gemms]
+        self.qkv_in = next(g.k for g in shape.layer_gemms if g.name == "qkv_proj")
+
+    def prepare(self, batch: int, q_len: int, context: int):
+        import torch
+
+        s = self.shape
+        rows = batch * q_len
+        g = torch.Generator().manual_seed(1)
+        kv = [torch.randn(2, batch, s.kv_heads, context + q_len, s.head_dim, generator=g).to(self.device, self.act)
+              for _ in range(s.num_layers)]
+        feat_k = self.inputs[0].k if self.inputs else 0
+        x = torch.randn(rows, s.hidden, generator=g).to(self.device, self.act)
+        feats = torch.randn(rows, feat_k, generator=g).to(self.device, self.act) if self.inputs else None
+        return lambda: self.forward(x, feats, kv, batch, q_len)
+
+    def forward(self, x, feats, kv, batch: int, q_len: int):
+        s = self.shape
+        if feats is not None:
+            for m in self.inputs:
+                x = m(feats)
+        q_dim = s.heads * s.head_dim
+        for layer, (k_cache, v_cache) in zip(self.layers, kv):
+            h = rms_norm(x)
+            if self.qkv_in != s.hidden:  # EAGLE-3's first layer reads [embedding, hidden]
+                h = torch_cat([h] * (self.qkv_in // s.hidden))
+            qkv = layer["qkv_proj"](h)
+            q = qkv[:, :q_dim].reshape(batch, q_len, s.heads, s.head_dim).transpose(1, 2)
+            # The new rows' K/V would be written into the cache; the cache already has room for them.
+            a = attention(q, k_cache, v_cache, s.heads != s.kv_heads)
+            x = x + layer["o_proj"](a.transpose(1, 2).reshape(batch * q_len, q_dim))
+            x = x + layer["down_proj"](silu_mul(layer["gate_up_proj"](rms_norm(x))))
+        for m in self.heads:
+            x = m(x)
+        return x
+
+
+def rms_norm(x):
+    import torch
+
+    return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype)
+
+
+def silu_mul(gu):
+    import torch.nn.functional as F
+
+    gate, up = gu.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def attention(q, k_cache, v_cache, gqa: bool):
+    import torch.nn.functional as F
+
+    return F.scaled_dot_product_attention(q, k_cache, v_cache, enable_gqa=gqa)
+
+
+def torch_cat(xs):
+    import torch
+
+    return torch.cat(xs, dim=-1)
+
+
+def precision_for(gemm_dtype: str) -> Precision:
+    """What the measured stack moves per element (the profile's own dtype, not the deployment's)."""
+    b = {"fp8": 1, "bfloat16": 2, "float16": 2, "float32": 4}[gemm_dtype]
+    act = 2 if gemm_dtype in ("fp8", "bfloat16", "float16") else 4
+    return Precision(gemm_dtype=gemm_dtype, weight_bytes=b, kv_bytes=act, act_bytes=act,
+                     attn_dtype="bf16" if act == 2 else gemm_dtype)
+
+
+# ------------------------------------------------------------------------------------------ calibration
+
+
+def last_level_cache_bytes(device) -> int:
+    """Size of the cache a working set must exceed to be streamed from memory (CPU L3 / GPU L2)."""
+    import torch
+
+    if device.type == "cuda":
+        return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20))
+    best = 0
+    for idx in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            txt = (idx / "size").read_text().strip().upper()
+            best = max(best, int(txt[:-1]) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[txt[-1]] if txt[-1] in "KMG" else int(txt))
+        except (OSError, ValueError, KeyError):
+            continue
+    return best or (32 << 20)
+
+
+class Rotating:
+    """Calls fn on one of several copies of its operands in turn, so that together they exceed the last-level
+    cache and every call streams from memory, as a real step does (weights and KV of all layers never stay
+    cached between steps on a GPU; on a CPU they do only while the whole step fits in L3)."""
+
+    def __init__(self, make, nbytes: int, cache_bytes: int):
+        self.sets = [make() for _ in range(max(2, math.ceil(3 * cache_bytes / max(1, nbytes))))]
+        self.i = 0
+
+    def __call__(self, fn):
+        def call():
+            self.i = (self.i + 1) % len(self.sets)
+            return fn(*self.sets[self.i])
+        return call
+
+
+def calibrate(shape: ModelShape, gemm_dtype: str, device, *, context: int = 512, peak_rows: int = 1024,
+              attn_batch: int = 32, attn_q: int = 8, elem_rows: int = 256) -> dict:
+    """Achieved rates on this machine from microbenchmarks sized like the model but separate from its step:
+    GEMM peak, GEMV streaming bandwidth, attention and elementwise bandwidth (bytes as the cost model counts
+    them; operands rotated through more memory than the last-level cache), and the fixed cost per modelled
+    operation."""
+    import torch
+
+    gen = torch.Generator().manual_seed(2)
+    act = torch.bfloat16 if gemm_dtype in ("fp8", "bfloat16") else getattr(torch, gemm_dtype)
+    prec = precision_for(gemm_dtype)
+    cache = last_level_cache_bytes(device)
+    rnd = lambda *sz: torch.randn(*sz, generator=gen).to(device, act)  # noqa: E731
+
+    with torch.inference_mode():
+        # Peak: the largest layer GEMM with many rows (compute-bound).
+        big = max(shape.layer_gemms, key=lambda g: g.k * g.n)
+        mm = Matmul(big.k, big.n, gemm_dtype, device, gen)
+        x = rnd(peak_rows, big.k)
+        t_peak = timeit(lambda: mm(x), device)
+        peak = 2.0 * peak_rows * big.k * big.n / t_peak
+
+        # GEMM bandwidth: one row through the largest layer GEMM's weight, weights rotated (memory-bound).
+        x1 = rnd(1, big.k)
+        w_bytes = big.k * big.n * prec.weight_bytes
+        rot = Rotating(lambda: (Matmul(big.k, big.n, gemm_dtype, device, gen),), w_bytes, cache)
+        t_bw = timeit(rot(lambda m: m(x1)), device)
+        bandwidth = w_bytes / t_bw
+        hot_mm = rot.sets[0][0]
+        t_hot = timeit(lambda: hot_mm(x1), device)   # the same weight again and again: served from cache
+
+        # GEMM knee: the largest GEMM at its ridge row count, where memory and compute time are equal; the
+        # roofline says max() = either, a kernel that cannot overlap them takes up to twice that.
+        ridge = max(1, round(peak / bandwidth * prec.weight_bytes / 2))
+        xr = rnd(ridge, big.k)
+        t_knee = timeit(rot(lambda m: m(xr)), device)
+        roof = max(w_bytes / bandwidth, 2.0 * ridge * big.k * big.n / peak)
+        ratio = t_knee / roof
+        overlap = math.inf if ratio < 1.02 else max(1.0, math.log(2) / math.log(min(ratio, 2.0)))
+
+        # Attention: one layer's attention for attn_batch sequences over `context` tokens, with 1 query row per
+        # sequence (streams the KV cache) and with `attn_q` rows (does attn_q times the arithmetic).
+        kv_shape = (attn_batch, shape.kv_heads, context + attn_q, shape.head_dim)
+        rot_kv = Rotating(lambda: (rnd(*kv_shape), rnd(*kv_shape)),
+                          attention_cost(shape, attn_batch, 1, context, prec)[1], cache)
+        gqa = shape.heads != shape.kv_heads
+        meas = []
+        for q_len in (1, attn_q):
+            q = rnd(attn_batch, shape.heads, q_len, shape.head_dim)
+            t = timeit(rot_kv(lambda kc, vc, q=q: attention(q, kc, vc, gqa)), device)
+            meas.append((t, *attention_cost(shape, attn_batch, q_len, context + attn_q - q_len, prec)))
+        attn_bw, attn_peak = _solve_attention(meas, overlap)
+
+        # Elementwise: one layer's norms, residual adds and SiLU x up on elem_rows rows.
+        inter = next(g.n for g in shape.layer_gemms if g.name == "gate_up_proj") // 2
+        elem_bytes = elementwise_bytes(shape, elem_rows, prec)
+
+        def elementwise(xh, gu):
+            y = xh + rms_norm(xh)
+            return y + rms_norm(y), silu_mul(gu)
+
+        rot = Rotating(lambda: (rnd(elem_rows, shape.hidden), rnd(elem_rows, 2 * inter)), elem_bytes, cache)
+        t_elem = timeit(rot(elementwise), device)
+
+        # Fixed cost: the same forward on a miniature of the model (every call, no arithmetic to speak of).
+        mini = miniature(shape)
+        fn = Stack(mini, gemm_dtype, device).prepare(1, 1, 1)
+        t_mini = timeit(fn, device)
+        n_ops = sum(op.count for op in forward_ops(mini, batch=1, q_len=1, context=1, prec=prec))
+    return {"peak_tflops": peak / 1e12, "bandwidth_tb_s": bandwidth / 1e12, "overlap": overlap,
+            "cache_bytes": cache, "cache_bandwidth_tb_s": w_bytes / t_hot / 1e12,
+            "attn_bandwidth_tb_s": attn_bw / 1e12, "attn_tflops": attn_peak / 1e12,
+            "elem_bandwidth_tb_s": elem_bytes / t_elem / 1e12,
+            "op_overhead_us": t_mini / n_ops * 1e6,
+            "benchmarks": {"peak_gemm": {"rows": peak_rows, "k": big.k, "n": big.n, "seconds": t_peak},
+                           "stream_gemv": {"k": big.k, "n": big.n, "bytes": w_bytes, "seconds": t_bw},
+                           "gemm_at_ridge": {"rows": ridge, "seconds": t_knee, "over_roofline": ratio},
+                           "attention": [{"batch": attn_batch, "q_len": q_len, "context": context, "seconds": m[0],
+                                          "flops": m[1], "bytes": m[2]} for q_len, m in zip((1, attn_q), meas)],
+                           "elementwise": {"rows": elem_rows, "bytes": elem_bytes, "seconds": t_elem},
+                           "miniature_forward": {"ops": n_ops, "seconds": t_mini}}}
+
+
+def _solve_attention(meas, p: float) -> tuple[float, float]:
+    """Attention bandwidth and FLOP rate such that the cost model reproduces both measured attention times
+    [(seconds, flops, bytes) with 1 and with several query rows]: a fixed-point iteration, each equation
+    solved for the term it is dominated by."""
+    (t1, f1, b1), (tq, fq, bq) = meas
+    bw, pk = b1 / t1, fq / tq
+    for _ in range(100):
+        rest = lambda t, other: t * max(1e-3, 1 - (min(other, t) / t) ** p) ** (1 / p) if not math.isinf(p) else t  # noqa: E731
+        bw = b1 / rest(t1, f1 / pk)
+        pk = fq / rest(tq, bq / bw)
+    return bw, pk
+
+
+def miniature(shape: ModelShape) -> ModelShape:
+    """The same layer structure at width 16: its forward costs only the calls themselves."""
+    scale = {g.name: g for g in shape.layer_gemms}
+    qkv_mult = scale["qkv_proj"].k // shape.hidden
+    heads, kv_heads, hd, hid = 2, 2 if shape.heads == shape.kv_heads else 1, 8, 16
+    layer = (Gemm("qkv_proj", hid * qkv_mult, (heads + 2 * kv_heads) * hd), Gemm("o_proj", heads * hd, hid),
+             Gemm("gate_up_proj", hid, 32), Gemm("down_proj", 16, hid))
+    return ModelShape("miniature", shape.num_layers, hid, heads, kv_heads, hd, layer,
+                      head_gemms=tuple(Gemm(g.name, hid, 16, g.split) for g in shape.head_gemms),
+                      input_gemms=tuple(Gemm(g.name, 16, hid, g.split) for g in shape.input_gemms))
+
+
+# ------------------------------------------------------------------------------------------ profile
+
+
+def measure(shape: ModelShape, gemm_dtype: str, device, *, rows=DEFAULT_ROWS, q_len: int = 1, context: int = 512,
+            progress=None) -> list[dict]:
+    """Measured step time for each M = batch x q_len (batch = M / q_len)."""
+    stack = Stack(shape, gemm_dtype, device)
+    out = []
+    for m in rows:
+        if m % q_len:
+            continue
+        batch = m // q_len
+        fn = stack.prepare(batch, q_len, context)
+        import torch
+
+        with torch.inference_mode():
+            t = timeit(fn, device)
+        out.append({"rows": m, "batch": batch, "q_len": q_len, "context": context, "measured_ms": t * 1e3})
+        if progress:
+            progress(m, t)
+    return out
+
+
+def predict(points: list[dict], shape: ModelShape, machine: Machine, prec: Precision) -> list[dict]:
+    for p in points:
+        ops = forward_ops(shape, batch=p["batch"], q_len=p["q_len"], context=p["context"], prec=prec)
+        p["predicted_ms"] = step_time(ops, machine) * 1e3
+        p["error"] = p["predicted_ms"] / p["measured_ms"] - 1
+    return points
+
+
+def machine_from_calibration(cal: dict, gemm_dtype: str, name: str) -> Machine:
+    return Machine(name, {gemm_dtype: cal["peak_tflops"] * 1e12}, cal["bandwidth_tb_s"] * 1e12,
+                   cal["op_overhead_us"] * 1e-6, attn_bandwidth=cal["attn_bandwidth_tb_s"] * 1e12,
+                   elem_bandwidth=cal["elem_bandwidth_tb_s"] * 1e12, attn_peak=cal["attn_tflops"] * 1e12,
+                   overlap=cal["overlap"], cache_bytes=cal["cache_bytes"],
+                   cache_bandwidth=cal["cache_bandwidth_tb_s"] * 1e12)
+
+
+def device_name(device) -> str:
+    import torch
+
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return f"cpu:{platform.processor() or platform.machine()}"
+
+
+def profile(shapes: dict[str, ModelShape], *, device, gemm_dtype: str, rows=DEFAULT_ROWS, context: int = 512,
+            q_lens=(1, 4), rounds: int = 3, progress=None) -> dict:
+    """Calibrate on the first shape (the target), measure every shape, predict every point, summarise.
+
+    The whole measurement is repeated `rounds` times and each quantity keeps its best round (highest rate,
+    lowest time): on a shared machine a burst of other work can last longer than one point's repetitions."""
+    import torch
+
+    first = next(iter(shapes.values()))
+    cal: dict = {}
+    measured: dict[str, list[dict]] = {}
+    for r in range(rounds):
+        c = calibrate(first, gemm_dtype, device, context=context)
+        cal = c if not cal else _best_calibration(cal, c)
+        for key, shape in shapes.items():
+            pts: list[dict] = []
+            for q in q_lens:
+                pts += measure(shape, gemm_dtype, device, rows=rows, q_len=q, context=context,
+                               progress=(lambda m, t, key=key, q=q, r=r: progress(r, key, q, m, t)) if progress else None)
+            if key not in measured:
+                measured[key] = pts
+            else:
+                for old, new in zip(measured[key], pts):
+                    old["measured_ms"] = min(old["measured_ms"], new["measured_ms"])
+    name = device_name(device)
+    machine = machine_from_calibration(cal, gemm_dtype, name)
+    prec = precision_for(gemm_dtype)
+    models = {}
+    for key, shape in shapes.items():
+        pts = predict(measured[key], shape, machine, prec)
+        models[key] = {"shape": _shape_doc(shape), "points": pts,
+                       "max_abs_error": max(abs(p["error"]) for p in pts),
+                       "mean_abs_error": sum(abs(p["error"]) for p in pts) / len(pts)}
+    ridge = machine.peak(gemm_dtype) / machine.bandwidth * prec.weight_bytes / 2
+    return {
+        "format": FORMAT,
+        "device": name,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "rounds": rounds,
+        "gemm_dtype": gemm_dtype,
+        "context": context,
+        "machine": {"peak_tflops": {gemm_dtype: cal["peak_tflops"]}, "bandwidth_tb_s": cal["bandwidth_tb_s"],
+                    "attn_bandwidth_tb_s": cal["attn_bandwidth_tb_s"], "attn_tflops": cal["attn_tflops"],
+                    "elem_bandwidth_tb_s": cal["elem_bandwidth_tb_s"], "overlap": cal["overlap"],
+                    "cache_bytes": cal["cache_bytes"], "cache_bandwidth_tb_s": cal["cache_bandwidth_tb_s"],
+                    "op_overhead_us": cal["op_overhead_us"], "link_gb_s": None},
+        "ridge_rows": ridge,
+        "calibration": cal,
+        "models": models,
+        "max_abs_error": max(m["max_abs_error"] for m in models.values()),
+        "mean_abs_error": sum(m["mean_abs_error"] for m in models.values()) / len(models),
+    }
+
+
+def _best_calibration(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k in ("peak_tflops", "bandwidth_tb_s", "attn_bandwidth_tb_s", "attn_tflops", "elem_bandwidth_tb_s",
+              "cache_bandwidth_tb_s"):
+        out[k] = max(a[k], b[k])
+    out["overlap"] = min(a["overlap"], b["overlap"])
+    out["op_overhead_us"] = min(a["op_overhead_us"], b["op_overhead_us"])
+    return out
+
+
+def _shape_doc(s: ModelShape) -> dict:
+    return {"num_layers": s.num_layers, "hidden": s.hidden, "heads": s.heads, "kv_heads": s.kv_heads,
+            "head_dim": s.head_dim, "gemms": [[g.name, g.k, g.n] for g in (*s.layer_gemms, *s.input_gemms, *s.head_gemms)],
+            "weight_params": s.weight_params()}
+
+
+def check_profile(doc: dict) -> list[str]:
+    """Problems that make a profile file unusable (empty when fine)."""
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        return [f"not a specpipe hardware profile (expected format '{FORMAT}'); write one with `specpipe profile CONFIG`"]
+    m = doc.get("machine") or {}
+    probs = []
+    if not isinstance(m.get("peak_tflops"), dict) or not m["peak_tflops"] or any(
+            not isinstance(v, (int, float)) or v <= 0 for v in m["peak_tflops"].values()):
+        probs.append("machine.peak_tflops must map a GEMM dtype to a positive TFLOP/s")
+    for k in ("bandwidth_tb_s", "op_overhead_us"):
+        if not isinstance(m.get(k), (int, float)) or m[k] < 0 or (k == "bandwidth_tb_s" and m[k] == 0):
+            probs.append(f"machine.{k} must be a positive number")
+    return probs
+
+
