@@ -132,9 +132,11 @@ def run(ctx: StageContext) -> dict:
     (ctx.scratch_dir / "acceptance.json").write_text(text)
     ctx.log.info("gates:\n%s", table)
     if not res["gates"]["passed"]:
+        # failed_metrics (status --json, report) keep the whole measurement, table included
         raise StageError("validate: acceptance gate failed; the pair is not deployed.\n" + table +
                          f"\n(full measurements: {ctx.scratch_dir / 'acceptance.json'}; lower validate.gates or "
-                         "train a better draft / keep the draft BF16 / quantize with calibration data of the domain)")
+                         "train a better draft / keep the draft BF16 / quantize with calibration data of the domain)",
+                         metrics=res)
     (ctx.out_dir / "acceptance.json").write_text(text)
     metrics = {"runtime": runtime, "max_draft_len": res["max_draft_len"], "gates_passed": True,
                "lossless": res["lossless"].get("passed"),
@@ -444,9 +446,17 @@ def _run_trtllm(ctx, sec: Config, deployed: dict, bf16: dict | None, prompts: di
 
 
 def report(artifact) -> str:
+    return _render(artifact.read_json("acceptance.json"))
+
+
+def report_failed(metrics: dict) -> str:
+    """The same section for a failed gate (the runner keeps the StageError's metrics: the whole measurement)."""
+    return _render(metrics) if "domains" in metrics else ""
+
+
+def _render(a: dict) -> str:
     from pipeline.report import esc, figure, table
 
-    a = artifact.read_json("acceptance.json")
     parts = [f"<p>runtime <b>{esc(a['runtime'])}</b> ({esc(a.get('runtime_reason', ''))}); "
              f"draft length {a['max_draft_len']}, temperature {a['temperature']}, "
              f"{a['max_new_tokens']} new tokens per prompt, batch {a['batch_size']}; deployed pair "

@@ -115,6 +115,7 @@ def test_failed_gate_raises_with_table_and_keeps_measurements(arts, tmp_path):
     msg = str(e.value)
     assert "acceptance gate failed" in msg and "FAIL" in msg and "code" in msg and "4.900" in msg
     assert not (ctx.out_dir / "acceptance.json").exists()
+    assert e.value.metrics["gates"]["passed"] is False and "FAIL" in V.report_failed(e.value.metrics)
     kept = json.loads((ctx.scratch_dir / "acceptance.json").read_text())
     row = next(r for r in kept["gates"]["rows"] if r["domain"] == "code")
     assert row["required"] == 4.9 and row["passed"] is False and row["measured"] == kept["domains"]["code"]["fp8"]["acceptance_length"]
@@ -210,5 +211,7 @@ def test_impossible_gate_blocks_later_stages(tiny_run, tmp_path):
     assert "acceptance gate failed" in r2.stderr and "FAIL" in r2.stderr
     st = {s["name"]: s for s in status_json(wd2)["stages"]}
     assert st["validate"]["last_build"] == "failed" and "5.500" in st["validate"]["error"]
+    fm = st["validate"]["failed_metrics"]
+    assert fm["gates"]["passed"] is False and any(r["required"] == 5.5 and not r["passed"] for r in fm["gates"]["rows"])
     after = registry.names()[registry.names().index("validate") + 1:]
     assert all(st[n]["last_build"] == "blocked" for n in after)
