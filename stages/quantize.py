@@ -150,9 +150,6 @@ def run(ctx: StageContext) -> dict:
         "calib_samples": len(calib), "calib_seq_len": sec.calib_seq_len, "checks": checks,
     }, indent=2))
 
-    gate_problems = quality_gate(quality, sec.max_ppl_increase, sec.min_top1_agreement)
-    if gate_problems:
-        raise StageError("quantize: FP8 quality gate failed: " + "; ".join(gate_problems))
     metrics = {k: quality[k] for k in ("ppl_bf16", "ppl_fp8", "ppl_fakequant", "ppl_increase", "top1_agreement", "mean_kl",
                                        "max_abs_logit_diff", "export_vs_fakequant_max_abs_logit_diff",
                                        "export_vs_fakequant_top1_agreement", "eval_tokens")}
@@ -161,6 +158,11 @@ def run(ctx: StageContext) -> dict:
     for k in ("draft_top1_bf16", "draft_top1_fp8", "draft_export_vs_fakequant_loss_diff"):
         if k in draft_metrics:
             metrics[k] = draft_metrics[k]
+    gate_problems = quality_gate(quality, sec.max_ppl_increase, sec.min_top1_agreement)
+    if gate_problems:  # the measured numbers stay visible in status --json (failed_metrics) and the report
+        raise StageError("quantize: FP8 quality gate failed: " + "; ".join(gate_problems),
+                         metrics={**metrics, "max_ppl_increase": sec.max_ppl_increase,
+                                  "min_top1_agreement": sec.min_top1_agreement, "gate_passed": False})
     return metrics
 
 
@@ -216,7 +218,10 @@ def quant_config(fmt: str, kv_cache: str, exclude: list[str], *, only_under: str
     if kv_cache == "fp8":
         entries += copy.deepcopy(mtq.FP8_KV_CFG["quant_cfg"])
     for pat in exclude:
-        entries.append({"quantizer_name": f"{pat}.*" if not pat.endswith("*") else pat, "enable": False})
+        # only the linear quantizers: an excluded attention block keeps its KV-cache scales (the KV cache dtype is
+        # global in TensorRT-LLM; a layer without k_scale/v_scale would run FP8 KV with scale 1.0)
+        base = pat if pat.endswith("*") else pat + "."
+        entries += [{"quantizer_name": f"{base}{q}", "enable": False} for q in ("weight_quantizer", "input_quantizer")]
     if only_under:
         entries += [{"quantizer_name": f"{name}.*", "enable": False} for name in other_top_modules if name != only_under]
     cfg["quant_cfg"] = entries
@@ -397,13 +402,19 @@ def check_checkpoint(path: Path, *, kv_cache: bool, exclude: list[str] = ()) -> 
     not_quant = [m for m in hp if not _matches(m, excl) and "embed" not in m]
     add("quantized_coverage", not not_quant, f"linear weights left in high precision but not listed in exclude_modules: "
         f"{not_quant[:6]} (TensorRT-LLM would read them as FP8)", "every non-excluded linear is FP8")
-    wrong = [m for m in fp8_mods if _matches(m, excl)]
-    unlisted = [p for p in exclude if not any(fnmatch.fnmatchcase(e, p) or e == p or fnmatch.fnmatchcase(e, p + ".*")
-                                              for e in (q.get("exclude_modules") or []))]
-    add("excluded_high_precision", not wrong and not unlisted,
-        (f"excluded modules stored as FP8: {wrong[:6]}" if wrong else "")
-        + (f"; requested exclusions missing from exclude_modules: {unlisted}" if unlisted else ""),
-        "excluded modules are high precision and listed")
+    listed = list(q.get("exclude_modules") or [])
+    linears = sorted(k[:-7] for k, v in sd.items() if k.endswith(".weight") and v.ndim == 2 and "embed" not in k)
+    wrong = [m for m in fp8_mods if _matches(m, listed)]
+    problems = [f"excluded modules stored as FP8: {wrong[:6]}"] if wrong else []
+    for p in exclude:  # every module a requested pattern names must be high precision and covered by the list
+        hit = [m for m in linears if _matches(m, [p])]
+        if not hit:
+            problems.append(f"requested exclusion '{p}' matches no linear module")
+        elif [m for m in hit if m in fp8_mods]:
+            problems.append(f"'{p}' was excluded but {[m for m in hit if m in fp8_mods][:4]} are FP8")
+        elif [m for m in hit if not _matches(m, listed)]:
+            problems.append(f"'{p}' modules {[m for m in hit if not _matches(m, listed)][:4]} are missing from exclude_modules")
+    add("excluded_high_precision", not problems, "; ".join(problems), "excluded modules are high precision and listed")
 
     k_scales = {k[: -len(".k_proj.k_scale")] for k in sd if k.endswith("k_proj.k_scale")}
     v_scales = {k[: -len(".v_proj.v_scale")] for k in sd if k.endswith("v_proj.v_scale")}

@@ -243,6 +243,7 @@ def test_quality_gate_fails_the_stage_naming_the_numbers(built):
         Q.run(ctx)
     q = json.loads((ctx.out_dir / "quality.json").read_text())
     msg = str(e.value)
+    assert e.value.metrics["ppl_fp8"] == q["ppl_fp8"] and e.value.metrics["gate_passed"] is False
     assert "top-1 agreement" in msg and f"{q['top1_agreement']:.4f}" in msg and "min_top1_agreement 1.0" in msg
     if q["ppl_increase"] > 0:
         assert f"{q['ppl_bf16']:.4f}" in msg and f"{q['ppl_fp8']:.4f}" in msg and "max_ppl_increase" in msg
@@ -273,3 +274,17 @@ def test_report_section(built):
     html = Q.report(Artifact("quantize", built.out, {"metrics": built.metrics}))
     assert "perplexity increase" in html and "finite_scales" in html and "<img" in html
     assert "draft top1 fp8" in html
+
+
+def test_excluding_a_whole_layer_keeps_its_kv_scales(built, tmp_path):
+    samples = Q.read_samples(built.root / "data" / "calib.parquet", 4, 32)
+    m = Q.quantize_model(built.model_dir, samples, kv_cache="fp8", exclude=["model.layers.0.*"])
+    Q.export_target(m, tmp_path / "ex", built.model_dir, torch.bfloat16)
+    sd = fp8.read_safetensors(tmp_path / "ex")
+    assert sd["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
+    assert sd["model.layers.1.self_attn.q_proj.weight"].dtype == torch.float8_e4m3fn
+    assert "model.layers.0.self_attn.k_proj.k_scale" in sd
+    res = {c["name"]: c for c in Q.check_checkpoint(tmp_path / "ex", kv_cache=True, exclude=["model.layers.0.*"])}
+    assert all(c["passed"] for c in res.values()), res
+    typo = {c["name"]: c for c in Q.check_checkpoint(tmp_path / "ex", kv_cache=True, exclude=["model.layer.0.*"])}
+    assert not typo["excluded_high_precision"]["passed"] and "matches no linear" in typo["excluded_high_precision"]["message"]
