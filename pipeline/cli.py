@@ -263,6 +263,62 @@ def serve(workdir, http_port, grpc_port, metrics_port, ready_timeout):
         click.echo(f"stopped (exit code {rc})", err=True)
 
 
+@cli.command()
+@config_arg
+@workdir_opt
+@override_opt
+@click.option("--out", type=click.Path(dir_okay=False), default=None, help="default: <workdir>/hardware_profile.json")
+@click.option("--rows", default="1,2,4,8,16,32,64,128,256", show_default=True, help="token rows M to measure (comma-separated)")
+@click.option("--context", type=click.IntRange(1), default=512, show_default=True, help="KV length each sequence attends to")
+@click.option("--rounds", type=click.IntRange(1), default=3, show_default=True, help="repeat everything; keep each best")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "fp8"]), default="auto", show_default=True,
+              help="GEMM dtype (auto: fp8 on FP8 GPUs, bfloat16 on other GPUs, float32 on a CPU)")
+def profile(config, workdir, overrides, out, rows, context, rounds, dtype):
+    """Measure the target's (and draft's) step time on this machine, fit the cost model, write a profile
+    that `hardware.profile` can use instead of datasheet numbers."""
+    from pipeline.store import Store
+    from runtime import profile as P
+
+    try:
+        cfg = _load(config, overrides)
+        try:
+            ms = sorted({int(x) for x in rows.split(",") if x.strip()})
+        except ValueError:
+            raise UsageError(f"--rows {rows}: expected comma-separated integers") from None
+        if not ms or ms[0] < 1:
+            raise UsageError(f"--rows {rows}: expected positive integers")
+        store = Store(Path(workdir) if workdir else _default_workdir(config))
+        shapes, source = P.shapes_from_workdir(cfg, store.root / "artifacts")
+        device, gemm_dtype = P.resolve_device_dtype(cfg.run.device, dtype)
+        import torch
+
+        if cfg.run.threads:
+            torch.set_num_threads(cfg.run.threads)
+        click.echo(f"profiling {', '.join(shapes)} ({source}) on {P.device_name(device)}, {gemm_dtype} GEMMs, "
+                   f"{torch.get_num_threads()} threads, context {context}, {rounds} round(s)", err=True)
+        doc = P.profile(shapes, device=device, gemm_dtype=gemm_dtype, rows=ms, context=context, rounds=rounds,
+                        progress=lambda r, key, q, m, t: click.echo(
+                            f"  round {r + 1} {key} M={m:<5d} q={q} {t * 1e3:9.3f} ms", err=True))
+    except SpecpipeError as e:
+        _fail(e)
+        return
+    path = Path(out) if out else store.root / "hardware_profile.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=2))
+    m = doc["machine"]
+    click.echo(f"machine: GEMM {m['peak_tflops'][gemm_dtype] * 1e3:.1f} GFLOP/s, {m['bandwidth_tb_s'] * 1e3:.1f} GB/s "
+               f"(cache {m['cache_bandwidth_tb_s'] * 1e3:.1f}), attention {m['attn_bandwidth_tb_s'] * 1e3:.1f} GB/s / "
+               f"{m['attn_tflops'] * 1e3:.1f} GFLOP/s, overlap p={m['overlap']:.2f}, {m['op_overhead_us']:.1f} us/op; "
+               f"ridge {doc['ridge_rows']:.1f} rows")
+    for key, mod in doc["models"].items():
+        click.echo(f"{key}: {'M':>5s} {'q':>2s} {'measured ms':>12s} {'predicted ms':>13s} {'error':>7s}")
+        for p in mod["points"]:
+            click.echo(f"{'':{len(key) + 1}s} {p['rows']:5d} {p['q_len']:2d} {p['measured_ms']:12.3f} "
+                       f"{p['predicted_ms']:13.3f} {100 * p['error']:+6.1f}%")
+        click.echo(f"{key}: mean |error| {100 * mod['mean_abs_error']:.1f}%, max {100 * mod['max_abs_error']:.1f}%")
+    click.echo(f"wrote {path}\nuse it: hardware.profile: {path}")
+
+
 def main() -> None:
     try:
         cli.main(standalone_mode=False)

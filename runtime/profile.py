@@ -16,6 +16,7 @@ The profile file holds these achieved rates (`machine`), which `tune` uses inste
 """
 from __future__ import annotations
 
+import json
 import math
 import platform
 import time
@@ -438,3 +439,52 @@ def check_profile(doc: dict) -> list[str]:
     return probs
 
 
+
+
+# ------------------------------------------------------------------------------------------ `specpipe profile`
+
+
+def shapes_from_workdir(cfg, artifacts_dir: Path) -> tuple[dict[str, ModelShape], str]:
+    """The target's (and, once trained, the draft's) shapes: from the committed artifacts, else, for the
+    built-in tiny target, from its config section. UsageError when neither is available."""
+    from pipeline.errors import UsageError
+    from runtime.costmodel import draft_shape, llama, target_shape
+
+    tj = artifacts_dir / "target" / "target.json"
+    if (artifacts_dir / "target" / "manifest.json").is_file() and tj.is_file():
+        t = json.loads(tj.read_text())
+        shapes = {"target": target_shape(t)}
+        src = f"{tj}"
+        dj, dc = artifacts_dir / "train_draft" / "draft.json", artifacts_dir / "train_draft" / "draft" / "config.json"
+        if (artifacts_dir / "train_draft" / "manifest.json").is_file() and dj.is_file() and dc.is_file():
+            shapes["draft"] = draft_shape(json.loads(dj.read_text()), json.loads(dc.read_text()), t["hidden_size"])
+            src += f", {dj}"
+        return shapes, src
+    tcfg = getattr(cfg, "target", None)
+    if tcfg is not None and getattr(tcfg, "bootstrap", None) == "tiny":
+        t = tcfg.tiny
+        return {"target": llama("target", num_layers=t.num_layers, hidden=t.hidden_size, heads=t.num_heads,
+                                kv_heads=t.num_kv_heads, intermediate=t.intermediate_size, vocab=t.vocab_size)}, \
+            "target.tiny (no target artifact yet)"
+    raise UsageError(f"no committed target artifact in {artifacts_dir}: run `specpipe build CONFIG --only target` "
+                     "first (the profile measures the target's layer shapes)")
+
+
+def resolve_device_dtype(device_opt: str, dtype_opt: str):
+    """`auto` -> CUDA when present; GEMM dtype `auto` -> FP8 on GPUs with FP8 tensor cores (sm89+), BF16 on
+    other GPUs, float32 on a CPU (its float32 GEMMs are the fast, well-defined path)."""
+    import torch
+
+    from pipeline.errors import UsageError
+
+    if device_opt == "cuda" and not torch.cuda.is_available():
+        raise UsageError("run.device is cuda but no CUDA device is visible")
+    dev = torch.device("cuda" if device_opt in ("cuda", "auto") and torch.cuda.is_available() else "cpu")
+    if dtype_opt == "auto":
+        if dev.type == "cuda":
+            dtype_opt = "fp8" if torch.cuda.get_device_capability(dev) >= (8, 9) else "bfloat16"
+        else:
+            dtype_opt = "float32"
+    if dtype_opt == "fp8" and dev.type != "cuda":
+        raise UsageError("--dtype fp8 needs a CUDA GPU with FP8 tensor cores (torch._scaled_mm)")
+    return dev, dtype_opt

@@ -1,0 +1,209 @@
+"""The roofline cost model (runtime.costmodel), the GPU table, and `specpipe profile` (runtime.profile).
+
+No timed assertions: measured numbers are only checked for shape and sanity; the accuracy of the fitted model
+is measured and reported in docs/benchmarks.md, not asserted here.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from pipeline.hardware import GPUS
+from runtime import costmodel as cm
+
+from conftest import run_cli, tiny_overrides
+
+L8B = cm.llama("8b", num_layers=32, hidden=4096, heads=32, kv_heads=8, intermediate=14336, vocab=128256)
+L70B = cm.llama("70b", num_layers=80, hidden=8192, heads=64, kv_heads=8, intermediate=28672, vocab=128256)
+FP8 = cm.Precision("fp8", 1.0, 1.0)
+BF16 = cm.Precision("bf16", 2.0, 2.0)
+
+
+def datasheet(gpu: str, eff: float = 1.0, overhead_us: float = 0.0) -> cm.Machine:
+    return cm.machine_from_gpu(GPUS[gpu], compute_efficiency=eff, memory_efficiency=eff, op_overhead_us=overhead_us)
+
+
+def test_gpu_table_has_the_datasheet_values():
+    for key in ("h100_sxm", "h100_pcie", "h200", "b200", "a100_80gb", "l40s"):
+        g = GPUS[key]
+        assert g.bf16_tflops > 0 and g.hbm_tb_s > 0 and g.memory_gb > 0 and g.source.startswith("NVIDIA")
+        assert g.fp8_tflops in (0.0, pytest.approx(2 * g.bf16_tflops, rel=0.02))   # FP8 doubles BF16 where present
+    assert (GPUS["h200"].fp8_tflops, GPUS["h200"].hbm_tb_s, GPUS["h200"].memory_gb) == (1979.0, 4.8, 141)
+    assert GPUS["h100_sxm"].hbm_tb_s == 3.35 and GPUS["b200"].hbm_tb_s == 8.0
+    assert not GPUS["a100_80gb"].has_fp8 and GPUS["l40s"].has_fp8
+
+
+def test_ridge_points_match_the_anchors():
+    # anchors.md: H100 SXM FP8 ~590 FLOP/B -> M* ~295 rows; H200 ~412 FLOP/B -> ~206 rows; BF16 gives the same M*.
+    assert GPUS["h100_sxm"].ridge_flop_per_byte() == pytest.approx(590, rel=0.01)
+    assert datasheet("h100_sxm").ridge_rows(FP8) == pytest.approx(295, rel=0.01)
+    assert datasheet("h200").ridge_rows(FP8) == pytest.approx(206, rel=0.01)
+    assert datasheet("h200").ridge_rows(BF16) == pytest.approx(datasheet("h200").ridge_rows(FP8), rel=0.01)
+
+
+def test_gemm_flops_and_bytes():
+    g = cm.Gemm("x", 4096, 14336)
+    op = cm.gemm_op(g, 8, FP8, tp=1)
+    assert op.flops == 2 * 8 * 4096 * 14336
+    assert op.bytes == pytest.approx(4096 * 14336 * 1 + 8 * (4096 + 14336) * 2)
+    half = cm.gemm_op(g, 8, FP8, tp=2)
+    assert half.flops == op.flops / 2 and half.bytes < 0.51 * op.bytes
+    assert cm.gemm_op(cm.Gemm("lm", 4096, 32000, split=False), 8, FP8, tp=2).flops == 2 * 8 * 4096 * 32000
+
+
+def test_kv_bytes_per_token_match_the_anchors():
+    assert L70B.kv_bytes_per_token(1) == 160 * 1024       # Llama-3-70B FP8
+    assert L70B.kv_bytes_per_token(2) == 320 * 1024       # BF16
+    assert L70B.weight_params() == pytest.approx(69.5e9, rel=0.01)
+
+
+def test_memory_bound_rows_are_nearly_free_and_compute_bound_rows_are_not():
+    m = datasheet("h200", 0.85, 2.0)
+    dep = cm.Deployment(L8B, None, "eagle3", FP8, FP8, m, context=1024)
+    t1 = dep.target_time(1, 1)
+    assert dep.target_time(1, 8) / t1 < 1.05              # 8 rows << ridge: the weights dominate
+    assert dep.target_time(64, 1) / t1 < 1.6
+    big = dep.target_time(1024, 1)
+    assert dep.target_time(2048, 1) / big > 1.8            # far past the ridge: time ~ rows
+    # 70B FP8 at batch 1 on one H200: >= ~15 ms per step (anchors: 70 GB / 4.8 TB/s).
+    dep70 = cm.Deployment(L70B, None, "eagle3", FP8, FP8, datasheet("h200", 0.85, 2.0), context=4096)
+    assert 14.5 <= dep70.target_time(1, 1) * 1e3 <= 25
+    assert datasheet("h200").bandwidth * 1.0 == 4.8e12
+
+
+def test_attention_reads_each_sequences_kv_once():
+    f1, b1 = cm.attention_cost(L8B, batch=4, q_len=1, context=1000, prec=FP8)
+    f4, b4 = cm.attention_cost(L8B, batch=4, q_len=4, context=997, prec=FP8)
+    assert b1 < b4 < 1.05 * b1                             # same KV, shared by the 4 rows (+ their q and output)
+    assert f4 == pytest.approx(4 * f1, rel=0.01)
+    _, b_bf16 = cm.attention_cost(L8B, batch=4, q_len=1, context=1000, prec=cm.Precision("fp8", 1, 2))
+    assert b_bf16 > 1.9 * b1                               # KV dtype matters
+
+
+def test_tensor_parallel_splits_the_step():
+    m = datasheet("h100_sxm", 0.85, 2.0)
+    one = cm.Deployment(L70B, None, "eagle3", FP8, FP8, m, tp=1, context=2048).target_time(8, 1)
+    two = cm.Deployment(L70B, None, "eagle3", FP8, FP8, m, tp=2, context=2048).target_time(8, 1)
+    assert 0.45 < two / one < 0.65                          # half the weights per GPU, plus all-reduces
+    ops = cm.forward_ops(L70B, batch=8, q_len=1, context=2048, prec=FP8, tp=2)
+    assert any(o.kind == "allreduce" and o.count == 160 for o in ops)
+
+
+def test_draft_costs_eagle3_serial_dflash_parallel():
+    dcfg = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
+            "num_hidden_layers": 1, "vocab_size": 128256}
+    e3 = cm.draft_shape({"algorithm": "eagle3", "num_layers": 1, "aux_layer_ids": [1, 15, 28], "draft_vocab_size": 32000},
+                        dcfg, 4096)
+    assert e3.layer_gemms[0].k == 2 * 4096 and e3.input_gemms[0].k == 3 * 4096 and e3.head_gemms[0].n == 32000
+    df = cm.draft_shape({"algorithm": "dflash", "num_layers": 1, "target_layer_ids": [1, 10, 20, 30]}, dcfg, 4096)
+    m = datasheet("h200", 0.85, 2.0)
+    dep_e3 = cm.Deployment(L8B, e3, "eagle3", FP8, BF16, m, context=1024)
+    dep_df = cm.Deployment(L8B, df, "dflash", FP8, BF16, m, context=1024)
+    assert dep_e3.draft_time(1, 0) == 0.0
+    assert dep_e3.draft_time(1, 6) > 4 * dep_e3.draft_time(1, 1)     # k serial passes
+    assert dep_df.draft_time(1, 6) < 1.5 * dep_df.draft_time(1, 1)   # one parallel pass
+    with pytest.raises(ValueError):
+        cm.draft_shape({"algorithm": "medusa"}, dcfg, 4096)
+
+
+def test_expected_tokens_matches_the_closed_form():
+    for a in (0.0, 0.3, 0.8, 0.95):
+        for k in range(0, 7):
+            closed = (1 - a ** (k + 1)) / (1 - a)
+            assert cm.expected_tokens([a] * k, k) == pytest.approx(closed)
+    assert cm.expected_tokens([0.9, 0.0, 0.9], 3) == pytest.approx(1.9)
+    a = cm.flat_acceptance(2.5, 4)
+    assert cm.expected_tokens([a] * 4, 4) == pytest.approx(2.5, abs=1e-9)
+    assert cm.mix_expected_tokens({"x": [1.0] * 2, "y": [0.0] * 2}, {"x": 3, "y": 1}, 2) == pytest.approx(0.75 * 3 + 0.25)
+
+
+def test_choose_k_prefers_shorter_within_tolerance_and_turns_off_below_min():
+    m = datasheet("h200", 0.85, 2.0)
+    dep = cm.Deployment(L8B, None, "eagle3", FP8, FP8, m, context=1024)   # no draft cost: longer k always >=
+    c = cm.choose_k(dep, {"d": [0.9, 0.9, 0.9, 0.01]}, {"d": 1}, 1, 4, tie_tolerance=0.01)
+    assert c.k == 3                                          # position 4 adds ~0.3 %: not useful
+    assert cm.choose_k(dep, {"d": [0.9, 0.9, 0.9, 0.01]}, {"d": 1}, 1, 4, tie_tolerance=0.0).k == 4
+    off = cm.choose_k(dep, {"d": [0.05] * 3}, {"d": 1}, 1, 3, min_speedup=1.2)
+    assert off.k == 0 and off.speedup == 1.0
+
+
+def test_schedule_round_trip_for_every_step_function():
+    import itertools
+
+    for ks_runs in itertools.product([5, 3, 1], [3, 1, 0], [1, 0]):
+        for widths in ((1, 1, 1), (3, 7, 20), (10, 1, 5)):
+            ks = []
+            for k, w in zip(ks_runs, widths):
+                ks += [k] * w
+            ks = [min(ks[: i + 1]) for i in range(len(ks))]        # non-increasing, as k_by_batch makes it
+            for sem, both in (("lower_bound", True), ("upper_bound", False)):
+                s = cm.schedule_for(ks, sem, both)
+                assert cm.parse_schedule(s["draft_len_schedule"], s["max_concurrency"], s["max_draft_len"], sem,
+                                         len(ks)) == ks
+                if not both:
+                    assert s["draft_len_schedule"] is None or s["max_concurrency"] is None
+
+
+def test_cuda_graph_sizes_and_token_budget():
+    g = cm.cuda_graph_batch_sizes(90, [34, 35, 61, 62])
+    assert g[:3] == [1, 2, 4] and {34, 35, 61, 62, 90} <= set(g) and max(g) == 90 and g == sorted(set(g))
+    assert max(cm.cuda_graph_batch_sizes(1000, [])) == 1000 and 512 in cm.cuda_graph_batch_sizes(1000, [])
+    assert cm.max_num_tokens(256, 5, 8192) >= 256 * 6 and cm.max_num_tokens(256, 5, 8192) % 64 == 0
+    assert cm.max_num_tokens(4, 3, 100) == 128
+
+
+def test_overlap_and_cache_terms():
+    m = cm.Machine("x", {"fp8": 1e12}, 1e9, overlap=1.0)
+    assert m.combine(2.0, 3.0) == pytest.approx(5.0)
+    assert cm.Machine("x", {"fp8": 1e12}, 1e9).combine(2.0, 3.0) == 3.0
+    assert cm.Machine("x", {"fp8": 1e12}, 1e9, overlap=2.0).combine(3.0, 4.0) == pytest.approx(5.0)
+    hot = cm.Machine("x", {"fp8": 1e15}, 1e9, cache_bytes=1e12, cache_bandwidth=1e10)
+    cold = cm.Machine("x", {"fp8": 1e15}, 1e9)
+    ops = cm.forward_ops(L8B, batch=1, q_len=1, context=16, prec=FP8)
+    assert cm.step_time(ops, hot) < 0.2 * cm.step_time(ops, cold)
+
+
+# ---------------------------------------------------------------------------------------------- profile
+
+
+@pytest.fixture(scope="module")
+def tiny_profile():
+    import torch
+
+    from runtime import profile as P
+
+    shape = cm.llama("t", num_layers=2, hidden=32, heads=2, kv_heads=1, intermediate=64, vocab=128)
+    draft = cm.draft_shape({"algorithm": "eagle3", "num_layers": 1, "aux_layer_ids": [0, 1]},
+                           {"hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 1,
+                            "intermediate_size": 64, "vocab_size": 128}, 32)
+    return P.profile({"target": shape, "draft": draft}, device=torch.device("cpu"), gemm_dtype="float32",
+                     rows=(1, 8), context=16, q_lens=(1, 4), rounds=1)
+
+
+def test_profile_document_is_usable_by_tune(tiny_profile):
+    from runtime import profile as P
+
+    doc = tiny_profile
+    assert P.check_profile(doc) == []
+    assert set(doc["models"]) == {"target", "draft"}
+    pts = doc["models"]["target"]["points"]
+    assert [(p["rows"], p["q_len"]) for p in pts] == [(1, 1), (8, 1), (8, 4)]
+    assert all(p["measured_ms"] > 0 and p["predicted_ms"] > 0 and math.isfinite(p["error"]) for p in pts)
+    m = cm.machine_from_profile(json.loads(json.dumps(doc)))
+    assert m.peak("fp8") == m.peak("float32") > 0 and m.bandwidth > 0 and m.op_overhead_s > 0
+    assert doc["machine"]["overlap"] >= 1.0
+    assert P.check_profile({"format": "x"}) and P.check_profile({"format": P.FORMAT, "machine": {}})
+
+
+def test_profile_cli_on_the_tiny_target(tmp_path):
+    out = tmp_path / "prof.json"
+    r = run_cli("profile", "configs/tiny_fp8_eagle3.yaml", "--workdir", str(tmp_path / "wd"), "--out", str(out),
+                "--rows", "1,4", "--rounds", "1", "--context", "32", *tiny_overrides("target"))
+    assert r.returncode == 0, r.stderr
+    assert "measured ms" in r.stdout and "predicted ms" in r.stdout and f"hardware.profile: {out}" in r.stdout
+    doc = json.loads(out.read_text())
+    assert doc["models"]["target"]["shape"]["hidden"] == 64       # the overridden tiny target's shapes
+    r = run_cli("profile", "configs/tiny_fp8_eagle3.yaml", "--rows", "x", *tiny_overrides("target"))
+    assert r.returncode == 2 and "--rows" in r.stderr
