@@ -13,6 +13,7 @@ from typing import Callable
 STAGE_MODULES: tuple[str, ...] = (
     "stages.target",
     "stages.data",
+    "stages.train_draft",
 )
 
 

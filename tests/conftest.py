@@ -24,6 +24,9 @@ TINY = {
         "target.tiny.steps=40", "target.tiny.seq_len=64", "target.tiny.corpus_mb=1", "target.tiny.checkpoint_every=10",
     ],
     "data": ["data.max_samples=120", "data.eval_prompts=4", "data.max_length=128", "data.max_prompt_tokens=48"],
+    "train_draft": ["train_draft.steps=30", "train_draft.batch_size=2", "train_draft.seq_len=64",
+                    "train_draft.warmup_steps=5", "train_draft.checkpoint_every=10", "train_draft.log_every=5",
+                    "train_draft.eval.prompts_per_domain=2", "train_draft.eval.osl=16"],
 }
 
 

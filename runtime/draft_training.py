@@ -1,0 +1,569 @@
+"""Train an EAGLE-3 or DFlash draft for a target with NVIDIA ModelOpt, then export it.
+
+Runs in-process (`train(job)`) or as N processes under torchrun:
+
+    torchrun --nproc-per-node 8 -m runtime.draft_training --job job.json
+
+A *job* is a JSON-able dict written by the `train_draft` stage (see `stages/train_draft.py`); this module
+never reads the pipeline config. What it does, in order:
+
+1. offline mode only: dump the target's hidden states for every training sample into `<scratch>/hidden/`
+   (one file per sample, written atomically, so an interrupted dump resumes where it stopped);
+2. convert the target with `modelopt.torch.speculative.convert` (the base stays frozen) and train the
+   draft with AdamW/SGD, a warmup + cosine/linear schedule and periodic checkpoints in `<scratch>/ckpt/`
+   (draft weights as safetensors + optimizer/step state); a restarted job resumes from the checkpoint;
+3. rank 0: ModelOpt's `HFARValidation.validate_online` acceptance length on held-out prompts, then
+   `export_speculative_decoding` into `<export_dir>`, and `result.json` with the curve and metrics.
+
+Data order and randomness are functions of (seed, step, rank) only, so a resumed run sees the same batches
+as an uninterrupted one. Progress goes to a callback in-process, or as `@@specpipe {json}` lines on the
+stdout of rank 0 under torchrun (the stage parses them into its progress bar).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+PROGRESS_PREFIX = "@@specpipe "
+CKPT = "ckpt"
+HIDDEN = "hidden"
+IGNORE_INDEX = -100
+
+
+class JobError(Exception):
+    """An expected failure with a message for the user (the stage turns it into a StageError)."""
+
+
+# ------------------------------------------------------------------------------------------- helpers
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def _rank_world() -> tuple[int, int]:
+    d = _dist()
+    return (d.get_rank(), d.get_world_size()) if d else (0, 1)
+
+
+def _barrier() -> None:
+    if d := _dist():
+        d.barrier()
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def read_samples(parquet: str | Path, max_samples: int | None = None) -> list[tuple[list[int], list[int]]]:
+    """(input_ids, loss_mask) per training sample from the data artifact's parquet."""
+    import pyarrow.parquet as pq
+
+    t = pq.read_table(str(parquet), columns=["input_ids", "loss_mask"])
+    ids, mask = t.column("input_ids").to_pylist(), t.column("loss_mask").to_pylist()
+    out = [(a, b) for a, b in zip(ids, mask) if a and sum(b) > 0]
+    return out[:max_samples] if max_samples else out
+
+
+def read_prompts(eval_files: dict[str, str], per_domain: int) -> dict[str, list[list[int]]]:
+    out = {}
+    for domain, path in sorted(eval_files.items()):
+        rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+        out[domain] = [r["prompt_ids"] for r in rows[:per_domain]]
+    return out
+
+
+def batch_indices(step: int, n: int, batch: int, seed: int) -> list[int]:
+    """The global batch of `step`: consecutive slices of a per-epoch permutation seeded by (seed, epoch)."""
+    import torch
+
+    out = []
+    pos = step * batch
+    while len(out) < batch:
+        epoch, off = divmod(pos, n)
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch)).tolist()
+        take = min(batch - len(out), n - off)
+        out += perm[off: off + take]
+        pos += take
+    return out
+
+
+def lr_factor(step: int, job: dict) -> float:
+    t = job["train"]
+    if step < t["warmup_steps"]:
+        return (step + 1) / t["warmup_steps"]
+    prog = min(1.0, (step - t["warmup_steps"]) / max(1, t["steps"] - t["warmup_steps"]))
+    lo = t["min_lr_ratio"]
+    if t["schedule"] == "cosine":
+        return lo + (1 - lo) * 0.5 * (1 + math.cos(math.pi * prog))
+    if t["schedule"] == "linear":
+        return lo + (1 - lo) * (1 - prog)
+    return 1.0
+
+
+def capture_layer_ids(job: dict) -> list[int]:
+    """Target layers whose outputs the draft reads: EAGLE-3 aux layers or DFlash target layers."""
+    a = job["algorithm"]
+    return list(a["aux_layer_ids"] if a["name"] == "eagle3" else a["target_layer_ids"])
+
+
+# ------------------------------------------------------------------------------------------- model
+
+
+def convert_config(job: dict, offline: bool) -> tuple[str, dict]:
+    """The ModelOpt mode name and config for `mtsp.convert`, from the job's algorithm options."""
+    import modelopt.torch.speculative as mtsp
+
+    a, tgt = job["algorithm"], job["target"]
+    if a["name"] == "eagle3":
+        cfg = copy.deepcopy(mtsp.EAGLE3_DEFAULT_CFG["config"])
+        arch = cfg["eagle_architecture_config"]
+        arch.update({
+            "num_hidden_layers": a["draft_layers"],
+            "intermediate_size": a["intermediate_size"] or tgt["intermediate_size"],
+            "num_attention_heads": tgt["num_attention_heads"],
+            "num_key_value_heads": tgt["num_key_value_heads"],
+            "head_dim": tgt["head_dim"],
+            "eagle_aux_hidden_state_layer_ids": list(a["aux_layer_ids"]),
+        })
+        if a["draft_vocab_size"] and a["draft_vocab_size"] != tgt["vocab_size"]:
+            arch["draft_vocab_size"] = a["draft_vocab_size"]
+        cfg.update({"eagle_ttt_steps": a["ttt_steps"], "eagle_loss_decay_factor": a["loss_decay_factor"],
+                    "eagle_use_torch_compile": job["torch_compile"], "eagle_offline": offline,
+                    "eagle_export_rope_scaling": job["export_rope_scaling"] or {}})
+        return "eagle", cfg
+    cfg = copy.deepcopy(mtsp.DFLASH_DEFAULT_CFG["config"])
+    cfg.update({
+        "dflash_block_size": a["block_size"], "dflash_mask_token_id": a["mask_token_id"],
+        "dflash_num_anchors": a["num_anchors"], "dflash_use_torch_compile": job["torch_compile"],
+        "dflash_loss_objective": a["loss_objective"], "dflash_loss_decay_factor": a["loss_decay_factor"],
+        "dflash_offline": offline, "dflash_export_rope_scaling": job["export_rope_scaling"] or {},
+        # Qwen3Config defaults (32 heads, 22016 MLP) would win over the target's shape otherwise.
+        "dflash_architecture_config": {
+            "num_hidden_layers": a["draft_layers"], "target_layer_ids": list(a["target_layer_ids"]),
+            "intermediate_size": a["intermediate_size"] or tgt["intermediate_size"],
+            "num_attention_heads": tgt["num_attention_heads"], "num_key_value_heads": tgt["num_key_value_heads"],
+            "head_dim": tgt["head_dim"],
+        },
+    })
+    return "dflash", cfg
+
+
+def build_model(job: dict, offline: bool, device):
+    """The target converted for draft training. Offline: the target without its decoder layers."""
+    import modelopt.torch.speculative as mtsp
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = _torch_dtype(job["train_dtype"])
+    if offline:
+        from modelopt.torch.speculative.utils import load_vlm_or_llm
+
+        model = load_vlm_or_llm(job["target_dir"], use_offline_training=True, dtype=dtype,
+                                trust_remote_code=job["trust_remote_code"])
+    else:
+        model = AutoModelForCausalLM.from_pretrained(job["target_dir"], dtype=dtype, trust_remote_code=job["trust_remote_code"])
+    model.to(device)
+    mode, cfg = convert_config(job, offline)
+    torch.manual_seed(job["train"]["seed"])  # the draft's initial weights
+    mtsp.convert(model, [(mode, cfg)])
+    if job["algorithm"]["name"] == "eagle3" and job.get("d2t_path"):
+        from modelopt.torch.speculative.plugins.hf_eagle import HFEagleModel
+
+        HFEagleModel.load_draft_vocab_cache(model, job["d2t_path"])
+    return model
+
+
+def draft_module(model):
+    return model.eagle_module if hasattr(model, "eagle_module") else model.dflash_module
+
+
+def calibrate_d2t(samples, vocab_size: int, draft_vocab_size: int, path: Path) -> dict:
+    """The reduced draft vocabulary: the most frequent trained-on tokens of the training set, stored as
+    ModelOpt's `d2t` offsets (target_id = draft_id + d2t[draft_id]). ModelOpt's `calibrate_frequent_vocab`
+    counts chat-template renderings of conversations; the data artifact already holds token ids with a loss
+    mask, so the same count runs on exactly the tokens the draft learns to predict."""
+    import collections
+
+    import torch
+
+    counts = collections.Counter()
+    for ids, mask in samples:
+        counts.update(t for t, m in zip(ids, mask) if m)
+    top = [t for t, _ in counts.most_common(draft_vocab_size)]
+    if len(top) < draft_vocab_size:   # fill with unseen ids so the map is complete and injective
+        seen = set(top)
+        top += [t for t in range(vocab_size) if t not in seen][: draft_vocab_size - len(top)]
+    top.sort()   # keep draft ids in target-id order: d2t is then non-decreasing
+    d2t = torch.tensor([t - i for i, t in enumerate(top)], dtype=torch.int64)
+    torch.save(d2t, path)
+    covered = sum(counts[t] for t in top) / max(1, sum(counts.values()))
+    return {"draft_vocab_size": draft_vocab_size, "token_coverage": round(covered, 4)}
+
+
+# ------------------------------------------------------------------------------------------- offline dump
+
+
+def estimate_dump_bytes(n_samples: int, tokens_per_sample: float, n_capture_layers: int, hidden: int, dtype_bytes: int) -> int:
+    """Hidden states of the final layer plus each captured layer, per token, plus ids and mask (int64)."""
+    return int(n_samples * tokens_per_sample * ((1 + n_capture_layers) * hidden * dtype_bytes + 16))
+
+
+def dump_preflight(need_bytes: int, where: Path, max_bytes: int | None = None) -> dict:
+    """Refuse an offline dump that the disk (or the configured budget) cannot hold. Returns the numbers."""
+    where.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(where).free
+    gib = 2**30
+    if max_bytes is not None and need_bytes > max_bytes:
+        raise JobError(f"offline hidden-state dump needs about {need_bytes / gib:.2f} GiB, over the budget "
+                       f"train_draft.offline.max_dump_gb={max_bytes / gib:g}; raise the budget, train fewer samples "
+                       "or a shorter seq_len, or use train_draft.mode: online")
+    if need_bytes * 1.05 > free:
+        raise JobError(f"offline hidden-state dump needs about {need_bytes / gib:.2f} GiB but {where} has only "
+                       f"{free / gib:.2f} GiB free; free space there, point the workdir at a larger disk, "
+                       "or use train_draft.mode: online (no dump)")
+    return {"dump_estimate_bytes": need_bytes, "disk_free_bytes": free}
+
+
+def dump_hidden_states(job: dict, samples, device, emit: Callable[[dict], None]) -> list[Path]:
+    """Write `<scratch>/hidden/<i>.pt` for each sample (this rank's share), skipping files that exist.
+    Keys follow ModelOpt's offline format: input_ids, hidden_states (last layer), aux_hidden_states
+    (captured layers concatenated), loss_mask."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    rank, world = _rank_world()
+    out = Path(job["scratch_dir"]) / HIDDEN
+    out.mkdir(parents=True, exist_ok=True)
+    files = [out / f"{i:07d}.pt" for i in range(len(samples))]
+    todo = [i for i in range(rank, len(samples), world) if not files[i].exists()]
+    done_before = len(samples) - sum(1 for f in files if not f.exists())
+    if todo:
+        model = AutoModelForCausalLM.from_pretrained(job["target_dir"], dtype=_torch_dtype(job["train_dtype"]),
+                                                     trust_remote_code=job["trust_remote_code"]).to(device).eval()
+        layers = capture_layer_ids(job)
+        seq = job["train"]["seq_len"]
+        emit({"event": "dump_start", "total": len(samples), "done": done_before})
+        with torch.no_grad():
+            for i in todo:
+                ids, mask = samples[i]
+                x = torch.tensor([ids[:seq]], device=device)
+                hs = model(input_ids=x, output_hidden_states=True).hidden_states
+                rec = {"input_ids": x[0].cpu(), "hidden_states": hs[-1][0].cpu(),
+                       "aux_hidden_states": torch.cat([hs[lid + 1][0] for lid in layers], dim=-1).cpu(),
+                       "loss_mask": torch.tensor(mask[:seq], dtype=torch.long)}
+                tmp = files[i].with_suffix(f".tmp{rank}")
+                torch.save(rec, tmp)
+                os.replace(tmp, files[i])
+                emit({"event": "dump", "n": 1})
+        del model
+    _barrier()
+    return files
+
+
+# ------------------------------------------------------------------------------------------- batches
+
+
+def online_batch(samples, idx: list[int], seq_len: int, pad_id: int, device) -> dict:
+    import torch
+
+    n = len(idx)
+    ids = torch.full((n, seq_len), pad_id, dtype=torch.long)
+    att = torch.zeros((n, seq_len), dtype=torch.long)
+    lm = torch.zeros((n, seq_len), dtype=torch.long)
+    for r, i in enumerate(idx):
+        a, m = samples[i]
+        a, m = a[:seq_len], m[:seq_len]
+        ids[r, : len(a)] = torch.tensor(a)
+        att[r, : len(a)] = 1
+        lm[r, : len(m)] = torch.tensor(m)
+    labels = ids.masked_fill(att == 0, IGNORE_INDEX)
+    return {k: v.to(device) for k, v in
+            {"input_ids": ids, "attention_mask": att, "loss_mask": lm, "labels": labels}.items()}
+
+
+def offline_batch(dataset, collator, idx: list[int], device) -> dict:
+    b = collator([dataset[i] for i in idx])
+    b["base_model_outputs"] = {k: (v.to(device) if hasattr(v, "to") else v) for k, v in b["base_model_outputs"].items()}
+    return {k: (v.to(device) if hasattr(v, "to") else v) for k, v in b.items()}
+
+
+# ------------------------------------------------------------------------------------------- checkpoints
+
+
+def save_checkpoint(scratch: Path, model, opt, sched, step: int, curve: list, extra: dict) -> None:
+    """Draft weights (safetensors) + optimizer/schedule/step (torch.save of tensors and plain types),
+    written to a fresh directory that replaces the previous checkpoint in one rename."""
+    import torch
+    from safetensors.torch import save_file
+
+    final = scratch / CKPT
+    tmp = scratch / f"{CKPT}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    sd = {k: v.detach().contiguous().cpu() for k, v in draft_module(model).state_dict().items()}
+    save_file(sd, str(tmp / "draft.safetensors"))
+    torch.save({"opt": opt.state_dict(), "sched": sched.state_dict(), "step": step, "curve": curve, **extra},
+               tmp / "state.pt")
+    old = scratch / f"{CKPT}.old"
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def load_checkpoint(scratch: Path, model, opt, sched, device) -> dict | None:
+    import torch
+    from safetensors.torch import load_file
+
+    d = scratch / CKPT
+    if not (d / "state.pt").exists():
+        return None
+    draft_module(model).load_state_dict(load_file(str(d / "draft.safetensors"), device=str(device)))
+    state = torch.load(d / "state.pt", weights_only=True, map_location=device)
+    opt.load_state_dict(state["opt"])
+    sched.load_state_dict(state["sched"])
+    return state
+
+
+# ------------------------------------------------------------------------------------------- acceptance
+
+
+def acceptance(model, tokenizer, prompts: dict[str, list[list[int]]], osl: int, steps: int) -> dict:
+    """ModelOpt's own estimate: `validate_online` (target verifies the draft's tokens greedily, no KV cache)
+    per prompt; acceptance length = mean tokens per target step, at most steps + 1."""
+    import torch
+    from modelopt.torch.speculative.plugins.hf_eagle import HFARValidation
+
+    model.eval()
+    device = next(model.parameters()).device
+    val = HFARValidation(model, tokenizer)
+    per_domain = {}
+    with torch.no_grad():
+        for domain, items in prompts.items():
+            ars = []
+            for ids in items:
+                _, ar = val.validate_online(osl, input_ids=torch.tensor([ids], device=device), steps=steps)
+                ars.append(float(ar))
+            per_domain[domain] = {"acceptance_length": round(sum(ars) / len(ars), 4), "prompts": len(ars)}
+    all_ars = [v["acceptance_length"] * v["prompts"] for v in per_domain.values()]
+    n = sum(v["prompts"] for v in per_domain.values())
+    return {"acceptance_length": round(sum(all_ars) / max(1, n), 4), "draft_len": steps, "osl": osl,
+            "domains": per_domain}
+
+
+# ------------------------------------------------------------------------------------------- training
+
+
+def _emit_stdout(ev: dict) -> None:
+    print(PROGRESS_PREFIX + json.dumps(ev), flush=True)
+
+
+def train(job: dict, emit: Callable[[dict], None] | None = None, should_stop: Callable[[int], bool] | None = None) -> dict:
+    """Run the whole job in this process (one rank of a torchrun group, or alone). Returns the result
+    (also written to `<scratch>/result.json` by rank 0). `should_stop(step)` lets a caller end training
+    early after a checkpoint, as an interruption would (used by tests of resuming)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    world_env = int(os.environ.get("WORLD_SIZE", "1"))
+    device_kind = job["device"]
+    if world_env > 1 and _dist() is None:
+        import torch.distributed as dist
+
+        dist.init_process_group(backend="nccl" if device_kind == "cuda" else "gloo")
+    rank, world = _rank_world()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device(f"cuda:{local_rank}" if device_kind == "cuda" else "cpu")
+    if device_kind == "cuda":
+        torch.cuda.set_device(device)
+    if job.get("threads"):
+        torch.set_num_threads(job["threads"])
+    emit_fn = emit or (lambda ev: None)
+
+    def emit0(ev):   # only rank 0 reports progress
+        if rank == 0:
+            emit_fn(ev)
+
+    t = job["train"]
+    scratch = Path(job["scratch_dir"])
+    scratch.mkdir(parents=True, exist_ok=True)
+    if t["batch_size"] % world:
+        raise JobError(f"train_draft.batch_size {t['batch_size']} is not divisible by the {world} training processes")
+    samples = read_samples(job["train_parquet"], job.get("max_samples"))
+    if not samples:
+        raise JobError(f"no training samples with a non-zero loss mask in {job['train_parquet']}")
+    tok = AutoTokenizer.from_pretrained(job["target_dir"], trust_remote_code=job["trust_remote_code"])
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+
+    if job["algorithm"]["name"] == "eagle3" and job.get("d2t_path") and rank == 0 and not Path(job["d2t_path"]).exists():
+        job["d2t_stats"] = calibrate_d2t(samples, job["target"]["vocab_size"], job["algorithm"]["draft_vocab_size"],
+                                         Path(job["d2t_path"]))
+    _barrier()
+
+    offline = job["mode"] == "offline"
+    dump_info = {}
+    if offline:
+        tps = sum(min(len(a), t["seq_len"]) for a, _ in samples) / len(samples)
+        itemsize = torch.finfo(_torch_dtype(job["train_dtype"])).bits // 8
+        need = estimate_dump_bytes(len(samples), tps, len(capture_layer_ids(job)), job["target"]["hidden_size"], itemsize)
+        existing = sum(f.stat().st_size for f in (scratch / HIDDEN).glob("*.pt")) if (scratch / HIDDEN).exists() else 0
+        if rank == 0:
+            max_b = int(job["max_dump_gb"] * 2**30) if job.get("max_dump_gb") else None
+            dump_info = dump_preflight(max(0, need - existing), scratch, max_b)
+            dump_info["dump_estimate_bytes"] = need
+        _barrier()
+        t0 = time.monotonic()
+        files = dump_hidden_states(job, samples, device, emit0)
+        dump_info["dump_seconds"] = round(time.monotonic() - t0, 2)
+        dump_info["dump_bytes"] = sum(f.stat().st_size for f in files)
+        from modelopt.torch.speculative.eagle.utils import EagleOfflineDataCollator, OfflineSupervisedDataset
+
+        dataset = OfflineSupervisedDataset([str(f) for f in files], answer_only_loss=True)
+        collator = EagleOfflineDataCollator(t["seq_len"])
+
+    model = build_model(job, offline, device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if t["optimizer"] == "adamw":
+        opt = torch.optim.AdamW(params, lr=t["lr"], weight_decay=t["weight_decay"], betas=tuple(t["betas"]))
+    else:
+        opt = torch.optim.SGD(params, lr=t["lr"], momentum=0.9, weight_decay=t["weight_decay"])
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, job))
+    state = load_checkpoint(scratch, model, opt, sched, device)
+    step0 = int(state["step"]) if state else 0
+    curve: list = list(state["curve"]) if state else []
+    step_times: list = list(state.get("step_times", [])) if state else []
+    if state:
+        emit0({"event": "resume", "step": step0})
+
+    ddp = model
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp = DistributedDataParallel(model, device_ids=[local_rank] if device_kind == "cuda" else None,
+                                      find_unused_parameters=job["algorithm"]["name"] == "dflash")
+    per_rank = t["batch_size"] // world
+    model.train()
+    emit0({"event": "train_start", "total": t["steps"], "done": step0, "world_size": world})
+    stopped_early = False
+    for step in range(step0, t["steps"]):
+        t_step = time.monotonic()
+        torch.manual_seed(t["seed"] * 7919 + step * world + rank)   # DFlash anchors: a function of (seed, step, rank)
+        idx = batch_indices(step, len(samples), t["batch_size"], t["seed"])[rank * per_rank:(rank + 1) * per_rank]
+        batch = offline_batch(dataset, collator, idx, device) if offline else online_batch(samples, idx, t["seq_len"], pad_id, device)
+        out = ddp(**batch)
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        if t["grad_clip"]:
+            torch.nn.utils.clip_grad_norm_(params, t["grad_clip"])
+        opt.step()
+        sched.step()
+        acc = [float(a) for a in (out.train_acc[0] if out.train_acc else [])]
+        stats = torch.tensor([float(out.loss.detach())] + acc, dtype=torch.float64)
+        if d := _dist():
+            d.all_reduce(stats)
+            stats /= world
+        dt = time.monotonic() - t_step
+        step_times.append(round(dt, 4))
+        loss_v, acc_v = float(stats[0]), [round(float(a), 4) for a in stats[1:]]
+        if (step + 1) % t["log_every"] == 0 or step + 1 == t["steps"] or step == step0:
+            curve.append({"step": step + 1, "loss": round(loss_v, 4), "accuracy": acc_v,
+                          "lr": round(sched.get_last_lr()[0], 8), "step_s": round(dt, 4)})
+        emit0({"event": "step", "step": step + 1, "loss": round(loss_v, 4), "accuracy": acc_v})
+        last = step + 1 == t["steps"]
+        if not last and (step + 1) % t["checkpoint_every"] == 0:
+            if rank == 0:
+                save_checkpoint(scratch, model, opt, sched, step + 1, curve, {"step_times": step_times})
+                emit0({"event": "checkpoint", "step": step + 1})
+            _barrier()
+            if should_stop and should_stop(step + 1):
+                stopped_early = True
+                break
+    if stopped_early:
+        return {"stopped_at": step + 1}
+
+    # Evaluation and export run on rank 0 alone: leave the process group first, since ModelOpt's
+    # validate_online broadcasts across ranks whenever one is initialized.
+    if (d := _dist()) is not None:
+        d.barrier()
+        d.destroy_process_group()
+    if rank != 0:
+        return {}
+    return _finish(job, model, offline, device, tok, curve, step_times, step0, world, dump_info)
+
+
+def _finish(job, model, offline, device, tok, curve, step_times, step0, world, dump_info) -> dict:
+    """Rank 0 after training: acceptance on held-out prompts, export, result.json."""
+    import torch
+    from modelopt.torch.export import export_speculative_decoding
+
+    emit_t0 = time.monotonic()
+    a = job["algorithm"]
+    if offline:   # the offline model has no decoder layers: rebuild the online one around the trained draft
+        sd = {k: v.detach().clone() for k, v in draft_module(model).state_dict().items()}
+        del model
+        model = build_model(job, False, device)
+        draft_module(model).load_state_dict(sd)
+    model.eval()
+    draft_len = job["eval"]["draft_len"]
+    prompts = read_prompts(job["eval_files"], job["eval"]["prompts_per_domain"])
+    acc = acceptance(model, tok, prompts, job["eval"]["osl"], draft_len) if prompts else None
+    eval_s = time.monotonic() - emit_t0
+
+    export_dir = Path(job["export_dir"])
+    export_dir.mkdir(parents=True, exist_ok=True)
+    dtype = _torch_dtype(job["export_dtype"])
+    if a["name"] == "eagle3":
+        model.to(dtype)   # EagleExporter writes the state dict as is
+        export_speculative_decoding(model, export_dir=str(export_dir))
+    else:
+        export_speculative_decoding(model, dtype=dtype, export_dir=str(export_dir))
+
+    ts = step_times[1:] or step_times   # the first step pays one-time setup
+    result = {
+        "steps": job["train"]["steps"], "resumed_from_step": step0, "world_size": world,
+        "final_loss": curve[-1]["loss"] if curve else None,
+        "final_accuracy": curve[-1]["accuracy"] if curve else None,
+        "step_ms_mean": round(1000 * sum(ts) / max(1, len(ts)), 2),
+        "train_seconds": round(sum(step_times), 2), "eval_seconds": round(eval_s, 2),
+        "curve": curve, "acceptance": acc, "d2t": job.get("d2t_stats"), **dump_info,
+    }
+    (Path(job["scratch_dir"]) / "result.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+# ------------------------------------------------------------------------------------------- entry point
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Train and export a speculative-decoding draft (one torchrun rank).")
+    p.add_argument("--job", required=True, help="job JSON written by the train_draft stage")
+    args = p.parse_args(argv)
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1)   # `kill -USR1 <pid>` prints every thread's stack to stderr
+    job = json.loads(Path(args.job).read_text())
+    try:
+        train(job, emit=_emit_stdout)
+    except JobError as e:
+        print(PROGRESS_PREFIX + json.dumps({"event": "error", "message": str(e)}), flush=True)
+        return 3
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
