@@ -649,6 +649,10 @@ def quantize_eagle_checkpoint(target_dir: Path, draft_dir: Path, out: Path, cali
         m.train()  # training forward: all TTT steps; no gradients, no parameter updates
         with torch.no_grad():
             for s in calib:
+                # ModelOpt caches the training-time-test masks per step for one sequence length (training pads
+                # to a fixed length); calibration samples vary in length, so drop the cache each time
+                if isinstance(getattr(m, "_cached_attn_blk_masks", None), dict):
+                    m._cached_attn_blk_masks = {}
                 m(input_ids=s["input_ids"][None].to(device), loss_mask=s["loss_mask"][None].to(device))
         m.eval()
 
