@@ -14,6 +14,7 @@ STAGE_MODULES: tuple[str, ...] = (
     "stages.target",
     "stages.data",
     "stages.train_draft",
+    "stages.quantize",
 )
 
 
