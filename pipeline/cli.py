@@ -251,6 +251,7 @@ def serve(workdir, http_port, grpc_port, metrics_port, ready_timeout):
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _term)
+    signal.signal(signal.SIGINT, _term)   # also when started with SIGINT ignored (a background job of a script)
     try:
         while srv.alive():
             time.sleep(0.5)

@@ -243,6 +243,22 @@ def llm_api_options(spec: DeploymentSpec) -> dict:
     return opts
 
 
+def dump_yaml(doc: dict) -> str:
+    """Block-style mappings, flow-style lists and schedules: readable, and still plain YAML."""
+    import yaml
+
+    class _Dumper(yaml.SafeDumper):
+        pass
+
+    def _dict(d, data):
+        flow = bool(data) and all(isinstance(k, int) for k in data)
+        return d.represent_mapping("tag:yaml.org,2002:map", data.items(), flow_style=flow)
+
+    _Dumper.add_representer(dict, _dict)
+    _Dumper.add_representer(list, lambda d, data: d.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=True))
+    return yaml.dump(doc, Dumper=_Dumper, sort_keys=False, width=120)
+
+
 # ------------------------------------------------------------------------------------------ checks
 
 

@@ -172,12 +172,10 @@ def run(ctx: StageContext) -> dict:
 
     out = ctx.out_dir / "deployment"
     out.mkdir(parents=True)
-    import yaml
-
     (out / "llm_api_options.yaml").write_text(
         f"# LLM-API options for TensorRT-LLM {sec.trtllm_version} (PyTorch backend), written by specpipe build.\n"
         f"# Use: trtllm-serve <target> --backend pytorch --extra_llm_api_options llm_api_options.yaml\n"
-        + yaml.safe_dump(options, sort_keys=False, default_flow_style=None))
+        + T.dump_yaml(options))
     n_prompts = _bench_dataset(ctx.input("data").path / "eval", out / "bench_dataset.jsonl", sec.bench.output_tokens)
     image = compat.serving_image_for(sec.trtllm_version)
     bench_name = sec.bench.model_name or _model_name(tcfg, ctx.workdir)
@@ -185,7 +183,7 @@ def run(ctx: StageContext) -> dict:
     _write_script(out / "bench.sh", bench_command(bench_name, target_dir, sec.bench.concurrency or mbs))
     loaded = _try_load(sec, target_dir, options, ctx) if sec.load == "auto" else {"loaded": False, "reason": "build.load: never"}
     ctx.log.info("load: %s", "loaded" if loaded["loaded"] else loaded["reason"])
-    by_batch = [_k_at(options["speculative_config"], b, sec.trtllm_version, max_draft_len) for b in range(1, mbs + 1)]
+    by_batch = _runs([_k_at(options["speculative_config"], b, sec.trtllm_version, max_draft_len) for b in range(1, mbs + 1)])
     doc = {
         "trtllm_version": sec.trtllm_version, "serving_image": image, "backend": "pytorch", "algorithm": algo,
         "decoding_type": options["speculative_config"]["decoding_type"], "target_dir": str(target_dir),
@@ -233,6 +231,17 @@ def _k_at(sc: dict, batch: int, version: str, max_draft_len: int) -> int:
     if sc.get("max_concurrency") and batch > sc["max_concurrency"]:
         k = 0
     return k
+
+
+def _runs(ks: list[int]) -> list[list[int]]:
+    """[[first batch, last batch, k], ...] (the same run format as tune's draft_len_by_batch)."""
+    out: list[list[int]] = []
+    for b, k in enumerate(ks, start=1):
+        if out and out[-1][2] == k:
+            out[-1][1] = b
+        else:
+            out.append([b, b, k])
+    return out
 
 
 def _model_name(tcfg: dict, workdir: Path) -> str:
@@ -316,14 +325,14 @@ def _try_load(sec: Config, target_dir: Path, options: dict, ctx: StageContext) -
 
 
 def _readme(doc: dict, options: dict) -> str:
-    import yaml
+    from runtime import trtllm_options as T
 
     rows = "\n".join(f"| `{c['name']}` | {'ok' if c['ok'] else 'FAILED'} | {c['message']} |" for c in doc["checks"])
     return f"""# TensorRT-LLM deployment (written by specpipe build)
 
 - TensorRT-LLM **{doc['trtllm_version']}**, PyTorch backend (LLM API); container: `{doc['serving_image']}`
-- speculative decoding: `{doc['decoding_type']}`, max_draft_len {doc['max_draft_len']}, draft length per batch size
-  1..{doc['max_batch_size']}: `{doc['draft_len_by_batch']}`
+- speculative decoding: `{doc['decoding_type']}`, max_draft_len {doc['max_draft_len']}; draft length per batch size
+  ({'; '.join(f"{lo}-{hi}: {k}" for lo, hi, k in doc['draft_len_by_batch'])})
 - FP8 target: `{doc['target_dir']}`
 - draft: `{doc['draft_dir']}`
 - loaded here: {'yes' if doc['load']['loaded'] else 'no — ' + doc['load']['reason']}
@@ -347,7 +356,7 @@ docker run --gpus all --rm -it --ipc=host -p 8000:8000 -e HOST=0.0.0.0 \\
 
 ## llm_api_options.yaml
 ```yaml
-{yaml.safe_dump(options, sort_keys=False, default_flow_style=None).rstrip()}
+{T.dump_yaml(options).rstrip()}
 ```
 
 ## Consistency checks
@@ -367,7 +376,7 @@ def report(artifact: Artifact) -> str:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 2.6))
-    ks = doc["draft_len_by_batch"]
+    ks = [k for lo, hi, k in doc["draft_len_by_batch"] for _ in range(lo, hi + 1)]
     ax.step(range(1, len(ks) + 1), ks, where="mid")
     ax.set_xlabel("batch size")
     ax.set_ylabel("draft length")

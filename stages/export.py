@@ -77,7 +77,7 @@ def run(ctx: StageContext) -> dict:
         f"# TensorRT-LLM {version} LLM-API options for Triton's llmapi model (every key but triton_config goes to LLM(...)).\n"
         f"# Paths are inside the container: triton/ mounted at {sec.container_path}.\n"
         "# triton_config.max_batch_size 0: the LLM-API model batches in TensorRT-LLM, not in Triton.\n"
-        + yaml.safe_dump(body, sort_keys=False, default_flow_style=None))
+        + T.dump_yaml(body))
     (prod / sec.model_name / "config.pbtxt").write_text(config_pbtxt(sec.model_name, io, production=True))
     image = compat.triton_image_for(version)
     (prod / "launch.sh").write_text(_launch_sh(sec, dep))
@@ -98,7 +98,7 @@ def run(ctx: StageContext) -> dict:
         (cdir / "model.py").write_text(resources.files("runtime").joinpath("triton_model", "model.py").read_text())
         (cdir / "specpipe_model.json").write_text(json.dumps({
             "target": "target_fp8", "draft": "draft", "algorithm": dep["algorithm"],
-            "draft_len": dep["draft_len_by_batch"][0] if dep.get("draft_len_by_batch") else dep["max_draft_len"],
+            "draft_len": dep["draft_len_by_batch"][0][2],   # Triton's LLM-API model serves one request at a time
             "trtllm_version": version, "specpipe_src": str(Path(runtime.__file__).resolve().parents[1])}, indent=2))
         (cpu / sec.model_name / "config.pbtxt").write_text(
             config_pbtxt(sec.model_name, io, production=False, decoupled=sec.decoupled))
