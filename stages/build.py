@@ -40,8 +40,8 @@ NOT_LOADED = "TensorRT-LLM not available: deployment written, not loaded"
 
 
 class KvCache(Strict):
-    free_gpu_memory_fraction: float = Field(0.85, gt=0, le=1)
-    enable_block_reuse: bool = True
+    free_gpu_memory_fraction: float = Field(0.85, gt=0, le=1, description="GPU memory left after weights given to the KV cache")
+    enable_block_reuse: bool = Field(True, description="reuse KV blocks across requests with a shared prefix")
     dtype: Literal["auto", "fp8"] = Field("auto", description="auto: follow the target's hf_quant_config.json")
 
 
@@ -49,8 +49,8 @@ class AcceptanceGuard(Strict):
     """Switch speculation off for good when the rolling acceptance rate drops below a floor (written in the
     targeted version's terms: 1.2 thresholds an acceptance length, 1.3 a rate)."""
 
-    window: int = Field(ge=1)
-    min_acceptance_rate: float = Field(ge=0, le=1)
+    window: int = Field(ge=1, description="1.2: completed requests; 1.3: speculation-enabled iterations")
+    min_acceptance_rate: float = Field(ge=0, le=1, description="accepted / drafted; 1.2 gets 1 + rate x max_draft_len as a length")
 
 
 class Bench(Strict):
@@ -60,17 +60,20 @@ class Bench(Strict):
 
 
 class Config(StageSection):
-    backend: Literal["pytorch", "tensorrt"] = "pytorch"
-    trtllm_version: str = compat.DEFAULT_TRTLLM_VERSION
-    eagle3_mode: Literal["one_model", "two_model"] = "one_model"
+    backend: Literal["pytorch", "tensorrt"] = Field("pytorch", description=(
+        "TensorRT-LLM backend; EAGLE-3 and DFlash run only in pytorch (the LLM API), tensorrt is refused"))
+    trtllm_version: str = Field(compat.DEFAULT_TRTLLM_VERSION, description=(
+        "TensorRT-LLM whose field names and semantics are written; default: the version the shipped Triton image pins"))
+    eagle3_mode: Literal["one_model", "two_model"] = Field("one_model", description=(
+        "two_model (1.2 only) also writes disable_overlap_scheduler: true"))
     max_batch_size: int | None = Field(None, ge=1, description="default: from tune")
     max_num_tokens: int | None = Field(None, ge=1, description="default: from tune")
     max_seq_len: int | None = Field(None, ge=16, description="default: min(target, draft) positions")
     kv_cache: KvCache = Field(default_factory=KvCache)
-    cuda_graphs: bool = True
-    pipeline_parallel_size: int = Field(1, ge=1)
-    acceptance_guard: AcceptanceGuard | None = None
-    bench: Bench = Field(default_factory=Bench)
+    cuda_graphs: bool = Field(True, description="CUDA-graph batch sizes from tune (schedule boundaries included)")
+    pipeline_parallel_size: int = Field(1, ge=1, description="> 1 is refused: speculation is incompatible with pipeline parallelism")
+    acceptance_guard: AcceptanceGuard | None = Field(None, description="switch speculation off when acceptance collapses")
+    bench: Bench = Field(default_factory=Bench, description="trtllm-bench command and dataset")
     load: Literal["auto", "never"] = Field("auto", description="auto: instantiate LLM(...) where TensorRT-LLM and a GPU exist")
 
     @field_validator("trtllm_version")

@@ -39,11 +39,11 @@ class Config(StageSection):
     model_name: str = Field("tensorrt_llm", pattern=r"^[A-Za-z0-9_.-]+$",
                             description="Triton model name in both repositories (the LLM-API template's name)")
     decoupled: bool = Field(True, description="decoupled transaction policy: needed for streaming")
-    cancellation_check_period_ms: int = Field(100, ge=1)
+    cancellation_check_period_ms: int = Field(100, ge=1, description="model.yaml triton_config: how often cancellations are polled")
     container_path: str = Field("/opt/specpipe/triton", pattern=r"^/",
                                 description="where launch.sh expects triton/ mounted inside the container")
     weights: Literal["link", "copy"] = Field("link", description="hard-link the checkpoints (copy across filesystems) or copy")
-    cpu_repository: bool = True
+    cpu_repository: bool = Field(True, description="also write triton_cpu/ (served by `specpipe serve`)")
 
 
 def run(ctx: StageContext) -> dict:
