@@ -86,6 +86,15 @@ def line_of(version: str) -> str:
     return f"{m.group(1)}.{m.group(2)}"
 
 
+def normalize_version(v) -> str:
+    """A version as configs write it: YAML reads `1.3` as a number, and a bare line means its reference release."""
+    v = str(v).strip()
+    if re.fullmatch(r"\d+\.\d+", v):
+        v = {"1.2": DEFAULT_TRTLLM_VERSION, "1.3": REFERENCE_1_3}.get(v, v + ".0")
+    release(v)
+    return v
+
+
 def release(version: str) -> Release:
     """The Release for a version string; ValueError (with the supported versions) when specpipe has no field lists."""
     line = line_of(version)

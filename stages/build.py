@@ -76,11 +76,10 @@ class Config(StageSection):
     bench: Bench = Field(default_factory=Bench, description="trtllm-bench command and dataset")
     load: Literal["auto", "never"] = Field("auto", description="auto: instantiate LLM(...) where TensorRT-LLM and a GPU exist")
 
-    @field_validator("trtllm_version")
+    @field_validator("trtllm_version", mode="before")
     @classmethod
-    def _known_version(cls, v: str) -> str:
-        compat.release(v)  # ValueError names the supported lines
-        return v
+    def _known_version(cls, v):
+        return compat.normalize_version(v)  # ValueError names the supported lines
 
 
 def _algorithm(cfg) -> str | None:

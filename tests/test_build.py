@@ -332,3 +332,9 @@ def test_build_reads_tunes_step_function_whatever_version_tune_wrote_for(tmp_pat
     build.run(ctx)
     opts = yaml.safe_load((ctx.out_dir / "deployment" / "llm_api_options.yaml").read_text())
     assert opts["speculative_config"]["draft_len_schedule"] == {1: 4, 5: 2, 9: 0}
+
+
+def test_version_as_yaml_writes_it():
+    assert build.Config(trtllm_version=1.3).trtllm_version == compat.REFERENCE_1_3   # YAML `1.3` is a float
+    assert build.Config(trtllm_version="1.2").trtllm_version == compat.DEFAULT_TRTLLM_VERSION
+    assert build.Config(trtllm_version="1.3.0rc5").trtllm_version == "1.3.0rc5"
