@@ -263,6 +263,11 @@ def start(repositories: list[Path] | Path, *, models: list[str] | None = None, h
             if own:
                 shutil.rmtree(wd, ignore_errors=True)
             raise
+        except BaseException:  # Ctrl-C while waiting: never leave a server behind
+            srv.stop()
+            if own:
+                shutil.rmtree(wd, ignore_errors=True)
+            raise
         try:
             for m in models:
                 srv.load(m, timeout=load_timeout)
