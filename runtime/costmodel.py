@@ -141,8 +141,8 @@ class Machine:
     elem_bandwidth: float = 0.0
     attn_peak: float = 0.0       # achieved attention FLOP/s (0 = the GEMM peak of the attention dtype)
     # How memory and compute time combine in one kernel: (mem^p + compute^p)^(1/p). p = inf is the roofline's
-    # max(); a measured GEMM at the ridge point that takes 2^(1/p) x the roofline gives p (a CPU: p ~ 1, the
-    # two add up; a GPU GEMM overlaps them: p large).
+    # max(); a measured GEMM at the ridge point that takes 2^(1/p) x the roofline gives p (a GPU GEMM overlaps
+    # them: p large; a CPU adds them, p ~ 1, or does worse at a few rows, p < 1).
     overlap: float = math.inf
     # A step whose whole working set fits in the last-level cache (a tiny model on a CPU) is partly served
     # from it: the fraction 1 - working_set / cache_bytes of its weight reads runs at cache_bandwidth.

@@ -6,7 +6,7 @@ lm_head), random weights, for a range of token rows M = batch x q_len. On a CPU 
 bfloat16); on a CUDA GPU in bfloat16, or FP8 through `torch._scaled_mm` where the GPU has FP8 tensor cores.
 
 How the machine is calibrated, from microbenchmarks that are *not* the step being predicted:
-- GEMM peak: the model's largest layer GEMM at many rows (compute-bound);
+- GEMM peak: each of the model's GEMM shapes at many rows (compute-bound), total FLOPs over total time;
 - GEMM bandwidth: a one-row GEMV over the largest layer weight, rotated through copies larger than the cache;
 - attention and elementwise bandwidth: one layer's decode attention, and one layer's norms/adds/SiLU, with
   bytes counted exactly as the cost model counts them (these are the efficiency factors of those kernels);
@@ -74,9 +74,9 @@ class Matmul:
     def __call__(self, x):
         import torch
 
-        if self.fp8:
-            return torch._scaled_mm(x.to(torch.float8_e4m3fn), self.w.t(), scale_a=self.scale, scale_b=self.scale,
-                                    out_dtype=torch.bfloat16)
+        if self.fp8:   # activations are quantized per tensor on the way in (already FP8: used as they are)
+            xq = x if x.dtype == torch.float8_e4m3fn else x.to(torch.float8_e4m3fn)
+            return torch._scaled_mm(xq, self.w.t(), scale_a=self.scale, scale_b=self.scale, out_dtype=torch.bfloat16)
         return x @ self.w
 
 
@@ -212,12 +212,19 @@ def calibrate(shape: ModelShape, gemm_dtype: str, device, *, context: int = 512,
     rnd = lambda *sz: torch.randn(*sz, generator=gen).to(device, act)  # noqa: E731
 
     with torch.inference_mode():
-        # Peak: the largest layer GEMM with many rows (compute-bound).
+        # Peak: every distinct GEMM shape of the model with many rows (compute-bound); the achieved rate of the
+        # model's GEMM mix is their total FLOPs over their total time.
         big = max(shape.layer_gemms, key=lambda g: g.k * g.n)
-        mm = Matmul(big.k, big.n, gemm_dtype, device, gen)
-        x = rnd(peak_rows, big.k)
-        t_peak = timeit(lambda: mm(x), device)
-        peak = 2.0 * peak_rows * big.k * big.n / t_peak
+        flops = secs = 0.0
+        peak_gemms = []
+        for k, n in sorted({(g.k, g.n) for g in (*shape.layer_gemms, *shape.head_gemms, *shape.input_gemms)}):
+            mm = Matmul(k, n, gemm_dtype, device, gen)
+            x = rnd(peak_rows, k)
+            t = timeit(lambda: mm(x), device)
+            flops, secs = flops + 2.0 * peak_rows * k * n, secs + t
+            peak_gemms.append({"rows": peak_rows, "k": k, "n": n, "seconds": t})
+            del mm, x
+        peak = flops / secs
 
         # GEMM bandwidth: one row through the largest layer GEMM's weight, weights rotated (memory-bound).
         x1 = rnd(1, big.k)
@@ -228,14 +235,15 @@ def calibrate(shape: ModelShape, gemm_dtype: str, device, *, context: int = 512,
         hot_mm = rot.sets[0][0]
         t_hot = timeit(lambda: hot_mm(x1), device)   # the same weight again and again: served from cache
 
-        # GEMM knee: the largest GEMM at its ridge row count, where memory and compute time are equal; the
-        # roofline says max() = either, a kernel that cannot overlap them takes up to twice that.
+        # GEMM knee: the largest GEMM at its ridge row count, where memory and compute time are equal: the
+        # roofline says max() = either; a kernel that cannot overlap them takes twice that, or more.
         ridge = max(1, round(peak / bandwidth * prec.weight_bytes / 2))
         xr = rnd(ridge, big.k)
         t_knee = timeit(rot(lambda m: m(xr)), device)
         roof = max(w_bytes / bandwidth, 2.0 * ridge * big.k * big.n / peak)
         ratio = t_knee / roof
-        overlap = math.inf if ratio < 1.02 else max(1.0, math.log(2) / math.log(min(ratio, 2.0)))
+        # (2 a^p)^(1/p) = ratio x a. p < 1 means worse than adding them up (small-M kernels that waste compute).
+        overlap = math.inf if ratio < 1.02 else max(0.5, math.log(2) / math.log(min(ratio, 4.0)))
 
         # Attention: one layer's attention for attn_batch sequences over `context` tokens, with 1 query row per
         # sequence (streams the KV cache) and with `attn_q` rows (does attn_q times the arithmetic).
@@ -271,7 +279,7 @@ def calibrate(shape: ModelShape, gemm_dtype: str, device, *, context: int = 512,
             "attn_bandwidth_tb_s": attn_bw / 1e12, "attn_tflops": attn_peak / 1e12,
             "elem_bandwidth_tb_s": elem_bytes / t_elem / 1e12,
             "op_overhead_us": t_mini / n_ops * 1e6,
-            "benchmarks": {"peak_gemm": {"rows": peak_rows, "k": big.k, "n": big.n, "seconds": t_peak},
+            "benchmarks": {"peak_gemms": peak_gemms,
                            "stream_gemv": {"k": big.k, "n": big.n, "bytes": w_bytes, "seconds": t_bw},
                            "gemm_at_ridge": {"rows": ridge, "seconds": t_knee, "over_roofline": ratio},
                            "attention": [{"batch": attn_batch, "q_len": q_len, "context": context, "seconds": m[0],

@@ -193,7 +193,7 @@ def test_profile_document_is_usable_by_tune(tiny_profile):
     assert all(p["measured_ms"] > 0 and p["predicted_ms"] > 0 and math.isfinite(p["error"]) for p in pts)
     m = cm.machine_from_profile(json.loads(json.dumps(doc)))
     assert m.peak("fp8") == m.peak("float32") > 0 and m.bandwidth > 0 and m.op_overhead_s > 0
-    assert doc["machine"]["overlap"] >= 1.0
+    assert doc["machine"]["overlap"] >= 0.5
     assert P.check_profile({"format": "x"}) and P.check_profile({"format": P.FORMAT, "machine": {}})
 
 
