@@ -55,7 +55,11 @@ def _root_model():
             fields[st.name] = (st.module.Config, ...)
         else:
             fields[st.name] = (st.module.Config, Field(default_factory=st.module.Config))
-    return create_model("PipelineConfig", __base__=Strict, **fields)
+    import warnings
+
+    with warnings.catch_warnings():  # the section `validate` shadows pydantic's deprecated BaseModel.validate
+        warnings.filterwarnings("ignore", message='Field name "validate"', category=UserWarning)
+        return create_model("PipelineConfig", __base__=Strict, **fields)
 
 
 _ROOT = None

@@ -15,6 +15,7 @@ STAGE_MODULES: tuple[str, ...] = (
     "stages.data",
     "stages.train_draft",
     "stages.quantize",
+    "stages.validate",
 )
 
 

@@ -98,6 +98,23 @@ def causal_mask(pos: torch.Tensor, kv_len: int) -> torch.Tensor | None:
     return (kv[None, None, :] <= pos[:, :, None])[:, None]
 
 
+class RopeTable:
+    """cos/sin of a rotary module for positions 0..n-1, computed once and indexed per step (the per-position
+    values are identical to calling the module on those positions; this only removes per-step overhead)."""
+
+    def __init__(self, rotary):
+        self.rotary = rotary
+        self.cos = self.sin = None
+
+    def __call__(self, x: torch.Tensor, pos: torch.Tensor):
+        need = int(pos.max()) + 1
+        if self.cos is None or self.cos.shape[0] < need or self.cos.device != x.device or self.cos.dtype != x.dtype:
+            n = max(need, 256 if self.cos is None else 2 * self.cos.shape[0])
+            c, s = self.rotary(x[:1, :1], torch.arange(n, device=x.device)[None])
+            self.cos, self.sin = c[0], s[0]
+        return self.cos[pos], self.sin[pos]
+
+
 def rotate_half(x):
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -255,6 +272,7 @@ class Eagle3Draft(nn.Module):
         d2t = sd.get("d2t")
         self.register_buffer("d2t", d2t.long() if d2t is not None else None)
         self.rotary = rope_module(cfg, "llama")
+        self.rope = RopeTable(self.rotary)
 
     def new_cache(self, batch: int, capacity: int, device) -> KVCache:
         dt = self.layers[0].input_layernorm.weight.dtype
@@ -278,7 +296,7 @@ class Eagle3Draft(nn.Module):
         embeds [B, T, H]: target embeddings of the *next* token at each position. Returns (logits over the
         draft vocabulary, pre-norm hidden) for every position. Writes K/V at `pos`; does not move lengths."""
         kv_len = int(pos.max()) + 1
-        cos, sin = self.rotary(hidden, pos)
+        cos, sin = self.rope(hidden, pos)
         mask = causal_mask(pos, kv_len)
         h = hidden
         B, T, _ = h.shape
@@ -417,6 +435,7 @@ class DFlashDraft(nn.Module):
                                   for n in ("gate_proj", "up_proj", "down_proj")})
             self.layers.append(layer)
         self.rotary = rope_module(cfg, "qwen3")
+        self.rope = RopeTable(self.rotary)
 
     def new_cache(self, batch: int, capacity: int, device) -> KVCache:
         dt = self.norm.weight.dtype
@@ -426,7 +445,7 @@ class DFlashDraft(nn.Module):
         """Project target hidden states [B, T, n*H] of newly verified positions into every layer's context K/V."""
         ctx = self.hidden_norm(self.fc(target_hidden))
         B, T, _ = ctx.shape
-        cos, sin = self.rotary(ctx, pos)
+        cos, sin = self.rope(ctx, pos)
         for i, layer in enumerate(self.layers):
             k = layer.k_norm(layer.k_proj(ctx).view(B, T, -1, self.head_dim)).transpose(1, 2)
             v = layer.v_proj(ctx).view(B, T, -1, self.head_dim).transpose(1, 2)
@@ -440,7 +459,7 @@ class DFlashDraft(nn.Module):
         lengths = cache.lengths
         ctx_len = int(lengths.max())
         pos = lengths[:, None] + torch.arange(S, device=lengths.device)[None, :]
-        cos, sin = self.rotary(block_embeds, pos)
+        cos, sin = self.rope(block_embeds, pos)
         ctx_ok = torch.arange(ctx_len, device=lengths.device)[None, :] < lengths[:, None]        # [B, Lc]
         blk_ok = (torch.tril(torch.ones(S, S, dtype=torch.bool, device=lengths.device)) if self.causal
                   else torch.ones(S, S, dtype=torch.bool, device=lengths.device))

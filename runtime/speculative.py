@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from runtime.drafts import KVCache, TargetShape, apply_rope, attention, causal_mask, load_draft, positions_for
+from runtime.drafts import (KVCache, RopeTable, TargetShape, apply_rope, attention, causal_mask, load_draft,
+                            positions_for)
 
 # ---------------------------------------------------------------------------------------------- target
 
@@ -54,7 +55,7 @@ class TargetRunner:
         self.layers = inner.layers
         self.norm = inner.norm
         self.lm_head = model.lm_head
-        self.rotary = inner.rotary_emb
+        self.rotary = RopeTable(inner.rotary_emb)
         c = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.n_kv = c.num_key_value_heads
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads

@@ -27,6 +27,10 @@ TINY = {
     "train_draft": ["train_draft.steps=30", "train_draft.batch_size=2", "train_draft.seq_len=64",
                     "train_draft.warmup_steps=5", "train_draft.checkpoint_every=10", "train_draft.log_every=5",
                     "train_draft.eval.prompts_per_domain=2", "train_draft.eval.osl=16"],
+    # a 30-step draft barely accepts anything: measure small, gate only what a toy pair can guarantee
+    "validate": ["validate.max_new_tokens=16", "validate.num_prompts=4", "validate.batch_size=2",
+                 "validate.lossless_prompts=2", "validate.gates.min_acceptance_length=1.0",
+                 "validate.gates.min_overall_acceptance_length=1.0", "validate.gates.min_retention=0.5"],
 }
 
 
