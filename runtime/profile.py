@@ -37,16 +37,16 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timeit(fn, device, *, min_time: float = 0.15, min_reps: int = 5, max_reps: int = 200) -> float:
-    """Fastest seconds per call after two warm-up calls, repeating until `min_time` has passed. The minimum, not
-    the median: on a shared machine other processes only ever add time, so the fastest run is the closest to
-    what the hardware does."""
+def timeit(fn, device, *, reps: int = 9) -> float:
+    """Fastest of `reps` calls after two warm-up calls. The minimum, not the median: other processes on a shared
+    machine only ever add time. The same number of samples for every measurement, microbenchmark or whole step,
+    so that all of them are the same order statistic of the same noise (a minimum over thousands of short calls
+    would find quiet moments a minimum over a few long steps cannot)."""
     fn()
     fn()
     _sync(device)
     times: list[float] = []
-    start = time.perf_counter()
-    while len(times) < min_reps or (time.perf_counter() - start < min_time and len(times) < max_reps):
+    for _ in range(reps):
         t0 = time.perf_counter()
         fn()
         _sync(device)
@@ -63,7 +63,10 @@ class Matmul:
         self.k, self.n = k, n
         self.fp8 = gemm_dtype == "fp8"
         self.dtype = torch.bfloat16 if self.fp8 else getattr(torch, gemm_dtype)
-        w = torch.randn(n, k, generator=gen, dtype=torch.float32) * k ** -0.5
+        if device.type == "cuda":   # billions of weights: draw them where they live
+            w = torch.randn(n, k, device=device, dtype=torch.float32) * k ** -0.5
+        else:
+            w = torch.randn(n, k, generator=gen, dtype=torch.float32) * k ** -0.5
         if self.fp8:
             # _scaled_mm wants A row-major and B column-major: keep W as N x K row-major and pass W.t().
             self.w = w.to(device=device, dtype=torch.float8_e4m3fn)
