@@ -353,3 +353,15 @@ def test_missing_profile_is_a_config_error(tmp_path):
     (tmp_path / "bad.json").write_text('{"format": "other"}')
     cfg = SimpleNamespace(hardware=HardwareConfig(profile=tmp_path / "bad.json"), tune=tune.Config())
     assert "not a specpipe hardware profile" in tune.check(cfg)[0][1]
+
+
+def test_cross_section_checks():
+    draft = lambda kind: SimpleNamespace(algorithm=SimpleNamespace(kind=kind))  # noqa: E731
+    cfg = SimpleNamespace(hardware=HardwareConfig(), tune=tune.Config(trtllm_version="1.2.1"), train_draft=draft("dflash"))
+    probs = dict(tune.check(cfg))
+    assert "DFlash needs TensorRT-LLM 1.3" in probs["tune.trtllm_version"]
+    cfg.tune = tune.Config(trtllm_version="1.3.0rc27")
+    assert tune.check(cfg) == []
+    cfg = SimpleNamespace(hardware=HardwareConfig(gpu="a100_80gb"), tune=tune.Config(),
+                          quantize=SimpleNamespace(format="fp8"))
+    assert "no FP8 tensor cores" in dict(tune.check(cfg))["hardware.gpu"]
