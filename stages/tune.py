@@ -412,8 +412,11 @@ def report(artifact) -> str:
         ax.plot(xs, [r["speedups_by_k"][k] for r in rows], marker=".", lw=1.2, label=f"k={k}")
     ax.plot(xs, [r["speedup"] for r in rows], color="black", lw=2.5, alpha=0.35, label="chosen")
     ax.axhline(1.0, color="grey", ls="--", lw=1)
+    if t["max_batch_size"] < xs[-1]:
+        ax.axvline(t["max_batch_size"], color="red", ls=":", lw=1.2, label=f"max_batch_size {t['max_batch_size']}")
     ridge = t["hardware"]["ridge_rows"]
     ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [str(x) for x in xs])
     ax.set_xlabel("batch size (sequences)")
     ax.set_ylabel("predicted speedup over no speculation")
     ax.set_title(f"{t['hardware']['gpu_name']} TP{t['hardware']['tensor_parallel_size']}, context "
