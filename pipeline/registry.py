@@ -16,6 +16,7 @@ STAGE_MODULES: tuple[str, ...] = (
     "stages.train_draft",
     "stages.quantize",
     "stages.validate",
+    "stages.tune",
 )
 
 
