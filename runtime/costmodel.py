@@ -88,6 +88,8 @@ def draft_shape(draft: dict, cfg: dict, target_hidden: int) -> ModelShape:
     EAGLE-3: `fc` maps the concatenated aux hidden states (n_aux x hidden) to hidden; the first layer's q/k/v
     read [embedding, hidden] (2 x hidden); lm_head over the draft vocabulary. DFlash: `fc` maps the
     concatenated target-layer features to hidden; plain layers; lm_head over the full vocabulary.
+    Under tensor parallelism the draft's layers and lm_head are sharded like the target's; `fc` is priced
+    replicated (the conservative assumption: it is small next to lm_head either way).
     """
     hidden = cfg.get("hidden_size", target_hidden)
     heads = cfg["num_attention_heads"]
@@ -100,14 +102,14 @@ def draft_shape(draft: dict, cfg: dict, target_hidden: int) -> ModelShape:
         vocab = int(draft.get("draft_vocab_size") or cfg.get("draft_vocab_size") or cfg["vocab_size"])
         return ModelShape("draft", layers, hidden, heads, kv_heads, hd,
                           llama_layer_gemms(hidden, heads, kv_heads, hd, inter, qkv_in=2 * hidden),
-                          head_gemms=(Gemm("lm_head", hidden, vocab, split=False),),
+                          head_gemms=(Gemm("lm_head", hidden, vocab),),
                           input_gemms=(Gemm("fc", n_aux * target_hidden, hidden, split=False),))
     if draft["algorithm"] == "dflash":
         n_feat = len(draft.get("target_layer_ids") or [0])
         vocab = int(cfg.get("vocab_size") or draft["vocab_size"])
         return ModelShape("draft", layers, hidden, heads, kv_heads, hd,
                           llama_layer_gemms(hidden, heads, kv_heads, hd, inter),
-                          head_gemms=(Gemm("lm_head", hidden, vocab, split=False),),
+                          head_gemms=(Gemm("lm_head", hidden, vocab),),
                           input_gemms=(Gemm("fc", n_feat * target_hidden, hidden, split=False),))
     raise ValueError(f"unknown draft algorithm {draft['algorithm']!r}")
 
