@@ -154,11 +154,15 @@ def main() -> int:
     cal = None
     if not args.no_profile:
         first = next(iter(shapes.values()))
-        cal = P.calibrate(first, dtype, device, context=1024 if not args.smoke else 32,
-                          peak_rows=4096 if not args.smoke else 256)
-        calibrated = P.machine_from_calibration(cal, dtype, P.device_name(device))
-        print(f"calibration ({time.time() - t0:.0f}s): " + json.dumps({k: v for k, v in cal.items() if k != "benchmarks"}),
-              file=sys.stderr)
+        try:
+            cal = P.calibrate(first, dtype, device, context=1024 if not args.smoke else 32,
+                              peak_rows=4096 if not args.smoke else 256)
+        except RuntimeError as e:   # keep the datasheet comparison even if a calibration kernel is refused
+            print(f"calibration failed, continuing without it: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
+        else:
+            calibrated = P.machine_from_calibration(cal, dtype, P.device_name(device))
+            print(f"calibration ({time.time() - t0:.0f}s): "
+                  + json.dumps({k: v for k, v in cal.items() if k != "benchmarks"}), file=sys.stderr)
     results = {"device": P.device_name(device), "gpu_table_entry": args.gpu, "dtype": dtype, "cuda_graph": not args.no_graph,
                "torch": torch.__version__, "datasheet": {"fp8_tflops": gpu.fp8_tflops, "bf16_tflops": gpu.bf16_tflops,
                                                          "hbm_tb_s": gpu.hbm_tb_s, "source": gpu.source},
