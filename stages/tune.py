@@ -179,6 +179,11 @@ def run(ctx: StageContext) -> dict:
                              rel.schedule_semantics, max_batch)
     if back != ks:
         raise RuntimeError(f"schedule {sched} does not reproduce the chosen draft lengths {ks}")
+    for r in table:   # the schedule is made non-increasing; say where that overrules a table entry
+        r["deployed_k"] = ks[r["batch"] - 1] if r["within_max_batch_size"] else None
+        if r["deployed_k"] is not None and r["deployed_k"] != r["k"]:
+            ctx.log.info("batch %d: k=%d kept at %d so that k never grows with the batch", r["batch"], r["k"],
+                         r["deployed_k"])
     steps = cm.runs(ks)
     points = [hi for _, hi, _ in steps] + [lo for lo, _, _ in steps]
     graphs = cm.cuda_graph_batch_sizes(max_batch, points)

@@ -365,3 +365,14 @@ def test_cross_section_checks():
     cfg = SimpleNamespace(hardware=HardwareConfig(gpu="a100_80gb"), tune=tune.Config(),
                           quantize=SimpleNamespace(format="fp8"))
     assert "no FP8 tensor cores" in dict(tune.check(cfg))["hardware.gpu"]
+
+
+def test_table_and_schedule_agree(tmp_path):
+    doc = run_tune(tmp_path, curves={"code": [0.7, 0.6, 0.5, 0.45, 0.4]}, context_length=128, max_batch_size=512,
+                   batch_sizes=[1, 8, 32, 64, 128, 256, 512, 1024])
+    ks = ks_of(doc)
+    for r in doc["predicted"]:
+        if r["batch"] <= doc["max_batch_size"]:
+            assert r["deployed_k"] == ks[r["batch"] - 1] == r["k"]
+        else:
+            assert r["deployed_k"] is None and not r["within_max_batch_size"]
