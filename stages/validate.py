@@ -58,7 +58,8 @@ class Config(StageSection):
     measure_bf16: bool = Field(True, description="also measure the unquantized pair (needed for retention)")
     first_layer_norm: Literal["modelopt", "serving"] = Field(
         "modelopt", description="EAGLE-3 first-layer norm: as ModelOpt trains it, or as serving engines compute it")
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    measure_other_norm: bool = Field(
+        True, description="EAGLE-3: also measure the deployed pair with the other first-layer norm (informative, not gated)")
     seed: int = 0
     gates: Gates = Field(default_factory=Gates)
 
@@ -189,14 +190,16 @@ def _read_prompts(ctx: StageContext, sec: Config) -> dict[str, list[list[int]]]:
     return out
 
 
-def _device(sec: Config) -> str:
+def _device(ctx) -> str:
+    """`run.device` (not part of any fingerprint): auto = CUDA when present."""
     import torch
 
-    if sec.device == "auto":
+    want = getattr(getattr(ctx.config, "run", None), "device", "auto")
+    if want == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if sec.device == "cuda" and not torch.cuda.is_available():
-        raise StageError("validate.device: cuda requested but no CUDA GPU is available")
-    return sec.device
+    if want == "cuda" and not torch.cuda.is_available():
+        raise StageError("run.device: cuda requested but no CUDA GPU is available")
+    return want
 
 
 def _run_reference(ctx, sec: Config, deployed: dict, bf16: dict | None, prompts: dict, eos) -> dict:
@@ -205,7 +208,7 @@ def _run_reference(ctx, sec: Config, deployed: dict, bf16: dict | None, prompts:
     from runtime.drafts import DraftFormatError, summarize
     from runtime.speculative import SpeculativeEngine, load_pair
 
-    dev = _device(sec)
+    dev = _device(ctx)
     pairs = [("fp8", deployed)] + ([("bf16", bf16)] if bf16 else [])
     expected = _trained_layers(ctx)
     res: dict = {"domains": {d: {} for d in prompts}, "overall": {}}
@@ -238,11 +241,31 @@ def _run_reference(ctx, sec: Config, deployed: dict, bf16: dict | None, prompts:
             if label == "fp8":
                 res["lossless"], res["tokens_per_s"], res["step_ms"] = _lossless_and_speed(
                     ctx, eng, sec, K, eos, prompts, bar, draft.algorithm)
+                if draft.algorithm == "eagle3" and sec.measure_other_norm:
+                    _other_norm(ctx, sec, model, pair, expected, K, eos, prompts, res, dev)
             del eng, model, draft
             if dev == "cuda":
                 torch.cuda.empty_cache()
     res["draft_len"] = K
     return res
+
+
+def _other_norm(ctx, sec: Config, model, pair, expected, K, eos, prompts, res, dev) -> None:
+    """The deployed pair once more with the other EAGLE-3 first-layer norm: ModelOpt trains with
+    hidden_norm(input_layernorm(h)), TensorRT-LLM/vLLM/SGLang serve hidden_norm(h) (docs/stages/validate.md)."""
+    from runtime.drafts import load_draft
+    from runtime.speculative import SpeculativeEngine, target_shape
+
+    other = "serving" if sec.first_layer_norm == "modelopt" else "modelopt"
+    draft = load_draft(pair["draft_dir"], target_shape(model), device=dev, first_layer_norm=other,
+                       expected_capture_layers=expected)
+    eng = SpeculativeEngine(model, draft)
+    for d, ps in prompts.items():
+        st = _measure(eng, ps, sec, K, eos, speculative=True)[0]
+        res["domains"][d]["fp8_other_norm"] = {"first_layer_norm": other, "acceptance_length": round(st.acceptance_length, 6),
+                                               "per_position": st.as_dict()["per_position"]}
+        ctx.log.info("fp8 %s with first_layer_norm=%s: AL %.3f (vs %.3f with %s)", d, other, st.acceptance_length,
+                     res["domains"][d]["fp8"]["acceptance_length"], sec.first_layer_norm)
 
 
 def _trained_layers(ctx) -> list[int] | None:
@@ -462,11 +485,14 @@ def _render(a: dict) -> str:
              f"{a['max_new_tokens']} new tokens per prompt, batch {a['batch_size']}; deployed pair "
              f"<code>{esc(a['pairs']['fp8']['target_dir'])}</code> + <code>{esc(a['pairs']['fp8']['draft_dir'])}</code></p>"]
     rows = []
+    other = next((v["fp8_other_norm"]["first_layer_norm"] for v in a["domains"].values() if v.get("fp8_other_norm")), None)
     for d, v in [*a["domains"].items(), ("overall", a["overall"])]:
         f, b = v["fp8"], v.get("bf16") or {}
         rows.append([d, f["acceptance_length"], b.get("acceptance_length", ""), v.get("retention", ""),
-                     f.get("draft_acceptance_rate"), f.get("accepted"), f.get("drafted")])
-    parts.append(table(rows, ["domain", "AL deployed (FP8)", "AL BF16", "retention", "acceptance rate", "accepted", "drafted"]))
+                     f.get("draft_acceptance_rate"), f.get("accepted"), f.get("drafted")]
+                    + ([(v.get("fp8_other_norm") or {}).get("acceptance_length", "")] if other else []))
+    parts.append(table(rows, ["domain", "AL deployed (FP8)", "AL BF16", "retention", "acceptance rate", "accepted",
+                              "drafted"] + ([f"AL FP8, {other} first-layer norm"] if other else [])))
     g = a["gates"]
     parts.append(f"<p>gates: <span class='{'pass' if g['passed'] else 'fail'}'>{'passed' if g['passed'] else 'FAILED'}</span></p>")
     if g["rows"]:

@@ -92,6 +92,7 @@ def test_acceptance_json_per_domain(measured):
             assert al == pytest.approx(s["acceptance_length"], rel=1e-5)
         assert d["retention"] == pytest.approx(d["fp8"]["acceptance_length"] / d["bf16"]["acceptance_length"], rel=1e-3)
         assert 0.8 < d["retention"] < 1.25           # FP8 of this target barely moves acceptance
+        assert d["fp8_other_norm"]["first_layer_norm"] == "serving" and d["fp8_other_norm"]["acceptance_length"] >= 1.0
     assert a["lossless"]["passed"] is True and a["lossless"]["checked_prompts"] == 6
     assert a["gates"]["passed"] and {r["metric"] for r in a["gates"]["rows"]} == {"acceptance_length", "retention", "lossless"}
     sm = a["step_ms"]
