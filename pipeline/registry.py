@@ -17,6 +17,8 @@ STAGE_MODULES: tuple[str, ...] = (
     "stages.quantize",
     "stages.validate",
     "stages.tune",
+    "stages.build",
+    "stages.export",
 )
 
 
