@@ -63,9 +63,8 @@ class KVCache:
         self.capacity = capacity
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, uniform: int | None) -> None:
-        """k, v: [B, Hkv, T, D] at positions pos [B, T]; `uniform` = common start position if all rows agree."""
-        if int(pos.max()) >= self.capacity:
-            raise RuntimeError(f"KV cache capacity {self.capacity} exceeded (position {int(pos.max())})")
+        """k, v: [B, Hkv, T, D] at positions pos [B, T] (callers keep them < capacity, see `positions_for`);
+        `uniform` = common start position if all rows agree (plain slicing, no scatter)."""
         if uniform is not None:
             t = k.shape[2]
             self.k[layer][:, :, uniform:uniform + t] = k
@@ -81,12 +80,13 @@ class KVCache:
         self.lengths = self.lengths.index_select(0, idx)
 
 
-def positions_for(lengths: torch.Tensor, t: int) -> tuple[torch.Tensor, int | None]:
+def positions_for(lengths: torch.Tensor, t: int, capacity: int | None = None) -> tuple[torch.Tensor, int | None]:
     """Positions [B, T] continuing each row, and the common start when every row has the same length."""
     pos = lengths[:, None] + torch.arange(t, device=lengths.device)[None, :]
-    first = int(lengths[0])
-    uniform = first if bool((lengths == first).all()) else None
-    return pos, uniform
+    lo, hi = int(lengths.min()), int(lengths.max())
+    if capacity is not None and hi + t > capacity:
+        raise RuntimeError(f"KV cache capacity {capacity} exceeded (position {hi + t - 1})")
+    return pos, (lo if lo == hi else None)
 
 
 def causal_mask(pos: torch.Tensor, kv_len: int) -> torch.Tensor | None:

@@ -85,7 +85,7 @@ class TargetRunner:
         captured hidden [B, T, n*H] or None). Does not move the cache lengths (see `commit`)."""
         cache = self.cache
         B, T = tokens.shape
-        pos, uniform = positions_for(cache.lengths, T)
+        pos, uniform = positions_for(cache.lengths, T, cache.capacity)
         kv_len = int(pos.max()) + 1
         h = self.embed(tokens).to(self.param_dtype)
         cos, sin = self.rotary(h, pos)
@@ -191,7 +191,7 @@ class Eagle3Drafter(Drafter):
         self.pending_h = [[] for _ in range(B)]
         self.pending_t = [[] for _ in range(B)]
         cache = self.cache
-        pos, uniform = positions_for(cache.lengths, T)
+        pos, uniform = positions_for(cache.lengths, T, cache.capacity)
         logits, pre = d.step(d.fc(aux), self.embed(nxt).to(aux.dtype), cache, pos, uniform)
         if self.trace is not None:
             self.trace.append(logits[torch.arange(B), counts - 1])
@@ -245,7 +245,7 @@ class DFlashDrafter(Drafter):
 
     def observe(self, hidden, next_tokens, counts):
         cache = self.cache
-        pos, uniform = positions_for(cache.lengths, hidden.shape[1])
+        pos, uniform = positions_for(cache.lengths, hidden.shape[1], cache.capacity)
         self.draft.add_context(hidden, cache, pos, uniform)
         cache.lengths = cache.lengths + counts
 
@@ -376,7 +376,7 @@ class SpeculativeEngine:
             raise ValueError("empty prompt")
         tgt = self.target
         dev = tgt.device
-        gen = torch.Generator(device="cpu").manual_seed(seed)
+        gen = torch.Generator(device=dev).manual_seed(seed)   # on the device: multinomial needs it there
         B = len(prompts)
         cap = max(len(p) for p in prompts) + max_new_tokens + k + 2
         tgt.reset(B, cap)
@@ -493,7 +493,7 @@ class SpeculativeEngine:
         k = d.shape[1]
         pd = p[:, :k].gather(-1, d[..., None])[..., 0]
         qd = q.gather(-1, d[..., None])[..., 0]
-        u = torch.rand(B, k, generator=gen).to(logits.device)
+        u = torch.rand(B, k, generator=gen, device=logits.device)
         ok = u * qd < pd                                # u < min(1, p/q) without dividing by q
         acc = torch.cumprod(ok.long(), 1).sum(1)
         # where rejected at position a: residual norm(max(0, p_a - q_a)); all accepted: p_k
