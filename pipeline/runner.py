@@ -53,6 +53,11 @@ def fingerprint_inputs(spec: registry.StageSpec, cfg, upstream: dict[str, str]) 
     }
     if spec.fingerprint_extra is not None:
         doc["external"] = spec.fingerprint_extra(getattr(cfg, spec.name))
+    # A measured hardware profile (`hardware.profile`) is an input of the stages that use `hardware`: its
+    # content, not only its path, decides their output.
+    prof = getattr(getattr(cfg, "hardware", None), "profile", None) if "hardware" in spec.uses else None
+    if prof is not None and Path(prof).is_file():
+        doc["hardware_profile"] = hashlib.sha256(Path(prof).read_bytes()).hexdigest()
     return doc
 
 
@@ -85,6 +90,8 @@ def stale_reason(old_doc: dict | None, new_doc: dict) -> str:
     if p := [k for k in new_doc["packages"] if old_doc.get("packages", {}).get(k) != new_doc["packages"][k]]:
         reasons.append("packages changed: " + ", ".join(
             f"{k} {old_doc.get('packages', {}).get(k)} -> {new_doc['packages'][k]}" for k in p))
+    if old_doc.get("hardware_profile") != new_doc.get("hardware_profile"):
+        reasons.append("hardware.profile content changed")
     if old_doc.get("external") != new_doc.get("external"):
         reasons.append("external input changed: " + ", ".join(_diff_paths(old_doc.get("external"), new_doc.get("external"), "")) )
     return "; ".join(reasons) or "fingerprint changed"

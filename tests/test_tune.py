@@ -376,3 +376,22 @@ def test_table_and_schedule_agree(tmp_path):
             assert r["deployed_k"] == ks[r["batch"] - 1] == r["k"]
         else:
             assert r["deployed_k"] is None and not r["within_max_batch_size"]
+
+
+def test_profile_content_enters_the_fingerprint(tmp_path):
+    from pipeline import registry, runner
+    from pipeline.config import validate
+
+    prof = {"format": "specpipe.hardware-profile/1", "device": "x",
+            "machine": {"peak_tflops": {"fp8": 1000.0}, "bandwidth_tb_s": 4.0, "op_overhead_us": 2.0}}
+    p = tmp_path / "p.json"
+    p.write_text(json.dumps(prof))
+    cfg = validate({"target": {"bootstrap": "tiny"}, "hardware": {"gpu": "h200", "profile": str(p)}})
+    spec = registry.get("tune")
+    up = {d: "0" * 64 for d in spec.consumes}
+    before = runner.fingerprint_inputs(spec, cfg, up)
+    prof["machine"]["bandwidth_tb_s"] = 4.5            # same path, new measurement
+    p.write_text(json.dumps(prof))
+    after = runner.fingerprint_inputs(spec, cfg, up)
+    assert runner.fingerprint(before) != runner.fingerprint(after)
+    assert runner.stale_reason(before, after) == "hardware.profile content changed"
