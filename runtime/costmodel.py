@@ -8,7 +8,10 @@ The model (anchors.md, "Formulas"):
   activations; attention reads each sequence's KV cache once per step (all of its 1+k query rows share it)
   and does 4 q L heads head_dim FLOPs per sequence; tensor parallelism splits weights, heads and KV;
 - an operation takes max(bytes / bandwidth, FLOPs / peak) plus a fixed launch overhead, with bandwidth and
-  peak the *achieved* values (datasheet x efficiency, or measured by `specpipe profile`);
+  peak the *achieved* values (datasheet x efficiency, or measured by `specpipe profile`). A measured profile
+  may refine this with what it measured: separate attention/elementwise rates, how far memory and compute
+  time overlap in one kernel (`Machine.overlap`; max() is full overlap) and a last-level-cache term for steps
+  small enough to stay cached (a tiny model on a CPU); the datasheet model uses none of them;
 - a step is the sum over its operations (layers are identical, so one layer is costed and multiplied).
 
 Speculation (one verification step with draft length k at batch B, context L):
