@@ -91,12 +91,19 @@ class Config(StageSection):
         return self
 
 
-def target_version(cfg) -> str:
-    """The TensorRT-LLM version the schedule is written for: tune's own, else the one build deploys."""
+def target_version(cfg, algorithm: str | None = None) -> str:
+    """The TensorRT-LLM version the schedule is written for: tune's own, else the one build deploys, else the
+    default version, or, when that cannot serve the draft (DFlash needs 1.3), the newest one that can."""
     from runtime import compat
 
-    return cfg.tune.trtllm_version or getattr(getattr(cfg, "build", None), "trtllm_version", None) \
-        or compat.DEFAULT_TRTLLM_VERSION
+    v = cfg.tune.trtllm_version or getattr(getattr(cfg, "build", None), "trtllm_version", None)
+    if v:
+        return v
+    if algorithm and compat.algorithm_problem(compat.DEFAULT_TRTLLM_VERSION, algorithm) is not None:
+        able = compat.supported_versions_for(algorithm)
+        if able:
+            return able[-1]
+    return compat.DEFAULT_TRTLLM_VERSION
 
 
 def check(cfg) -> list[tuple[str, str]]:
@@ -143,11 +150,11 @@ def run(ctx: StageContext) -> dict:
 
     sec: Config = ctx.section
     hw = ctx.config.hardware
-    version = target_version(ctx.config)
-    rel = compat.release(version)
     target = ctx.input("target").read_json("target.json")
     draft_art = ctx.input("train_draft")
     draft = draft_art.read_json("draft.json")
+    version = target_version(ctx.config, draft.get("algorithm"))
+    rel = compat.release(version)
     quant = ctx.input("quantize").read_json("quantize.json")
     acc = ctx.input("validate").read_json("acceptance.json")
 

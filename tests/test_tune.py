@@ -395,3 +395,10 @@ def test_profile_content_enters_the_fingerprint(tmp_path):
     after = runner.fingerprint_inputs(spec, cfg, up)
     assert runner.fingerprint(before) != runner.fingerprint(after)
     assert runner.stale_reason(before, after) == "hardware.profile content changed"
+
+
+def test_dflash_without_a_version_targets_one_that_serves_it():
+    cfg = SimpleNamespace(tune=tune.Config())
+    assert tune.target_version(cfg, "eagle3") == compat.DEFAULT_TRTLLM_VERSION
+    v = tune.target_version(cfg, "dflash")
+    assert compat.algorithm_problem(v, "dflash") is None and compat.release(v).schedule_semantics == "upper_bound"
