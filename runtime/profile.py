@@ -103,12 +103,11 @@ class Stack:
 
         s = self.shape
         rows = batch * q_len
-        g = torch.Generator().manual_seed(1)
-        kv = [torch.randn(2, batch, s.kv_heads, context + q_len, s.head_dim, generator=g).to(self.device, self.act)
-              for _ in range(s.num_layers)]
-        feat_k = self.inputs[0].k if self.inputs else 0
-        x = torch.randn(rows, s.hidden, generator=g).to(self.device, self.act)
-        feats = torch.randn(rows, feat_k, generator=g).to(self.device, self.act) if self.inputs else None
+        g = torch.Generator(self.device).manual_seed(1)   # KV caches can be GBs: drawn where they live
+        rnd = lambda *sz: torch.randn(*sz, generator=g, device=self.device).to(self.act)  # noqa: E731
+        kv = [rnd(2, batch, s.kv_heads, context + q_len, s.head_dim) for _ in range(s.num_layers)]
+        x = rnd(rows, s.hidden)
+        feats = rnd(rows, self.inputs[0].k) if self.inputs else None
         return lambda: self.forward(x, feats, kv, batch, q_len)
 
     def forward(self, x, feats, kv, batch: int, q_len: int):
