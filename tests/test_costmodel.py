@@ -207,3 +207,22 @@ def test_profile_cli_on_the_tiny_target(tmp_path):
     assert doc["models"]["target"]["shape"]["hidden"] == 64       # the overridden tiny target's shapes
     r = run_cli("profile", "configs/tiny_fp8_eagle3.yaml", "--rows", "x", *tiny_overrides("target"))
     assert r.returncode == 2 and "--rows" in r.stderr
+
+
+def test_gpu_check_script_runs_in_smoke_mode(tmp_path):
+    """bench/gpu_gemm_check.py is meant for an H200; its --smoke mode keeps the script itself tested here."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_gemm_check.py"), "--smoke", "--rows", "1,8",
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=300,
+                       env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads((tmp_path / "gemm_check.json").read_text())
+    assert [p["rows"] for p in doc["stacks"]["tiny"]["points"]] == [1, 8]
+    assert "| M | measured ms | datasheet ms |" in r.stdout
+    from runtime import profile as P
+
+    assert P.check_profile(json.loads((tmp_path / "h200_profile.json").read_text())) == []
