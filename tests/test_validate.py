@@ -6,6 +6,7 @@ with an impossible gate and checks that later stages are blocked.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import shutil
@@ -19,9 +20,10 @@ from pipeline.stage import Artifact, StageContext
 from stages import validate as V
 from test_runtime import _batches, tiny_assets
 
-SCHEMAS = Path("/work/shared/reference/schemas")
-if not SCHEMAS.exists():  # the project keeps copies of the reference schemas
-    SCHEMAS = Path(__file__).resolve().parent.parent / "runtime" / "schemas"
+# The reference schemas where the shared reference exists; elsewhere (CI) the project's extracted copies.
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "reference" / "schemas"
+LOCAL = {"trtllm-1.2-llmapi.json": "trtllm-1.2.json", "trtllm-1.3-specdec.json": "trtllm-1.3.json",
+         "triton-llmapi-model.json": "triton-llmapi-model.json"}
 
 
 @pytest.fixture(scope="module")
@@ -156,13 +158,19 @@ def test_config_checks():
         V.Config(runtime="vllm")
 
 
-def _schema(name):
-    return json.loads((SCHEMAS / name).read_text())
+def _schema_file(name, shared: bool = True):
+    p = SHARED / name
+    if not (shared and p.exists()):
+        p = Path(__file__).resolve().parent.parent / "runtime" / "schemas" / LOCAL[name]
+    return json.loads(p.read_text())
 
 
-def test_trtllm_arguments_match_schema():
+@pytest.mark.parametrize("shared", [True, False])
+def test_trtllm_arguments_match_schema(shared):
     """The LLM(...) / speculative_config / SamplingParams arguments the tensorrt_llm runtime would pass, checked
-    against the extracted TensorRT-LLM schemas (1.2 LLM API; DFlash against 1.3) without running anything."""
+    against the extracted TensorRT-LLM schemas (1.2 LLM API; DFlash against 1.3) without running anything:
+    the shared reference and the project's copies in runtime/schemas."""
+    _schema = functools.partial(_schema_file, shared=shared)
     s12 = _schema("trtllm-1.2-llmapi.json")
     llm_fields = set(s12["classes"]["TorchLlmArgs"]["fields"])
     kw = V.trtllm_llm_kwargs("/m/target_fp8", "/m/draft", algorithm="eagle3", max_draft_len=4, num_target_layers=4,
