@@ -228,7 +228,7 @@ def dump_preflight(need_bytes: int, where: Path, max_bytes: int | None = None) -
     gib = 2**30
     if max_bytes is not None and need_bytes > max_bytes:
         raise JobError(f"offline hidden-state dump needs about {need_bytes / gib:.2f} GiB, over the budget "
-                       f"train_draft.offline.max_dump_gb={max_bytes / gib:g}; raise the budget, train fewer samples "
+                       f"train_draft.offline.max_dump_gb={max_bytes / gib:.4g}; raise the budget, train fewer samples "
                        "or a shorter seq_len, or use train_draft.mode: online")
     if need_bytes * 1.05 > free:
         raise JobError(f"offline hidden-state dump needs about {need_bytes / gib:.2f} GiB but {where} has only "
