@@ -481,7 +481,7 @@ def run(ctx: StageContext) -> dict:
         "train_seconds": result["train_seconds"], "acceptance_length": acc.get("acceptance_length"),
         "acceptance_draft_len": acc.get("draft_len"),
         "acceptance_by_domain": {d: v["acceptance_length"] for d, v in acc.get("domains", {}).items()},
-        "checks_passed": len(checks), **{k: result[k] for k in ("dump_bytes", "dump_estimate_bytes", "dump_seconds") if k in result},
+        "export_checks_passed": len(checks), **{k: result[k] for k in ("dump_bytes", "dump_estimate_bytes", "dump_seconds") if k in result},
     }
 
 
