@@ -165,7 +165,6 @@ def build_model(job: dict, offline: bool, device):
     """The target converted for draft training. Offline: the target without its decoder layers."""
     import modelopt.torch.speculative as mtsp
     import torch
-    from transformers import AutoModelForCausalLM
 
     dtype = _torch_dtype(job["train_dtype"])
     if offline:
@@ -174,8 +173,9 @@ def build_model(job: dict, offline: bool, device):
         model = load_vlm_or_llm(job["target_dir"], use_offline_training=True, dtype=dtype,
                                 trust_remote_code=job["trust_remote_code"])
     else:
-        model = AutoModelForCausalLM.from_pretrained(job["target_dir"], dtype=dtype, trust_remote_code=job["trust_remote_code"])
-    model.to(device)
+        model = _load_target(job, device, dtype)
+    if offline or not job.get("shard_target"):
+        model.to(device)
     mode, cfg = convert_config(job, offline)
     torch.manual_seed(job["train"]["seed"])  # the draft's initial weights
     mtsp.convert(model, [(mode, cfg)])
@@ -184,6 +184,16 @@ def build_model(job: dict, offline: bool, device):
 
         HFEagleModel.load_draft_vocab_cache(model, job["d2t_path"])
     return model
+
+
+def _load_target(job: dict, device, dtype):
+    """The full target on `device`, or with `shard_target` its layers spread over all visible GPUs
+    (transformers' device_map="auto"; one process) for a target larger than one GPU."""
+    from transformers import AutoModelForCausalLM
+
+    kw = {"device_map": "auto"} if job.get("shard_target") else {}
+    model = AutoModelForCausalLM.from_pretrained(job["target_dir"], dtype=dtype, trust_remote_code=job["trust_remote_code"], **kw)
+    return model if kw else model.to(device)
 
 
 def draft_module(model):
@@ -242,7 +252,6 @@ def dump_hidden_states(job: dict, samples, device, emit: Callable[[dict], None])
     Keys follow ModelOpt's offline format: input_ids, hidden_states (last layer), aux_hidden_states
     (captured layers concatenated), loss_mask."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     rank, world = _rank_world()
     out = Path(job["scratch_dir"]) / HIDDEN
@@ -251,8 +260,7 @@ def dump_hidden_states(job: dict, samples, device, emit: Callable[[dict], None])
     todo = [i for i in range(rank, len(samples), world) if not files[i].exists()]
     done_before = len(samples) - sum(1 for f in files if not f.exists())
     if todo:
-        model = AutoModelForCausalLM.from_pretrained(job["target_dir"], dtype=_torch_dtype(job["train_dtype"]),
-                                                     trust_remote_code=job["trust_remote_code"]).to(device).eval()
+        model = _load_target(job, device, _torch_dtype(job["train_dtype"])).eval()
         layers = capture_layer_ids(job)
         seq = job["train"]["seq_len"]
         emit({"event": "dump_start", "total": len(samples), "done": done_before})
@@ -262,7 +270,7 @@ def dump_hidden_states(job: dict, samples, device, emit: Callable[[dict], None])
                 x = torch.tensor([ids[:seq]], device=device)
                 hs = model(input_ids=x, output_hidden_states=True).hidden_states
                 rec = {"input_ids": x[0].cpu(), "hidden_states": hs[-1][0].cpu(),
-                       "aux_hidden_states": torch.cat([hs[lid + 1][0] for lid in layers], dim=-1).cpu(),
+                       "aux_hidden_states": torch.cat([hs[lid + 1][0].cpu() for lid in layers], dim=-1),
                        "loss_mask": torch.tensor(mask[:seq], dtype=torch.long)}
                 tmp = files[i].with_suffix(f".tmp{rank}")
                 torch.save(rec, tmp)

@@ -147,6 +147,7 @@ class Config(StageSection):
     log_every: int = Field(10, ge=1, description="curve points every N steps")
     dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="training dtype; auto: bfloat16 on GPU, float32 on CPU")
     torch_compile: bool = False
+    shard_target: bool = Field(False, description="launcher none on a multi-GPU node: spread the target over all visible GPUs (device_map=auto) for a target larger than one GPU")
     serving_context: int | None = Field(None, ge=16, description="longest context the draft must serve; default: the target's max_position_embeddings")
     rope_scaling: Literal["auto", "none"] | dict[str, Any] = Field(
         "auto", description="exported RoPE scaling: auto = YaRN only when serving_context exceeds the target's positions")
@@ -177,6 +178,8 @@ def check(cfg) -> list[tuple[str, str]]:
     elif sec.eval.draft_len and sec.eval.draft_len > 3 * a.ttt_steps:
         out.append((f"{p}.eval.draft_len", f"{sec.eval.draft_len} is far beyond the {a.ttt_steps} trained positions (algorithm.ttt_steps)"))
     procs = sec.launcher.nproc_per_node * sec.launcher.nnodes if sec.launcher.kind == "torchrun" else 1
+    if sec.shard_target and sec.launcher.kind == "torchrun":
+        out.append((f"{p}.shard_target", "spreads one target copy over all GPUs of one process; it cannot combine with launcher torchrun"))
     if sec.batch_size % procs:
         out.append((f"{p}.batch_size", f"{sec.batch_size} is not divisible by the {procs} training processes (launcher.nproc_per_node x nnodes)"))
     if cfg.target.bootstrap == "tiny":
@@ -305,6 +308,7 @@ def make_job(ctx: StageContext) -> dict:
         "mode": sec.mode, "max_dump_gb": sec.offline.max_dump_gb, "max_samples": sec.max_samples,
         "device": device, "train_dtype": train_dtype, "export_dtype": summary.get("dtype") or "bfloat16",
         "threads": ctx.config.run.threads, "trust_remote_code": trust, "torch_compile": sec.torch_compile,
+        "shard_target": sec.shard_target and device == "cuda",
         "export_rope_scaling": _rope_scaling(sec, positions, serving), "serving_context": serving,
         "train": {"optimizer": sec.optimizer, "lr": sec.lr, "weight_decay": sec.weight_decay, "betas": list(sec.betas),
                   "schedule": sec.schedule, "warmup_steps": min(sec.warmup_steps, steps), "min_lr_ratio": sec.min_lr_ratio,
