@@ -533,3 +533,21 @@ def lossless_diff(spec: list[list[int]], ref: list[list[int]]) -> list[dict]:
             bad.append({"request": i, "position": j, "speculative": a[j:j + 4], "target": b[j:j + 4]})
     return bad
 
+
+@torch.no_grad()
+def tie_margins(model, prompts: list[list[int]], ref: list[list[int]], bad: list[dict]) -> list[dict]:
+    """For each divergence, the target's top-2 logit margin at that position, from one fresh forward over
+    prompt + the target-only output before it. Verifying k+1 tokens at once and decoding one at a time do the
+    same math in a different order; float rounding (amplified by FP8's E4M3 activation rounding) can flip an
+    argmax only where the two best logits are within that noise, so a tiny margin marks a numerical tie,
+    a large one a real bug."""
+    out = []
+    for b in bad:
+        seq = prompts[b["request"]] + ref[b["request"]][: b["position"]]
+        r = TargetRunner(model)
+        r.reset(1, len(seq) + 1)
+        logits, _ = r.forward(torch.tensor([seq], device=r.device), logits_at=torch.tensor([len(seq) - 1], device=r.device))
+        top = logits[0].topk(2)
+        out.append({**b, "margin": float(top.values[0] - top.values[1]), "top2": top.indices.tolist()})
+    return out
+

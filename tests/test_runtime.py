@@ -495,3 +495,16 @@ def test_fp8_eagle3_draft_loads_through_fp8_linears(tiny, tmp_path):
     sp = eng.generate(tiny["prompts"], max_new_tokens=24, draft_len=3)
     assert lossless_diff(sp.tokens, ar) == []
     assert abs(sp.stats.acceptance_length - _al(tiny, tiny["eagle_dir"])) < 0.3
+
+
+def test_tie_margins_point_at_the_target_choice(tiny):
+    """tie_margins recomputes the target's top-2 at a divergence: its best token is the target-only output."""
+    from runtime.speculative import tie_margins
+
+    model = load_target(tiny["target_dir"])
+    ref = _ar(tiny, tiny["prompts"][:2], 12)
+    fake = [list(ref[0]), list(ref[1])]
+    fake[1][5] = (fake[1][5] + 1) % VOCAB
+    bad = tie_margins(model, tiny["prompts"][:2], ref, lossless_diff(fake, ref))
+    assert len(bad) == 1 and bad[0]["request"] == 1 and bad[0]["position"] == 5
+    assert bad[0]["top2"][0] == ref[1][5] and bad[0]["margin"] > 0

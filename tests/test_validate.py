@@ -228,3 +228,14 @@ def test_impossible_gate_blocks_later_stages(tiny_run, tmp_path):
     assert kept == a and kept["max_draft_len"] != 8                                          # nothing committed now
     after = registry.names()[registry.names().index("validate") + 1:]
     assert all(st[n]["last_build"] == "blocked" for n in after)
+
+
+def test_lossless_gate_tolerates_numerical_ties_only():
+    base = {"domains": {}, "overall": {"fp8": {"acceptance_length": 2.0}}}
+    g = V.Gates(require_lossless=True)
+    tie = {**base, "lossless": {"passed": True, "identical": False, "numerical_ties": 1, "mismatches": [{"margin": 1e-5}]}}
+    row = V.evaluate_gates(tie, g)["rows"][-1]
+    assert row["passed"] and row["measured"] == "1 ties"
+    real = {**base, "lossless": {"passed": False, "identical": False, "numerical_ties": 0, "mismatches": [{"margin": 2.0}]}}
+    res = V.evaluate_gates(real, g)
+    assert not res["passed"] and res["rows"][-1]["measured"] == "1 differ"
