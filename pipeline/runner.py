@@ -42,6 +42,15 @@ def package_version(name: str) -> str | None:
 def fingerprint_inputs(spec: registry.StageSpec, cfg, upstream: dict[str, str]) -> dict:
     params = section_dict(cfg, spec.name)
     params.pop("enabled", None)
+    # Where and how a stage executes (e.g. a rendezvous host, this node's rank) does not change what it
+    # produces: a stage lists such dotted paths in EXECUTION_ONLY and they stay out of its fingerprint.
+    for dotted in getattr(spec.module, "EXECUTION_ONLY", ()):
+        *parents, leaf = dotted.split(".")
+        node = params
+        for p in parents:
+            node = node.get(p, {}) if isinstance(node, dict) else {}
+        if isinstance(node, dict):
+            node.pop(leaf, None)
     doc = {
         "stage": spec.name,
         "version": spec.version,

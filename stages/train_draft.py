@@ -34,6 +34,8 @@ NAME = "train_draft"
 CONSUMES = ("target", "data")
 VERSION = "1"
 PACKAGES = ("torch", "transformers", "nvidia-modelopt", "safetensors")
+# Where training runs (rendezvous, this node's rank, the time limit) does not change the draft.
+EXECUTION_ONLY = ("launcher.node_rank", "launcher.rdzv_endpoint", "launcher.rdzv_id", "launcher.timeout_s")
 
 
 def _distinct_nonneg(v: list[int] | None) -> list[int] | None:

@@ -201,3 +201,17 @@ def test_sigkill_mid_training_resumes_from_checkpoint(tmp_path):
     assert st["target"]["fingerprint"] == ref_fps["target"]
     assert st["data"]["fingerprint"] == ref_fps["data"]
     assert not (wd / "scratch" / "target").exists()   # scratch is dropped once committed
+
+
+def test_execution_only_fields_stay_out_of_fingerprints(tmp_path):
+    if "train_draft" not in registry.names():
+        pytest.skip("train_draft not registered")
+    store = Store(tmp_path)
+    def launcher(**kw):
+        return "train_draft.launcher={" + ", ".join(f"{k}: {v}" for k, v in {"kind": "torchrun", **kw}.items()) + "}"
+
+    base = _fps(_cfg(launcher(nnodes=2, rdzv_endpoint="node0:29500")), store)
+    moved = _fps(_cfg(launcher(nnodes=2, rdzv_endpoint="node7:29400", timeout_s=60, node_rank=1)), store)
+    assert moved["train_draft"] == base["train_draft"]
+    more = _fps(_cfg(launcher(nnodes=4, rdzv_endpoint="node0:29500")), store)
+    assert more["train_draft"] != base["train_draft"]   # the process count changes the result
