@@ -320,6 +320,51 @@ def profile(config, workdir, overrides, out, rows, context, rounds, dtype):
     click.echo(f"wrote {path}\nuse it: hardware.profile: {path}")
 
 
+@cli.command()
+@config_arg
+@workdir_opt
+@override_opt
+@click.option("--image", required=True, help="container image for srun --container-image (pyxis/enroot), e.g. the pipeline image")
+@click.option("--nodes", type=click.IntRange(1), default=1, show_default=True)
+@click.option("--gpus-per-node", type=click.IntRange(1), default=8, show_default=True)
+@click.option("--time", "time_", default="24:00:00", show_default=True, help="wall-clock limit")
+@click.option("--partition", default=None)
+@click.option("--account", default=None)
+@click.option("--mount", "mounts", multiple=True, metavar="SRC:DST", help="container mount (repeatable); the workdir must be visible on every node")
+@click.option("--out", type=click.Path(dir_okay=False), default=None, help="default: <workdir>/slurm/specpipe.sbatch")
+@click.option("--submit", is_flag=True, help="submit the script with sbatch")
+def slurm(config, workdir, overrides, image, nodes, gpus_per_node, time_, partition, account, mounts, out, submit):
+    """Write an sbatch script that runs the pipeline in a container on one node or several."""
+    import shutil
+    import subprocess
+
+    from pipeline.slurm import SlurmJob, render
+
+    try:
+        cfg = _load(config, overrides)
+    except SpecpipeError as e:
+        _fail(e)
+        return
+    wd = str(Path(workdir) if workdir else _default_workdir(config))
+    if any(c in wd for c in '"\n'):
+        _fail(UsageError(f"--workdir {wd!r}: a path with quotes or newlines cannot go into an #SBATCH line"))
+    job = SlurmJob(config=str(Path(config).resolve()), workdir=str(Path(wd).resolve()), image=image, nodes=nodes, gpus_per_node=gpus_per_node, time=time_,
+                   partition=partition, account=account, mounts=list(mounts), overrides=list(overrides))
+    path = Path(out) if out else Path(wd) / "slurm" / "specpipe.sbatch"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(render(cfg, job))
+    path.chmod(0o755)
+    click.echo(str(path))
+    if submit:
+        sbatch = shutil.which("sbatch")
+        if sbatch is None:
+            _fail(UsageError(f"--submit: sbatch is not on PATH here; on a Slurm login node run: sbatch {path}"))
+        r = subprocess.run([sbatch, str(path)], capture_output=True, text=True)
+        click.echo(r.stdout.strip() or r.stderr.strip(), err=r.returncode != 0)
+        if r.returncode != 0:
+            sys.exit(EXIT_FAILED)
+
+
 def main() -> None:
     try:
         cli.main(standalone_mode=False)
