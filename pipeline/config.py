@@ -124,7 +124,11 @@ def read_yaml(path: Path) -> tuple[dict, dict[str, int]]:
         raise ConfigError([("", f"{path}: is a directory, expected a YAML config file")])
     text = path.read_text()
     try:
-        data = yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader subclass
+        loader = _Loader(text)          # a SafeLoader that also refuses duplicate keys
+        try:
+            data = loader.get_single_data()
+        finally:
+            loader.dispose()
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)

@@ -204,8 +204,6 @@ def test_sigkill_mid_training_resumes_from_checkpoint(tmp_path):
 
 
 def test_execution_only_fields_stay_out_of_fingerprints(tmp_path):
-    if "train_draft" not in registry.names():
-        pytest.skip("train_draft not registered")
     store = Store(tmp_path)
     def launcher(**kw):
         return "train_draft.launcher={" + ", ".join(f"{k}: {v}" for k, v in {"kind": "torchrun", **kw}.items()) + "}"
