@@ -185,7 +185,9 @@ def run(ctx: StageContext) -> dict:
     _write_script(out / "bench.sh", bench_command(bench_name, target_dir, sec.bench.concurrency or mbs))
     loaded = _try_load(sec, target_dir, options, ctx) if sec.load == "auto" else {"loaded": False, "reason": "build.load: never"}
     ctx.log.info("load: %s", "loaded" if loaded["loaded"] else loaded["reason"])
-    by_batch = _runs([_k_at(options["speculative_config"], b, sec.trtllm_version, max_draft_len) for b in range(1, mbs + 1)])
+    from runtime.costmodel import runs as runs_of_k
+
+    by_batch = [list(r) for r in runs_of_k([_k_at(options["speculative_config"], b, sec.trtllm_version, max_draft_len) for b in range(1, mbs + 1)])]
     doc = {
         "trtllm_version": sec.trtllm_version, "serving_image": image, "backend": "pytorch", "algorithm": algo,
         "decoding_type": options["speculative_config"]["decoding_type"], "target_dir": str(target_dir),
@@ -233,17 +235,6 @@ def _k_at(sc: dict, batch: int, version: str, max_draft_len: int) -> int:
     if sc.get("max_concurrency") and batch > sc["max_concurrency"]:
         k = 0
     return k
-
-
-def _runs(ks: list[int]) -> list[list[int]]:
-    """[[first batch, last batch, k], ...] (the same run format as tune's draft_len_by_batch)."""
-    out: list[list[int]] = []
-    for b, k in enumerate(ks, start=1):
-        if out and out[-1][2] == k:
-            out[-1][1] = b
-        else:
-            out.append([b, b, k])
-    return out
 
 
 def _model_name(tcfg: dict, workdir: Path) -> str:
