@@ -30,6 +30,19 @@ def _default_workdir(config: str) -> Path:
     return Path("runs") / Path(config).stem
 
 
+def _existing_workdir(workdir: str | None) -> Path:
+    """--workdir, or the only run under ./runs (what `specpipe build CONFIG` made by default)."""
+    if workdir is None:
+        runs = sorted(Path("runs").glob("*/last_build.json")) if Path("runs").exists() else []
+        if len(runs) != 1:
+            found = f" (found {len(runs)}: {', '.join(str(r.parent) for r in runs[:5])})" if runs else ""
+            _fail(UsageError(f"give --workdir: the default is the only run under ./runs{found}"))
+        return runs[0].parent
+    if not Path(workdir).is_dir():
+        _fail(UsageError(f"--workdir {workdir}: no such directory"))
+    return Path(workdir)
+
+
 def _load(config: str, overrides: tuple[str, ...]):
     from pipeline.config import load_config
 
@@ -159,14 +172,7 @@ def status(workdir, as_json, verify):
     from pipeline import runner
     from pipeline.store import Store
 
-    wd = Path(workdir) if workdir else None
-    if wd is None:
-        runs = sorted(Path("runs").glob("*/last_build.json")) if Path("runs").exists() else []
-        if len(runs) != 1:
-            _fail(UsageError("give --workdir (default only when exactly one run exists under ./runs)"))
-        wd = runs[0].parent
-    if not wd.exists():
-        _fail(UsageError(f"--workdir {wd}: no such directory"))
+    wd = _existing_workdir(workdir)
     store = Store(wd)
     doc = runner.status(store)
     if verify:
@@ -202,11 +208,7 @@ def report(workdir, out):
     from pipeline.report import write_report
     from pipeline.store import Store
 
-    if workdir is None:
-        _fail(UsageError("give --workdir (e.g. runs/tiny_fp8_eagle3)"))
-    if not Path(workdir).exists():
-        _fail(UsageError(f"--workdir {workdir}: no such directory"))
-    path = write_report(Store(Path(workdir)), Path(out) if out else None)
+    path = write_report(Store(_existing_workdir(workdir)), Path(out) if out else None)
     click.echo(str(path))
 
 

@@ -153,3 +153,11 @@ def test_cli_check_exit_codes_and_no_traceback(tmp_path):
     r = run_cli("build", str(REPO / "configs" / "tiny_fp8_eagle3.yaml"), "--workdir", str(tmp_path / "w"), "--only", "nosuchstage")
     assert r.returncode == 2 and "unknown stage" in r.stderr and "target" in r.stderr
     assert not (tmp_path / "w" / "artifacts").exists()
+
+
+def test_status_and_report_need_a_workdir_unless_one_run_exists(tmp_path):
+    for cmd in ("status", "report"):
+        r = run_cli(cmd, cwd=tmp_path)
+        assert r.returncode == 2 and "give --workdir" in r.stderr and "Traceback" not in r.stderr
+        r = run_cli(cmd, "--workdir", str(tmp_path / "nope"), cwd=tmp_path)
+        assert r.returncode == 2 and "no such directory" in r.stderr
