@@ -326,9 +326,9 @@ def profile(config, workdir, overrides, out, rows, context, rounds, dtype):
 @config_arg
 @workdir_opt
 @override_opt
-@click.option("--image", required=True, help="container image for srun --container-image (pyxis/enroot), e.g. the pipeline image")
+@click.option("--image", default=None, help="container image for srun --container-image (pyxis/enroot), e.g. the pipeline image; without it, srun runs this environment's specpipe")
 @click.option("--nodes", type=click.IntRange(1), default=1, show_default=True)
-@click.option("--gpus-per-node", type=click.IntRange(1), default=8, show_default=True)
+@click.option("--gpus-per-node", type=click.IntRange(0), default=8, show_default=True, help="0 for a CPU allocation (the config's launcher is kept)")
 @click.option("--time", "time_", default="24:00:00", show_default=True, help="wall-clock limit")
 @click.option("--partition", default=None)
 @click.option("--account", default=None)
@@ -336,7 +336,7 @@ def profile(config, workdir, overrides, out, rows, context, rounds, dtype):
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="default: <workdir>/slurm/specpipe.sbatch")
 @click.option("--submit", is_flag=True, help="submit the script with sbatch")
 def slurm(config, workdir, overrides, image, nodes, gpus_per_node, time_, partition, account, mounts, out, submit):
-    """Write an sbatch script that runs the pipeline in a container on one node or several."""
+    """Write an sbatch script that runs the pipeline (in a container with --image) on one node or several."""
     import shutil
     import subprocess
 
@@ -354,6 +354,7 @@ def slurm(config, workdir, overrides, image, nodes, gpus_per_node, time_, partit
                    partition=partition, account=account, mounts=list(mounts), overrides=list(overrides))
     path = Path(out) if out else Path(wd) / "slurm" / "specpipe.sbatch"
     path.parent.mkdir(parents=True, exist_ok=True)
+    (Path(job.workdir) / "logs").mkdir(parents=True, exist_ok=True)   # Slurm opens --output before the script runs
     path.write_text(render(cfg, job))
     path.chmod(0o755)
     click.echo(str(path))

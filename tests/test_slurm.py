@@ -96,9 +96,125 @@ def test_worker_leaves_when_node0_is_done(tmp_path):
 
 
 def test_submit_without_sbatch_says_what_to_do(tmp_path):
+    empty = tmp_path / "empty-bin"
+    empty.mkdir()
     r = run_cli("slurm", str(CONFIG), "--workdir", str(tmp_path / "w"), "--image", "img", "--submit",
-                env={"PATH": "/usr/bin:/bin"})
-    if r.returncode == 0:
-        pytest.skip("sbatch exists on this machine")
+                env={"PATH": str(empty)})
     assert r.returncode == 2 and "sbatch is not on PATH" in r.stderr and "sbatch " in r.stderr
     assert (tmp_path / "w" / "slurm" / "specpipe.sbatch").exists()   # the script is written either way
+
+
+# ------------------------------------------------------------------ a real single-node Slurm (Debian packages)
+
+SLURM_BINS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster(tmp_path_factory):
+    """munged + slurmctld + slurmd on 127.0.0.1 with free ports, in a private directory; stopped by PID."""
+    import shutil
+    import signal
+
+    paths = {b: shutil.which(b) or shutil.which(b, path="/usr/sbin:/usr/bin") for b in SLURM_BINS}
+    missing = [b for b, p in paths.items() if not p]
+    if missing:
+        pytest.skip(f"Slurm daemons not installed ({', '.join(missing)}); .ci/run installs Debian's slurmctld, slurmd, slurm-client, munge")
+    d = tmp_path_factory.mktemp("slurm")
+    for sub in ("state", "spool", "log", "munge/run"):
+        (d / sub).mkdir(parents=True)
+    key = d / "munge" / "munge.key"
+    key.write_bytes(os.urandom(1024))
+    key.chmod(0o400)
+    sock = d / "munge" / "run" / "munge.socket"
+    subprocess.run([paths["munged"], "--force", f"--key-file={key}", f"--socket={sock}", f"--pid-file={d}/munge/munged.pid",
+                    f"--log-file={d}/munge/munged.log", f"--seed-file={d}/munge/seed"], check=True)
+    conf = d / "slurm.conf"
+    conf.write_text(f"""ClusterName=specpipetest
+SlurmctldHost=localhost(127.0.0.1)
+SlurmctldPort={_free_port()}
+SlurmdPort={_free_port()}
+AuthType=auth/munge
+AuthInfo=socket={sock}
+CredType=cred/munge
+StateSaveLocation={d}/state
+SlurmdSpoolDir={d}/spool
+SlurmctldPidFile={d}/slurmctld.pid
+SlurmdPidFile={d}/slurmd.pid
+SlurmctldLogFile={d}/log/slurmctld.log
+SlurmdLogFile={d}/log/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+MpiDefault=none
+ReturnToService=2
+SchedulerType=sched/builtin
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SlurmUser=root
+SlurmdUser=root
+JobCompType=jobcomp/none
+JobAcctGatherType=jobacct_gather/none
+NodeName=localhost NodeAddr=127.0.0.1 CPUs={os.cpu_count()} State=UNKNOWN
+PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
+""")
+    env = {**os.environ, "SLURM_CONF": str(conf)}
+    subprocess.run([paths["slurmctld"], "-f", str(conf)], check=True, env=env)
+    subprocess.run([paths["slurmd"], "-f", str(conf), "-N", "localhost"], check=True, env=env)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        r = subprocess.run(["sinfo", "-h", "-o", "%t"], env=env, capture_output=True, text=True)
+        if r.stdout.strip() == "idle":
+            break
+        time.sleep(0.5)
+    else:
+        pytest.fail(f"single-node Slurm did not become idle: {(d / 'log' / 'slurmctld.log').read_text()[-2000:]}")
+    yield env
+    for pidfile in ("slurmd.pid", "slurmctld.pid", "munge/munged.pid"):
+        p = d / pidfile
+        if p.exists():
+            try:
+                os.kill(int(p.read_text().strip()), signal.SIGTERM)
+            except (ProcessLookupError, ValueError):
+                pass
+
+
+def test_real_slurm_submission_runs_the_pipeline(tmp_path, slurm_cluster):
+    """`specpipe slurm --submit` on a real single-node Slurm: the job builds target and data, and the
+    committed fingerprints equal those of `specpipe plan` with the same config."""
+    import json
+
+    from conftest import TINY_CONFIG, status_json, tiny_overrides
+    from pipeline import registry
+
+    wd = tmp_path / "w"
+    ov = tiny_overrides("target", "data")
+    ov += [x for n in registry.names() if n not in ("target", "data") for x in ("-o", f"{n}.enabled=false")]
+    env = {**slurm_cluster, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    r = run_cli("slurm", str(TINY_CONFIG), "--workdir", str(wd), "--gpus-per-node", "0", "--time", "00:20:00",
+                *ov, "--submit", env=env)
+    assert r.returncode == 0, r.stderr
+    job_id = r.stdout.strip().split()[-1]
+    assert job_id.isdigit(), r.stdout
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        q = subprocess.run(["squeue", "-h", "-j", job_id], env=env, capture_output=True, text=True)
+        if not q.stdout.strip():
+            break
+        time.sleep(1)
+    else:
+        pytest.fail("the Slurm job did not finish in 10 minutes")
+    out = (wd / "logs" / f"slurm-{job_id}.out").read_text()
+    assert (wd / f".slurm-{job_id}.done").exists(), out[-3000:]
+    st = {s["name"]: s for s in status_json(wd)["stages"]}
+    assert st["target"]["state"] == "committed" and st["data"]["state"] == "committed", out[-3000:]
+    plan = run_cli("plan", str(TINY_CONFIG), "--workdir", str(wd), "--json", *ov)
+    fps = {i["stage"]: i for i in json.loads(plan.stdout)}
+    assert fps["target"]["action"] == "skip" and fps["data"]["action"] == "skip"
+    assert fps["target"]["fingerprint"] == st["target"]["fingerprint"]
