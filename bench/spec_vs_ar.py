@@ -70,27 +70,17 @@ def isolated_costs(model, draft, k: int, ctx_len: int, reps: int = 50) -> dict:
         tv = t(lambda: r.forward(ids[:, : k + 1]))
         dr = make_drafter(draft, r)
         dr.reset(1, ctx_len + k + 16)
+        dr.observe(hid, ids, torch.tensor([ctx_len]))
         if draft.algorithm == "eagle3":
-            dr.observe(hid, ids, torch.tensor([ctx_len]))
             dr.propose(ids[:, -1], 1, 0.0, None)             # fills the draft cache with the context
-            base = dr.cache.lengths.clone()
+        base = dr.cache.lengths.clone()
 
-            def one_step():
-                dr.cache.lengths = base.clone()
-                dr.observe(hid[:, :2], ids[:, :2], torch.tensor([2]))
-                dr.propose(ids[:, -1], k, 0.0, None)
+        def one_step():
+            dr.cache.lengths = base.clone()
+            dr.observe(hid[:, :2], ids[:, :2], torch.tensor([2]))
+            dr.propose(ids[:, -1], k, 0.0, None)
 
-            td = t(one_step)
-        else:
-            dr.observe(hid, ids, torch.tensor([ctx_len]))
-            base = dr.cache.lengths.clone()
-
-            def one_step():
-                dr.cache.lengths = base.clone()
-                dr.observe(hid[:, :2], ids[:, :2], torch.tensor([2]))
-                dr.propose(ids[:, -1], k, 0.0, None)
-
-            td = t(one_step)
+        td = t(one_step)
     return {"target_1": t1, "target_verify": tv, "draft_step": td}
 
 

@@ -233,6 +233,16 @@ class TargetShape:
     num_layers: int
 
 
+def _set_attention_shape(m: nn.Module, cfg: dict) -> None:
+    """Decoder shape fields both exported draft formats share (config.json keys as ModelOpt writes them)."""
+    m.hidden_size = cfg["hidden_size"]
+    m.num_layers = cfg["num_hidden_layers"]
+    m.n_heads = cfg["num_attention_heads"]
+    m.n_kv = cfg["num_key_value_heads"]
+    m.head_dim = cfg.get("head_dim") or m.hidden_size // m.n_heads
+    m.scale = m.head_dim ** -0.5
+
+
 class Eagle3Draft(nn.Module):
     """The exported EAGLE-3 draft. `step()` runs the decoder over new positions with a KV cache."""
 
@@ -242,12 +252,7 @@ class Eagle3Draft(nn.Module):
         super().__init__()
         self.cfg = cfg
         ec = cfg["eagle_config"]
-        self.hidden_size = cfg["hidden_size"]
-        self.num_layers = cfg["num_hidden_layers"]
-        self.n_heads = cfg["num_attention_heads"]
-        self.n_kv = cfg["num_key_value_heads"]
-        self.head_dim = cfg.get("head_dim") or self.hidden_size // self.n_heads
-        self.scale = self.head_dim ** -0.5
+        _set_attention_shape(self, cfg)
         self.aux_layer_ids = sorted(int(i) for i in ec["eagle_aux_hidden_state_layer_ids"])
         self.vocab_size = cfg["vocab_size"]
         self.draft_vocab_size = cfg["draft_vocab_size"]
@@ -411,12 +416,7 @@ class DFlashDraft(nn.Module):
         self.mask_token_id = int(dc["mask_token_id"])
         self.target_layer_ids = [int(i) for i in dc["target_layer_ids"]]
         self.causal = bool(dc.get("causal", False))
-        self.hidden_size = cfg["hidden_size"]
-        self.num_layers = cfg["num_hidden_layers"]
-        self.n_heads = cfg["num_attention_heads"]
-        self.n_kv = cfg["num_key_value_heads"]
-        self.head_dim = cfg.get("head_dim") or self.hidden_size // self.n_heads
-        self.scale = self.head_dim ** -0.5
+        _set_attention_shape(self, cfg)
         eps = cfg.get("rms_norm_eps", 1e-6)
         self.fc = make_linear(sd, "fc", compute_dtype)
         self.hidden_norm = _norm(sd, "hidden_norm", eps, compute_dtype)

@@ -20,6 +20,8 @@ acceptance (P(position j accepted | positions < j accepted)), and draft vs targe
 """
 from __future__ import annotations
 
+import abc
+
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -124,7 +126,7 @@ class TargetRunner:
 # ---------------------------------------------------------------------------------------------- drafters
 
 
-class Drafter:
+class Drafter(abc.ABC):
     """What the engine asks of a drafter. `observe` receives, for the positions the target just kept, their
     captured hidden states and the token that follows each one (now known); `propose` returns k draft tokens
     (target ids) and, for sampling, their distributions q over the target vocabulary."""
@@ -135,8 +137,9 @@ class Drafter:
     def reset(self, batch: int, capacity: int) -> None: ...
     def select_rows(self, idx: torch.Tensor) -> None: ...
     def observe(self, hidden, next_tokens: torch.Tensor, counts: torch.Tensor) -> None: ...
+    @abc.abstractmethod
     def propose(self, last: torch.Tensor, k: int, temperature: float, gen) -> tuple[torch.Tensor, torch.Tensor | None]:
-        raise NotImplementedError
+        """k draft tokens per row (target ids) and, when sampling, their distributions over the target vocab."""
 
 
 def _pick(logits: torch.Tensor, temperature: float, gen) -> tuple[torch.Tensor, torch.Tensor | None]:
