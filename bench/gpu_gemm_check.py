@@ -156,7 +156,7 @@ def main() -> int:
         first = next(iter(shapes.values()))
         try:
             cal = P.calibrate(first, dtype, device, context=1024 if not args.smoke else 32,
-                              peak_rows=4096 if not args.smoke else 256)
+                              peak_rows=4096 if not args.smoke else 256, curve_rows=rows)
         except RuntimeError as e:   # keep the datasheet comparison even if a calibration kernel is refused
             print(f"calibration failed, continuing without it: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
         else:
@@ -204,7 +204,10 @@ def main() -> int:
                 "machine": {"peak_tflops": {prec.gemm_dtype: cal["peak_tflops"]},
                             "bandwidth_tb_s": cal["bandwidth_tb_s"], "attn_bandwidth_tb_s": cal["attn_bandwidth_tb_s"],
                             "attn_tflops": cal["attn_tflops"], "elem_bandwidth_tb_s": cal["elem_bandwidth_tb_s"],
-                            "overlap": cal["overlap"], "op_overhead_us": cal["op_overhead_us"], "link_gb_s": None},
+                            "overlap": cal["overlap"], "attn_overlap": 1.0, "op_overhead_us": cal["op_overhead_us"],
+                            "cache_bytes": cal["cache_bytes"], "cache_bandwidth_tb_s": cal["cache_bandwidth_tb_s"],
+                            "gemm_row_factors": cal["gemm_row_factors"],
+                            "footprint_bandwidth_tb_s": cal["footprint_bandwidth_tb_s"], "link_gb_s": None},
                 "calibration": cal, "source": "bench/gpu_gemm_check.py"}
         if not args.smoke:
             prof["machine"]["link_gb_s"] = gpu.link_gb_s

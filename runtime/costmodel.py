@@ -149,15 +149,55 @@ class Machine:
     # max(); a measured GEMM at the ridge point that takes 2^(1/p) x the roofline gives p (a GPU GEMM overlaps
     # them: p large; a CPU adds them, p ~ 1, or does worse at a few rows, p < 1).
     overlap: float = math.inf
+    # The same for attention kernels (a CPU's attention adds its KV streaming and its arithmetic: p = 1).
+    attn_overlap: float = math.inf
     # A step whose whole working set fits in the last-level cache (a tiny model on a CPU) is partly served
     # from it: the fraction 1 - working_set / cache_bytes of its weight reads runs at cache_bandwidth.
     cache_bytes: float = 0.0
     cache_bandwidth: float = 0.0
+    # Measured GEMM efficiency by row count: ((rows, factor), ...) sorted by rows, factor = measured time of a
+    # GEMM at that many rows / this model's time for it (`runtime.profile.calibrate`). Kernels change with M
+    # (a CPU runs one row as a GEMV and two or more as a packed GEMM at twice the cost; a GPU picks tiles by
+    # M); between the measured row counts the factor is interpolated in log(rows). Empty: factor 1.
+    gemm_row_factors: tuple = ()
+    # Measured weight-streaming rate by working set: ((bytes, bytes/s), ...) sorted by bytes, from a GEMV cycling
+    # through that many bytes of weights (`runtime.profile.calibrate`). Replaces the cache_bytes blend above
+    # when present: how much of a working set a real cache keeps is measured, not assumed. Interpolated in
+    # log-log; below the smallest point its rate, above the largest the streaming `bandwidth`.
+    footprint_bandwidth: tuple = ()
 
-    def combine(self, mem: float, compute: float) -> float:
-        if math.isinf(self.overlap) or mem == 0 or compute == 0:
+    def weight_bandwidth(self, working_set: float) -> float | None:
+        f = self.footprint_bandwidth
+        if not f:
+            return None
+        if working_set <= f[0][0]:
+            return f[0][1]
+        if working_set >= f[-1][0]:
+            return self.bandwidth
+        for (w0, b0), (w1, b1) in zip(f, f[1:]):
+            if w0 <= working_set <= w1:
+                x = math.log(working_set / w0) / math.log(w1 / w0)
+                return math.exp(math.log(b0) + x * (math.log(b1) - math.log(b0)))
+        return self.bandwidth
+
+    def gemm_factor(self, rows: float) -> float:
+        f = self.gemm_row_factors
+        if not f or rows <= 0:
+            return 1.0
+        if rows <= f[0][0]:
+            return f[0][1]
+        if rows >= f[-1][0]:
+            return f[-1][1]
+        for (r0, f0), (r1, f1) in zip(f, f[1:]):
+            if r0 <= rows <= r1:
+                w = math.log(rows / r0) / math.log(r1 / r0)
+                return f0 + w * (f1 - f0)
+        return 1.0
+
+    def combine(self, mem: float, compute: float, p: float | None = None) -> float:
+        p = self.overlap if p is None else p
+        if math.isinf(p) or mem == 0 or compute == 0:
             return max(mem, compute)
-        p = self.overlap
         hi = max(mem, compute)
         return hi * ((mem / hi) ** p + (compute / hi) ** p) ** (1 / p)
 
@@ -198,7 +238,11 @@ def machine_from_profile(profile: dict, memory_gb: float = 0.0) -> Machine:
                    elem_bandwidth=(m.get("elem_bandwidth_tb_s") or 0) * 1e12,
                    attn_peak=(m.get("attn_tflops") or 0) * 1e12,
                    overlap=float(m.get("overlap") or math.inf),
-                   cache_bytes=float(m.get("cache_bytes") or 0), cache_bandwidth=(m.get("cache_bandwidth_tb_s") or 0) * 1e12)
+                   # profiles written before attn_overlap solved attention with the GEMM overlap
+                   attn_overlap=float(m.get("attn_overlap") or m.get("overlap") or math.inf),
+                   cache_bytes=float(m.get("cache_bytes") or 0), cache_bandwidth=(m.get("cache_bandwidth_tb_s") or 0) * 1e12,
+                   gemm_row_factors=tuple((float(r), float(f)) for r, f in (m.get("gemm_row_factors") or ())),
+                   footprint_bandwidth=tuple((float(w), float(b) * 1e12) for w, b in (m.get("footprint_bandwidth_tb_s") or ())))
 
 
 # ------------------------------------------------------------------------------------------ step cost
@@ -213,17 +257,24 @@ class Op:
     count: int = 1   # identical instances (layers)
 
     kind: str = "gemm"   # gemm | attention | elementwise | allreduce
+    rows: int = 0        # GEMM rows M (for the machine's measured efficiency by row count)
 
-    def time(self, m: Machine, hot: float = 0.0) -> float:
-        """Seconds for `count` instances; `hot` = fraction of GEMM bytes served from the last-level cache."""
+    def time(self, m: Machine, hot: float = 0.0, gemm_bandwidth: float | None = None) -> float:
+        """Seconds for `count` instances; `hot` = fraction of GEMM bytes served from the last-level cache, or
+        `gemm_bandwidth` = the measured rate of GEMM weight reads at this step's working set."""
         if self.kind == "allreduce":
             return self.count * (self.bytes / (m.link_bandwidth or m.bandwidth) + m.link_latency_s)
         peak = m.attn_peak if self.kind == "attention" and m.attn_peak else m.peak(self.dtype)
         compute = self.flops / peak if self.flops else 0.0
         mem = self.bytes / m.bandwidth_for(self.kind)
-        if hot and self.kind == "gemm":
+        if gemm_bandwidth and self.kind == "gemm":
+            mem = self.bytes / gemm_bandwidth
+        elif hot and self.kind == "gemm":
             mem = mem * (1 - hot) + self.bytes / m.cache_bandwidth * hot
-        return self.count * (m.combine(mem, compute) + m.op_overhead_s)
+        t = m.combine(mem, compute, m.attn_overlap if self.kind == "attention" else None)
+        if self.kind == "gemm" and self.rows:
+            t *= m.gemm_factor(self.rows)
+        return self.count * (t + m.op_overhead_s)
 
 
 def gemm_op(g: Gemm, rows: int, prec: Precision, tp: int, count: int = 1) -> Op:
@@ -231,7 +282,7 @@ def gemm_op(g: Gemm, rows: int, prec: Precision, tp: int, count: int = 1) -> Op:
     flops = 2.0 * rows * g.k * g.n / s
     # Weights dominate at decode; activations in and out still count once M grows.
     byts = g.k * g.n * prec.weight_bytes / s + rows * (g.k + g.n) * prec.act_bytes / (s if g.split else 1)
-    return Op(g.name, flops, byts, prec.gemm_dtype, count)
+    return Op(g.name, flops, byts, prec.gemm_dtype, count, rows=rows)
 
 
 def forward_ops(shape: ModelShape, *, batch: int, q_len: int, context: int, prec: Precision, tp: int = 1,
@@ -276,11 +327,12 @@ def allreduce_op(nbytes: float, tp: int, count: int) -> Op:
 
 
 def step_time(ops: list[Op], m: Machine) -> float:
+    working_set = sum(op.bytes * op.count for op in ops if op.kind != "allreduce")
+    bw = m.weight_bandwidth(working_set)
     hot = 0.0
-    if m.cache_bytes and m.cache_bandwidth:
-        working_set = sum(op.bytes * op.count for op in ops if op.kind != "allreduce")
+    if bw is None and m.cache_bytes and m.cache_bandwidth:
         hot = max(0.0, 1.0 - working_set / m.cache_bytes)
-    return sum(op.time(m, hot) for op in ops)
+    return sum(op.time(m, hot, bw) for op in ops)
 
 
 @dataclass(frozen=True)

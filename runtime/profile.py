@@ -16,6 +16,7 @@ The profile file holds these achieved rates (`machine`), which `tune` uses inste
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 import platform
@@ -24,7 +25,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from runtime.costmodel import (Gemm, Machine, ModelShape, Precision, attention_cost, elementwise_bytes, forward_ops,
-                               step_time)
+                               gemm_op, step_time)
 
 FORMAT = "specpipe.hardware-profile/1"
 DEFAULT_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -200,7 +201,7 @@ class Rotating:
 
 
 def calibrate(shape: ModelShape, gemm_dtype: str, device, *, context: int = 512, peak_rows: int = 1024,
-              attn_batch: int = 32, attn_q: int = 8, elem_rows: int = 256) -> dict:
+              attn_batch: int = 32, attn_q: int = 8, elem_rows: int = 256, curve_rows=DEFAULT_ROWS) -> dict:
     """Achieved rates on this machine from microbenchmarks sized like the model but separate from its step:
     GEMM peak, GEMV streaming bandwidth, attention and elementwise bandwidth (bytes as the cost model counts
     them; operands rotated through more memory than the last-level cache), and the fixed cost per modelled
@@ -219,7 +220,7 @@ def calibrate(shape: ModelShape, gemm_dtype: str, device, *, context: int = 512,
         big = max(shape.layer_gemms, key=lambda g: g.k * g.n)
         flops = secs = 0.0
         peak_gemms = []
-        for k, n in sorted({(g.k, g.n) for g in (*shape.layer_gemms, *shape.head_gemms, *shape.input_gemms)}):
+        for k, n in gemm_shapes(shape):
             mm = Matmul(k, n, gemm_dtype, device, gen)
             x = rnd(peak_rows, k)
             t = timeit(lambda: mm(x), device)
@@ -247,6 +248,31 @@ def calibrate(shape: ModelShape, gemm_dtype: str, device, *, context: int = 512,
         # (2 a^p)^(1/p) = ratio x a. p < 1 means worse than adding them up (small-M kernels that waste compute).
         overlap = math.inf if ratio < 1.02 else max(0.5, math.log(2) / math.log(min(ratio, 4.0)))
 
+        # Weight streaming by working set: the same one-row GEMV cycling through copies of the weight that add up
+        # to W bytes, for W from a fraction of the cache to 4x it (how much of a working set the cache keeps).
+        footprints = []
+        for frac in (1 / 8, 1 / 4, 1 / 2, 3 / 4, 1, 3 / 2, 2, 4):
+            rot = Rotating(lambda: (Matmul(big.k, big.n, gemm_dtype, device, gen),), w_bytes, frac * cache / 3)
+            ws = len(rot.sets) * w_bytes
+            if not footprints or ws > footprints[-1]["bytes"]:
+                footprints.append({"bytes": ws, "copies": len(rot.sets), "seconds": timeit(rot(lambda m: m(x1)), device)})
+            del rot
+
+        # GEMM efficiency by row count: every distinct GEMM shape of the model at each row count of the profile,
+        # its weight rotated through as many copies as the model holds weights (capped at 3x the cache: beyond
+        # that every call streams from memory anyway), so that each call finds the cache as a step would.
+        footprint = min(shape.weight_params() * prec.weight_bytes, 3 * cache)
+        curve = []
+        for rows in curve_rows:
+            parts = []
+            for k, n in gemm_shapes(shape):
+                rot = Rotating(lambda k=k, n=n: (Matmul(k, n, gemm_dtype, device, gen),), k * n * prec.weight_bytes,
+                               footprint / 3)
+                xm = rnd(rows, k)
+                parts.append({"k": k, "n": n, "copies": len(rot.sets), "seconds": timeit(rot(lambda m, xm=xm: m(xm)), device)})
+                del rot, xm
+            curve.append({"rows": rows, "gemms": parts})
+
         # Attention: one layer's attention for attn_batch sequences over `context` tokens, with 1 query row per
         # sequence (streams the KV cache) and with `attn_q` rows (does attn_q times the arithmetic).
         kv_shape = (attn_batch, shape.kv_heads, context + attn_q, shape.head_dim)
@@ -258,7 +284,7 @@ def calibrate(shape: ModelShape, gemm_dtype: str, device, *, context: int = 512,
             q = rnd(attn_batch, shape.heads, q_len, shape.head_dim)
             t = timeit(rot_kv(lambda kc, vc, q=q: attention(q, kc, vc, gqa)), device)
             meas.append((t, *attention_cost(shape, attn_batch, q_len, context + attn_q - q_len, prec)))
-        attn_bw, attn_peak = _solve_attention(meas, overlap)
+        attn_bw, attn_peak = _solve_attention(meas)
 
         # Elementwise: one layer's norms, residual adds and SiLU x up on elem_rows rows.
         inter = next(g.n for g in shape.layer_gemms if g.name == "gate_up_proj") // 2
@@ -276,31 +302,60 @@ def calibrate(shape: ModelShape, gemm_dtype: str, device, *, context: int = 512,
         fn = Stack(mini, gemm_dtype, device).prepare(1, 1, 1)
         t_mini = timeit(fn, device)
         n_ops = sum(op.count for op in forward_ops(mini, batch=1, q_len=1, context=1, prec=prec))
-    return {"peak_tflops": peak / 1e12, "bandwidth_tb_s": bandwidth / 1e12, "overlap": overlap,
+    cal = {"peak_tflops": peak / 1e12, "bandwidth_tb_s": bandwidth / 1e12, "overlap": overlap,
             "cache_bytes": cache, "cache_bandwidth_tb_s": w_bytes / t_hot / 1e12,
             "attn_bandwidth_tb_s": attn_bw / 1e12, "attn_tflops": attn_peak / 1e12,
             "elem_bandwidth_tb_s": elem_bytes / t_elem / 1e12,
             "op_overhead_us": t_mini / n_ops * 1e6,
-            "benchmarks": {"peak_gemms": peak_gemms,
+            "footprint_bandwidth_tb_s": [[f["bytes"], w_bytes / f["seconds"] / 1e12] for f in footprints],
+            "benchmarks": {"gemm_by_rows": curve, "gemv_by_footprint": footprints,"peak_gemms": peak_gemms,
                            "stream_gemv": {"k": big.k, "n": big.n, "bytes": w_bytes, "seconds": t_bw},
                            "gemm_at_ridge": {"rows": ridge, "seconds": t_knee, "over_roofline": ratio},
                            "attention": [{"batch": attn_batch, "q_len": q_len, "context": context, "seconds": m[0],
                                           "flops": m[1], "bytes": m[2]} for q_len, m in zip((1, attn_q), meas)],
                            "elementwise": {"rows": elem_rows, "bytes": elem_bytes, "seconds": t_elem},
                            "miniature_forward": {"ops": n_ops, "seconds": t_mini}}}
+    cal["gemm_row_factors"] = gemm_row_factors(cal, gemm_dtype)
+    return cal
 
 
-def _solve_attention(meas, p: float) -> tuple[float, float]:
-    """Attention bandwidth and FLOP rate such that the cost model reproduces both measured attention times
-    [(seconds, flops, bytes) with 1 and with several query rows]: a fixed-point iteration, each equation
-    solved for the term it is dominated by."""
+def gemm_shapes(shape: ModelShape) -> list[tuple[int, int]]:
+    return sorted({(g.k, g.n) for g in (*shape.layer_gemms, *shape.head_gemms, *shape.input_gemms)})
+
+
+def gemm_row_factors(cal: dict, gemm_dtype: str) -> list[list[float]]:
+    """[rows, factor] for each measured row count: the GEMMs' total measured time over the cost model's time
+    for the same calls on the calibrated machine (roofline with the overlap and cache terms, no factor)."""
+    prec = precision_for(gemm_dtype)
+    base = machine_from_calibration({**cal, "gemm_row_factors": [], "op_overhead_us": 0.0}, gemm_dtype, "calibration")
+    out = []
+    for c in cal["benchmarks"]["gemm_by_rows"]:
+        meas = model = 0.0
+        for g in c["gemms"]:
+            op = gemm_op(Gemm("probe", g["k"], g["n"]), c["rows"], prec, 1)
+            ws = g["copies"] * op.bytes
+            bw = base.weight_bandwidth(ws)
+            hot = max(0.0, 1.0 - ws / base.cache_bytes) if base.cache_bytes and bw is None else 0.0
+            meas, model = meas + g["seconds"], model + op.time(base, hot, bw)
+        out.append([c["rows"], meas / model])
+    return out
+
+
+def _solve_attention(meas) -> tuple[float, float]:
+    """Attention bandwidth and FLOP rate such that the cost model with additive attention (attn_overlap 1)
+    reproduces both measured attention times [(seconds, flops, bytes) with 1 and with several query rows]:
+    t = bytes / bw + flops / peak at both points, two linear equations in 1/bw and 1/peak. Where the two
+    points cannot separate them (noise makes a term negative) the other term takes the whole time."""
     (t1, f1, b1), (tq, fq, bq) = meas
-    bw, pk = b1 / t1, fq / tq
-    for _ in range(100):
-        rest = lambda t, other: t * max(1e-3, 1 - (min(other, t) / t) ** p) ** (1 / p) if not math.isinf(p) else t  # noqa: E731
-        bw = b1 / rest(t1, f1 / pk)
-        pk = fq / rest(tq, bq / bw)
-    return bw, pk
+    det = b1 * fq - bq * f1
+    inv_bw = (t1 * fq - tq * f1) / det if det else 0.0
+    inv_pk = (b1 * tq - bq * t1) / det if det else 0.0
+    unlimited = 1e30   # finite, so that the profile stays plain JSON
+    if inv_bw <= 0:
+        return unlimited, fq / tq
+    if inv_pk <= 0:
+        return b1 / t1, unlimited
+    return 1 / inv_bw, 1 / inv_pk
 
 
 def miniature(shape: ModelShape) -> ModelShape:
@@ -350,8 +405,10 @@ def machine_from_calibration(cal: dict, gemm_dtype: str, name: str) -> Machine:
     return Machine(name, {gemm_dtype: cal["peak_tflops"] * 1e12}, cal["bandwidth_tb_s"] * 1e12,
                    cal["op_overhead_us"] * 1e-6, attn_bandwidth=cal["attn_bandwidth_tb_s"] * 1e12,
                    elem_bandwidth=cal["elem_bandwidth_tb_s"] * 1e12, attn_peak=cal["attn_tflops"] * 1e12,
-                   overlap=cal["overlap"], cache_bytes=cal["cache_bytes"],
-                   cache_bandwidth=cal["cache_bandwidth_tb_s"] * 1e12)
+                   overlap=cal["overlap"], attn_overlap=1.0, cache_bytes=cal["cache_bytes"],
+                   cache_bandwidth=cal["cache_bandwidth_tb_s"] * 1e12,
+                   gemm_row_factors=tuple((float(r), float(f)) for r, f in cal.get("gemm_row_factors") or ()),
+                   footprint_bandwidth=tuple((float(w), float(b) * 1e12) for w, b in cal.get("footprint_bandwidth_tb_s") or ()))
 
 
 def device_name(device) -> str:
@@ -374,8 +431,8 @@ def profile(shapes: dict[str, ModelShape], *, device, gemm_dtype: str, rows=DEFA
     cal: dict = {}
     measured: dict[str, list[dict]] = {}
     for r in range(rounds):
-        c = calibrate(first, gemm_dtype, device, context=context)
-        cal = c if not cal else _best_calibration(cal, c)
+        c = calibrate(first, gemm_dtype, device, context=context, curve_rows=rows)
+        cal = c if not cal else _best_calibration(cal, c, gemm_dtype)
         for key, shape in shapes.items():
             pts: list[dict] = []
             for q in q_lens:
@@ -407,9 +464,11 @@ def profile(shapes: dict[str, ModelShape], *, device, gemm_dtype: str, rows=DEFA
         "context": context,
         "machine": {"peak_tflops": {gemm_dtype: cal["peak_tflops"]}, "bandwidth_tb_s": cal["bandwidth_tb_s"],
                     "attn_bandwidth_tb_s": cal["attn_bandwidth_tb_s"], "attn_tflops": cal["attn_tflops"],
-                    "elem_bandwidth_tb_s": cal["elem_bandwidth_tb_s"], "overlap": cal["overlap"],
+                    "elem_bandwidth_tb_s": cal["elem_bandwidth_tb_s"], "overlap": cal["overlap"], "attn_overlap": 1.0,
                     "cache_bytes": cal["cache_bytes"], "cache_bandwidth_tb_s": cal["cache_bandwidth_tb_s"],
-                    "op_overhead_us": cal["op_overhead_us"], "link_gb_s": None},
+                    "op_overhead_us": cal["op_overhead_us"], "gemm_row_factors": cal["gemm_row_factors"],
+                    "footprint_bandwidth_tb_s": cal["footprint_bandwidth_tb_s"],
+                    "link_gb_s": None},
         "ridge_rows": ridge,
         "calibration": cal,
         "models": models,
@@ -418,13 +477,25 @@ def profile(shapes: dict[str, ModelShape], *, device, gemm_dtype: str, rows=DEFA
     }
 
 
-def _best_calibration(a: dict, b: dict) -> dict:
+def _best_calibration(a: dict, b: dict, gemm_dtype: str) -> dict:
     out = dict(a)
     for k in ("peak_tflops", "bandwidth_tb_s", "attn_bandwidth_tb_s", "attn_tflops", "elem_bandwidth_tb_s",
               "cache_bandwidth_tb_s"):
         out[k] = max(a[k], b[k])
     out["overlap"] = min(a["overlap"], b["overlap"])
     out["op_overhead_us"] = min(a["op_overhead_us"], b["op_overhead_us"])
+    # each GEMM call's fastest round; the factors are then taken against the merged machine
+    curve = copy.deepcopy(a["benchmarks"]["gemm_by_rows"])
+    for ca, cb in zip(curve, b["benchmarks"]["gemm_by_rows"]):
+        for ga, gb in zip(ca["gemms"], cb["gemms"]):
+            ga["seconds"] = min(ga["seconds"], gb["seconds"])
+    foot = copy.deepcopy(a["benchmarks"]["gemv_by_footprint"])
+    for fa, fb in zip(foot, b["benchmarks"]["gemv_by_footprint"]):
+        fa["seconds"] = min(fa["seconds"], fb["seconds"])
+    w_bytes = a["benchmarks"]["stream_gemv"]["bytes"]
+    out["footprint_bandwidth_tb_s"] = [[f["bytes"], w_bytes / f["seconds"] / 1e12] for f in foot]
+    out["benchmarks"] = {**a["benchmarks"], "gemm_by_rows": curve, "gemv_by_footprint": foot}
+    out["gemm_row_factors"] = gemm_row_factors(out, gemm_dtype)
     return out
 
 
@@ -446,6 +517,14 @@ def check_profile(doc: dict) -> list[str]:
     for k in ("bandwidth_tb_s", "op_overhead_us"):
         if not isinstance(m.get(k), (int, float)) or m[k] < 0 or (k == "bandwidth_tb_s" and m[k] == 0):
             probs.append(f"machine.{k} must be a positive number")
+    for k, what in (("gemm_row_factors", "[rows, factor]"), ("footprint_bandwidth_tb_s", "[bytes, TB/s]")):
+        curve = m.get(k)
+        if curve is None:
+            continue
+        ok = isinstance(curve, list) and all(
+            isinstance(pt, list) and len(pt) == 2 and all(isinstance(v, (int, float)) and v > 0 for v in pt) for pt in curve)
+        if not ok or [pt[0] for pt in curve] != sorted({pt[0] for pt in curve}):
+            probs.append(f"machine.{k} must be a list of {what} pairs of positive numbers, strictly increasing in the first")
     return probs
 
 

@@ -194,6 +194,13 @@ def test_profile_document_is_usable_by_tune(tiny_profile):
     m = cm.machine_from_profile(json.loads(json.dumps(doc)))
     assert m.peak("fp8") == m.peak("float32") > 0 and m.bandwidth > 0 and m.op_overhead_s > 0
     assert doc["machine"]["overlap"] >= 0.5
+    assert [r for r, _ in doc["machine"]["gemm_row_factors"]] == [1, 8]      # one factor per profiled row count
+    assert m.gemm_row_factors and m.footprint_bandwidth and m.attn_overlap == 1.0
+    feet = [w for w, _ in doc["machine"]["footprint_bandwidth_tb_s"]]
+    assert feet == sorted(set(feet)) and feet[-1] >= 3 * doc["machine"]["cache_bytes"]
+    bad = json.loads(json.dumps(doc))
+    bad["machine"]["gemm_row_factors"] = [[8, 1.0], [1, -1.0]]
+    assert "gemm_row_factors" in P.check_profile(bad)[0]
     assert P.check_profile({"format": "x"}) and P.check_profile({"format": P.FORMAT, "machine": {}})
 
 
@@ -226,3 +233,42 @@ def test_gpu_check_script_runs_in_smoke_mode(tmp_path):
     from runtime import profile as P
 
     assert P.check_profile(json.loads((tmp_path / "h200_profile.json").read_text())) == []
+
+
+def test_measured_gemm_row_factors_scale_gemms_by_row_count():
+    plain = cm.Machine("x", {"fp8": 1e12}, 1e9)
+    fac = cm.Machine("x", {"fp8": 1e12}, 1e9, gemm_row_factors=((1, 0.5), (4, 1.0), (16, 2.0)))
+    assert fac.gemm_factor(1) == 0.5 and fac.gemm_factor(4) == 1.0 and fac.gemm_factor(16) == 2.0
+    assert fac.gemm_factor(2) == pytest.approx(0.75)          # halfway in log(rows)
+    assert fac.gemm_factor(0.5) == 0.5 and fac.gemm_factor(1000) == 2.0   # clamped at the measured ends
+    g = cm.gemm_op(cm.Gemm("w", 4096, 4096), 2, FP8, 1)
+    a = cm.Op("attention", 1e6, 1e6, "bf16", kind="attention")
+    assert g.time(fac) == pytest.approx(0.75 * g.time(plain))
+    assert a.time(fac) == a.time(plain)                        # only GEMMs carry the factor
+
+
+def test_measured_footprint_bandwidth_replaces_the_cache_blend():
+    curve = ((1e6, 40e9), (1e7, 40e9), (4e7, 10e9))
+    m = cm.Machine("x", {"fp8": 1e15}, 10e9, footprint_bandwidth=curve, cache_bytes=1e12, cache_bandwidth=1e13)
+    assert m.weight_bandwidth(5e5) == 40e9 and m.weight_bandwidth(1e9) == 10e9
+    assert m.weight_bandwidth(2e7) == pytest.approx(20e9)      # log-log: 40 -> 10 GB/s over 10 -> 40 MB
+    small = cm.llama("s", num_layers=1, hidden=256, heads=4, kv_heads=4, intermediate=512, vocab=1024)
+    ops = cm.forward_ops(small, batch=1, q_len=1, context=16, prec=FP8)
+    gemm_bytes = sum(o.bytes * o.count for o in ops if o.kind == "gemm")
+    gemm_time = sum(o.time(m, 0.0, m.weight_bandwidth(1.0)) for o in ops if o.kind == "gemm")
+    assert gemm_time == pytest.approx(gemm_bytes / 40e9, rel=1e-3)   # a few-MB model streams at the cached rate
+
+
+def test_attention_solve_reproduces_both_measurements():
+    from runtime.profile import _solve_attention
+
+    bw, pk = 20e9, 50e9
+    pts = [(b / bw + f / pk, f, b) for f, b in ((1.7e7, 1.7e7), (1.36e8, 1.76e7))]
+    got_bw, got_pk = _solve_attention(pts)
+    assert got_bw == pytest.approx(bw) and got_pk == pytest.approx(pk)
+    m = cm.Machine("x", {"fp8": 1e15}, 1e9, attn_bandwidth=got_bw, attn_peak=got_pk, attn_overlap=1.0)
+    for t, f, b in pts:
+        assert cm.Op("attention", f, b, "bf16", kind="attention").time(m) == pytest.approx(t)
+    # noise that makes one term negative gives the other term the whole time, finite (plain JSON)
+    bw2, pk2 = _solve_attention([(1.0, 1.0, 10.0), (1.0, 8.0, 10.0)])
+    assert math.isfinite(bw2) and math.isfinite(pk2) and bw2 == pytest.approx(10.0)
