@@ -162,19 +162,21 @@ def convert_config(job: dict, offline: bool) -> tuple[str, dict]:
 
 
 def build_model(job: dict, offline: bool, device):
-    """The target converted for draft training. Offline: the target without its decoder layers."""
+    """The target converted for draft training. Offline: the target without its decoder layers. With
+    `fsdp` (several processes) the target's decoder layers end up sharded over all of them."""
     import modelopt.torch.speculative as mtsp
     import torch
 
     dtype = _torch_dtype(job["train_dtype"])
+    fsdp = fsdp_active(job) and not offline   # the offline model has no decoder layers to shard
     if offline:
         from modelopt.torch.speculative.utils import load_vlm_or_llm
 
         model = load_vlm_or_llm(job["target_dir"], use_offline_training=True, dtype=dtype,
                                 trust_remote_code=job["trust_remote_code"])
     else:
-        model = _load_target(job, device, dtype)
-    if offline or not job.get("shard_target"):
+        model = _load_target(job, device, dtype, keep_on_host=fsdp)
+    if offline or not (job.get("shard_target") or fsdp):
         model.to(device)
     mode, cfg = convert_config(job, offline)
     torch.manual_seed(job["train"]["seed"])  # the draft's initial weights
@@ -183,17 +185,58 @@ def build_model(job: dict, offline: bool, device):
         from modelopt.torch.speculative.plugins.hf_eagle import HFEagleModel
 
         HFEagleModel.load_draft_vocab_cache(model, job["d2t_path"])
+    if fsdp:
+        job.setdefault("_fsdp", shard_target_layers(model, device))
     return model
 
 
-def _load_target(job: dict, device, dtype):
-    """The full target on `device`, or with `shard_target` its layers spread over all visible GPUs
-    (transformers' device_map="auto"; one process) for a target larger than one GPU."""
+def _load_target(job: dict, device, dtype, keep_on_host: bool = False):
+    """The full target on `device`; with `shard_target` its layers spread over all visible GPUs
+    (transformers' device_map="auto"; one process) for a target larger than one GPU; `keep_on_host` leaves it
+    in host memory for `shard_target_layers`."""
     from transformers import AutoModelForCausalLM
 
     kw = {"device_map": "auto"} if job.get("shard_target") else {}
     model = AutoModelForCausalLM.from_pretrained(job["target_dir"], dtype=dtype, trust_remote_code=job["trust_remote_code"], **kw)
-    return model if kw else model.to(device)
+    return model if kw or keep_on_host else model.to(device)
+
+
+def fsdp_active(job: dict) -> bool:
+    """`launcher.fsdp` under torchrun with more than one process."""
+    return bool(job.get("fsdp")) and _dist() is not None and _rank_world()[1] > 1
+
+
+def shard_target_layers(model, device) -> dict:
+    """FSDP2 over all processes: each decoder layer of the (frozen) target is sharded along dim 0, so every
+    process holds 1/N of the layers' weights and all-gathers one layer at a time while it runs, resharding it
+    right after its forward. Embeddings, the final
+    norm, lm_head and the draft stay whole on every process (the draft's gradients are all-reduced).
+    Call it on a model in host memory: the unsharded parts move to `device` here, each layer's shard is
+    placed on `device` by fully_shard."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    _, world = _rank_world()
+    base = model.get_decoder()
+    layers = list(base.layers)
+    in_layers = {id(m) for layer in layers for m in layer.modules()}
+    for mod in model.modules():   # everything but the decoder layers, moved in place (same Parameter objects)
+        if id(mod) in in_layers:
+            continue
+        for p in mod.parameters(recurse=False):
+            p.data = p.data.to(device)
+        for name, b in list(mod.named_buffers(recurse=False)):
+            mod._buffers[name] = b.to(device)
+    full = sum(p.numel() * p.element_size() for layer in layers for p in layer.parameters())
+    mesh = init_device_mesh(device.type, (world,))
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+        # Each layer is its own FSDP root (wrapping the decoder stack would change its class, which
+        # transformers' output capture looks up by name), and FSDP keeps a root's weights gathered after
+        # forward for the backward that follows; the target is frozen and runs without grad, so drop them.
+        layer.register_forward_hook(lambda mod, args, out: mod.reshard())
+    local = sum(p.to_local().numel() * p.element_size() for layer in layers for p in layer.parameters())
+    return {"target_layer_bytes": full, "target_layer_bytes_per_process": local, "processes": world}
 
 
 def draft_module(model):
@@ -259,13 +302,28 @@ def dump_hidden_states(job: dict, samples, device, emit: Callable[[dict], None])
     files = [out / f"{i:07d}.pt" for i in range(len(samples))]
     todo = [i for i in range(rank, len(samples), world) if not files[i].exists()]
     done_before = len(samples) - sum(1 for f in files if not f.exists())
-    if todo:
-        model = _load_target(job, device, _torch_dtype(job["train_dtype"])).eval()
+    fsdp = fsdp_active(job)
+    rounds = len(todo)
+    if fsdp:   # every process runs the same number of forwards: each one all-gathers every layer
+        import torch.distributed as dist
+
+        n = torch.tensor([rounds])
+        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+        rounds = int(n)
+    if rounds:
+        dtype = _torch_dtype(job["train_dtype"])
+        model = _load_target(job, device, dtype, keep_on_host=fsdp).eval()
+        if fsdp:
+            job.setdefault("_fsdp", shard_target_layers(model, device))
         layers = capture_layer_ids(job)
         seq = job["train"]["seq_len"]
         emit({"event": "dump_start", "total": len(samples), "done": done_before})
         with torch.no_grad():
-            for i in todo:
+            for j in range(rounds):
+                if j >= len(todo):   # this process is done: keep the others' collectives company
+                    model(input_ids=torch.tensor([samples[0][0][:8]], device=device))
+                    continue
+                i = todo[j]
                 ids, mask = samples[i]
                 x = torch.tensor([ids[:seq]], device=device)
                 hs = model(input_ids=x, output_hidden_states=True).hidden_states
@@ -376,6 +434,23 @@ def acceptance(model, tokenizer, prompts: dict[str, list[list[int]]], osl: int, 
 # ------------------------------------------------------------------------------------------- training
 
 
+def allreduce_grads(params, world: int) -> None:
+    """The draft's gradients averaged over all processes (what DDP does; under FSDP the draft is not wrapped).
+    A parameter without a gradient on this process (DFlash's unused ones) contributes zeros."""
+    import torch
+    import torch.distributed as dist
+
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= world
+    off = 0
+    for p, g in zip(params, grads):
+        n = g.numel()
+        p.grad = flat[off: off + n].view_as(p).clone()
+        off += n
+
+
 def _emit_stdout(ev: dict) -> None:
     print(PROGRESS_PREFIX + json.dumps(ev), flush=True)
 
@@ -457,8 +532,9 @@ def train(job: dict, emit: Callable[[dict], None] | None = None, should_stop: Ca
     if state:
         emit0({"event": "resume", "step": step0})
 
+    fsdp = fsdp_active(job)
     ddp = model
-    if world > 1:
+    if world > 1 and not fsdp:
         from torch.nn.parallel import DistributedDataParallel
 
         ddp = DistributedDataParallel(model, device_ids=[local_rank] if device_kind == "cuda" else None,
@@ -475,6 +551,8 @@ def train(job: dict, emit: Callable[[dict], None] | None = None, should_stop: Ca
         out = ddp(**batch)
         opt.zero_grad(set_to_none=True)
         out.loss.backward()
+        if fsdp:
+            allreduce_grads(params, world)
         if t["grad_clip"]:
             torch.nn.utils.clip_grad_norm_(params, t["grad_clip"])
         opt.step()
@@ -504,17 +582,24 @@ def train(job: dict, emit: Callable[[dict], None] | None = None, should_stop: Ca
         return {"stopped_at": step + 1}
 
     # Evaluation and export run on rank 0 alone: leave the process group first, since ModelOpt's
-    # validate_online broadcasts across ranks whenever one is initialized.
-    if (d := _dist()) is not None:
+    # validate_online broadcasts across ranks whenever one is initialized. Under FSDP no process holds the whole
+    # target: all of them evaluate together (validate_online's broadcasts keep them in step), rank 0 exports.
+    d = _dist()
+    if d is not None and not fsdp:
         d.barrier()
         d.destroy_process_group()
-    if rank != 0:
+    if rank != 0 and not fsdp:
         return {}
-    return _finish(job, model, offline, device, tok, curve, step_times, step0, world, dump_info)
+    result = _finish(job, model, offline, device, tok, curve, step_times, step0, world, dump_info, rank)
+    if d is not None and fsdp:
+        d.barrier()
+        d.destroy_process_group()
+    return result if rank == 0 else {}
 
 
-def _finish(job, model, offline, device, tok, curve, step_times, step0, world, dump_info) -> dict:
-    """Rank 0 after training: acceptance on held-out prompts, export, result.json."""
+def _finish(job, model, offline, device, tok, curve, step_times, step0, world, dump_info, rank: int = 0) -> dict:
+    """After training: acceptance on held-out prompts, export, result.json. Rank 0 alone, or under FSDP every
+    rank (the evaluation is collective; only rank 0 exports and writes)."""
     import torch
     from modelopt.torch.export import export_speculative_decoding
 
@@ -530,12 +615,18 @@ def _finish(job, model, offline, device, tok, curve, step_times, step0, world, d
     prompts = read_prompts(job["eval_files"], job["eval"]["prompts_per_domain"])
     acc = acceptance(model, tok, prompts, job["eval"]["osl"], draft_len) if prompts else None
     eval_s = time.monotonic() - emit_t0
+    if rank != 0:
+        return {}
 
     export_dir = Path(job["export_dir"])
     export_dir.mkdir(parents=True, exist_ok=True)
     dtype = _torch_dtype(job["export_dtype"])
     if a["name"] == "eagle3":
-        model.to(dtype)   # EagleExporter writes the state dict as is
+        if job.get("_fsdp"):   # only the draft (and the lm_head it may share) is exported; the target stays sharded
+            draft_module(model).to(dtype)
+            model.get_output_embeddings().to(dtype)
+        else:
+            model.to(dtype)   # EagleExporter writes the state dict as is
         export_speculative_decoding(model, export_dir=str(export_dir))
     else:
         export_speculative_decoding(model, dtype=dtype, export_dir=str(export_dir))
@@ -549,6 +640,8 @@ def _finish(job, model, offline, device, tok, curve, step_times, step0, world, d
         "train_seconds": round(sum(step_times), 2), "eval_seconds": round(eval_s, 2),
         "curve": curve, "acceptance": acc, "d2t": job.get("d2t_stats"), **dump_info,
     }
+    if job.get("_fsdp"):
+        result["fsdp"] = job["_fsdp"]
     (Path(job["scratch_dir"]) / "result.json").write_text(json.dumps(result, indent=2))
     return result
 

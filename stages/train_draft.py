@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
@@ -106,6 +108,7 @@ class Launcher(Strict):
     rdzv_endpoint: str | None = Field(None, description="host:port of node 0 (required when nnodes > 1)")
     rdzv_id: str = "specpipe-train-draft"
     timeout_s: int = Field(24 * 3600, ge=10, description="the whole torchrun job is stopped after this long")
+    fsdp: bool = Field(False, description="shard the frozen target's decoder layers over all processes (FSDP2): each GPU holds 1/N of them, for a target larger than one GPU; the draft is replicated")
 
     @model_validator(mode="after")
     def _multi_node(self):
@@ -182,6 +185,9 @@ def check(cfg) -> list[tuple[str, str]]:
     procs = sec.launcher.nproc_per_node * sec.launcher.nnodes if sec.launcher.kind == "torchrun" else 1
     if sec.shard_target and sec.launcher.kind == "torchrun":
         out.append((f"{p}.shard_target", "spreads one target copy over all GPUs of one process; it cannot combine with launcher torchrun"))
+    if sec.launcher.fsdp and (sec.launcher.kind != "torchrun" or procs < 2):
+        out.append((f"{p}.launcher.fsdp", f"shards the target over several processes: it needs launcher.kind torchrun with "
+                    f"nproc_per_node x nnodes >= 2 (now {sec.launcher.kind}, {procs} process{'es' if procs != 1 else ''})"))
     if sec.batch_size % procs:
         out.append((f"{p}.batch_size", f"{sec.batch_size} is not divisible by the {procs} training processes (launcher.nproc_per_node x nnodes)"))
     if cfg.target.bootstrap == "tiny":
@@ -311,6 +317,7 @@ def make_job(ctx: StageContext) -> dict:
         "device": device, "train_dtype": train_dtype, "export_dtype": summary.get("dtype") or "bfloat16",
         "threads": ctx.config.run.threads, "trust_remote_code": trust, "torch_compile": sec.torch_compile,
         "shard_target": sec.shard_target and device == "cuda",
+        "fsdp": sec.launcher.kind == "torchrun" and sec.launcher.fsdp,
         "export_rope_scaling": _rope_scaling(sec, positions, serving), "serving_context": serving,
         "train": {"optimizer": sec.optimizer, "lr": sec.lr, "weight_decay": sec.weight_decay, "betas": list(sec.betas),
                   "schedule": sec.schedule, "warmup_steps": min(sec.warmup_steps, steps), "min_lr_ratio": sec.min_lr_ratio,
@@ -388,19 +395,31 @@ def _train_torchrun(ctx: StageContext, job: dict, bars: _Bars) -> dict:
     job_path.write_text(json.dumps(job, indent=2))
     (ctx.scratch_dir / "result.json").unlink(missing_ok=True)
     cmd = _torchrun_cmd(sec, job_path, sec.launcher.node_rank)
-    if sec.launcher.nnodes > 1:
-        others = [" ".join(_torchrun_cmd(sec, job_path, r)) for r in range(1, sec.launcher.nnodes)]
-        (ctx.scratch_dir / "worker_commands.sh").write_text("\n".join(others) + "\n")
-        ctx.log.info("multi-node: run on node r (1..%d), with this workdir on a shared filesystem:\n  %s",
-                     sec.launcher.nnodes - 1, "\n  ".join(others))
-    ctx.log.info("launching: %s", " ".join(cmd))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.setdefault("OMP_NUM_THREADS", str(ctx.config.run.threads or 1))
     # the repository root on the path, so `-m runtime.draft_training` resolves without an install
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    if sec.launcher.nnodes > 1:
+        # one self-contained shell line per other node (what the Slurm script runs there)
+        pre = ["env", f"PYTHONPATH={env['PYTHONPATH']}", "PYTHONUNBUFFERED=1", f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']}"]
+        others = [shlex.join(pre + _torchrun_cmd(sec, job_path, r)) for r in range(1, sec.launcher.nnodes)]
+        (ctx.scratch_dir / "worker_commands.sh").write_text("\n".join(others) + "\n")
+        ctx.log.info("multi-node: run on node r (1..%d), with this workdir on a shared filesystem:\n  %s",
+                     sec.launcher.nnodes - 1, "\n  ".join(others))
+    ctx.log.info("launching: %s", " ".join(cmd))
     err_log = ctx.scratch_dir / "torchrun.log"
     errors = []
+    timed_out = threading.Event()
     with open(err_log, "w") as err, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env) as proc:
+        def _stop():   # a hung job (a lost node, a collective that never completes) still ends
+            timed_out.set()
+            proc.terminate()
+            killer = threading.Timer(30, proc.kill)   # torchrun forwards SIGTERM to its workers; in case it hangs too
+            killer.daemon = True
+            killer.start()
+        watchdog = threading.Timer(sec.launcher.timeout_s, _stop)
+        watchdog.daemon = True
+        watchdog.start()
         try:
             for line in proc.stdout:
                 if line.startswith(PROGRESS_PREFIX):
@@ -410,7 +429,7 @@ def _train_torchrun(ctx: StageContext, job: dict, bars: _Bars) -> dict:
                     bars(ev)
                 elif line.strip():
                     ctx.log.debug("torchrun: %s", line.rstrip())
-            rc = proc.wait(timeout=sec.launcher.timeout_s)
+            rc = proc.wait(timeout=60 if timed_out.is_set() else None)
         except BaseException:
             proc.terminate()
             try:
@@ -418,6 +437,11 @@ def _train_torchrun(ctx: StageContext, job: dict, bars: _Bars) -> dict:
             except subprocess.TimeoutExpired:
                 proc.kill()
             raise
+        finally:
+            watchdog.cancel()
+    if timed_out.is_set():
+        raise StageError(f"train_draft: torchrun ran past train_draft.launcher.timeout_s={sec.launcher.timeout_s} and was "
+                         f"stopped (a node that never joined, or a hung collective); its log: {err_log}")
     if errors:
         raise StageError("train_draft: " + errors[0])
     if rc != 0:
@@ -432,9 +456,10 @@ def run(ctx: StageContext) -> dict:
     sec: Config = ctx.section
     job = make_job(ctx)
     a = job["algorithm"]
-    ctx.log.info("%s draft, %d layer(s), %s mode, %d steps of batch %d x %d tokens on %s (%s), launcher %s",
+    ctx.log.info("%s draft, %d layer(s), %s mode, %d steps of batch %d x %d tokens on %s (%s), launcher %s%s",
                  a["name"], a["draft_layers"], job["mode"], job["train"]["steps"], job["train"]["batch_size"],
-                 job["train"]["seq_len"], job["device"], job["train_dtype"], sec.launcher.kind)
+                 job["train"]["seq_len"], job["device"], job["train_dtype"], sec.launcher.kind,
+                 " with the target's layers sharded (FSDP)" if job["fsdp"] else "")
     bars = _Bars(ctx)
     try:
         result = _train_torchrun(ctx, job, bars) if sec.launcher.kind == "torchrun" else _train_in_process(ctx, job, bars)
@@ -477,6 +502,10 @@ def run(ctx: StageContext) -> dict:
                               "reports the mean over the block's drafted positions",
              "points": result["curve"], "acceptance": acc}
     (ctx.out_dir / "curve.json").write_text(json.dumps(curve, indent=2))
+    if result.get("fsdp"):
+        f = result["fsdp"]
+        ctx.log.info("FSDP: each of %d processes held %.1f MB of the target's %.1f MB of decoder-layer weights",
+                     f["processes"], f["target_layer_bytes_per_process"] / 1e6, f["target_layer_bytes"] / 1e6)
     if acc:
         ctx.log.info("acceptance length %.3f at %d draft tokens (ModelOpt validate_online, %s)", acc["acceptance_length"],
                      acc["draft_len"], ", ".join(f"{d} {v['acceptance_length']:.2f}" for d, v in acc["domains"].items()))
@@ -488,6 +517,8 @@ def run(ctx: StageContext) -> dict:
         "acceptance_draft_len": acc.get("draft_len"),
         "acceptance_by_domain": {d: v["acceptance_length"] for d, v in acc.get("domains", {}).items()},
         "export_checks_passed": len(checks), **{k: result[k] for k in ("dump_bytes", "dump_estimate_bytes", "dump_seconds") if k in result},
+        **({"fsdp_processes": result["fsdp"]["processes"], "target_layer_bytes": result["fsdp"]["target_layer_bytes"],
+            "target_layer_bytes_per_process": result["fsdp"]["target_layer_bytes_per_process"]} if result.get("fsdp") else {}),
     }
 
 
@@ -507,7 +538,10 @@ def report(artifact) -> str:
     curve = artifact.read_json("curve.json")
     pts = curve["points"]
     out = table([["algorithm", m.get("algorithm")], ["mode", m.get("mode")], ["steps", m.get("steps")],
-                 ["processes", m.get("world_size")], ["resumed from step", m.get("resumed_from_step")],
+                 ["processes", m.get("world_size")],
+                 ["target layers per process (FSDP)", f"{m['target_layer_bytes_per_process'] / 1e6:.1f} of {m['target_layer_bytes'] / 1e6:.1f} MB"
+                  if m.get("fsdp_processes") else "whole target in every process"],
+                 ["resumed from step", m.get("resumed_from_step")],
                  ["final loss", m.get("final_loss")], ["final accuracy per position", m.get("final_accuracy")],
                  ["ms per step", m.get("step_ms_mean")],
                  ["acceptance length (ModelOpt validate_online)", f"{m.get('acceptance_length')} at {m.get('acceptance_draft_len')} draft tokens"]],

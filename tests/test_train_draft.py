@@ -407,6 +407,8 @@ def _check(*overrides: str, config: Path = TINY_CONFIG) -> subprocess.CompletedP
     (["train_draft.algorithm.draft_vocab_size=5000"], "train_draft.algorithm.draft_vocab_size", "exceeds the target vocabulary"),
     (["train_draft.launcher={kind: torchrun, nnodes: 2}"], "train_draft.launcher", "rdzv_endpoint"),
     (["train_draft.launcher={kind: torchrun, nproc_per_node: 3}"], "train_draft.batch_size", "not divisible by the 3"),
+    (["train_draft.launcher={kind: none, fsdp: true}"], "train_draft.launcher.fsdp", "needs launcher.kind torchrun"),
+    (["train_draft.launcher={kind: torchrun, fsdp: true}"], "train_draft.launcher.fsdp", "(now torchrun, 1 process)"),
 ])
 def test_bad_algorithm_options_are_config_errors(overrides, path, fragment):
     r = _check(*overrides)
@@ -431,3 +433,124 @@ def test_mask_token_not_in_vocab_is_a_stage_error(inputs, tmp_path):
     ctx = _stage_ctx(wd, "train_draft.algorithm={kind: dflash, block_size: 4, mask_token: '<|nope|>'}", config=DFLASH_CONFIG)
     with pytest.raises(StageError, match=r"'<\|nope\|>' is not a token of the target's vocabulary"):
         td.run(ctx)
+
+
+# ------------------------------------------------------------------------------------------- FSDP, several nodes
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _draft_weights(wd: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(_art(wd) / "draft" / "model.safetensors"))
+
+
+def _metrics(wd: Path) -> dict:
+    return {s["name"]: s for s in status_json(wd)["stages"]}["train_draft"]["metrics"]
+
+
+def test_fsdp_over_two_nodes_trains_the_draft_ddp_trains(inputs, tmp_path):
+    """Two torchrun nodes of one process each on this host (c10d rendezvous on 127.0.0.1), the target's layers
+    sharded between them, node 1 started from the stage's worker_commands.sh as the Slurm script does: the
+    exported draft equals the one DDP trains with two processes on one node, each node held half the
+    target's layers."""
+    import torch
+
+    ref = _workdir(inputs, tmp_path / "ddp")
+    r = _build(ref, "train_draft.steps=6", "train_draft.launcher={kind: torchrun, nproc_per_node: 2}")
+    assert r.returncode == 0, r.stderr[-4000:]
+
+    wd = _workdir(inputs, tmp_path / "fsdp")
+    launcher = (f"train_draft.launcher={{kind: torchrun, nproc_per_node: 1, nnodes: 2, fsdp: true, "
+                f"rdzv_endpoint: '127.0.0.1:{_free_port()}', timeout_s: 600}}")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    node0 = subprocess.Popen([SPECPIPE, "build", str(TINY_CONFIG), "--workdir", str(wd), "--only", "train_draft",
+                              *tiny_overrides("target", "data"), *_o(*SMALL, "train_draft.steps=6", launcher)],
+                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        cmds = []
+        while not cmds and time.monotonic() < deadline and node0.poll() is None:
+            cmds = list((wd / "scratch" / "train_draft").glob("*/worker_commands.sh"))
+            time.sleep(0.5)
+        assert cmds, "node 0 never wrote worker_commands.sh" + (node0.stderr.read()[-3000:] if node0.poll() is not None else "")
+        lines = cmds[0].read_text().splitlines()
+        assert len(lines) == 1 and "--nnodes 2" in lines[0] and "runtime.draft_training" in lines[0]
+        node1 = subprocess.run(["bash", "-c", lines[0]], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        _, err = node0.communicate(timeout=600)
+    finally:
+        if node0.poll() is None:
+            node0.kill()
+    assert node1.returncode == 0, node1.stderr[-3000:]
+    assert node0.returncode == 0, err[-4000:]
+
+    m = _metrics(wd)
+    assert m["world_size"] == 2 and m["fsdp_processes"] == 2
+    assert m["target_layer_bytes_per_process"] * 2 == m["target_layer_bytes"] > 0
+    assert "each of 2 processes held" in (wd / "logs" / "train_draft.log").read_text()
+    assert m["final_loss"] == pytest.approx(_metrics(ref)["final_loss"], rel=1e-5)
+    a, b = _draft_weights(wd), _draft_weights(ref)
+    assert sorted(a) == sorted(b)
+    for k in a:
+        torch.testing.assert_close(a[k].float(), b[k].float(), rtol=1e-4, atol=1e-5, msg=k)
+    assert all(c["passed"] for c in json.loads((_art(wd) / "checks.json").read_text()))
+
+
+def test_fsdp_offline_dump_matches_the_targets_hidden_states(inputs, tmp_path):
+    """Offline mode with the target sharded over two processes: every sample is dumped once, and a dumped
+    record holds exactly what the whole target computes for that sample. Resuming a dump where only one
+    process has samples left (the other runs discarded forwards to keep the collectives in step) rewrites
+    the missing records identically."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import stages.train_draft as td
+    from runtime.draft_training import read_samples
+
+    wd = _workdir(inputs, tmp_path)
+    opts = ("train_draft.mode=offline", "train_draft.steps=2", "train_draft.max_samples=7",
+            "train_draft.launcher={kind: torchrun, nproc_per_node: 2, fsdp: true, timeout_s: 240}")
+    ctx = _stage_ctx(wd, *opts)
+    m = td.run(ctx)
+    assert m["mode"] == "offline" and m["fsdp_processes"] == 2 and m["world_size"] == 2
+    files = sorted(ctx.scratch_dir.glob("hidden/*.pt"))
+    assert len(files) == 7
+    target = AutoModelForCausalLM.from_pretrained(wd / "artifacts" / "target" / "model", dtype=torch.float32).eval()
+    samples = read_samples(wd / "artifacts" / "data" / "train.parquet", 7)
+    aux = json.loads((ctx.out_dir / "draft.json").read_text())["aux_layer_ids"]
+    for i in (0, 5):   # one sample from each process
+        rec = torch.load(files[i], weights_only=True)
+        ids = torch.tensor([samples[i][0][:64]])
+        assert torch.equal(rec["input_ids"], ids[0])
+        with torch.no_grad():
+            hs = target(input_ids=ids, output_hidden_states=True).hidden_states
+        torch.testing.assert_close(rec["hidden_states"], hs[-1][0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(rec["aux_hidden_states"], torch.cat([hs[j + 1][0] for j in aux], -1), rtol=1e-4, atol=1e-5)
+
+    # samples 0, 2, 4 are process 0's: it alone has work when they are gone
+    before = {i: torch.load(files[i], weights_only=True) for i in (0, 2, 4)}
+    for i in before:
+        files[i].unlink()
+    ctx.out_dir.rename(wd / "out.first")
+    m2 = td.run(_stage_ctx(wd, *opts))
+    assert m2["dump_bytes"] == m["dump_bytes"]
+    for i, rec in before.items():
+        again = torch.load(files[i], weights_only=True)
+        for k in rec:
+            assert torch.equal(again[k], rec[k]), (i, k)
+
+
+def test_a_node_that_never_joins_ends_at_the_launcher_timeout(inputs, tmp_path):
+    wd = _workdir(inputs, tmp_path)
+    t0 = time.monotonic()
+    r = _build(wd, f"train_draft.launcher={{kind: torchrun, nnodes: 2, rdzv_endpoint: '127.0.0.1:{_free_port()}', timeout_s: 10}}")
+    assert r.returncode != 0 and time.monotonic() - t0 < 180
+    assert "ran past train_draft.launcher.timeout_s=10" in r.stderr, r.stderr[-3000:]
+    assert not (_art(wd) / "manifest.json").exists()
