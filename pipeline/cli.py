@@ -313,6 +313,9 @@ def profile(config, workdir, overrides, out, rows, context, rounds, dtype):
                f"(cache {m['cache_bandwidth_tb_s'] * 1e3:.1f}), attention {m['attn_bandwidth_tb_s'] * 1e3:.1f} GB/s / "
                f"{m['attn_tflops'] * 1e3:.1f} GFLOP/s, overlap p={m['overlap']:.2f}, {m['op_overhead_us']:.1f} us/op; "
                f"ridge {doc['ridge_rows']:.1f} rows")
+    click.echo("weight streaming by working set: " + ", ".join(
+        f"{w / 2**20:.0f} MiB {b * 1e3:.1f} GB/s" for w, b in m.get("footprint_bandwidth_tb_s") or []))
+    click.echo("GEMM time factor by rows: " + ", ".join(f"M={r} {f:.2f}" for r, f in m.get("gemm_row_factors") or []))
     for key, mod in doc["models"].items():
         click.echo(f"{key}: {'M':>5s} {'q':>2s} {'measured ms':>12s} {'predicted ms':>13s} {'error':>7s}")
         for p in mod["points"]:

@@ -210,6 +210,7 @@ def test_profile_cli_on_the_tiny_target(tmp_path):
                 "--rows", "1,4", "--rounds", "1", "--context", "32", *tiny_overrides("target"))
     assert r.returncode == 0, r.stderr
     assert "measured ms" in r.stdout and "predicted ms" in r.stdout and f"hardware.profile: {out}" in r.stdout
+    assert "GEMM time factor by rows: M=1 " in r.stdout and "weight streaming by working set: " in r.stdout
     doc = json.loads(out.read_text())
     assert doc["models"]["target"]["shape"]["hidden"] == 64       # the overridden tiny target's shapes
     r = run_cli("profile", "configs/tiny_fp8_eagle3.yaml", "--rows", "x", *tiny_overrides("target"))

@@ -503,6 +503,22 @@ def test_fsdp_over_two_nodes_trains_the_draft_ddp_trains(inputs, tmp_path):
     assert all(c["passed"] for c in json.loads((_art(wd) / "checks.json").read_text()))
 
 
+def test_dflash_under_fsdp_trains_the_draft_ddp_trains(dflash, inputs, tmp_path):
+    """DFlash (whose forward leaves some draft parameters unused) with the target sharded: the same draft as
+    the `dflash` fixture's DDP run with the same options."""
+    import torch
+
+    wd = _workdir(inputs, tmp_path)
+    r = _build(wd, "train_draft.algorithm={kind: dflash, block_size: 4, draft_layers: 2, num_anchors: 8}",
+               "train_draft.launcher={kind: torchrun, nproc_per_node: 2, fsdp: true, timeout_s: 600}", config=DFLASH_CONFIG)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert _metrics(wd)["fsdp_processes"] == 2 and "fsdp_processes" not in _metrics(dflash)
+    a, b = _draft_weights(wd), _draft_weights(dflash)
+    assert sorted(a) == sorted(b)
+    for k in a:
+        torch.testing.assert_close(a[k].float(), b[k].float(), rtol=1e-4, atol=1e-5, msg=k)
+
+
 def test_fsdp_offline_dump_matches_the_targets_hidden_states(inputs, tmp_path):
     """Offline mode with the target sharded over two processes: every sample is dumped once, and a dumped
     record holds exactly what the whole target computes for that sample. Resuming a dump where only one
