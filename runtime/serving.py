@@ -40,27 +40,6 @@ class Completion:
         return self.total_accepted_draft_tokens / self.total_draft_tokens if self.total_draft_tokens else 0.0
 
 
-def _streaming_engine_class():
-    from runtime.speculative import SpeculativeEngine
-
-    class _StreamingEngine(SpeculativeEngine):
-        """Calls `on_step(request index, tokens appended)` each time the runtime appends tokens (after prefill
-        and after every verification step): true per-step streaming without changing the runtime."""
-
-        on_step: Callable[[int, list[int]], None] | None = None
-
-        def _append(self, out, live, new, max_new, eos):  # the runtime's per-step hook point
-            before = [len(out[b]) for b in live]
-            done = SpeculativeEngine._append(out, live, new, max_new, eos)
-            if self.on_step is not None:
-                for r, b in enumerate(live):
-                    if len(out[b]) > before[r]:
-                        self.on_step(b, out[b][before[r]:])
-            return done
-
-    return _StreamingEngine
-
-
 class ServingEngine:
     """An FP8 target + draft loaded once; `complete(prompt, ...)` serves one request at a time."""
 
@@ -68,14 +47,14 @@ class ServingEngine:
         import torch
         from transformers import AutoTokenizer
 
-        from runtime.speculative import load_pair, load_target
+        from runtime.speculative import SpeculativeEngine, load_pair, load_target
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
         if draft_dir is not None and draft_len > 0:
             model, draft = load_pair(str(target_dir), str(draft_dir), device=device)
         else:
             model, draft = load_target(str(target_dir), device=device), None
-        self.engine = _streaming_engine_class()(model, draft)
+        self.engine = SpeculativeEngine(model, draft)
         self.draft_len = draft_len if draft is not None else 0
         self.eos_token_id = self.tokenizer.eos_token_id
         self._torch = torch
@@ -117,12 +96,8 @@ class ServingEngine:
                 if on_text is not None:
                     on_text(text)
 
-        self.engine.on_step = on_step
-        try:
-            gen = self.engine.generate([ids], max_new_tokens=max_tokens, draft_len=self.draft_len,
-                                       temperature=temperature, eos_token_id=self.eos_token_id, seed=seed)
-        finally:
-            self.engine.on_step = None
+        gen = self.engine.generate([ids], max_new_tokens=max_tokens, draft_len=self.draft_len, temperature=temperature,
+                                   eos_token_id=self.eos_token_id, seed=seed, on_tokens=on_step)
         out = gen.tokens[0]
         text = self.decode(out)
         if stopped:

@@ -24,6 +24,7 @@ import abc
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 from pathlib import Path
 
 import torch
@@ -369,7 +370,10 @@ class SpeculativeEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, draft_len: int = 0, temperature: float = 0.0,
-                 eos_token_id: int | None = None, seed: int = 0, speculative: bool = True) -> Generation:
+                 eos_token_id: int | None = None, seed: int = 0, speculative: bool = True,
+                 on_tokens: Callable[[int, list[int]], None] | None = None) -> Generation:
+        """`on_tokens(request index, tokens)` is called each time tokens are appended to a request's output
+        (after prefill and after every verification step): per-step streaming."""
         t_start = time.perf_counter()
         drafter = self.drafter if (speculative and draft_len > 0) else None
         k = draft_len if drafter is not None else 0
@@ -406,7 +410,7 @@ class SpeculativeEngine:
         stats.prefill_s = time.perf_counter() - t0
 
         live = list(range(B))                   # request index of each batch row
-        done = self._append(out, live, [[t] for t in x.tolist()], max_new_tokens, eos_token_id)
+        done = self._append(out, live, [[t] for t in x.tolist()], max_new_tokens, eos_token_id, on_tokens)
         x, live = self._compact(x, live, done, drafter)
         while live:
             t0 = time.perf_counter()
@@ -446,7 +450,7 @@ class SpeculativeEngine:
             stats.drafted += k * len(live)
             stats.accepted += int(acc.sum()) if k else 0
             stats.rows_per_step.append(len(live))
-            done = self._append(out, live, new, max_new_tokens, eos_token_id)
+            done = self._append(out, live, new, max_new_tokens, eos_token_id, on_tokens)
             x, live = self._compact(bonus, live, done, drafter)
             t5 = time.perf_counter()
             stats.draft_s += (t1 - t0) + (t4 - t3)
@@ -457,7 +461,7 @@ class SpeculativeEngine:
         return Generation(out, reqs, stats)
 
     @staticmethod
-    def _append(out, live, new, max_new, eos) -> list[bool]:
+    def _append(out, live, new, max_new, eos, on_tokens=None) -> list[bool]:
         done = []
         for r, b in enumerate(live):
             toks = new[r]
@@ -465,6 +469,8 @@ class SpeculativeEngine:
                 toks = toks[: toks.index(eos) + 1]
             room = max_new - len(out[b])
             out[b].extend(toks[:room])
+            if on_tokens is not None and toks[:room]:
+                on_tokens(b, toks[:room])
             done.append(len(out[b]) >= max_new or (eos is not None and eos in toks))
         return done
 

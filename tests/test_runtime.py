@@ -222,6 +222,18 @@ def test_eos_stops_and_lengths(tiny):
     assert all(len(t) <= 16 for t in g.tokens)
 
 
+def test_on_tokens_streams_each_step_of_each_request(tiny):
+    model, draft = load_pair(tiny["target_dir"], tiny["eagle_dir"])
+    eng = SpeculativeEngine(model, draft)
+    calls: list[tuple[int, list[int]]] = []
+    g = eng.generate(tiny["prompts"], max_new_tokens=16, draft_len=3, on_tokens=lambda b, t: calls.append((b, list(t))))
+    for b, toks in enumerate(g.tokens):
+        mine = [t for r, t in calls if r == b]
+        assert sum(mine, []) == toks                     # the pieces add up to the output, in order
+        assert mine[0] == toks[:1]                       # prefill's token first, on its own
+        assert len(mine) == g.requests[b].steps + 1 and all(1 <= len(t) <= 4 for t in mine)   # one call per step
+
+
 # ---------------------------------------------------------------------------------------------- statistics
 
 
