@@ -8,8 +8,13 @@ bfloat16); on a CUDA GPU in bfloat16, or FP8 through `torch._scaled_mm` where th
 How the machine is calibrated, from microbenchmarks that are *not* the step being predicted:
 - GEMM peak: each of the model's GEMM shapes at many rows (compute-bound), total FLOPs over total time;
 - GEMM bandwidth: a one-row GEMV over the largest layer weight, rotated through copies larger than the cache;
-- attention and elementwise bandwidth: one layer's decode attention, and one layer's norms/adds/SiLU, with
-  bytes counted exactly as the cost model counts them (these are the efficiency factors of those kernels);
+- weight streaming by working set: the same GEMV cycling through 1/8 to 4x the cache's size of weights (how
+  much of a step's working set the cache really keeps);
+- GEMM efficiency by row count: the model's GEMM shapes at each profiled M, weights cycled through the model's
+  own footprint; measured / modelled time is a factor on every GEMM with that many rows;
+- attention and elementwise bandwidth: one layer's decode attention (at 1 and 8 query rows, solved for its
+  KV-streaming rate and arithmetic rate), and one layer's norms/adds/SiLU, with bytes counted exactly as the
+  cost model counts them (these are the efficiency factors of those kernels);
 - per-operation overhead: the same forward on a width-16 miniature of the model, divided by its op count.
 The profile file holds these achieved rates (`machine`), which `tune` uses instead of the datasheet when
 `hardware.profile` points at it, and every measured point with the model's prediction.
@@ -303,20 +308,26 @@ def calibrate(shape: ModelShape, gemm_dtype: str, device, *, context: int = 512,
         t_mini = timeit(fn, device)
         n_ops = sum(op.count for op in forward_ops(mini, batch=1, q_len=1, context=1, prec=prec))
     cal = {"peak_tflops": peak / 1e12, "bandwidth_tb_s": bandwidth / 1e12, "overlap": overlap,
-            "cache_bytes": cache, "cache_bandwidth_tb_s": w_bytes / t_hot / 1e12,
-            "attn_bandwidth_tb_s": attn_bw / 1e12, "attn_tflops": attn_peak / 1e12,
-            "elem_bandwidth_tb_s": elem_bytes / t_elem / 1e12,
-            "op_overhead_us": t_mini / n_ops * 1e6,
-            "footprint_bandwidth_tb_s": [[f["bytes"], w_bytes / f["seconds"] / 1e12] for f in footprints],
-            "benchmarks": {"gemm_by_rows": curve, "gemv_by_footprint": footprints,"peak_gemms": peak_gemms,
-                           "stream_gemv": {"k": big.k, "n": big.n, "bytes": w_bytes, "seconds": t_bw},
-                           "gemm_at_ridge": {"rows": ridge, "seconds": t_knee, "over_roofline": ratio},
-                           "attention": [{"batch": attn_batch, "q_len": q_len, "context": context, "seconds": m[0],
-                                          "flops": m[1], "bytes": m[2]} for q_len, m in zip((1, attn_q), meas)],
-                           "elementwise": {"rows": elem_rows, "bytes": elem_bytes, "seconds": t_elem},
-                           "miniature_forward": {"ops": n_ops, "seconds": t_mini}}}
+           "cache_bytes": cache, "cache_bandwidth_tb_s": w_bytes / t_hot / 1e12,
+           "attn_bandwidth_tb_s": attn_bw / 1e12, "attn_tflops": attn_peak / 1e12,
+           "elem_bandwidth_tb_s": elem_bytes / t_elem / 1e12,
+           "op_overhead_us": t_mini / n_ops * 1e6,
+           "footprint_bandwidth_tb_s": _footprint_rates(footprints, w_bytes),
+           "benchmarks": {"peak_gemms": peak_gemms,
+                          "stream_gemv": {"k": big.k, "n": big.n, "bytes": w_bytes, "seconds": t_bw},
+                          "gemm_at_ridge": {"rows": ridge, "seconds": t_knee, "over_roofline": ratio},
+                          "gemv_by_footprint": footprints, "gemm_by_rows": curve,
+                          "attention": [{"batch": attn_batch, "q_len": q_len, "context": context, "seconds": m[0],
+                                         "flops": m[1], "bytes": m[2]} for q_len, m in zip((1, attn_q), meas)],
+                          "elementwise": {"rows": elem_rows, "bytes": elem_bytes, "seconds": t_elem},
+                          "miniature_forward": {"ops": n_ops, "seconds": t_mini}}}
     cal["gemm_row_factors"] = gemm_row_factors(cal, gemm_dtype)
     return cal
+
+
+def _footprint_rates(footprints: list[dict], w_bytes: float) -> list[list[float]]:
+    """[working-set bytes, TB/s] of the GEMV cycling through that many bytes of weights."""
+    return [[f["bytes"], w_bytes / f["seconds"] / 1e12] for f in footprints]
 
 
 def gemm_shapes(shape: ModelShape) -> list[tuple[int, int]]:
@@ -492,8 +503,7 @@ def _best_calibration(a: dict, b: dict, gemm_dtype: str) -> dict:
     foot = copy.deepcopy(a["benchmarks"]["gemv_by_footprint"])
     for fa, fb in zip(foot, b["benchmarks"]["gemv_by_footprint"]):
         fa["seconds"] = min(fa["seconds"], fb["seconds"])
-    w_bytes = a["benchmarks"]["stream_gemv"]["bytes"]
-    out["footprint_bandwidth_tb_s"] = [[f["bytes"], w_bytes / f["seconds"] / 1e12] for f in foot]
+    out["footprint_bandwidth_tb_s"] = _footprint_rates(foot, a["benchmarks"]["stream_gemv"]["bytes"])
     out["benchmarks"] = {**a["benchmarks"], "gemm_by_rows": curve, "gemv_by_footprint": foot}
     out["gemm_row_factors"] = gemm_row_factors(out, gemm_dtype)
     return out
