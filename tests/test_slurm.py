@@ -39,6 +39,7 @@ def test_single_node_script(tmp_path):
     assert shlex.quote(str(wd.resolve())) in text          # the space is quoted
     assert "-o data.max_samples=10" in text
     assert '"nproc_per_node": 8, "nnodes": 1' in text and "rdzv_endpoint\": null" in text
+    assert '"fsdp": true' in text      # the 70B config's sharding survives the allocation's launcher
 
 
 def test_node0_command_is_accepted_by_the_real_cli(tmp_path):
