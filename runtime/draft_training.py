@@ -4,7 +4,9 @@ Runs in-process (`train(job)`) or as N processes under torchrun:
 
     torchrun --nproc-per-node 8 -m runtime.draft_training --job job.json
 
-A *job* is a JSON-able dict written by the `train_draft` stage (see `stages/train_draft.py`); this module
+With `fsdp` in the job (several processes), the target is never loaded whole: its decoder layers are sharded
+over all processes with FSDP2 (`load_target_skeleton`, `shard_target_layers`) and the draft's gradients are
+all-reduced. A *job* is a JSON-able dict written by the `train_draft` stage (see `stages/train_draft.py`); this module
 never reads the pipeline config. What it does, in order:
 
 1. offline mode only: dump the target's hidden states for every training sample into `<scratch>/hidden/`
@@ -174,8 +176,10 @@ def build_model(job: dict, offline: bool, device):
 
         model = load_vlm_or_llm(job["target_dir"], use_offline_training=True, dtype=dtype,
                                 trust_remote_code=job["trust_remote_code"])
+    elif fsdp:
+        model = load_target_skeleton(job, device, dtype)
     else:
-        model = _load_target(job, device, dtype, keep_on_host=fsdp)
+        model = _load_target(job, device, dtype)
     if offline or not (job.get("shard_target") or fsdp):
         model.to(device)
     mode, cfg = convert_config(job, offline)
@@ -186,19 +190,90 @@ def build_model(job: dict, offline: bool, device):
 
         HFEagleModel.load_draft_vocab_cache(model, job["d2t_path"])
     if fsdp:
-        job.setdefault("_fsdp", shard_target_layers(model, device))
+        job.setdefault("_fsdp", shard_target_layers(model, device, job["target_dir"]))
     return model
 
 
-def _load_target(job: dict, device, dtype, keep_on_host: bool = False):
+def _load_target(job: dict, device, dtype):
     """The full target on `device`; with `shard_target` its layers spread over all visible GPUs
-    (transformers' device_map="auto"; one process) for a target larger than one GPU; `keep_on_host` leaves it
-    in host memory for `shard_target_layers`."""
+    (transformers' device_map="auto"; one process) for a target larger than one GPU."""
     from transformers import AutoModelForCausalLM
 
     kw = {"device_map": "auto"} if job.get("shard_target") else {}
     model = AutoModelForCausalLM.from_pretrained(job["target_dir"], dtype=dtype, trust_remote_code=job["trust_remote_code"], **kw)
-    return model if kw or keep_on_host else model.to(device)
+    return model if kw else model.to(device)
+
+
+class _Checkpoint:
+    """Tensors of a Hugging Face safetensors checkpoint (one file or an index of shards), read one at a time
+    (memory-mapped), so that a process takes from the target only what it keeps."""
+
+    def __init__(self, model_dir: str | Path):
+        d = Path(model_dir)
+        index = d / "model.safetensors.index.json"
+        if index.is_file():
+            self.files = {k: d / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+        elif (d / "model.safetensors").is_file():
+            from safetensors import safe_open
+
+            with safe_open(str(d / "model.safetensors"), "pt") as f:
+                self.files = {k: d / "model.safetensors" for k in f.keys()}
+        else:
+            raise JobError(f"launcher.fsdp reads the target's safetensors directly, and {d} has neither "
+                           "model.safetensors nor model.safetensors.index.json")
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def get(self, name: str):
+        from safetensors import safe_open
+
+        with safe_open(str(self.files[name]), "pt") as f:
+            return f.get_tensor(name)
+
+
+def load_target_skeleton(job: dict, device, dtype):
+    """The target for FSDP: built on the meta device from its config, with everything outside the decoder
+    layers (embeddings, final norm, lm_head, rotary tables) read from the checkpoint onto `device`; the
+    layers stay empty (meta) until `shard_target_layers` gives each process its shard. No process ever holds
+    the whole target, in host or device memory."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(job["target_dir"], trust_remote_code=job["trust_remote_code"])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, trust_remote_code=job["trust_remote_code"])
+    ckpt = _Checkpoint(job["target_dir"])
+    layers = model.get_decoder().layers
+    in_layers = {id(m) for m in layers.modules()}
+    missing = []
+    for mname, mod in model.named_modules():
+        if id(mod) in in_layers:
+            continue
+        for pname, p in list(mod.named_parameters(recurse=False)):
+            key = f"{mname}.{pname}" if mname else pname
+            if key in ckpt:
+                mod._parameters[pname] = torch.nn.Parameter(ckpt.get(key).to(device, dtype), requires_grad=p.requires_grad)
+            else:
+                missing.append(key)
+    if getattr(cfg, "tie_word_embeddings", False):
+        model.tie_weights()
+    missing = [k for k in missing if model.get_parameter(k).is_meta]
+    if missing:
+        raise JobError(f"launcher.fsdp: {', '.join(missing)} not in the checkpoint {job['target_dir']}")
+    # non-persistent buffers (RoPE inverse frequencies) are computed, not stored: build those modules again
+    for mname, mod in list(model.named_modules()):
+        if id(mod) in in_layers or not any(b.is_meta for b in mod.buffers(recurse=False)):
+            continue
+        if "rotary" not in type(mod).__name__.lower():
+            raise JobError(f"launcher.fsdp: cannot materialize the buffers of {mname} ({type(mod).__name__}) outside "
+                           "the checkpoint; train without fsdp")
+        parent, _, child = mname.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, type(mod)(config=mod.config, device=device))
+    # ModelOpt puts the draft on the device of the last layer's first weight: give that layer (one of L, its
+    # values filled in by shard_target_layers) real storage, or the draft would be created on the meta device.
+    layers[-1].to_empty(device=device)
+    return model
 
 
 def fsdp_active(job: dict) -> bool:
@@ -206,36 +281,38 @@ def fsdp_active(job: dict) -> bool:
     return bool(job.get("fsdp")) and _dist() is not None and _rank_world()[1] > 1
 
 
-def shard_target_layers(model, device) -> dict:
+def shard_target_layers(model, device, target_dir: str | Path) -> dict:
     """FSDP2 over all processes: each decoder layer of the (frozen) target is sharded along dim 0, so every
     process holds 1/N of the layers' weights and all-gathers one layer at a time while it runs, resharding it
-    right after its forward. Embeddings, the final
-    norm, lm_head and the draft stay whole on every process (the draft's gradients are all-reduced).
-    Call it on a model in host memory: the unsharded parts move to `device` here, each layer's shard is
-    placed on `device` by fully_shard."""
+    right after its forward. The layers come from `load_target_skeleton` empty (meta): they are sharded
+    there, and each process then reads its own rows of each weight from the checkpoint. Everything outside
+    the layers (and the draft) is whole on every process; the draft's gradients are all-reduced."""
+    import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
 
     _, world = _rank_world()
     base = model.get_decoder()
     layers = list(base.layers)
-    in_layers = {id(m) for layer in layers for m in layer.modules()}
-    for mod in model.modules():   # everything but the decoder layers, moved in place (same Parameter objects)
-        if id(mod) in in_layers:
-            continue
-        for p in mod.parameters(recurse=False):
-            p.data = p.data.to(device)
-        for name, b in list(mod.named_buffers(recurse=False)):
-            mod._buffers[name] = b.to(device)
-    full = sum(p.numel() * p.element_size() for layer in layers for p in layer.parameters())
+    prefix = next(n for n, m in model.named_modules() if m is base.layers)
     mesh = init_device_mesh(device.type, (world,))
-    for layer in layers:
+    ckpt = _Checkpoint(target_dir)
+    full = local = 0
+    for i, layer in enumerate(layers):
         fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+        layer.to_empty(device=device)
+        with torch.no_grad():
+            for name, p in layer.named_parameters():
+                w = ckpt.get(f"{prefix}.{i}.{name}").to(p.dtype)
+                p.to_local().copy_(distribute_tensor(w, mesh, [Shard(0)], src_data_rank=None).to_local())
+                full += w.numel() * w.element_size()
+                local += p.to_local().numel() * p.element_size()
+                del w
         # Each layer is its own FSDP root (wrapping the decoder stack would change its class, which
         # transformers' output capture looks up by name), and FSDP keeps a root's weights gathered after
         # forward for the backward that follows; the target is frozen and runs without grad, so drop them.
         layer.register_forward_hook(lambda mod, args, out: mod.reshard())
-    local = sum(p.to_local().numel() * p.element_size() for layer in layers for p in layer.parameters())
     return {"target_layer_bytes": full, "target_layer_bytes_per_process": local, "processes": world}
 
 
@@ -312,9 +389,12 @@ def dump_hidden_states(job: dict, samples, device, emit: Callable[[dict], None])
         rounds = int(n)
     if rounds:
         dtype = _torch_dtype(job["train_dtype"])
-        model = _load_target(job, device, dtype, keep_on_host=fsdp).eval()
         if fsdp:
-            job.setdefault("_fsdp", shard_target_layers(model, device))
+            model = load_target_skeleton(job, device, dtype)
+            job.setdefault("_fsdp", shard_target_layers(model, device, job["target_dir"]))
+        else:
+            model = _load_target(job, device, dtype)
+        model.eval()
         layers = capture_layer_ids(job)
         seq = job["train"]["seq_len"]
         emit({"event": "dump_start", "total": len(samples), "done": done_before})

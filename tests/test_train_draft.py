@@ -519,6 +519,33 @@ def test_dflash_under_fsdp_trains_the_draft_ddp_trains(dflash, inputs, tmp_path)
         torch.testing.assert_close(a[k].float(), b[k].float(), rtol=1e-4, atol=1e-5, msg=k)
 
 
+def test_fsdp_target_skeleton_reads_only_what_every_process_keeps(inputs, tmp_path):
+    """Before sharding, a process holds the target's embeddings, final norm, lm_head and RoPE tables (equal to
+    the checkpoint's) and no decoder layer but the last one's empty storage; a target directory without
+    safetensors is refused by name."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from runtime.draft_training import JobError, load_target_skeleton
+
+    model_dir = inputs / "artifacts" / "target" / "model"
+    job = {"target_dir": str(model_dir), "trust_remote_code": False}
+    sk = load_target_skeleton(job, torch.device("cpu"), torch.float32)
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    layers = sk.get_decoder().layers
+    assert all(p.is_meta for layer in layers[:-1] for p in layer.parameters())
+    assert not any(p.is_meta for p in layers[-1].parameters())
+    outside = {n: p for n, p in sk.named_parameters() if ".layers." not in n}
+    assert outside and all(torch.equal(p, ref.get_parameter(n)) for n, p in outside.items())
+    for n, b in sk.named_buffers():
+        assert torch.equal(b, ref.get_buffer(n)), n
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(model_dir / "config.json", bare / "config.json")
+    with pytest.raises(JobError, match="neither model.safetensors nor model.safetensors.index.json"):
+        load_target_skeleton({"target_dir": str(bare), "trust_remote_code": False}, torch.device("cpu"), torch.float32)
+
+
 def test_fsdp_offline_dump_matches_the_targets_hidden_states(inputs, tmp_path):
     """Offline mode with the target sharded over two processes: every sample is dumped once, and a dumped
     record holds exactly what the whole target computes for that sample. Resuming a dump where only one
