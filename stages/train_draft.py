@@ -108,7 +108,7 @@ class Launcher(Strict):
     rdzv_endpoint: str | None = Field(None, description="host:port of node 0 (required when nnodes > 1)")
     rdzv_id: str = "specpipe-train-draft"
     timeout_s: int = Field(24 * 3600, ge=10, description="the whole torchrun job is stopped after this long")
-    fsdp: bool = Field(False, description="shard the frozen target's decoder layers over all processes (FSDP2): each GPU holds 1/N of them, for a target larger than one GPU; the draft is replicated")
+    fsdp: bool = Field(False, description="shard the frozen target's decoder layers over all processes (FSDP2, read from its safetensors, never loaded whole): each GPU holds 1/N of them, for a target larger than one GPU; the draft is replicated")
 
     @model_validator(mode="after")
     def _multi_node(self):
