@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.placement import place
+
 log = logging.getLogger(__name__)
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -360,7 +362,7 @@ def load_causal_lm(path: str | Path, *, device: str | torch.device = "cpu", comp
                              "or hf_quant_config.json is missing next to a quantized config.json")
         model = AutoModelForCausalLM.from_pretrained(path, dtype=compute_dtype, trust_remote_code=trust_remote_code)
         model.fp8_info = {"fp8": False}
-        return model.to(device).eval()
+        return place(model, device).eval()
 
     qc = read_quant_config(path) or {}
     cfg = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -385,4 +387,4 @@ def load_causal_lm(path: str | Path, *, device: str | torch.device = "cpu", comp
                       "use_scaled_mm": bool(use_scaled_mm)}
     log.info("loaded FP8 checkpoint %s: %d FP8 linears, %d layers with FP8 KV scales", path,
              len(info["fp8_linears"]), info["kv_scales"])
-    return model.to(device).eval()
+    return place(model, device).eval()

@@ -114,6 +114,7 @@ def run(ctx: StageContext) -> dict:
     fq_ref = fake_quant_reference(fq_model, heldout, device=device)
     out_target = ctx.out_dir / "target_fp8"
     export_target(fq_model, out_target, target_dir, export_dtype)
+    del fq_model   # its logits are kept (fq_ref); the reference and FP8 models below need the memory
     quant_s = time.monotonic() - t0
 
     # 3. format checks
@@ -127,7 +128,7 @@ def run(ctx: StageContext) -> dict:
     ref = load_causal_lm(target_dir, device=device, compute_dtype=calib_dtype)
     fp8 = load_causal_lm(out_target, device=device, compute_dtype=calib_dtype)
     quality = measure_quality(ref, fp8, heldout, device=device, fake_quant=fq_ref, progress=ctx.progress)
-    del ref, fp8, fq_model
+    del ref, fp8
     quality.update(target_dir=str(target_dir), checkpoint="target_fp8", runtime="runtime.fp8 (emulated E4M3 on "
                    + device.type + ")", kv_cache=sec.kv_cache, max_ppl_increase=sec.max_ppl_increase)
     ctx.log.info("quality: perplexity %.4f -> %.4f (%+.3f%%), top-1 agreement %.4f, mean KL %.3g nats, "
@@ -164,6 +165,16 @@ def run(ctx: StageContext) -> dict:
                          metrics={**metrics, "max_ppl_increase": sec.max_ppl_increase,
                                   "min_top1_agreement": sec.min_top1_agreement, "gate_passed": False})
     return metrics
+
+
+def _place(model, device):
+    """On `device`, or spread over all visible GPUs when it does not fit one (a 70B target)."""
+    from runtime.placement import PlacementError, place
+
+    try:
+        return place(model, device)
+    except PlacementError as e:
+        raise StageError(f"quantize: {e}") from None
 
 
 def _device(ctx: StageContext):
@@ -236,7 +247,7 @@ def quantize_model(model_dir: Path, calib: list[dict], *, fmt="fp8", kv_cache="f
     from transformers import AutoModelForCausalLM
 
     device = device or torch.device("cpu")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or torch.float32).to(device).eval()
+    model = _place(AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or torch.float32), device).eval()
     if not calib:
         raise StageError("quantize: no calibration samples (data's calib.parquet is empty)")
 
@@ -593,7 +604,7 @@ def _eagle_model(target_dir: Path, draft_dir: Path, device, dtype):
     dsd = read_safetensors(draft_dir)
     if any(v.dtype == FP8_DTYPE for v in dsd.values()):
         raise StageError(f"quantize.draft: {draft_dir} is already FP8")
-    base = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device)
+    base = _place(AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype), device)
     base_head = base.get_output_embeddings().weight
     lm = dsd.get("lm_head.weight")
     has_lm_head = lm is not None and (lm.shape != base_head.shape or not torch.equal(lm.to(base_head.dtype).cpu(), base_head.detach().cpu()))

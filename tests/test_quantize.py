@@ -290,3 +290,27 @@ def test_excluding_a_whole_layer_keeps_its_kv_scales(built, tmp_path):
     assert all(c["passed"] for c in res.values()), res
     typo = {c["name"]: c for c in Q.check_checkpoint(tmp_path / "ex", kv_cache=True, exclude=["model.layer.0.*"])}
     assert not typo["excluded_high_precision"]["passed"] and "matches no linear" in typo["excluded_high_precision"]["message"]
+
+
+def test_placement_spreads_a_model_larger_than_one_gpu():
+    """The decision behind quantize's model placement on GPUs (the dispatch itself needs several GPUs):
+    Llama-3.3-70B in bf16 on 8 x H200 is spread, an 8B stays on one, 1.1 TB of weights on one node is refused."""
+    from runtime.placement import PlacementError, plan
+
+    h200 = [140 * 2**30] * 8
+    assert plan(16 * 10**9, h200) == "one"
+    assert plan(141 * 10**9, h200) == "spread"
+    assert plan(812 * 10**9, h200) == "spread"      # Llama-3.1-405B in bf16 still fits 85 % of 8 x 140 GiB
+    with pytest.raises(PlacementError, match=r"needs 1024\.\d GiB but the 8 visible GPU\(s\) have 1120\.0 GiB free"):
+        plan(1100 * 10**9, h200)
+    with pytest.raises(PlacementError, match="no CUDA device"):
+        plan(1, [])
+
+
+def test_placement_on_cpu_is_a_plain_move():
+    import torch
+
+    from runtime.placement import model_bytes, place
+
+    m = torch.nn.Linear(8, 4)
+    assert place(m, "cpu") is m and model_bytes(m) == (8 * 4 + 4) * 4
