@@ -342,8 +342,11 @@ def enable_fp8_kv(model) -> str:
 
 
 def load_causal_lm(path: str | Path, *, device: str | torch.device = "cpu", compute_dtype: torch.dtype = torch.float32,
-                   use_scaled_mm: bool | None = None, apply_kv_scales: bool = True, trust_remote_code: bool = False):
+                   use_scaled_mm: bool | None = None, apply_kv_scales: bool = True, trust_remote_code: bool = False,
+                   spread: bool = False):
     """Load a causal LM checkpoint for inference, whether plain (BF16/FP16/FP32) or ModelOpt FP8 unified.
+    `spread`: on CUDA, a model larger than one GPU goes over all of them (`runtime.placement`; only for callers
+    that run the model through its own forward, whose hooks move activations between GPUs).
 
     FP8 checkpoints: every FP8 linear becomes an `FP8Linear` (weights dequantized with `weight_scale`,
     activations through E4M3 with `input_scale`), high-precision tensors are loaded as they are, and KV scales
@@ -362,7 +365,7 @@ def load_causal_lm(path: str | Path, *, device: str | torch.device = "cpu", comp
                              "or hf_quant_config.json is missing next to a quantized config.json")
         model = AutoModelForCausalLM.from_pretrained(path, dtype=compute_dtype, trust_remote_code=trust_remote_code)
         model.fp8_info = {"fp8": False}
-        return place(model, device).eval()
+        return (place(model, device) if spread else model.to(device)).eval()
 
     qc = read_quant_config(path) or {}
     cfg = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -387,4 +390,4 @@ def load_causal_lm(path: str | Path, *, device: str | torch.device = "cpu", comp
                       "use_scaled_mm": bool(use_scaled_mm)}
     log.info("loaded FP8 checkpoint %s: %d FP8 linears, %d layers with FP8 KV scales", path,
              len(info["fp8_linears"]), info["kv_scales"])
-    return place(model, device).eval()
+    return (place(model, device) if spread else model.to(device)).eval()

@@ -125,8 +125,8 @@ def run(ctx: StageContext) -> dict:
     # 4. quality, running the exported files
     from runtime.fp8 import load_causal_lm
 
-    ref = load_causal_lm(target_dir, device=device, compute_dtype=calib_dtype)
-    fp8 = load_causal_lm(out_target, device=device, compute_dtype=calib_dtype)
+    ref = load_causal_lm(target_dir, device=device, compute_dtype=calib_dtype, spread=True)
+    fp8 = load_causal_lm(out_target, device=device, compute_dtype=calib_dtype, spread=True)
     quality = measure_quality(ref, fp8, heldout, device=device, fake_quant=fq_ref, progress=ctx.progress)
     del ref, fp8
     quality.update(target_dir=str(target_dir), checkpoint="target_fp8", runtime="runtime.fp8 (emulated E4M3 on "
@@ -500,8 +500,8 @@ def measure_quality(ref, test, samples: list[dict], *, device=None, fake_quant: 
     with torch.no_grad(), ctxm as bar:
         for i, s in enumerate(samples):
             ids = s["input_ids"][None].to(device)
-            lr = ref(input_ids=ids).logits[0, :-1].float()
-            lt = test(input_ids=ids).logits[0, :-1].float()
+            lr = ref(input_ids=ids).logits[0, :-1].float().to(device)    # a model spread over GPUs may
+            lt = test(input_ids=ids).logits[0, :-1].float().to(device)   # return them on its last one
             max_effect = max(max_effect, (lr - lt).abs().max().item())
             if i < len(fq_logits):
                 lf = fq_logits[i].to(device)
