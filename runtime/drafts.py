@@ -199,6 +199,18 @@ def _norm(sd: dict, name: str, eps: float, dtype) -> RMSNorm:
     return n.to(dtype)
 
 
+def _decoder_layer(sd: dict, p: str, eps: float, compute_dtype: torch.dtype) -> nn.Module:
+    """One Llama-style draft decoder layer read from `sd` under prefix `p`: the two RMSNorms, q/k/v/o
+    projections and the gated MLP; each draft adds its own extras (EAGLE-3's hidden_norm, DFlash's q/k norms)."""
+    layer = nn.Module()
+    layer.input_layernorm = _norm(sd, f"{p}.input_layernorm", eps, compute_dtype)
+    layer.post_attention_layernorm = _norm(sd, f"{p}.post_attention_layernorm", eps, compute_dtype)
+    for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        setattr(layer, n, make_linear(sd, f"{p}.self_attn.{n}", compute_dtype))
+    layer.mlp = GatedMLP({n: make_linear(sd, f"{p}.mlp.{n}", compute_dtype) for n in ("gate_proj", "up_proj", "down_proj")})
+    return layer
+
+
 def _strip_scales(keys) -> set[str]:
     return {k for k in keys if k.rsplit(".", 1)[-1] not in _SCALE_SUFFIXES}
 
@@ -261,16 +273,9 @@ class Eagle3Draft(nn.Module):
         self.fc = make_linear(sd, "fc", compute_dtype)
         self.layers = nn.ModuleList()
         for i in range(self.num_layers):
-            p = f"layers.{i}"
-            layer = nn.Module()
-            layer.input_layernorm = _norm(sd, f"{p}.input_layernorm", eps, compute_dtype)
-            layer.post_attention_layernorm = _norm(sd, f"{p}.post_attention_layernorm", eps, compute_dtype)
+            layer = _decoder_layer(sd, f"layers.{i}", eps, compute_dtype)
             if i == 0:
-                layer.hidden_norm = _norm(sd, f"{p}.hidden_norm", eps, compute_dtype)
-            for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                setattr(layer, n, make_linear(sd, f"{p}.self_attn.{n}", compute_dtype))
-            layer.mlp = GatedMLP({n: make_linear(sd, f"{p}.mlp.{n}", compute_dtype)
-                                  for n in ("gate_proj", "up_proj", "down_proj")})
+                layer.hidden_norm = _norm(sd, f"layers.{i}.hidden_norm", eps, compute_dtype)
             self.layers.append(layer)
         self.norm = _norm(sd, "norm", eps, compute_dtype) if ec.get("use_last_layernorm", True) else None
         self.lm_head = make_linear(sd, "lm_head", compute_dtype)
@@ -424,15 +429,9 @@ class DFlashDraft(nn.Module):
         self.layers = nn.ModuleList()
         for i in range(self.num_layers):
             p = f"layers.{i}"
-            layer = nn.Module()
-            layer.input_layernorm = _norm(sd, f"{p}.input_layernorm", eps, compute_dtype)
-            layer.post_attention_layernorm = _norm(sd, f"{p}.post_attention_layernorm", eps, compute_dtype)
+            layer = _decoder_layer(sd, p, eps, compute_dtype)
             layer.q_norm = _norm(sd, f"{p}.self_attn.q_norm", eps, compute_dtype)
             layer.k_norm = _norm(sd, f"{p}.self_attn.k_norm", eps, compute_dtype)
-            for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                setattr(layer, n, make_linear(sd, f"{p}.self_attn.{n}", compute_dtype))
-            layer.mlp = GatedMLP({n: make_linear(sd, f"{p}.mlp.{n}", compute_dtype)
-                                  for n in ("gate_proj", "up_proj", "down_proj")})
             self.layers.append(layer)
         self.rotary = rope_module(cfg, "qwen3")
         self.rope = RopeTable(self.rotary)
