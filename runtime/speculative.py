@@ -24,7 +24,7 @@ import abc
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -143,11 +143,23 @@ class Drafter(abc.ABC):
         """k draft tokens per row (target ids) and, when sampling, their distributions over the target vocab."""
 
 
-def _pick(logits: torch.Tensor, temperature: float, gen) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Greedy argmax, or a sample from softmax(logits / T) with its distribution."""
+def _probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    """softmax(logits / T), restricted to the smallest set of tokens whose mass reaches top_p (nucleus), renormalized."""
+    p = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p >= 1.0:
+        return p
+    sp, si = p.sort(-1, descending=True)
+    drop = (sp.cumsum(-1) - sp) >= top_p           # mass before this token already reaches top_p
+    sp = sp.masked_fill(drop, 0.0)
+    p = torch.zeros_like(p).scatter(-1, si, sp)
+    return p / p.sum(-1, keepdim=True)
+
+
+def _pick(logits: torch.Tensor, temperature: float, gen, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Greedy argmax, or a sample from softmax(logits / T) (nucleus-filtered by top_p) with its distribution."""
     if temperature <= 0:
         return logits.argmax(-1), None
-    p = torch.softmax(logits.float() / temperature, dim=-1)
+    p = _probs(logits, temperature, top_p)
     flat = p.reshape(-1, p.shape[-1])
     return torch.multinomial(flat, 1, generator=gen).reshape(p.shape[:-1]), p
 
@@ -352,6 +364,28 @@ class Generation:
     stats: RunStats
 
 
+@dataclass
+class VerifyStep:
+    """One target forward that decided tokens, as `generate(on_verify=...)` reports it. Row r of every tensor
+    belongs to request `requests[r]`. The prefill is reported as a step with `tokens` = the padded prompts,
+    `logits` [B, 1, V] at each prompt's last position, `accepted` 0 and `next_tokens` the first new tokens."""
+
+    requests: list[int]              # request index of each row
+    tokens: torch.Tensor             # [B, k+1] the verified tokens [x, d1..dk] (prefill: the prompts)
+    logits: torch.Tensor             # [B, k+1, V] the target's logits at those positions
+    lengths_before: torch.Tensor     # [B] cache length of each row when this forward ran (prefill: prompt lengths)
+    accepted: torch.Tensor           # [B] draft tokens accepted
+    next_tokens: torch.Tensor        # [B] the token emitted after the accepted ones (bonus / correction)
+
+
+def _eos_set(eos) -> frozenset[int]:
+    if eos is None:
+        return frozenset()
+    if isinstance(eos, int):
+        return frozenset((eos,))
+    return frozenset(int(e) for e in eos)
+
+
 # ---------------------------------------------------------------------------------------------- engine
 
 
@@ -370,10 +404,16 @@ class SpeculativeEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, draft_len: int = 0, temperature: float = 0.0,
-                 eos_token_id: int | None = None, seed: int = 0, speculative: bool = True,
-                 on_tokens: Callable[[int, list[int]], None] | None = None) -> Generation:
-        """`on_tokens(request index, tokens)` is called each time tokens are appended to a request's output
-        (after prefill and after every verification step): per-step streaming."""
+                 eos_token_id: int | Iterable[int] | None = None, seed: int = 0, speculative: bool = True,
+                 top_p: float = 1.0, on_tokens: Callable[[int, list[int]], None] | None = None,
+                 on_verify: Callable[["VerifyStep"], None] | None = None) -> Generation:
+        """`eos_token_id`: one id or several (an instruct model's end-of-turn and its eos); a request stops after
+        the first of them. `top_p` < 1 restricts sampling (temperature > 0) to the nucleus; the acceptance rule
+        then targets that distribution. `on_tokens(request index, tokens)` is called each time tokens are
+        appended to a request's output (after prefill and after every verification step): per-step streaming.
+        `on_verify(VerifyStep)` sees every verification forward (the prefill's first token included) with what
+        the engine decided from it: the hook a checker of the acceptance rule needs."""
+        eos = _eos_set(eos_token_id)
         t_start = time.perf_counter()
         drafter = self.drafter if (speculative and draft_len > 0) else None
         k = draft_len if drafter is not None else 0
@@ -402,7 +442,7 @@ class SpeculativeEngine:
             toks[b, :len(p)] = torch.tensor(p, device=dev)
         logits, hid = tgt.forward(toks, logits_at=lens - 1)
         tgt.commit(lens)
-        x, _ = _pick(logits, temperature, gen)
+        x, _ = _pick(logits, temperature, gen, top_p)
         if drafter is not None:
             nxt = torch.cat((toks[:, 1:], toks.new_zeros(B, 1)), 1)
             nxt[torch.arange(B, device=dev), lens - 1] = x
@@ -410,7 +450,9 @@ class SpeculativeEngine:
         stats.prefill_s = time.perf_counter() - t0
 
         live = list(range(B))                   # request index of each batch row
-        done = self._append(out, live, [[t] for t in x.tolist()], max_new_tokens, eos_token_id, on_tokens)
+        if on_verify is not None:
+            on_verify(VerifyStep(list(range(B)), toks, logits[:, None], lens, torch.zeros_like(lens), x))
+        done = self._append(out, live, [[t] for t in x.tolist()], max_new_tokens, eos, on_tokens)
         x, live = self._compact(x, live, done, drafter)
         while live:
             t0 = time.perf_counter()
@@ -421,10 +463,13 @@ class SpeculativeEngine:
                 d, q = None, None
                 verify = x[:, None]
             t1 = time.perf_counter()
+            before = tgt.lengths.clone()
             logits, hid = tgt.forward(verify)
             t2 = time.perf_counter()
-            acc, bonus = self._accept(logits, d, q, temperature, gen)
+            acc, bonus = self._accept(logits, d, q, temperature, gen, top_p)
             tgt.commit(acc + 1)
+            if on_verify is not None:
+                on_verify(VerifyStep(list(live), verify, logits, before, acc, bonus))
             t3 = time.perf_counter()
             if drafter is not None:       # draft-side work: counted as draft time
                 nxt = torch.cat((d, d.new_zeros(len(live), 1)), 1)
@@ -450,7 +495,7 @@ class SpeculativeEngine:
             stats.drafted += k * len(live)
             stats.accepted += int(acc.sum()) if k else 0
             stats.rows_per_step.append(len(live))
-            done = self._append(out, live, new, max_new_tokens, eos_token_id, on_tokens)
+            done = self._append(out, live, new, max_new_tokens, eos, on_tokens)
             x, live = self._compact(bonus, live, done, drafter)
             t5 = time.perf_counter()
             stats.draft_s += (t1 - t0) + (t4 - t3)
@@ -465,13 +510,14 @@ class SpeculativeEngine:
         done = []
         for r, b in enumerate(live):
             toks = new[r]
-            if eos is not None and eos in toks:
-                toks = toks[: toks.index(eos) + 1]
+            stop = next((i for i, t in enumerate(toks) if t in eos), None)
+            if stop is not None:
+                toks = toks[: stop + 1]
             room = max_new - len(out[b])
             out[b].extend(toks[:room])
             if on_tokens is not None and toks[:room]:
                 on_tokens(b, toks[:room])
-            done.append(len(out[b]) >= max_new or (eos is not None and eos in toks))
+            done.append(len(out[b]) >= max_new or stop is not None)
         return done
 
     def _compact(self, x, live, done, drafter):
@@ -486,7 +532,7 @@ class SpeculativeEngine:
         return x.index_select(0, idx), [live[r] for r in keep]
 
     @staticmethod
-    def _accept(logits, d, q, temperature, gen):
+    def _accept(logits, d, q, temperature, gen, top_p: float = 1.0):
         """logits [B, k+1, V]. Returns (accepted count [B], next token [B])."""
         B, T, V = logits.shape
         rows = torch.arange(B, device=logits.device)
@@ -496,7 +542,7 @@ class SpeculativeEngine:
                 return torch.zeros(B, dtype=torch.long, device=logits.device), tgt[:, 0]
             acc = torch.cumprod((d == tgt[:, :-1]).long(), 1).sum(1)
             return acc, tgt[rows, acc]
-        p = torch.softmax(logits / temperature, -1)
+        p = _probs(logits, temperature, top_p)
         if d is None:
             return torch.zeros(B, dtype=torch.long, device=logits.device), torch.multinomial(p[:, 0], 1, generator=gen)[:, 0]
         k = d.shape[1]

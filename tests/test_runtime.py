@@ -222,6 +222,48 @@ def test_eos_stops_and_lengths(tiny):
     assert all(len(t) <= 16 for t in g.tokens)
 
 
+def test_any_of_several_eos_ids_stops_a_request(tiny):
+    model, draft = load_pair(tiny["target_dir"], tiny["eagle_dir"])
+    eng = SpeculativeEngine(model, draft)
+    ref = eng.generate(tiny["prompts"], max_new_tokens=16, draft_len=0).tokens
+    a, b = ref[0][7], ref[1][3]                   # an "end of turn" and an "eos", as an instruct model has both
+    g = eng.generate(tiny["prompts"], max_new_tokens=16, draft_len=3, eos_token_id=[a, b])
+    for got, want in zip(g.tokens, ref):
+        cut = next((i for i, t in enumerate(want) if t in (a, b)), None)
+        assert got == (want if cut is None else want[:cut + 1])
+    assert len(g.tokens[0]) <= 8 and len(g.tokens[1]) <= 4  # each stopped at the first of the two ids
+
+
+def test_top_p_keeps_sampling_inside_the_nucleus(tiny):
+    """A nucleus below the top token's mass leaves only the argmax: sampling then equals greedy decoding, with and
+    without a draft (the acceptance rule targets the filtered distribution)."""
+    model, draft = load_pair(tiny["target_dir"], tiny["eagle_dir"])
+    eng = SpeculativeEngine(model, draft)
+    greedy = eng.generate(tiny["prompts"], max_new_tokens=12, draft_len=0).tokens
+    for k in (0, 3):
+        s = eng.generate(tiny["prompts"], max_new_tokens=12, draft_len=k, temperature=1.0, top_p=1e-6, seed=3).tokens
+        assert s == greedy
+    free = eng.generate(tiny["prompts"], max_new_tokens=12, draft_len=0, temperature=1.5, seed=3).tokens
+    assert free != greedy                         # without the nucleus, sampling at T=1.5 departs from greedy
+
+
+def test_on_verify_reports_every_deciding_forward(tiny):
+    model, draft = load_pair(tiny["target_dir"], tiny["eagle_dir"])
+    eng = SpeculativeEngine(model, draft)
+    steps = []
+    g = eng.generate(tiny["prompts"], max_new_tokens=10, draft_len=3, on_verify=steps.append)
+    emitted = {b: [] for b in range(len(tiny["prompts"]))}
+    for st in steps:
+        greedy = st.logits.argmax(-1)
+        for r, b in enumerate(st.requests):
+            a = int(st.accepted[r])
+            emitted[b] += st.tokens[r, 1:1 + a].tolist()   # the accepted drafts (prefill: a = 0)
+            assert int(st.next_tokens[r]) == int(greedy[r, a])
+            emitted[b].append(int(st.next_tokens[r]))
+    for b, toks in enumerate(g.tokens):
+        assert emitted[b][:len(toks)] == toks
+
+
 def test_on_tokens_streams_each_step_of_each_request(tiny):
     model, draft = load_pair(tiny["target_dir"], tiny["eagle_dir"])
     eng = SpeculativeEngine(model, draft)
