@@ -496,9 +496,12 @@ def _regen_job(r, tok, s: Sample, max_length: int) -> RegenJob:
     return RegenJob(s, r.prompt_ids(msgs), msgs)
 
 
-def _select_jobs(r, tok, candidates: list[Sample], limit: int, budget: int, max_length: int, bad: Malformed) -> tuple[list[RegenJob], int]:
+def _select_jobs(r, tok, candidates: list[Sample], limit: int, budget: int, max_length: int, bad: Malformed,
+                 info: dict) -> tuple[list[RegenJob], int]:
     """Up to `limit` jobs from `candidates` in order; prompts longer than `budget` tokens are skipped (counted)."""
     import jinja2
+
+    from runtime.chat_template import ChatTemplateError
 
     jobs, skipped = [], 0
     for s in candidates:
@@ -506,6 +509,11 @@ def _select_jobs(r, tok, candidates: list[Sample], limit: int, budget: int, max_
             break
         try:
             job = _regen_job(r, tok, s, max_length)
+        except ChatTemplateError as e:
+            if e.kind == "template":
+                raise _template_error(s, e, info) from None
+            bad.add(s.origin, f"regeneration prompt: {e}")
+            continue
         except (ValueError, jinja2.TemplateError) as e:
             bad.add(s.origin, f"regeneration prompt: {e}")
             continue
@@ -735,9 +743,9 @@ def run(ctx: StageContext) -> dict:
     rc = sec.regenerate
     if rc.enabled:
         budget = sec.max_length - rc.max_new_tokens
-        train_jobs, skip_t = _select_jobs(renderer, tok, train, sec.max_samples, budget, sec.max_length, bad)
+        train_jobs, skip_t = _select_jobs(renderer, tok, train, sec.max_samples, budget, sec.max_length, bad, tmpl_info)
         n_held = math.ceil(len(train_jobs) * sec.eval_fraction / (1 - sec.eval_fraction)) if sec.eval_fraction else 0
-        held_jobs, skip_h = _select_jobs(renderer, tok, heldout, n_held, budget, sec.max_length, bad)
+        held_jobs, skip_h = _select_jobs(renderer, tok, heldout, n_held, budget, sec.max_length, bad, tmpl_info)
         shown = _check_malformed(bad, sec, ctx.log, shown)
         if not train_jobs:
             raise StageError(f"data: no training prompt fits data.max_length - data.regenerate.max_new_tokens = {budget} tokens "

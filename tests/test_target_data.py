@@ -475,6 +475,7 @@ def test_real_model_regeneration_equals_hf_generate_and_the_template(tmp_path, r
     assert "prompts/s" in log and "new tokens/s" in log and "ended at a stop id" in log
 
 
+@pytest.mark.slow
 def test_regeneration_sampling_honours_temperature_top_p_and_seed(real_model):
     import logging
 
@@ -498,6 +499,7 @@ def test_regeneration_sampling_honours_temperature_top_p_and_seed(real_model):
     assert gen(1.5, 1.0, 1) != s0                       # another seed, another sample
 
 
+@pytest.mark.slow
 def test_user_chat_template_renders_samples_and_eval_prompts(tmp_path, real_target):
     """data.chat_template (vLLM's ChatML example: no default system prompt) replaces SmolLM2's own for the eval prompts
     and the regenerated samples, and is stored in the artifact; it leaves the last message open, so conversations
@@ -541,3 +543,32 @@ def test_user_chat_template_is_validated(tmp_path, case):
     assert r.returncode == 2, r.stderr
     assert "data.chat_template" in r.stderr
     assert ("file not found" if case == "missing" else "is not a valid Jinja chat template: line 1") in r.stderr
+
+
+def test_every_conversation_is_checked_not_only_the_first(tmp_path, real_target):
+    """Qwen3's template (data.chat_template) masks single-turn chats but rewrites earlier turns of a multi-turn one.
+    Five single-turn chats and one multi-turn chat, wherever it sorts: the stage refuses, naming that sample."""
+    tmpl = Path(__file__).parent / "data" / "chat_templates" / "qwen3-0.6b.jinja"
+    gsm = [json.loads(x) for x in (real_target[1]["data_dir"] / "gsm8k.jsonl").read_text().splitlines()[:5]]
+    multi = {"messages": [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "<think>\ngreet\n</think>\n\nHello!"},
+                          {"role": "user", "content": "Bye."}, {"role": "assistant", "content": "Goodbye!"}]}
+    src = _jsonl(tmp_path, gsm + [multi])
+    ev = _head(real_target[1]["data_dir"] / "humaneval.jsonl", 2, "ev.jsonl", tmp_path)
+    data = {"sources": [{"kind": "jsonl", "path": str(src)}], "eval_domains": {"c": {"kind": "jsonl", "path": str(ev)}},
+            "eval_fraction": 0.0, "min_length": 4, "max_length": 512, "chat_template": str(tmpl)}
+    _, r = _real_data_run(tmp_path, real_target, data)
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert f"{src}:6: the loss mask cannot be derived from the chat template of data.chat_template ({tmpl})" in r.stderr
+    assert "message 1 (assistant): later messages change how this turn renders" in r.stderr and "<think>" in r.stderr
+    # the five single-turn chats alone pass, each masked as reasoning block + answer + <|im_end|>
+    (tmp_path / "b").mkdir()
+    wd, r = _real_data_run(tmp_path / "b", real_target, {**data, "sources": [{"kind": "jsonl", "path": str(_jsonl(tmp_path, gsm, "one.jsonl"))}]})
+    assert r.returncode == 0, r.stderr[-2000:]
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(real_target[1]["model_dir"])
+    answers = {g["messages"][1]["content"] for g in gsm}
+    for row in _rows(wd, "train"):
+        trained = tok.decode([t for t, m in zip(row["input_ids"], row["loss_mask"]) if m])
+        assert trained.startswith("<think>\n\n</think>\n\n") and trained.endswith(REAL_EOT)
+        assert trained[len("<think>\n\n</think>\n\n"): -len(REAL_EOT)] in answers
