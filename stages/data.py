@@ -4,15 +4,26 @@ Sources (a closed set, `kind`): local JSONL in the two common shapes (`{"message
 `{"prompt": ...}` / `{"text": ...}`), Hugging Face `datasets` by name (split + column mapping), and, for the
 tiny default, code cut from the bootstrap target's corpus (its held-out files feed only the eval domains).
 
-Optionally the target regenerates the responses (what makes a draft match its target). Conversations are
-tokenized with the target's chat template and trained on assistant tokens only; a template that marks no
-assistant tokens (or every token) is refused. Artifact: see docs/architecture.md (data).
+Conversations are rendered with the target's chat template (or `data.chat_template`, a Jinja file, which then
+also renders the eval prompts) and trained on the assistant's tokens only: every assistant turn's content and its
+end-of-turn token, nothing of the system or user turns or the assistant header. Templates with `{% generation %}`
+tags are used as tagged; any other template's assistant spans are derived from its own renderings and checked
+for consistency (runtime/chat_template.py); a template that cannot give a trustworthy mask is refused, naming the
+sample, the message and the text that differs.
+
+Optionally the target regenerates the responses (what makes a draft match its target, the EAGLE recipe): from
+prompt-only chats, or replacing a conversation's last assistant turn given the earlier ones. Regeneration runs the
+project's own runtime (batched KV-cache decoding, prompts sorted by length into batches), stops at the target's
+stop ids (`target.json["eos_token_ids"]`), and resumes from finished batches in the scratch dir after an
+interruption. Artifact: see docs/architecture.md (data); what each check proves: docs/stages/data.md.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal, Union
@@ -24,7 +35,7 @@ from pipeline.stage import StageContext, StageSection, Strict
 
 NAME = "data"
 CONSUMES = ("target",)
-VERSION = "1"
+VERSION = "2"   # 2: masks from any chat template, regeneration through the runtime, chat_template.jinja
 PACKAGES = ("transformers", "tokenizers", "datasets", "torch")
 
 Format = Literal["auto", "messages", "prompt", "text"]
@@ -66,12 +77,12 @@ Source = Annotated[Union[BootstrapSource, JsonlSource, HFSource], Field(discrimi
 
 
 class RegenerateConfig(Strict):
-    enabled: bool = False
-    mode: Literal["greedy", "sample"] = "greedy"
-    temperature: float = Field(0.8, gt=0)
-    top_p: float = Field(0.95, gt=0, le=1)
-    max_new_tokens: int = Field(128, ge=1)
-    batch_size: int = Field(16, ge=1)
+    enabled: bool = Field(False, description="replace responses by the target's own: prompt-only chats get one, a chat's last assistant turn is rewritten")
+    mode: Literal["greedy", "sample"] = Field("greedy", description="greedy decoding, or sampling with temperature/top_p (seeded by data.seed)")
+    temperature: float = Field(0.8, gt=0, description="sampling temperature (mode: sample)")
+    top_p: float = Field(0.95, gt=0, le=1, description="nucleus sampling mass (mode: sample)")
+    max_new_tokens: int = Field(128, ge=1, description="tokens generated per response at most; prompts longer than data.max_length minus this are skipped")
+    batch_size: int = Field(16, ge=1, description="prompts decoded together (sorted by length to limit padding); 16 suits a CPU, larger suits a GPU")
 
 
 def _default_sources():
@@ -95,6 +106,7 @@ class Config(StageSection):
     dedup: bool = Field(True, description="drop exact duplicate samples")
     max_malformed: int = Field(0, ge=0, description="malformed input lines tolerated before the stage fails")
     regenerate: RegenerateConfig = Field(default_factory=RegenerateConfig, description="replace responses by the target's own generations")
+    chat_template: Path | None = Field(None, description="a Jinja chat template file used instead of the target's own for training samples and eval prompts; deploy with the same template")
     seed: int = Field(0, description="split and subsample seed")
 
     @field_validator("eval_domains")
@@ -120,17 +132,35 @@ def check(cfg) -> list[tuple[str, str]]:
             problems.append((f"data.eval_domains.{name}.kind", "'bootstrap' needs target.bootstrap: tiny"))
         if s.kind == "jsonl" and not Path(s.path).expanduser().is_file():
             problems.append((f"data.eval_domains.{name}.path", f"file not found: {s.path}"))
+    if sec.chat_template is not None:
+        p = Path(sec.chat_template).expanduser()
+        if not p.is_file():
+            problems.append(("data.chat_template", f"file not found: {sec.chat_template}"))
+        else:
+            from runtime.chat_template import check_template_syntax
+
+            try:
+                text = p.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                problems.append(("data.chat_template", f"{sec.chat_template} is not a readable UTF-8 text file ({e})"))
+            else:
+                err = check_template_syntax(text) if text.strip() else "the file is empty"
+                if err:
+                    problems.append(("data.chat_template", f"{sec.chat_template} is not a valid Jinja chat template: {err}"))
+    if sec.regenerate.enabled and sec.regenerate.max_new_tokens >= sec.max_length:
+        problems.append(("data.regenerate.max_new_tokens", f"{sec.regenerate.max_new_tokens} leaves no room for a prompt within "
+                         f"data.max_length={sec.max_length}; lower it or raise data.max_length"))
     return problems
 
 
 def fingerprint_extra(section: Config) -> dict | None:
     files = {}
-    for s in [*section.sources, *section.eval_domains.values()]:
-        if s.kind == "jsonl":
-            p = Path(s.path).expanduser()
-            if p.is_file():
-                st = p.stat()
-                files[str(s.path)] = [st.st_size, int(st.st_mtime)]
+    paths = [s.path for s in [*section.sources, *section.eval_domains.values()] if s.kind == "jsonl"]
+    for path in paths + ([section.chat_template] if section.chat_template is not None else []):
+        p = Path(path).expanduser()
+        if p.is_file():
+            st = p.stat()
+            files[str(path)] = [st.st_size, int(st.st_mtime)]
     return files or None
 
 
@@ -305,104 +335,321 @@ def _read_bootstrap(target_dir: Path, src: BootstrapSource, domain: str, split: 
     return out
 
 
-# ---------------------------------------------------------------------------------------------- tokenization
+# ---------------------------------------------------------------------------------------------- chat template
 
 
 def _bucket(key: str, seed: int) -> float:
     return int(hashlib.sha256(f"{seed}:{key}".encode()).hexdigest()[:12], 16) / float(1 << 48)
 
 
-def _encode_train(tok, s: Sample, max_length: int) -> tuple[list[int], list[int]] | None:
-    if s.fmt == "messages":
-        enc = tok.apply_chat_template(s.content, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
-        ids, mask = list(enc["input_ids"]), list(enc["assistant_masks"])
-    elif s.fmt == "text":
-        if s.chat:
-            return _encode_train(tok, Sample("messages", [{"role": "assistant", "content": s.content}], s.domain, s.origin), max_length)
-        ids = tok(s.content, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-        mask = [1] * len(ids)
+def _load_renderer(tok, sec: Config):
+    """The chat template this run renders with (data.chat_template, else the target's own), checked to render a
+    [user, assistant] conversation, and what the artifact records about it. (None, info) when there is none."""
+    from runtime.chat_template import ChatRenderer, ChatTemplateError
+
+    if sec.chat_template is not None:
+        text: str | None = Path(sec.chat_template).expanduser().read_text(encoding="utf-8")
+        source, field_name = f"data.chat_template ({sec.chat_template})", "data.chat_template"
+    elif getattr(tok, "chat_template", None):
+        text, source, field_name = None, "the target's tokenizer", "the target's chat template"
     else:
-        return None  # a prompt without a response: only usable after regeneration
-    return ids[:max_length], mask[:max_length]
+        return None, {"source": None}
+    r = ChatRenderer(tok, text)
+    try:
+        r.render([{"role": "user", "content": "Hello."}], add_generation_prompt=True)
+        r.render([{"role": "user", "content": "Hello."}, {"role": "assistant", "content": "Hi."}])
+        end = r.end_of_turn()
+    except Exception as e:  # jinja raises many types
+        raise StageError(f"data: {field_name} ({source}) does not render a [user, assistant] conversation "
+                         f"({type(e).__name__}: {str(e)[:300]}); fix it, or set data.chat_template to a template that renders") from None
+    try:
+        header = r.generation_prompt()
+    except ChatTemplateError:
+        header = None               # refused later, with the sample, if a mask or a prompt needs it
+    info = {"source": source, "sha256": hashlib.sha256(r.template.encode()).hexdigest(), "mask_method": r.method,
+            "end_of_turn": end.token if end else None, "end_of_turn_id": end.token_id if end else None,
+            "generation_prompt": header}
+    return r, info
 
 
-def _render_prompt(tok, s: Sample) -> str:
+def _need_template(r, s: Sample) -> None:
+    if r is None:
+        raise StageError(f"data: conversation samples (e.g. {s.origin}) need a chat template, and the target's tokenizer has "
+                         "none; set data.chat_template to a Jinja template file")
+
+
+def _template_error(s: Sample, err, info: dict) -> StageError:
+    return StageError(
+        f"data: {s.origin}: the loss mask cannot be derived from the chat template of {info['source']}: {err}. Nothing was "
+        "masked; to proceed, set data.chat_template to a Jinja template whose renderings of a conversation and its "
+        "prefixes agree (it then also renders the eval prompts: deploy with the same template), or give conversations "
+        "whose only assistant turn is the last message")
+
+
+def _has_assistant(s: Sample) -> bool:
+    return s.fmt == "messages" and any(m["role"] == "assistant" for m in s.content)
+
+
+def _encode_train(r, tok, s: Sample, eos_id: int) -> tuple[list[int], list[int]] | None:
+    """(input_ids, loss_mask), untruncated; None for samples without a response (prompt-only)."""
     if s.fmt == "messages":
+        _need_template(r, s)
+        return r.encode(s.content) if _has_assistant(s) else None
+    if s.fmt == "text":
+        if s.chat:
+            _need_template(r, s)
+            return r.encode([{"role": "assistant", "content": s.content}])
+        ids = tok(s.content, add_special_tokens=False)["input_ids"] + [eos_id]
+        return ids, [1] * len(ids)
+    return None  # a prompt without a response: only usable after regeneration
+
+
+def _encode_samples(r, tok, samples: list[Sample], max_length: int, eos_id: int, bad: Malformed, info: dict) -> list:
+    """Every sample's (ids, mask) truncated to max_length, or None. Checks every conversation's mask, not one: a
+    template error stops the stage (naming the sample); a sample-level one is counted as malformed."""
+    from runtime.chat_template import ChatTemplateError
+
+    out, empty, full = [], [], []
+    for s in samples:
+        try:
+            e = _encode_train(r, tok, s, eos_id)
+        except ChatTemplateError as err:
+            if err.kind == "template":
+                raise _template_error(s, err, info) from None
+            bad.add(s.origin, f"loss mask: {err}")
+            out.append(None)
+            continue
+        if e is None:
+            out.append(None)
+            continue
+        ids, mask = e
+        if s.fmt == "messages" or s.chat:
+            if sum(mask) == 0:
+                empty.append(s)
+            elif sum(mask) == len(mask):
+                full.append(s)
+        out.append((ids[:max_length], mask[:max_length]))
+    if empty:
+        raise StageError(f"data: the chat template ({info['source']}) marks no assistant token in {len(empty)} conversation(s) "
+                         f"with assistant turns (first: {empty[0].origin}), so their loss mask would be empty: its "
+                         "{% generation %} ... {% endgeneration %} blocks do not cover the assistant messages; fix them, or "
+                         "remove the tags (the assistant spans are then derived from the template's own renderings)")
+    if full:
+        raise StageError(f"data: the chat template ({info['source']}) marks every token of {len(full)} conversation(s) as "
+                         f"the assistant's (first: {full[0].origin}), so the loss mask would be all ones (training on prompts "
+                         "too); fix the template's {% generation %} tags")
+    return out
+
+
+def _render_prompt(r, tok, s: Sample) -> str:
+    if s.fmt == "messages":
+        _need_template(r, s)
         msgs = list(s.content)
         while msgs and msgs[-1]["role"] == "assistant":
             msgs.pop()
         if not msgs:
             raise StageError(f"data: {s.origin}: a conversation with no user turn cannot be an evaluation prompt")
-        return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        return r.render(msgs, add_generation_prompt=True)
     if s.fmt == "text":
         text = s.content
         cut = text.rfind("\n", 0, max(1, len(text) // 2))
         text = text[: cut if cut > 0 else len(text) // 2]
-        return tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True) if s.chat else text
-    return tok.apply_chat_template([{"role": "user", "content": s.content}], tokenize=False, add_generation_prompt=True) if s.chat else s.content
-
-
-def _check_template(tok, samples: list[Sample]) -> None:
-    first = next((s for s in samples if s.fmt == "messages" or (s.fmt == "text" and s.chat)), None)
-    if first is None:
-        return
-    if not getattr(tok, "chat_template", None):
-        raise StageError(f"data: conversation samples (e.g. {first.origin}) need a chat template, and the target's tokenizer has none")
-    msgs = first.content if first.fmt == "messages" else [{"role": "assistant", "content": first.content}]
-    enc = tok.apply_chat_template(msgs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
-    mask = list(enc["assistant_masks"])
-    if sum(mask) == 0:
-        raise StageError("data: the target's chat template marks no assistant tokens (it has no {% generation %} ... "
-                         "{% endgeneration %} block), so the loss mask would be empty; add generation tags to the template")
-    if sum(mask) == len(mask):
-        raise StageError("data: the target's chat template marks every token as an assistant token, so the loss mask would be "
-                         "all ones (training on prompts too); fix the template's {% generation %} tags")
+        if s.chat:
+            _need_template(r, s)
+            return r.render([{"role": "user", "content": text}], add_generation_prompt=True)
+        return text
+    if s.chat:
+        _need_template(r, s)
+        return r.render([{"role": "user", "content": s.content}], add_generation_prompt=True)
+    return s.content
 
 
 # ---------------------------------------------------------------------------------------------- regeneration
 
 
-def _regenerate(ctx: StageContext, model_dir: Path, tok, samples: list[Sample], rc: RegenerateConfig, max_length: int):
-    """Replace responses with the target's own generations. Returns (input_ids, loss_mask) per sample."""
-    import torch
-    from transformers import AutoModelForCausalLM
+@dataclass
+class RegenJob:
+    sample: Sample
+    prompt: list[int]
+    context: list[dict] | None      # the messages the prompt renders (chat prompts): the template consistency check
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    torch.manual_seed(ctx.section.seed)
-    prompts: list[list[int]] = []
-    for s in samples:
-        if s.fmt == "messages":
-            msgs = list(s.content)
-            while msgs and msgs[-1]["role"] == "assistant":
-                msgs.pop()
-            prompts.append(tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"])
-        elif s.fmt == "text" and not s.chat:
-            ids = tok(s.content, add_special_tokens=False)["input_ids"]
-            prompts.append(ids[: max(4, min(len(ids) // 2, max_length // 2))])
+
+def _regen_job(r, tok, s: Sample, max_length: int) -> RegenJob:
+    """What the target continues: the conversation without its last assistant turn (earlier turns stay as context),
+    a prompt as a user turn (or raw), the first half of a text sample."""
+    if s.fmt == "messages":
+        _need_template(r, s)
+        msgs = list(s.content)
+        if msgs[-1]["role"] == "assistant":
+            msgs = msgs[:-1]
+        if not msgs:
+            raise ValueError("a conversation of one assistant message has no prompt to regenerate from")
+    elif s.fmt == "prompt" and s.chat or s.fmt == "text" and s.chat:
+        _need_template(r, s)
+        text = s.content if s.fmt == "prompt" else _render_prompt(None, tok, Sample("text", s.content, s.domain, s.origin))
+        msgs = [{"role": "user", "content": text}]
+    elif s.fmt == "prompt":
+        return RegenJob(s, tok(s.content, add_special_tokens=False)["input_ids"], None)
+    else:
+        ids = tok(s.content, add_special_tokens=False)["input_ids"]
+        return RegenJob(s, ids[: max(4, min(len(ids) // 2, max_length // 2))], None)
+    return RegenJob(s, r.prompt_ids(msgs), msgs)
+
+
+def _select_jobs(r, tok, candidates: list[Sample], limit: int, budget: int, max_length: int, bad: Malformed,
+                 info: dict) -> tuple[list[RegenJob], int]:
+    """Up to `limit` jobs from `candidates` in order; prompts longer than `budget` tokens are skipped (counted)."""
+    import jinja2
+
+    from runtime.chat_template import ChatTemplateError
+
+    jobs, skipped = [], 0
+    for s in candidates:
+        if len(jobs) >= limit:
+            break
+        try:
+            job = _regen_job(r, tok, s, max_length)
+        except ChatTemplateError as e:
+            if e.kind == "template":
+                raise _template_error(s, e, info) from None
+            bad.add(s.origin, f"regeneration prompt: {e}")
+            continue
+        except (ValueError, jinja2.TemplateError) as e:
+            bad.add(s.origin, f"regeneration prompt: {e}")
+            continue
+        if not job.prompt:
+            bad.add(s.origin, "regeneration prompt: empty")
+        elif len(job.prompt) > budget:
+            skipped += 1
         else:
-            prompts.append(tok(_render_prompt(tok, s), add_special_tokens=False)["input_ids"])
-    prompts = [p[-(max_length - rc.max_new_tokens):] if len(p) > max_length - rc.max_new_tokens else p for p in prompts]
-    out = []
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    with ctx.progress(total=len(prompts), desc="regenerate with target") as bar, torch.no_grad():
-        for i in range(0, len(prompts), rc.batch_size):
-            batch = prompts[i: i + rc.batch_size]
+            jobs.append(job)
+    return jobs, skipped
+
+
+def regenerate(model_dir: Path, prompts: list[list[int]], keys: list[str], *, batch_size: int, max_new_tokens: int,
+               temperature: float, top_p: float, stop_ids: list[int], seed: int, scratch: Path | None, log,
+               stage: str = NAME) -> tuple[list[list[int]], dict]:
+    """The target's continuation of every prompt, through specpipe's runtime (`runtime.speculative`: batched
+    KV-cache decoding, draft_len 0). Prompts are sorted by (length, key) into batches of `batch_size`; batch b is
+    decoded with seed `seed + b`; each finished batch is written to `scratch` and reused on a rerun (an interrupted
+    regeneration continues where it stopped). Returns (generated ids per prompt, cut after the first stop id, and
+    statistics)."""
+    from pipeline.progress import Progress
+    from pipeline.store import atomic_write_text, fault_point
+
+    n = len(prompts)
+    order = sorted(range(n), key=lambda j: (len(prompts[j]), keys[j]))
+    batches = [order[i: i + batch_size] for i in range(0, n, batch_size)]
+    results: list[list[int] | None] = [None] * n
+    todo, resumed, resumed_batches = [], 0, 0
+    if scratch is not None:
+        scratch.mkdir(parents=True, exist_ok=True)
+    for b, idx in enumerate(batches):
+        f = scratch / f"batch-{b:05d}.json" if scratch is not None else None
+        if f is not None and f.exists():
+            try:
+                rec = json.loads(f.read_text())
+            except (OSError, json.JSONDecodeError):
+                rec = None
+            if rec and rec.get("keys") == [keys[j] for j in idx] and len(rec.get("tokens", [])) == len(idx):
+                for j, t in zip(idx, rec["tokens"]):
+                    results[j] = t
+                resumed += len(idx)
+                resumed_batches += 1
+                continue
+            log.warning("regeneration: %s does not match this run's batch plan; generating that batch again", f)
+        todo.append((b, idx))
+    if resumed:
+        log.info("regeneration: resumed %d finished batches (%d prompts) from %s; %d prompts left", resumed_batches, resumed,
+                 scratch, n - resumed)
+    engine, load_s, gen_s, new_tokens, padded, done, generated = None, 0.0, 0.0, 0, 0, 0, 0
+    with Progress(log, total=n, desc="regenerate with target") as bar:
+        if resumed:
+            bar.update(resumed)
+        for b, idx in todo:
+            if engine is None:
+                from runtime.speculative import SpeculativeEngine, load_target
+
+                t0 = time.perf_counter()
+                engine = SpeculativeEngine(load_target(model_dir))
+                load_s = time.perf_counter() - t0
+                log.info("regeneration: target loaded through runtime.speculative in %.1fs", load_s)
+            batch = [prompts[j] for j in idx]
+            t0 = time.perf_counter()
+            g = engine.generate(batch, max_new_tokens=max_new_tokens, draft_len=0, temperature=temperature, top_p=top_p,
+                                eos_token_id=stop_ids, seed=seed + b)
+            dt = time.perf_counter() - t0
+            for j, t in zip(idx, g.tokens):
+                results[j] = t
+            if scratch is not None:
+                atomic_write_text(scratch / f"batch-{b:05d}.json",
+                                  json.dumps({"keys": [keys[j] for j in idx], "tokens": g.tokens, "seconds": round(dt, 3)}))
+            gen_s += dt
+            generated += len(idx)
+            new_tokens += sum(len(t) for t in g.tokens)
             width = max(len(p) for p in batch)
-            ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
-            att = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
-            gen = model.generate(input_ids=ids, attention_mask=att, max_new_tokens=rc.max_new_tokens,
-                                 do_sample=rc.mode == "sample", temperature=rc.temperature if rc.mode == "sample" else None,
-                                 top_p=rc.top_p if rc.mode == "sample" else None, pad_token_id=pad,
-                                 eos_token_id=tok.eos_token_id)
-            for p, g in zip(batch, gen[:, width:].tolist()):
-                if tok.eos_token_id in g:
-                    g = g[: g.index(tok.eos_token_id) + 1]
-                out.append((p + g, [0] * len(p) + [1] * len(g)))
-            bar.update(len(batch))
-    return out
+            padded += sum(width - len(p) for p in batch)
+            done += 1
+            bar.update(len(idx), tok_s=f"{new_tokens / gen_s:.1f}" if gen_s else "-")
+            fault_point(stage, f"regenerate-batch-{done}")
+    stop = set(stop_ids)
+    outs = [t or [] for t in results]
+    ended = sum(1 for t in outs if t and t[-1] in stop)
+    stats = {
+        "engine": "runtime.speculative (autoregressive, KV cache, draft_len 0)",
+        "prompts": n, "batches": len(batches), "batch_size": batch_size, "resumed_prompts": resumed,
+        "resumed_batches": resumed_batches, "generated_prompts": generated, "max_new_tokens": max_new_tokens,
+        "temperature": temperature, "top_p": top_p, "stop_ids": list(stop_ids),
+        "load_seconds": round(load_s, 3), "seconds": round(gen_s, 3),
+        "new_tokens": new_tokens,
+        "prompts_per_s": round(generated / gen_s, 4) if gen_s else None,
+        "new_tokens_per_s": round(new_tokens / gen_s, 3) if gen_s else None,
+        "mean_new_tokens": round(sum(len(t) for t in outs) / n, 2) if n else 0.0,
+        "ended_at_stop": ended, "hit_max_new_tokens": sum(1 for t in outs if len(t) >= max_new_tokens and not (t and t[-1] in stop)),
+        "prefill_padding_fraction": round(padded / max(1, padded + sum(len(prompts[j]) for _, idx in todo for j in idx)), 4),
+    }
+    return outs, stats
+
+
+def _regenerated_rows(jobs: list[RegenJob], gens: list[list[int]]) -> list[tuple[list[int], list[int]]]:
+    """prompt ids + generated ids exactly as the target produced them; loss on the generated ids (end of turn included)."""
+    return [(j.prompt + g, [0] * len(j.prompt) + [1] * len(g)) for j, g in zip(jobs, gens)]
+
+
+def _template_consistency(r, tok, jobs: list[RegenJob], gens: list[list[int]], eot_id: int | None) -> dict:
+    """For responses that ended at the template's end of turn: does the template, rendering the conversation with
+    the decoded response as the assistant turn, give exactly this sample (ids and mask, up to the end of turn)?
+    A mismatch is not an error (a model may emit a non-canonical tokenization); it is counted and shown."""
+    from runtime.chat_template import ChatTemplateError
+
+    checked, same, first = 0, 0, None
+    for j, g in zip(jobs, gens):
+        if j.context is None or eot_id is None or not g or g[-1] != eot_id:
+            continue
+        checked += 1
+        content = tok.decode(g[:-1], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        row = j.prompt + g
+        try:
+            ids, mask = r.encode([*j.context, {"role": "assistant", "content": content}])
+            ok = ids[: len(row)] == row and mask[: len(row)] == [0] * len(j.prompt) + [1] * len(g)
+        except ChatTemplateError:
+            ok = False
+        same += ok
+        if not ok and first is None:
+            first = j.sample.origin
+    return {"checked": checked, "consistent": same, "first_inconsistent": first}
 
 
 # ---------------------------------------------------------------------------------------------- run
+
+
+def _check_malformed(bad: Malformed, sec: Config, log, shown: int) -> int:
+    for item in bad.items[shown:20]:
+        log.warning("malformed: %s", item)
+    if len(bad.items) > sec.max_malformed:
+        raise StageError(f"data: {len(bad.items)} malformed input lines (limit data.max_malformed={sec.max_malformed}); first: "
+                         + "; ".join(bad.items[:5]))
+    return len(bad.items)
 
 
 def run(ctx: StageContext) -> dict:
@@ -415,7 +662,13 @@ def run(ctx: StageContext) -> dict:
     sec: Config = ctx.section
     target = ctx.input("target")
     model_dir = target.path / "model"
+    tinfo = target.read_json("target.json")
     tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=ctx.config.target.trust_remote_code)
+    renderer, tmpl_info = _load_renderer(tok, sec)
+    if renderer is not None:
+        ctx.log.info("chat template: %s; loss masks by %s; end of turn %s; assistant header %r", tmpl_info["source"],
+                     tmpl_info["mask_method"], tmpl_info["end_of_turn"], tmpl_info["generation_prompt"])
+    eos_id = tinfo.get("eos_token_id", tok.eos_token_id)
     max_chars = sec.max_length * 4
     bad = Malformed(sec.max_malformed)
 
@@ -440,12 +693,7 @@ def run(ctx: StageContext) -> dict:
         else:
             evals[name] = _read_hf(src, name, bad)
         ctx.log.info("eval domain %s (%s): %d candidate prompts", name, src.kind, len(evals[name]))
-    if bad.items:
-        for item in bad.items[:20]:
-            ctx.log.warning("malformed: %s", item)
-        if len(bad.items) > sec.max_malformed:
-            raise StageError(f"data: {len(bad.items)} malformed input lines (limit data.max_malformed={sec.max_malformed}); first: "
-                             + "; ".join(bad.items[:5]))
+    shown = _check_malformed(bad, sec, ctx.log, 0)
 
     # eval prompts -------------------------------------------------------------------------------
     (ctx.out_dir / "eval").mkdir()
@@ -456,7 +704,7 @@ def run(ctx: StageContext) -> dict:
         lines = []
         for s in samples:
             chosen_keys.add(s.key)
-            prompt = _render_prompt(tok, s)
+            prompt = _render_prompt(renderer, tok, s)
             ids = tok(prompt, add_special_tokens=False)["input_ids"][-sec.max_prompt_tokens:]
             if len(ids) < 4:
                 continue
@@ -471,7 +719,7 @@ def run(ctx: StageContext) -> dict:
                 f.write(json.dumps(line) + "\n")
         domain_stats[name] = {"prompts": len(lines), "mean_prompt_tokens": round(sum(len(x["prompt_ids"]) for x in lines) / len(lines), 1)}
 
-    # dedup, split, subsample -----------------------------------------------------------------
+    # dedup, split -------------------------------------------------------------------------------
     n_raw = len(train)
     n_dup = 0
     if sec.dedup:
@@ -486,21 +734,66 @@ def run(ctx: StageContext) -> dict:
     train = [s for s in train if s.key not in chosen_keys]
     train.sort(key=lambda s: _bucket(s.key, sec.seed))
     heldout = [s for s in train if _bucket("heldout:" + s.key, sec.seed) < sec.eval_fraction]
-    train = [s for s in train if _bucket("heldout:" + s.key, sec.seed) >= sec.eval_fraction][: sec.max_samples]
+    train = [s for s in train if _bucket("heldout:" + s.key, sec.seed) >= sec.eval_fraction]
     if not train:
         raise StageError("data: no training samples left after dedup and split; add sources or lower data.eval_fraction")
 
     # tokenize (or regenerate) ------------------------------------------------------------------
-    _check_template(tok, train)
-    if sec.regenerate.enabled:
-        encoded = _regenerate(ctx, model_dir, tok, train, sec.regenerate, sec.max_length)
+    regen_stats = None
+    rc = sec.regenerate
+    if rc.enabled:
+        budget = sec.max_length - rc.max_new_tokens
+        train_jobs, skip_t = _select_jobs(renderer, tok, train, sec.max_samples, budget, sec.max_length, bad, tmpl_info)
+        n_held = math.ceil(len(train_jobs) * sec.eval_fraction / (1 - sec.eval_fraction)) if sec.eval_fraction else 0
+        held_jobs, skip_h = _select_jobs(renderer, tok, heldout, n_held, budget, sec.max_length, bad, tmpl_info)
+        shown = _check_malformed(bad, sec, ctx.log, shown)
+        if not train_jobs:
+            raise StageError(f"data: no training prompt fits data.max_length - data.regenerate.max_new_tokens = {budget} tokens "
+                             f"({skip_t} were longer); raise data.max_length or lower data.regenerate.max_new_tokens")
+        if skip_t or skip_h:
+            ctx.log.info("regeneration: %d prompts longer than %d tokens (data.max_length %d - max_new_tokens %d) skipped",
+                         skip_t + skip_h, budget, sec.max_length, rc.max_new_tokens)
+        stop_ids = list(tinfo.get("eos_token_ids") or [tinfo["eos_token_id"]])
+        if renderer is not None and tmpl_info["end_of_turn_id"] is not None and tmpl_info["end_of_turn_id"] not in stop_ids:
+            stop_ids.append(tmpl_info["end_of_turn_id"])      # data.chat_template's end of turn
+        greedy = rc.mode == "greedy"
+        ctx.log.info("regeneration: %d train + %d held-out prompts, batches of %d sorted by length, up to %d new tokens, %s, "
+                     "stop ids %s", len(train_jobs), len(held_jobs), rc.batch_size, rc.max_new_tokens,
+                     "greedy" if greedy else f"sampling T={rc.temperature} top_p={rc.top_p} seed={sec.seed}",
+                     [f"{i} ({tok.convert_ids_to_tokens(i)})" for i in stop_ids])
+        jobs = train_jobs + held_jobs
+        gens, regen_stats = regenerate(
+            model_dir, [j.prompt for j in jobs], [j.sample.key for j in jobs], batch_size=rc.batch_size,
+            max_new_tokens=rc.max_new_tokens, temperature=0.0 if greedy else rc.temperature, top_p=1.0 if greedy else rc.top_p,
+            stop_ids=stop_ids, seed=sec.seed, scratch=ctx.scratch_dir / "regenerate", log=ctx.log)
+        regen_stats.update(skipped_long_prompts=skip_t + skip_h, prompt_budget=budget, mode=rc.mode)
+        regen_stats["template"] = (_template_consistency(renderer, tok, jobs, gens, tmpl_info.get("end_of_turn_id"))
+                                   if renderer is not None else None)
+        rs = regen_stats
+        ctx.log.info("regeneration: %d prompts, %d resumed from scratch, %d generated in %.1fs: %s prompts/s, %s new tokens/s; "
+                     "mean %.1f new tokens per response; %d ended at a stop id, %d hit max_new_tokens=%d; prefill padding %.1f%%",
+                     rs["prompts"], rs["resumed_prompts"], rs["generated_prompts"], rs["seconds"], rs["prompts_per_s"],
+                     rs["new_tokens_per_s"], rs["mean_new_tokens"], rs["ended_at_stop"], rs["hit_max_new_tokens"],
+                     rc.max_new_tokens, 100 * rs["prefill_padding_fraction"])
+        if rs["template"] and rs["template"]["checked"]:
+            t = rs["template"]
+            (ctx.log.info if t["consistent"] == t["checked"] else ctx.log.warning)(
+                "regeneration: %d of %d responses that ended at the end of turn are exactly what the chat template renders for "
+                "that assistant turn%s", t["consistent"], t["checked"],
+                "" if t["consistent"] == t["checked"] else f" (first that is not: {t['first_inconsistent']}; the sample keeps the target's own tokens)")
+        rows_all = _regenerated_rows(jobs, gens)
+        train, encoded = [j.sample for j in train_jobs], rows_all[: len(train_jobs)]
+        heldout, held_enc = [j.sample for j in held_jobs], rows_all[len(train_jobs):]
     else:
-        if any(s.fmt == "prompt" for s in train):
-            first = next(s for s in train if s.fmt == "prompt")
-            raise StageError(f"data: prompt-only samples (e.g. {first.origin}) have no response to train on; "
-                             "enable data.regenerate to let the target write the responses, or give text/messages samples")
-        encoded = [_encode_train(tok, s, sec.max_length) for s in train]
-    held_enc = [_encode_train(tok, s, sec.max_length) for s in heldout if s.fmt != "prompt"]
+        train = train[: sec.max_samples]
+        no_response = [s for s in train if s.fmt == "prompt" or (s.fmt == "messages" and not _has_assistant(s))]
+        if no_response:
+            raise StageError(f"data: {len(no_response)} training samples have no response to train on (prompts, or conversations "
+                             f"without an assistant turn; e.g. {no_response[0].origin}); enable data.regenerate to let the target "
+                             "write the responses, or give text/messages samples with responses")
+        encoded = _encode_samples(renderer, tok, train, sec.max_length, eos_id, bad, tmpl_info)
+        held_enc = _encode_samples(renderer, tok, heldout, sec.max_length, eos_id, bad, tmpl_info)
+        shown = _check_malformed(bad, sec, ctx.log, shown)
 
     def rows(samples, enc):
         keep = [(s, e) for s, e in zip(samples, enc) if e and len(e[0]) >= sec.min_length and sum(e[1]) > 0]
@@ -508,12 +801,15 @@ def run(ctx: StageContext) -> dict:
                 "domain": [s.domain for s, _ in keep], "source": [s.origin for s, _ in keep]}
 
     train_rows = rows(train, encoded)
-    held_rows = rows([s for s in heldout if s.fmt != "prompt"], held_enc)
+    held_rows = rows(heldout, held_enc)
     if not train_rows["input_ids"]:
-        raise StageError(f"data: every training sample is shorter than data.min_length={sec.min_length} tokens")
+        raise StageError(f"data: every training sample is shorter than data.min_length={sec.min_length} tokens or has no "
+                         "token to train on (a conversation whose assistant turns lie beyond data.max_length)")
     calib_rows = {k: v[: sec.calib_samples] for k, v in train_rows.items()}
     for name, r in (("train", train_rows), ("heldout", held_rows), ("calib", calib_rows)):
         Dataset.from_dict(r).to_parquet(str(ctx.out_dir / f"{name}.parquet"))
+    if renderer is not None:
+        (ctx.out_dir / "chat_template.jinja").write_text(renderer.template)
 
     def split_stats(r):
         lens = [len(x) for x in r["input_ids"]]
@@ -525,27 +821,48 @@ def run(ctx: StageContext) -> dict:
         "domains": domain_stats,
         "raw_samples": n_raw, "dedup_removed": n_dup, "subsampled_to": sec.max_samples,
         "eval_overlap_removed": len(overlap), "malformed": len(bad.items), "malformed_examples": bad.items[:20],
-        "regenerated": sec.regenerate.enabled,
+        "regenerated": rc.enabled, "regeneration": regen_stats, "chat_template": tmpl_info,
     }
     (ctx.out_dir / "stats.json").write_text(json.dumps(stats, indent=2))
-    ctx.log.info("train %d samples / %d tokens, heldout %d, calib %d; eval domains: %s",
-                 stats["splits"]["train"]["samples"], stats["splits"]["train"]["tokens"], stats["splits"]["heldout"]["samples"],
-                 stats["splits"]["calib"]["samples"], ", ".join(f"{k} ({v['prompts']})" for k, v in domain_stats.items()))
-    return {
+    ctx.log.info("train %d samples / %d tokens (%d trained on), heldout %d, calib %d; eval domains: %s",
+                 stats["splits"]["train"]["samples"], stats["splits"]["train"]["tokens"], stats["splits"]["train"]["loss_tokens"],
+                 stats["splits"]["heldout"]["samples"], stats["splits"]["calib"]["samples"],
+                 ", ".join(f"{k} ({v['prompts']})" for k, v in domain_stats.items()))
+    metrics = {
         "train_samples": stats["splits"]["train"]["samples"], "train_tokens": stats["splits"]["train"]["tokens"],
         "train_loss_tokens": stats["splits"]["train"]["loss_tokens"], "heldout_samples": stats["splits"]["heldout"]["samples"],
         "calib_samples": stats["splits"]["calib"]["samples"], "malformed": len(bad.items),
-        "eval_domains": {k: v["prompts"] for k, v in domain_stats.items()}, "regenerated": sec.regenerate.enabled,
+        "eval_domains": {k: v["prompts"] for k, v in domain_stats.items()}, "regenerated": rc.enabled,
+        "mask_method": tmpl_info.get("mask_method"),
     }
+    if regen_stats:
+        metrics["regeneration"] = {k: regen_stats[k] for k in ("prompts", "resumed_prompts", "seconds", "prompts_per_s",
+                                                               "new_tokens_per_s", "mean_new_tokens", "ended_at_stop",
+                                                               "hit_max_new_tokens")}
+    return metrics
 
 
 def report(artifact) -> str:
-    from pipeline.report import table
+    from pipeline.report import esc, table
 
     s = artifact.read_json("stats.json")
     rows = [[k, v["samples"], v["tokens"], v["loss_tokens"], v["mean_len"], v["max_len"]] for k, v in s["splits"].items()]
     out = table(rows, ["split", "samples", "tokens", "loss tokens", "mean length", "max length"])
     out += table([[k, v["prompts"], v["mean_prompt_tokens"]] for k, v in s["domains"].items()], ["eval domain", "prompts", "mean prompt tokens"])
+    t = s.get("chat_template") or {}
+    if t.get("source"):
+        out += table([["template", t["source"]], ["loss masks", t["mask_method"]], ["end of turn", t["end_of_turn"]],
+                      ["assistant header", repr(t["generation_prompt"])]], ["chat template", ""])
+    g = s.get("regeneration")
+    if g:
+        rows = [["prompts (resumed)", f"{g['prompts']} ({g['resumed_prompts']})"], ["seconds", g["seconds"]],
+                ["prompts/s", g["prompts_per_s"]], ["new tokens/s", g["new_tokens_per_s"]],
+                ["mean new tokens", g["mean_new_tokens"]], ["ended at a stop id", g["ended_at_stop"]],
+                ["hit max_new_tokens", f"{g['hit_max_new_tokens']} (max {g['max_new_tokens']})"],
+                ["long prompts skipped", g.get("skipped_long_prompts")]]
+        if g.get("template"):
+            rows.append(["equal to the template's rendering", f"{g['template']['consistent']} of {g['template']['checked']}"])
+        out += table(rows, ["regeneration", ""])
     if s.get("malformed"):
-        out += "<p>malformed lines: " + ", ".join(s["malformed_examples"][:5]) + "</p>"
+        out += "<p>malformed lines: " + esc(", ".join(s["malformed_examples"][:5])) + "</p>"
     return out

@@ -8,6 +8,12 @@ Two routes:
 
 Artifact: `model/` (HF checkpoint + tokenizer), `target.json` (shape summary later stages read), and for the
 bootstrap route `corpus/{train,heldout}.jsonl` (the pretraining corpus and the files it never saw).
+
+Stop tokens: `target.json["eos_token_ids"]` lists every id that ends a generation, from config.json's and
+generation_config.json's `eos_token_id`, the tokenizer's eos and the chat template's end of turn (the special token
+right after an assistant message's content). An id that is part of the template's assistant header (a converted
+tokenizer whose eos is ChatML's `<|im_start|>`) is never a stop id: it is rejected with a warning. Each source is
+logged; `eos_token_id` (kept for older readers) is the first stop id, the end of turn when there is one.
 """
 from __future__ import annotations
 
@@ -28,7 +34,7 @@ from pipeline.stage import StageContext, StageSection, Strict
 
 NAME = "target"
 CONSUMES: tuple[str, ...] = ()
-VERSION = "1"
+VERSION = "2"   # 2: target.json gains eos_token_ids, end_of_turn, eos_sources, eos_rejected
 PACKAGES = ("torch", "transformers", "tokenizers", "safetensors")
 REQUIRED = True
 
@@ -110,7 +116,7 @@ def run(ctx: StageContext) -> dict:
     else:
         metrics = _resolve_model(ctx, sec, model_dir)
         source = sec.model
-    summary = _check_and_summarize(model_dir, sec, source)
+    summary = _check_and_summarize(model_dir, sec, source, ctx.log)
     (ctx.out_dir / "target.json").write_text(json.dumps(summary, indent=2))
     ctx.log.info("target: %s, %d layers, hidden %d, vocab %d, %.2fM params",
                  summary["architecture"], summary["num_layers"], summary["hidden_size"], summary["vocab_size"],
@@ -119,7 +125,31 @@ def run(ctx: StageContext) -> dict:
             "hidden_size": summary["hidden_size"], "vocab_size": summary["vocab_size"], "source": source}
 
 
-def _check_and_summarize(model_dir: Path, sec: Config, source: str) -> dict:
+def _stop_ids(model_dir: Path, tok, log) -> dict:
+    """Every id that ends a generation (see the module docstring), each source logged, disagreements warned."""
+    from runtime.chat_template import resolve_stop_ids
+
+    raw = json.loads((model_dir / "config.json").read_text())
+    text_cfg = raw.get("text_config") or {}
+    config_eos = raw.get("eos_token_id", text_cfg.get("eos_token_id"))
+    gen_path = model_dir / "generation_config.json"
+    gen_eos = json.loads(gen_path.read_text()).get("eos_token_id") if gen_path.exists() else None
+    res = resolve_stop_ids(tok, config_eos=config_eos, generation_eos=gen_eos)
+    name = lambda ids: ", ".join(f"{i} ({tok.convert_ids_to_tokens(i) if 0 <= i < len(tok) else '?'})" for i in ids) or "none"  # noqa: E731
+    src = res["sources"]
+    log.info("eos sources: config.json eos_token_id %s; generation_config.json %s; tokenizer eos %s; chat template end of turn %s",
+             name(src["config"]), name(src["generation_config"]) if gen_path.exists() else "(no file)",
+             name(src["tokenizer"]), name(src["chat_template"]) if tok.chat_template else "(no template)")
+    for w in res["warnings"]:
+        log.warning("eos: %s", w)
+    if not res["eos_token_ids"]:
+        raise StageError("target: no token ends a generation: config.json, generation_config.json and the tokenizer declare no "
+                         "usable eos_token_id and the chat template has no end-of-turn token; set eos_token_id in config.json")
+    log.info("stop ids (eos_token_ids): %s", name(res["eos_token_ids"]))
+    return res
+
+
+def _check_and_summarize(model_dir: Path, sec: Config, source: str, log) -> dict:
     from safetensors import safe_open
     from transformers import AutoConfig, AutoTokenizer
 
@@ -131,6 +161,7 @@ def _check_and_summarize(model_dir: Path, sec: Config, source: str) -> dict:
             for k in sf.keys():
                 n_params += math.prod(sf.get_slice(k).get_shape())
     text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    stops = _stop_ids(model_dir, tok, log)
     return {
         "source": source,
         "architecture": (cfg.architectures or [cfg.model_type])[0],
@@ -146,7 +177,11 @@ def _check_and_summarize(model_dir: Path, sec: Config, source: str) -> dict:
         "tokenizer_size": len(tok),
         "mask_token": tok.mask_token,
         "mask_token_id": tok.mask_token_id,
-        "eos_token_id": tok.eos_token_id,
+        "eos_token_id": stops["eos_token_ids"][0],
+        "eos_token_ids": stops["eos_token_ids"],
+        "end_of_turn": stops["end_of_turn"],
+        "eos_sources": stops["sources"],
+        "eos_rejected": stops["rejected"],
         "pad_token_id": tok.pad_token_id,
         "has_chat_template": bool(getattr(tok, "chat_template", None)),
         "num_parameters": n_params,
@@ -398,6 +433,10 @@ def report(artifact) -> str:
     m = artifact.metrics
     rows = [[k, s.get(k)] for k in ("source", "architecture", "num_layers", "hidden_size", "num_attention_heads",
                                      "num_key_value_heads", "vocab_size", "num_parameters", "dtype", "mask_token")]
+    if s.get("eos_token_ids") is not None:
+        eot = s.get("end_of_turn") or {}
+        rows += [["stop ids (eos_token_ids)", s["eos_token_ids"]], ["chat template end of turn", eot.get("token")]]
+        rows += [[f"rejected eos {x['id']} ({x['token']}, {x['source']})", x["why"]] for x in s.get("eos_rejected", [])]
     if "heldout_perplexity" in m:
         rows += [["pretraining", f"{m['pretrain_steps']} steps, loss {m['pretrain_first_loss']} -> {m['pretrain_final_loss']}"],
                  ["held-out perplexity", m["heldout_perplexity"]]]
