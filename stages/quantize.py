@@ -675,9 +675,7 @@ def quantize_eagle_checkpoint(target_dir: Path, draft_dir: Path, out: Path, cali
     export_speculative_decoding(model, dtype=torch.float32, export_dir=out)  # exact FP8 weights; see export_target
     exported = json.loads((out / "config.json").read_text())
     dcfg = dict(dcfg, quantization_config=exported.get("quantization_config"))
-    (out / "config.json").write_text(json.dumps(dcfg, indent=4))
-    from runtime.hf_config import normalize_file  # RoPE in the form TensorRT-LLM 1.2 and 1.3 read
-    normalize_file(out / "config.json")
+    (out / "config.json").write_text(json.dumps(dcfg, indent=4))   # RoPE as train_draft normalized it
     orig = read_safetensors(draft_dir)
     cast_high_precision(out, lambda k, v: orig[k].dtype if k in orig else v.dtype)
     copy_tokenizer(draft_dir, out)
