@@ -1,16 +1,34 @@
 """The one compatibility table: container image -> TensorRT-LLM version -> what that version can deploy.
 
-Used by `stages/build.py` (which fields to write and what they mean), `stages/export.py` (which container
-serves the production repository) and the Dockerfiles. Facts from `../shared/reference/trtllm-triton.md`
-§1, §2, §6 and the field lists in `runtime/schemas/`.
+Used by `stages/tune.py` (which draft-length schedules the deployment honours), `stages/build.py` (which fields
+to write and what they mean), `stages/export.py` (which container serves the production repository) and the
+Dockerfiles. Every behavioural fact below was read from TensorRT-LLM's source; `SOURCES` names the file and the
+stored commit (or PR) for each, and tests that encode a fact cite the same entry.
 
-Two things change between the TensorRT-LLM lines specpipe targets, and both silently change behaviour if a
-generator gets them wrong:
-- `draft_len_schedule`: 1.2 keys are LOWER bounds ({1: 4, 4: 2, 8: 0}: batch >= 4 uses 2; key 1 must equal
-  max_draft_len); 1.3 keys are UPPER bounds ({3: 4, 7: 2}: batch 1-3 uses 4, 4-7 uses 2, above 7 none; the
-  smallest key's value must equal max_draft_len), and 1.3 rejects `max_concurrency` together with a schedule.
-- the acceptance guard: 1.2 `acceptance_window` + `acceptance_length_threshold` (a length, >= 0, over completed
-  requests); 1.3 `acceptance_rate_window_size` + `acceptance_rate_threshold` (a rate in [0, 1], over iterations).
+What changes between the TensorRT-LLM lines specpipe targets, each of which silently changes behaviour if a
+generator gets it wrong:
+- who applies a per-batch draft length. 1.2: only the two-model drafter (`Drafter`, created by
+  `get_spec_drafter` for two-model EAGLE-3 / draft-target / NGram) applies `draft_len_schedule`,
+  `max_concurrency` and the acceptance guard; with `eagle3_one_model: true` there is no drafter and the draft
+  length is `max_draft_len` at every batch size. 1.3: the one-engine path applies the schedule.
+- the schedule's keys: 1.2 lower bounds ({1: 4, 4: 2, 8: 0}: batch >= 4 uses 2; key 1 must equal
+  max_draft_len); 1.3 upper bounds ({4: 4, 8: 2}: 1-4 -> 4, 5-8 -> 2, above 8 -> 0; the smallest key's value
+  must equal max_draft_len), and 1.3 rejects `max_concurrency` together with a schedule (alone it becomes
+  {max_concurrency: max_draft_len}).
+- a draft length of 0 in one-engine mode (1.3): TensorRT-LLM PR #16888 (open): drafter state is not refreshed
+  while the resolved length is 0, so acceptance collapses once speculation resumes; a schedule reaching 0 and
+  `max_concurrency` (translated into such a schedule) are both affected.
+- the acceptance guard: 1.2 `acceptance_window` + `acceptance_length_threshold`, compared with the rolling mean
+  of (decoded tokens per iteration - 1) = accepted draft tokens per iteration over completed requests; 1.3
+  (PR #12905) `acceptance_rate_window_size` + `acceptance_rate_threshold`, a rate accepted / drafted in [0, 1]
+  over speculation-enabled iterations.
+- EAGLE-3 draft weight names: the module is `midlayer`; ModelOpt exports `layers.0.*`. The loader's remap
+  (PR #11010, merged to main 2026-01-28) is in the 1.3 line, not in the 1.2 branch (cut at 1.2.0rc6 in
+  December 2025), whose loader only prefixes `model.`: `layers.0.*` tensors match no module and are skipped.
+- the HF config the model code reads: the 1.2 line pins transformers 4.57.1 (top-level `rope_theta` /
+  `rope_scaling`; a config with only `rope_parameters` gets the default theta 10000) and its
+  `RotaryScalingType.from_string` has no "default" (a `rope_scaling` of type "default" raises); the 1.3 line
+  runs transformers 5 (`rope_parameters`; top-level `rope_theta` is still converted on load).
 """
 from __future__ import annotations
 
@@ -19,6 +37,15 @@ from dataclasses import dataclass
 from typing import Literal
 
 Semantics = Literal["lower_bound", "upper_bound"]
+Mode = Literal["one_model", "two_model"]
+
+# Quantization algorithms the PyTorch backend's linear layers serve (`tensorrt_llm/_torch/modules/linear.py`
+# `get_quant_method`: FP8 QDQ, FP8 row-wise = per-channel weights x per-token activations, FP8 block scales,
+# NVFP4, W4A8 NVFP4/MXFP4 x FP8, weight-only INT4/INT8, INT4 AWQ, W4A8 AWQ, MXFP4 x MXFP8) plus
+# MIXED_PRECISION (per-layer algorithms, `_torch/model_config.py`). Same list on both lines read.
+PYTORCH_QUANT_ALGOS = frozenset({
+    "FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_BLOCK_SCALES", "NVFP4", "W4A8_NVFP4_FP8", "W4A8_MXFP4_FP8",
+    "W4A8_MXFP4_MXFP8", "W8A16", "W4A16", "W4A16_AWQ", "W4A8_AWQ", "MIXED_PRECISION"})
 
 
 @dataclass(frozen=True)
@@ -29,25 +56,82 @@ class Release:
     decoding_types: dict           # specpipe algorithm -> speculative_config.decoding_type
     schedule_semantics: Semantics
     schedule_with_max_concurrency: bool   # both may be given together
+    per_batch_draft_len: frozenset[str]   # modes whose runtime applies draft_len_schedule / max_concurrency
+    zero_draft_len_ok: frozenset[str]     # modes where a resolved draft length of 0 is safe (switches speculation off)
+    acceptance_guard_modes: frozenset[str]   # modes whose runtime evaluates the acceptance guard
     acceptance_window_key: str
     acceptance_threshold_key: str
-    acceptance_threshold_kind: Literal["length", "rate"]
+    acceptance_threshold_kind: Literal["accepted_tokens", "rate"]
     eagle3_two_model: bool         # eagle3_one_model: false is honoured (1.3 resets it to true)
     emits_eagle3_one_model: bool   # the field exists in this line's docs
+    eagle3_draft_layer_prefix: Literal["midlayer", "layers"]   # the EAGLE-3 draft layer names the loader reads
+    hf_rope_form: Literal["legacy", "rope_parameters"]          # how the pinned transformers reads RoPE settings
+    quant_algos: frozenset[str] = PYTORCH_QUANT_ALGOS
+
+    def mode(self, algorithm: str, eagle3_one_model: bool = True) -> Mode:
+        """DFlash always runs in one engine; EAGLE-3 as configured (1.3 always one)."""
+        if algorithm == "eagle3" and not eagle3_one_model and self.eagle3_two_model:
+            return "two_model"
+        return "one_model"
 
 
 RELEASES: dict[str, Release] = {
     "1.2": Release(
         line="1.2", schema="trtllm-1.2", algorithms=frozenset({"eagle3"}), decoding_types={"eagle3": "Eagle3"},
         schedule_semantics="lower_bound", schedule_with_max_concurrency=True,
+        per_batch_draft_len=frozenset({"two_model"}), zero_draft_len_ok=frozenset({"two_model"}),
+        acceptance_guard_modes=frozenset({"two_model"}),
         acceptance_window_key="acceptance_window", acceptance_threshold_key="acceptance_length_threshold",
-        acceptance_threshold_kind="length", eagle3_two_model=True, emits_eagle3_one_model=True),
+        acceptance_threshold_kind="accepted_tokens", eagle3_two_model=True, emits_eagle3_one_model=True,
+        eagle3_draft_layer_prefix="midlayer", hf_rope_form="legacy"),
     "1.3": Release(
         line="1.3", schema="trtllm-1.3", algorithms=frozenset({"eagle3", "dflash"}),
         decoding_types={"eagle3": "Eagle3", "dflash": "DFlash"},
         schedule_semantics="upper_bound", schedule_with_max_concurrency=False,
+        per_batch_draft_len=frozenset({"one_model"}), zero_draft_len_ok=frozenset(),
+        acceptance_guard_modes=frozenset({"one_model"}),
         acceptance_window_key="acceptance_rate_window_size", acceptance_threshold_key="acceptance_rate_threshold",
-        acceptance_threshold_kind="rate", eagle3_two_model=False, emits_eagle3_one_model=False),
+        acceptance_threshold_kind="rate", eagle3_two_model=False, emits_eagle3_one_model=False,
+        eagle3_draft_layer_prefix="layers", hf_rope_form="rope_parameters"),
+}
+
+# Where each fact above was read (NVIDIA/TensorRT-LLM unless named; "stored <sha>" = the version of the file the
+# search index holds at that commit; the exact v1.2.1 blobs are not in the index, so the 1.2-line versions were
+# identified by their 1.2-only content: `acceptance_length_threshold`, lower-bound schedule comments).
+SOURCES: dict[str, str] = {
+    "layers_to_capture": "tensorrt_llm/_torch/speculative/eagle3.py Eagle3SpecMetadata.__post_init__ (default "
+                         "(1, L//2-1, L-4), ValueError 'Not enough hidden layers for default EAGLE3 capture' for L <= 5, "
+                         "layers sorted); tensorrt_llm/llmapi/llm_args.py Eagle3DecodingConfig.num_capture_layers "
+                         "(len(eagle3_layers_to_capture), else 3)",
+    "fc_shape": "tensorrt_llm/_torch/models/modeling_speculative.py Eagle3DraftModel: fc = Linear(hidden_size_in x "
+                "spec_config.num_capture_layers, hidden) when num_capture_layers > 1; midlayer = one Eagle3DecoderLayer "
+                "(a ModuleList midlayer.<i> for several layers)",
+    "draft_weight_names": "modeling_speculative.py Eagle3ForCausalLM.load_weights: 1.2-era version only prefixes 'model.'; "
+                          "main commit c37531c3f7 (PR #11010, 2026-01-28) adds layers.0. -> midlayer. / layers.N. -> midlayer.N.",
+    "per_batch_draft_len_1_2": "tensorrt_llm/_torch/pyexecutor/py_executor.py _prepare_and_schedule_batch (1.2-era, "
+                               "schedule {1:4, 4:2, 8:0} semantics): draft_len_schedule, should_use_spec_decode "
+                               "(max_concurrency) and speculation_permanently_disabled are applied only under "
+                               "`if self.drafter is not None`; tensorrt_llm/_torch/speculative/utils.py get_spec_drafter "
+                               "returns a drafter only for two-model EAGLE-3 / draft-target / MTP-Eagle / NGram",
+    "zero_draft_len_one_engine": "PR #16888 (open) 'Keep drafting alive when dynamic draft length hits its floor': "
+                                 "a schedule resolving to 0, and max_concurrency (translated into one), skip drafting in "
+                                 "one-engine mode and corrupt drafter state; acceptance collapses after resuming",
+    "acceptance_guard_1_2": "tensorrt_llm/_torch/speculative/speculation_gate.py stored 41080dc55e22d58ad38a78f8ca6143a88e903468: "
+                            "record_avg_decoded compares mean(max(0, avg_decoded_tokens_per_iter - 1)) over the last "
+                            "`window` completed requests with the threshold",
+    "acceptance_guard_1_3": "PR #12905: acceptance_rate_window_size / acceptance_rate_threshold, rate accepted / drafted in "
+                            "[0, 1] over speculation-enabled iterations (SpeculationGate.record_acceptance_rate)",
+    "decoupled": "triton_backend/scripts/launch_triton_server.py stored 0a2e2c1f1268b34586393794045691b666ba28be: always "
+                 "passes --disable-auto-complete-config; triton_backend/all_models/llmapi/tensorrt_llm/1/model.py stored "
+                 "044a90d209e380c95e23e8ae42f3583fa05ada78: only auto_complete_config copies triton_config into the model config",
+    "transformers_1_2": "requirements.txt stored 000867d9b1ad62f3de1e54e111c094da492a5626 (1.2 line: torch<=2.9.0, "
+                        "nvidia-modelopt~=0.37.0): transformers==4.57.1; PR #12829 moves to transformers 5.3.0 (1.3 line)",
+    "rope_1_2": "tensorrt_llm/_torch/attention_backend/interface.py RopeParams.from_config (pre-PR #10636 form): "
+                "theta = getattr(config, 'rope_theta', 10000.0), scaling from config.rope_scaling via "
+                "tensorrt_llm/functional.py RotaryScalingType.from_string, which raises for 'default'",
+    "quant_algos": "tensorrt_llm/_torch/modules/linear.py get_quant_method (stored 00bbf71e796406ea8593a77cbfb828356182db16 "
+                   "and the 1.x versions in the index)",
+    "dflash_block_size": "llm_args.py DFlashDecodingConfig (1.3): max_draft_len <= block_size - 1",
 }
 
 

@@ -418,21 +418,23 @@ class Choice:
 
 
 def choose_k(dep: Deployment, curves: dict[str, list[float]], weights: dict[str, float], batch: int, K: int,
-             *, min_speedup: float = 1.0, tie_tolerance: float = 0.01) -> Choice:
+             *, min_speedup: float = 1.0, tie_tolerance: float = 0.01, min_k: int = 0) -> Choice:
     """The best draft length at one batch size.
 
     Among k = 1..K take the best predicted speedup, then prefer a shorter k while it stays within
     `tie_tolerance` of the best (a draft token that buys almost nothing still costs token budget and is
     the first to hurt when acceptance drifts). Speculation is off (k = 0) when even the best falls below
-    `min_speedup`.
+    `min_speedup`, unless `min_k` >= 1: a deployment that cannot switch speculation off at one batch size
+    (TensorRT-LLM one-engine mode, see runtime.compat) gets the best k >= min_k there instead.
     """
     base = dep.target_time(batch, 1)
     sp = [1.0] + [mix_expected_tokens(curves, weights, k) * base / dep.spec_time(batch, k) for k in range(1, K + 1)]
-    best = max(range(K + 1), key=lambda k: (sp[k], -k)) if K else 0
+    lo = min(max(0, min_k), K)      # 0: "no speculation" competes (its speedup is 1.0)
+    best = max(range(lo, K + 1), key=lambda k: (sp[k], -k)) if K else 0
     k = best
-    while k > 1 and sp[k - 1] >= sp[best] * (1 - tie_tolerance):
+    while k > max(1, min_k) and sp[k - 1] >= sp[best] * (1 - tie_tolerance):
         k -= 1
-    if k == 0 or sp[k] < min_speedup:
+    if min_k == 0 and (k == 0 or sp[k] < min_speedup):
         k = 0
     ridge = dep.machine.ridge_rows(dep.target_prec)
     dom = {d: (expected_tokens(c, k) * base / dep.spec_time(batch, k) if k else 1.0) for d, c in curves.items()}
@@ -441,7 +443,7 @@ def choose_k(dep: Deployment, curves: dict[str, list[float]], weights: dict[str,
 
 def k_by_batch(dep: Deployment, curves, weights, max_batch: int, K: int, **kw) -> list[int]:
     """Chosen k at every batch size 1..max_batch (index 0 = batch 1), made non-increasing: a longer draft at a
-    larger batch only happens through model noise, and both TensorRT-LLM schedule formats are read as steps."""
+    larger batch only happens through model noise, and TensorRT-LLM's schedule formats are read as steps."""
     ks = [choose_k(dep, curves, weights, b, K, **kw).k for b in range(1, max_batch + 1)]
     out, cur = [], K
     for k in ks:
@@ -450,70 +452,30 @@ def k_by_batch(dep: Deployment, curves, weights, max_batch: int, K: int, **kw) -
     return out
 
 
-def runs(ks: list[int]) -> list[tuple[int, int, int]]:
-    """Run-length encoding of k per batch size: [(first batch, last batch, k)], batches 1-based."""
-    out: list[list[int]] = []
-    for b, k in enumerate(ks, start=1):
-        if out and out[-1][2] == k:
-            out[-1][1] = b
-        else:
-            out.append([b, b, k])
-    return [tuple(r) for r in out]  # type: ignore[misc]
+def best_constant_k(dep: Deployment, curves, weights, batches: list[int], K: int, *, min_speedup: float = 1.0,
+                    tie_tolerance: float = 0.01) -> tuple[int, float]:
+    """One draft length for every batch size (a deployment that applies no per-batch schedule): the k in 1..K
+    with the best geometric-mean predicted speedup over `batches` (each listed batch size weighs the same), the
+    shortest within `tie_tolerance` of it; 0 (no speculation) when that mean is below `min_speedup`.
+    Returns (k, geometric-mean speedup at k)."""
+    if not K or not batches:
+        return 0, 1.0
+    logs = [0.0] * (K + 1)
+    for b in batches:
+        sp = choose_k(dep, curves, weights, b, K, min_speedup=0.0).speedups
+        for k in range(1, K + 1):
+            logs[k] += math.log(max(sp[k], 1e-12)) / len(batches)
+    gm = [1.0] + [math.exp(x) for x in logs[1:]]
+    best = max(range(1, K + 1), key=lambda k: (gm[k], -k))
+    k = best
+    while k > 1 and gm[k - 1] >= gm[best] * (1 - tie_tolerance):
+        k -= 1
+    if gm[k] < min_speedup:
+        return 0, 1.0
+    return k, gm[k]
 
 
-# ------------------------------------------------------------------------------------------ TensorRT-LLM formats
-
-
-def schedule_for(ks: list[int], semantics: str, with_max_concurrency: bool = True) -> dict:
-    """`max_draft_len`, `draft_len_schedule` and `max_concurrency` for a k-per-batch list (batch 1..len(ks)) in
-    one TensorRT-LLM version's terms (`runtime.compat.Release`: `schedule_semantics`,
-    `schedule_with_max_concurrency`). Both forms encode the same step function exactly.
-
-    lower_bound (1.2):  {1: 4, 9: 2, 33: 0} -> batch 1-8: 4, 9-32: 2, >= 33: off; key 1 == max_draft_len.
-    upper_bound (1.3+): {8: 4, 32: 2}       -> batch 1-8: 4, 9-32: 2, above 32: off; the smallest key's value
-                        == max_draft_len. 1.3 rejects max_concurrency next to a schedule; alone it means
-                        {max_concurrency: max_draft_len}.
-    """
-    rr = runs(ks)
-    max_draft_len = rr[0][2] if rr else 0
-    on = [r for r in rr if r[2] > 0]
-    off_above = on[-1][1] if on and on[-1][1] < len(ks) else None   # speculation off above this batch
-    constant = len({r[2] for r in on}) <= 1
-    out: dict = {"max_draft_len": max_draft_len, "speculation": max_draft_len > 0,
-                 "draft_len_schedule": None, "max_concurrency": None, "speculation_off_above": off_above}
-    if max_draft_len == 0:
-        return out
-    if constant:   # one draft length, maybe off above some batch: max_concurrency says it in every version
-        out["max_concurrency"] = off_above
-    elif semantics == "lower_bound":
-        out["draft_len_schedule"] = {str(lo): k for lo, _, k in rr}
-        out["max_concurrency"] = off_above if with_max_concurrency else None
-    elif semantics == "upper_bound":
-        out["draft_len_schedule"] = {str(hi): k for _, hi, k in on}   # above the last key: off
-        out["max_concurrency"] = off_above if with_max_concurrency else None
-    else:
-        raise ValueError(f"unknown schedule semantics {semantics!r}")
-    return out
-
-
-def parse_schedule(schedule: dict | None, max_concurrency: int | None, max_draft_len: int, semantics: str,
-                   max_batch: int) -> list[int]:
-    """The draft length TensorRT-LLM uses at batch 1..max_batch under these settings (the inverse of
-    `schedule_for`, written from the runtime's rules in the reference, used to check what is emitted)."""
-    sched = {int(k): int(v) for k, v in (schedule or {}).items()}
-    out = []
-    for b in range(1, max_batch + 1):
-        if not sched:
-            k = max_draft_len
-        elif semantics == "lower_bound":
-            k = sched[max(key for key in sched if key <= b)]
-        else:
-            ups = [key for key in sched if key >= b]
-            k = sched[min(ups)] if ups else 0
-        if max_concurrency is not None and b > max_concurrency:
-            k = 0
-        out.append(k)
-    return out
+# ------------------------------------------------------------------------------------------ TensorRT-LLM sizes
 
 
 def cuda_graph_batch_sizes(max_batch: int, schedule_points: list[int]) -> list[int]:

@@ -1,27 +1,24 @@
 """TensorRT-LLM LLM-API options for a speculative FP8 deployment: generate them for a version, check them.
 
 Pure functions (no TensorRT-LLM import; it cannot be installed here). The field names each version accepts
-come from `runtime/schemas/*.json`, extracted from TensorRT-LLM's `llm_args.py`; the semantics that differ
-between versions come from `runtime/compat.py`. Everything the build stage writes goes through
-`unknown_keys` (every key exists in the targeted version's schema) and `consistency_checks` (named checks
-for the mistakes that make a deployment load but run badly: reference §2, §3, §8).
-
-Draft-length schedules are carried internally as intervals `[(lo, hi, k)]`: batch sizes lo..hi (hi None =
-unbounded) use k draft tokens. `schedule_to_intervals` / `intervals_to_schedule` translate to and from each
-version's dict form, so a schedule tuned under one version's semantics is never misread by another.
+come from `runtime/schemas/*.json`, extracted from TensorRT-LLM's `llm_args.py`; the behaviour that differs
+between versions and modes comes from `runtime/compat.py` (with the upstream source of each fact); the
+draft-length schedule and its encodings from `runtime/draft_schedule.py`. Everything the build stage writes
+goes through `unknown_keys` (every key exists in the targeted version's schema) and `consistency_checks`
+(named checks for the mistakes that make a deployment load but run badly, or not load).
 """
 from __future__ import annotations
 
 import json
+import re
 import struct
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
-from runtime import compat
-
-Intervals = list[tuple[int, int | None, int]]
+from runtime import compat, draft_schedule, hf_config
+from runtime.draft_schedule import DraftSchedule
 
 
 # ------------------------------------------------------------------------------------------ schemas
@@ -87,88 +84,7 @@ def unknown_keys(options: dict, version: str, *, model_yaml: bool = False) -> li
     return bad
 
 
-# ------------------------------------------------------------------------------------------ schedules
-
-
-def schedule_to_intervals(schedule: dict, semantics: compat.Semantics) -> Intervals:
-    keys = sorted((int(k), int(v)) for k, v in schedule.items())
-    out: Intervals = []
-    if semantics == "lower_bound":   # {1: 4, 4: 2, 8: 0}: batch >= key uses value
-        for i, (lo, k) in enumerate(keys):
-            hi = keys[i + 1][0] - 1 if i + 1 < len(keys) else None
-            out.append((lo, hi, k))
-    else:                            # {3: 4, 7: 2}: batch <= key uses value, above the last key: 0
-        lo = 1
-        for hi, k in keys:
-            out.append((lo, hi, k))
-            lo = hi + 1
-        out.append((lo, None, 0))
-    return merge_intervals(out)
-
-
-def intervals_to_schedule(intervals: Intervals, semantics: compat.Semantics, max_batch_size: int) -> dict[int, int]:
-    """The version's dict form. Batch sizes above max_batch_size never occur, so an unbounded last interval
-    becomes max_batch_size for upper-bound semantics."""
-    iv = merge_intervals([(lo, hi, k) for lo, hi, k in intervals if lo <= max_batch_size])
-    if semantics == "lower_bound":
-        return {lo: k for lo, _, k in iv}
-    out: dict[int, int] = {}
-    for lo, hi, k in iv:
-        if k > 0:
-            out[min(hi, max_batch_size) if hi is not None else max_batch_size] = k
-    return out
-
-
-def merge_intervals(iv: Intervals) -> Intervals:
-    out: Intervals = []
-    for lo, hi, k in sorted(iv):
-        if out and out[-1][2] == k and out[-1][1] is not None and out[-1][1] + 1 == lo:
-            out[-1] = (out[-1][0], hi, k)
-        else:
-            out.append((lo, hi, k))
-    return out
-
-
-def cap_intervals(intervals: Intervals, max_concurrency: int | None) -> Intervals:
-    """Fold max_concurrency (speculation off above it) into the schedule."""
-    if max_concurrency is None:
-        return intervals
-    out: Intervals = []
-    for lo, hi, k in intervals:
-        if lo > max_concurrency:
-            out.append((lo, hi, 0))
-        elif hi is None or hi > max_concurrency:
-            out += [(lo, max_concurrency, k), (max_concurrency + 1, hi, 0)]
-        else:
-            out.append((lo, hi, k))
-    return merge_intervals(out)
-
-
-def schedule_problems(schedule: dict, max_draft_len: int, version: str) -> list[str]:
-    """The version's own validation rules for draft_len_schedule (reference §2, schemas `rules`)."""
-    rel = compat.release(version)
-    keys = sorted(int(k) for k in schedule)
-    probs = []
-    if not keys:
-        return ["draft_len_schedule is empty"]
-    if keys[0] < 1 or any(int(v) < 0 for v in schedule.values()):
-        probs.append("keys must be >= 1 and values >= 0")
-    if any(int(v) > max_draft_len for v in schedule.values()):
-        probs.append(f"every draft length must be <= max_draft_len {max_draft_len}")
-    first = int(schedule[keys[0]] if keys[0] in schedule else schedule[str(keys[0])])
-    if rel.schedule_semantics == "lower_bound" and (keys[0] != 1 or first != max_draft_len):
-        probs.append(f"TensorRT-LLM {version} needs key 1 with value max_draft_len ({max_draft_len})")
-    if rel.schedule_semantics == "upper_bound" and first != max_draft_len:
-        probs.append(f"TensorRT-LLM {version} needs the smallest key's value to equal max_draft_len ({max_draft_len})")
-    return probs
-
-
 # ------------------------------------------------------------------------------------------ options
-
-
-def default_layers_to_capture(num_layers: int) -> set[int]:
-    """TensorRT-LLM's default EAGLE-3 capture set {1, L//2-1, L-4} (0-based), as ModelOpt also uses."""
-    return {1, num_layers // 2 - 1, num_layers - 4}
 
 
 @dataclass
@@ -176,14 +92,11 @@ class DeploymentSpec:
     version: str
     algorithm: str                      # eagle3 | dflash
     draft_dir: str
-    max_draft_len: int
-    num_target_layers: int
-    aux_layer_ids: list[int] | None     # EAGLE-3 layers the draft was trained on
+    schedule: DraftSchedule             # draft length per batch size (tune's, for this version and mode)
+    capture_layers: list[int] | None    # EAGLE-3: target layers whose hidden states the draft was trained on
     max_batch_size: int
     max_num_tokens: int
     max_seq_len: int
-    schedule: Intervals | None = None   # speculation per batch size (None: max_draft_len at every size)
-    max_concurrency: int | None = None
     cuda_graph_batch_sizes: list[int] | None = None
     cuda_graph_padding: bool = True
     kv_cache: dict = field(default_factory=lambda: {"free_gpu_memory_fraction": 0.85, "enable_block_reuse": True})
@@ -193,37 +106,37 @@ class DeploymentSpec:
     acceptance_window: int | None = None         # guard: switch speculation off when acceptance collapses
     min_acceptance_rate: float | None = None
 
+    @property
+    def release(self) -> compat.Release:
+        return compat.release(self.version)
+
+    @property
+    def mode(self) -> compat.Mode:
+        return self.release.mode(self.algorithm, self.eagle3_one_model)
+
+
+def acceptance_guard(rel: compat.Release, mode: compat.Mode, window: int | None, min_rate: float | None,
+                     max_draft_len: int) -> tuple[dict, str | None]:
+    """The guard's keys in the version's terms, and a note when it is not written. 1.2 thresholds the rolling
+    mean of accepted draft tokens per iteration (decoded tokens per iteration - 1) = rate x draft length; 1.3 a
+    rate accepted / drafted (compat.SOURCES acceptance_guard_1_2 / _1_3). AL = 1 + rate x k."""
+    if not window or min_rate is None:
+        return {}, None
+    if mode not in rel.acceptance_guard_modes:
+        return {}, (f"acceptance_guard not written: TensorRT-LLM {rel.line} evaluates it only in "
+                    f"{'/'.join(sorted(rel.acceptance_guard_modes))} mode (this deployment is {mode.replace('_', '-')})")
+    if rel.acceptance_threshold_kind == "rate":
+        value = float(min_rate)
+    else:
+        value = round(float(min_rate) * max_draft_len, 6)
+    return {rel.acceptance_window_key: int(window), rel.acceptance_threshold_key: value}, None
+
 
 def llm_api_options(spec: DeploymentSpec) -> dict:
     """The extra_llm_api_options dict (no `model`/`backend`: those are command-line arguments of trtllm-serve
-    and trtllm-bench, and are added to Triton's model.yaml by the export)."""
-    rel = compat.release(spec.version)
-    sc: dict = {"decoding_type": rel.decoding_types.get(spec.algorithm, spec.algorithm),
-                "max_draft_len": spec.max_draft_len, "speculative_model": spec.draft_dir}
-    if spec.algorithm == "eagle3":
-        if rel.emits_eagle3_one_model:
-            sc["eagle3_one_model"] = spec.eagle3_one_model
-        if spec.aux_layer_ids is not None and set(spec.aux_layer_ids) != default_layers_to_capture(spec.num_target_layers):
-            # 1.2 does not read eagle_aux_hidden_state_layer_ids from the draft config (reference §3)
-            sc["eagle3_layers_to_capture"] = sorted(spec.aux_layer_ids)
-    if spec.schedule is not None or spec.max_concurrency is not None:
-        # One step function (draft length per batch size), written the way the version reads it. A constant
-        # draft length with a cut-off is just max_concurrency; anything else is a schedule (in 1.3 the
-        # schedule must carry the cut-off itself: the two fields are mutually exclusive there).
-        iv = cap_intervals(spec.schedule or [(1, None, spec.max_draft_len)], spec.max_concurrency)
-        iv = merge_intervals([(lo, hi, k) for lo, hi, k in iv if lo <= spec.max_batch_size])
-        on = [x for x in iv if x[2] > 0]
-        if len(on) == 1 and on[0][0] == 1 and on[0][2] == spec.max_draft_len:
-            hi = on[0][1]
-            if hi is not None and hi < spec.max_batch_size:
-                sc["max_concurrency"] = hi
-        else:
-            sc["draft_len_schedule"] = intervals_to_schedule(iv, rel.schedule_semantics, spec.max_batch_size)
-    if spec.min_acceptance_rate is not None and spec.acceptance_window:
-        sc[rel.acceptance_window_key] = spec.acceptance_window
-        sc[rel.acceptance_threshold_key] = (spec.min_acceptance_rate if rel.acceptance_threshold_kind == "rate"
-                                            # 1.2 thresholds a length: AL = 1 + rate * draft length
-                                            else round(1.0 + spec.min_acceptance_rate * spec.max_draft_len, 4))
+    and trtllm-bench, and are added to Triton's model.yaml by the export). Without speculation (the schedule
+    never drafts) there is no speculative_config."""
+    rel, mode = spec.release, spec.mode
     opts: dict = {
         "tensor_parallel_size": spec.tensor_parallel_size,
         "pipeline_parallel_size": spec.pipeline_parallel_size,
@@ -236,11 +149,62 @@ def llm_api_options(spec: DeploymentSpec) -> dict:
         # batch_sizes only: with max_batch_size too, 1.2 requires batch_sizes to equal its generated list
         opts["cuda_graph_config"] = {"enable_padding": spec.cuda_graph_padding,
                                      "batch_sizes": sorted(set(spec.cuda_graph_batch_sizes))}
-    if spec.algorithm == "eagle3" and not spec.eagle3_one_model:
-        opts["disable_overlap_scheduler"] = True   # two-model EAGLE-3 needs it (reference §2)
     opts["enable_iter_perf_stats"] = True          # llm.get_stats() -> specDecodingStats
+    if not spec.schedule.speculates(spec.max_batch_size):
+        return opts
+    sc: dict = {"decoding_type": rel.decoding_types.get(spec.algorithm, spec.algorithm)}
+    sc.update(draft_schedule.encode(spec.schedule, rel, mode, spec.max_batch_size))
+    sc["speculative_model"] = spec.draft_dir
+    if spec.algorithm == "eagle3":
+        if rel.emits_eagle3_one_model:
+            sc["eagle3_one_model"] = spec.eagle3_one_model
+        if spec.capture_layers is not None:
+            # Always: TensorRT-LLM reads neither the draft config's aux layer ids nor sizes fc from them; unset it
+            # assumes 3 layers (1, L//2-1, L-4) and raises for L <= 5 (compat.SOURCES layers_to_capture)
+            sc["eagle3_layers_to_capture"] = sorted(set(int(i) for i in spec.capture_layers))
+    guard, _ = acceptance_guard(rel, mode, spec.acceptance_window, spec.min_acceptance_rate, sc["max_draft_len"])
+    sc.update(guard)
+    if spec.algorithm == "eagle3" and mode == "two_model":
+        opts["disable_overlap_scheduler"] = True   # two-model EAGLE-3 needs it (reference §2)
     opts["speculative_config"] = sc
     return opts
+
+
+# ------------------------------------------------------------------------------------------ draft weight names
+
+
+def draft_weight_renames(names: list[str], rel: compat.Release, num_layers: int) -> dict[str, str]:
+    """EAGLE-3 draft tensors to rename so that `rel`'s loader finds them (old name -> new name). ModelOpt writes
+    `layers.<i>.*`; TensorRT-LLM's module is `midlayer` (one layer) or `midlayer.<i>` (several). The 1.3 loader
+    remaps the ModelOpt names itself (PR #11010); the 1.2 one matches names only after prefixing `model.`, and
+    skips tensors that match no module (compat.SOURCES draft_weight_names)."""
+    if rel.eagle3_draft_layer_prefix != "midlayer":
+        return {}
+    out = {}
+    for n in names:
+        m = re.match(r"^layers\.(\d+)\.(.*)$", n)
+        if m:
+            out[n] = f"midlayer.{m.group(2)}" if num_layers == 1 else f"midlayer.{m.group(1)}.{m.group(2)}"
+    return out
+
+
+def rename_safetensors(src: Path, dst: Path, renames: dict[str, str]) -> int:
+    """Copy a safetensors file with some tensors renamed: the header is rewritten, the data bytes are copied
+    unchanged (offsets are relative to the data section). Returns the number of renamed tensors."""
+    with open(src, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        new = {renames.get(k, k): v for k, v in header.items()}
+        if len(new) != len(header):
+            raise ValueError(f"{src}: renaming would merge tensors")
+        raw = json.dumps(new, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        with open(dst, "wb") as out:
+            out.write(struct.pack("<Q", len(raw)))
+            out.write(raw)
+            while chunk := f.read(1 << 24):
+                out.write(chunk)
+    return sum(1 for k in header if k in renames)
 
 
 def dump_yaml(doc: dict) -> str:
@@ -292,16 +256,38 @@ def _draft_positions(dcfg: dict) -> int | None:
     return mpe
 
 
-def consistency_checks(options: dict, *, version: str, algorithm: str, target_dir: Path, draft_dir: Path,
-                       target_vocab_size: int | None = None) -> list[Check]:
-    """Named checks of a deployment (options + the checkpoints it points at). All run; callers decide."""
+def _read_json(path: Path) -> tuple[dict, str | None]:
+    try:
+        return json.loads(Path(path).read_text()), None
+    except (OSError, ValueError) as e:
+        return {}, f"{path}: {e}"
+
+
+def _quant_algo(d: Path) -> tuple[str | None, bool]:
+    qc = Path(d) / "hf_quant_config.json"
+    if not qc.exists():
+        return None, False
+    doc, err = _read_json(qc)
+    return ("unreadable" if err else (doc.get("quantization") or {}).get("quant_algo")), True
+
+
+def consistency_checks(options: dict, *, version: str, algorithm: str, target_dir: Path, draft_dir: Path | None,
+                       target_vocab_size: int | None = None, target_hidden_size: int | None = None,
+                       num_target_layers: int | None = None, capture_layers: list[int] | None = None,
+                       schedule: DraftSchedule | None = None, target_rope_theta: float | None = None,
+                       draft_rope_theta: float | None = None) -> list[Check]:
+    """Named checks of a deployment (options + the checkpoints it points at). All run; callers decide.
+    `capture_layers`: the layers the EAGLE-3 draft was trained on (draft.json); `schedule`: the tuned draft length
+    per batch size the options must reproduce; `*_rope_theta`: the theta each model was built/trained with."""
+    rel = compat.release(version)
     sc = options.get("speculative_config") or {}
+    mode = rel.mode(algorithm, sc.get("eagle3_one_model", True))
+    mbs, mnt = options.get("max_batch_size"), options.get("max_num_tokens")
     checks: list[Check] = []
 
     def add(name: str, ok: bool, msg: str) -> None:
         checks.append(Check(name, bool(ok), msg))
 
-    mbs, mnt = options.get("max_batch_size"), options.get("max_num_tokens")
     k_total = sc.get("max_total_draft_tokens") or sc.get("max_draft_len") or 0
     need = (mbs or 0) * (1 + k_total)
     add("token_budget", mnt is not None and mbs is not None and mnt >= need,
@@ -315,25 +301,42 @@ def consistency_checks(options: dict, *, version: str, algorithm: str, target_di
         f"CUDA-graph batch sizes {sorted(sizes)} must not exceed max_batch_size {mbs}"
         + (f"; too large: {over}" if over else ""))
 
-    qc = Path(target_dir) / "hf_quant_config.json"
-    algo = None
-    if qc.exists():
-        try:
-            algo = (json.loads(qc.read_text()).get("quantization") or {}).get("quant_algo")
-        except ValueError:
-            algo = "unreadable"
-    add("fp8_target_quant_config", algo == "FP8",
-        f"{qc} must exist with quantization.quant_algo FP8 (found: {algo if qc.exists() else 'no file'}); "
-        "without it TensorRT-LLM loads the target unquantized")
+    algo, present = _quant_algo(target_dir)
+    add("target_quant_config", algo in rel.quant_algos,
+        f"{Path(target_dir) / 'hf_quant_config.json'} must exist with a quantization.quant_algo TensorRT-LLM {version} "
+        f"serves ({', '.join(sorted(rel.quant_algos))}); found: {algo if present else 'no file'} "
+        "(without the file TensorRT-LLM loads the target unquantized)")
+
+    tcfg, _ = _read_json(Path(target_dir) / "config.json")
+    rp = hf_config.problems(tcfg, rel.hf_rope_form, expected_theta=target_rope_theta)
+    add("target_rope", not rp, f"target config.json, read as TensorRT-LLM {version} reads it "
+        f"({'transformers 4.57: rope_theta/rope_scaling' if rel.hf_rope_form == 'legacy' else 'transformers 5: rope_parameters'}): "
+        + ("; ".join(rp) if rp else f"theta {hf_config.read(tcfg).theta:g}" if hf_config.read(tcfg) else ""))
+
+    if not sc:
+        add("speculation", True, "no speculative_config: tune predicted no speedup at any batch size, the target "
+                                 "is deployed alone (draft checks not applicable)")
+        add("two_model_overlap_scheduler", True, "not applicable without speculation")
+        add("no_pipeline_parallel", True, "not applicable without speculation")
+    else:
+        _draft_checks(add, options, sc, rel, version, mode, algorithm, Path(draft_dir), target_vocab_size,
+                      target_hidden_size, num_target_layers, capture_layers, schedule, draft_rope_theta)
+
+    bad = unknown_keys(options, version)
+    add("schema_keys", not bad, f"keys unknown to TensorRT-LLM {version}: {bad}" if bad else f"every key exists in TensorRT-LLM {version}")
+    return checks
+
+
+def _draft_checks(add, options, sc, rel, version, mode, algorithm, draft_dir, target_vocab_size, target_hidden_size,
+                  num_target_layers, capture_layers, schedule, draft_rope_theta) -> None:
+    dcfg, err = _read_json(draft_dir / "config.json")
+    tensors = _draft_tensors(draft_dir) if not err else {}
+    k = sc.get("max_draft_len") or 0
 
     if algorithm == "eagle3":
-        try:
-            dcfg = json.loads((Path(draft_dir) / "config.json").read_text())
-        except (OSError, ValueError) as e:
-            dcfg = {}
-            add("draft_vocab", False, f"draft config unreadable: {e}")
+        if err:
+            add("draft_vocab", False, f"draft config unreadable: {err}")
         else:
-            tensors = _draft_tensors(Path(draft_dir))
             dvs, vs = dcfg.get("draft_vocab_size"), dcfg.get("vocab_size") or target_vocab_size
             d2t = tensors.get("d2t")
             lm = tensors.get("lm_head.weight")
@@ -350,17 +353,66 @@ def consistency_checks(options: dict, *, version: str, algorithm: str, target_di
                 ok = d2t is None or d2t[0] == dvs
                 msg = f"draft_vocab_size {dvs} == vocab_size {vs}" + ("" if ok else f", but d2t has {d2t[0]} entries")
             add("draft_vocab", ok, msg)
+
+        # the layers TensorRT-LLM captures = the ones the draft was trained on, and fc is sized for them
+        written = sc.get("eagle3_layers_to_capture")
+        trained = capture_layers if capture_layers is not None else \
+            (dcfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        probs = []
+        if written is None:
+            probs.append("eagle3_layers_to_capture is not written: TensorRT-LLM would capture its default 3 layers "
+                         "(1, L//2-1, L-4), and raises 'Not enough hidden layers for default EAGLE3 capture' for L <= 5")
+        elif trained is None:
+            probs.append("the draft's capture layers are unknown (draft.json aux_layer_ids / eagle_config)")
+        else:
+            want = sorted(set(int(i) for i in trained))
+            if sorted(written) != want:
+                probs.append(f"eagle3_layers_to_capture {sorted(written)} != the draft's capture layers {want}")
+            if len(want) != len(trained):
+                probs.append(f"the draft's capture layers {list(trained)} repeat a layer: TensorRT-LLM captures a set "
+                             f"({want}) and would feed fc {len(want)} hidden states")
+            if len(want) < 2:
+                probs.append(f"{len(want)} capture layer: TensorRT-LLM builds the draft's fc only for 2 or more")
+            if num_target_layers and any(i < 0 or i >= num_target_layers for i in want):
+                probs.append(f"capture layers {want} must lie in 0..{num_target_layers - 1}")
+        add("eagle3_capture_layers", not probs,
+            "; ".join(probs) or f"TensorRT-LLM captures target layers {sorted(written)} (the draft's)")
+
+        fc = tensors.get("fc.weight")
+        n = len(set(written)) if written else 3   # unset, TensorRT-LLM sizes fc for 3 capture layers
+        hid = dcfg.get("hidden_size")
+        tin = dcfg.get("target_hidden_size") or target_hidden_size or hid
+        if fc is None:
+            add("eagle3_fc_shape", False, "the draft has no fc.weight")
+        else:
+            ok = tin is not None and fc[1] == n * tin and (hid is None or fc[0] == hid)
+            add("eagle3_fc_shape", ok, f"fc.weight {fc} must be [{hid}, {n} capture layers x {tin} target hidden = "
+                                       f"{n * (tin or 0)}] (TensorRT-LLM sizes fc as hidden x number of capture layers)")
+
+        layer_names = [t for t in tensors if t.startswith(("layers.", "midlayer"))]
+        stale = [t for t in layer_names if t.startswith("layers.")] if rel.eagle3_draft_layer_prefix == "midlayer" else []
+        add("draft_weight_names", layer_names and not stale,
+            (f"{len(stale)} tensor(s) named layers.<i>.* (e.g. {stale[0]}): TensorRT-LLM {version}'s EAGLE-3 module is "
+             "midlayer and its loader does not remap them, so they would be skipped silently" if stale else
+             "the draft has no decoder-layer tensors" if not layer_names else
+             f"decoder-layer tensors named as TensorRT-LLM {version} reads them "
+             f"({'midlayer.*' if rel.eagle3_draft_layer_prefix == 'midlayer' else 'layers.<i>.* remapped by the loader, or midlayer.*'})"))
     else:
         add("draft_vocab", True, f"not applicable to {algorithm} (the draft reuses the target's vocabulary)")
-    try:
-        dcfg = json.loads((Path(draft_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        dcfg = {}
-    if algorithm == "dflash":
         bs = dcfg.get("block_size")
-        k = sc.get("max_draft_len") or 0
-        add("dflash_block_size", bs is not None and k <= bs - 1,
-            f"DFlash max_draft_len {k} must be <= block_size - 1 ({bs - 1 if bs else 'block_size missing'})")
+        cap = draft_schedule.dflash_max_draft_len(bs) if isinstance(bs, int) and bs >= 2 else None
+        add("dflash_block_size", cap is not None and k <= cap,
+            f"DFlash max_draft_len {k} must be <= block_size - 1 ({cap if cap is not None else 'block_size missing'})")
+
+    algo, present = _quant_algo(draft_dir)
+    if present:
+        add("draft_quant_config", algo in rel.quant_algos,
+            f"draft hf_quant_config.json quant_algo {algo}: TensorRT-LLM {version} serves {', '.join(sorted(rel.quant_algos))}")
+
+    rp = hf_config.problems(dcfg, rel.hf_rope_form, expected_theta=draft_rope_theta)
+    add("draft_rope", not rp, "draft config.json: " + ("; ".join(rp) if rp else "RoPE stated as TensorRT-LLM "
+                                                        f"{version} reads it"))
+
     positions = _draft_positions(dcfg)
     msl = options.get("max_seq_len")
     add("draft_positions", positions is None or msl is None or positions >= msl,
@@ -372,16 +424,32 @@ def consistency_checks(options: dict, *, version: str, algorithm: str, target_di
         "two-model EAGLE-3 (eagle3_one_model: false) needs disable_overlap_scheduler: true")
 
     pp = options.get("pipeline_parallel_size", 1)
-    add("no_pipeline_parallel", not sc or pp == 1,
+    add("no_pipeline_parallel", pp == 1,
         f"speculative decoding is incompatible with pipeline parallelism (pipeline_parallel_size {pp})")
 
     if "draft_len_schedule" in sc:
-        probs = schedule_problems(sc["draft_len_schedule"], sc.get("max_draft_len") or 0, version)
+        probs = draft_schedule.schedule_problems(sc["draft_len_schedule"], k, rel)
         add("draft_len_schedule", not probs, "; ".join(probs) or f"valid for TensorRT-LLM {version}")
-    if compat.release(version).schedule_with_max_concurrency is False:
+    if rel.schedule_with_max_concurrency is False:
         add("schedule_xor_concurrency", not ("draft_len_schedule" in sc and "max_concurrency" in sc),
             f"TensorRT-LLM {version} rejects max_concurrency together with draft_len_schedule")
+    mbs = options.get("max_batch_size") or 1
+    runs = draft_schedule.decode(sc, rel, mode, mbs)
+    zero = [r for r in runs.bounded(mbs) if r[2] == 0]
+    add("zero_draft_len", not zero or mode in rel.zero_draft_len_ok,
+        f"TensorRT-LLM {version} ({mode.replace('_', '-')}) would run batch sizes {zero[0][0] if zero else ''}"
+        f"{'-' + str(zero[0][1]) if zero else ''} with 0 draft tokens, which corrupts one-engine drafter state "
+        "(PR #16888)" if zero else "no batch size resolves to 0 draft tokens where that is unsafe")
+    if schedule is not None:
+        want = DraftSchedule.from_json(schedule.to_json(mbs))
+        add("schedule_as_tuned", runs == want,
+            f"TensorRT-LLM {version} ({mode.replace('_', '-')}) would use {runs.describe(mbs)}; tuned: {want.describe(mbs)}")
 
-    bad = unknown_keys(options, version)
-    add("schema_keys", not bad, f"keys unknown to TensorRT-LLM {version}: {bad}" if bad else f"every key exists in TensorRT-LLM {version}")
-    return checks
+    if rel.acceptance_window_key in sc or rel.acceptance_threshold_key in sc:   # other spellings: schema_keys
+        th = sc.get(rel.acceptance_threshold_key)
+        hi = 1.0 if rel.acceptance_threshold_kind == "rate" else float(k)
+        ok = mode in rel.acceptance_guard_modes and th is not None and 0 <= float(th) <= hi
+        add("acceptance_guard", ok,
+            f"{rel.acceptance_threshold_key} {th} must be in [0, {hi:g}] "
+            f"({'a rate accepted/drafted' if rel.acceptance_threshold_kind == 'rate' else 'accepted draft tokens per step'}) "
+            f"and the guard must be one {version} evaluates in {mode.replace('_', '-')} mode")

@@ -3,17 +3,23 @@
 For EAGLE-3 and DFlash TensorRT-LLM has no engine build: they run in the PyTorch backend (LLM API), where
 the deployment is the checkpoint pair plus the LLM-API options (CUDA graphs are captured when `LLM(...)`
 starts). So this stage writes, for the TensorRT-LLM version it targets (`build.trtllm_version`, default the
-version the shipped Triton image pins, `runtime/compat.py`):
+version the shipped Triton image pins, `runtime/compat.py`) and in that version's forms:
 
-  deployment/llm_api_options.yaml   speculative_config (+ tuned schedule), batch/token/sequence limits, KV, CUDA graphs
+  deployment/llm_api_options.yaml   speculative_config (the tuned draft length per batch size, the capture layers,
+                                    the acceptance guard), batch/token/sequence limits, KV, CUDA graphs
+  deployment/draft/                 the EAGLE-3 draft with its layers named as the targeted loader reads them, where
+                                    that differs from ModelOpt's names (1.2: midlayer.*); train_draft's artifact
+                                    stays as ModelOpt wrote it
   deployment/serve.sh               trtllm-serve <FP8 target> --backend pytorch --extra_llm_api_options ...
-  deployment/bench.sh               trtllm-bench throughput on bench_dataset.jsonl (the eval prompts)
-  deployment/bench_dataset.jsonl    {"task_id", "prompt", "input_ids", "output_tokens", "category"} per prompt
-  deployment/README.md              what was built, for which version/container, the checks, how to run it
+  deployment/bench.sh               trtllm-bench throughput on bench_dataset.jsonl (the eval prompts, repeated
+                                    to hold `bench.rounds` x the bench concurrency requests)
+  deployment/README.md              what was built, for which version/container, which batch sizes get which
+                                    draft length, the checks, how to run it
   deployment.json                   the same facts for `export` and `status`
 
-Every key is checked against the version's field list, and the named consistency checks of
-`runtime.trtllm_options.consistency_checks` must pass (a failed check fails the stage with its message).
+When `tune` found that speculation never pays, the deployment is the target alone (no speculative_config) and
+the README says why. Every key is checked against the version's field list, and the named consistency checks
+of `runtime.trtllm_options.consistency_checks` must pass (a failed check fails the stage with its message).
 Where `tensorrt_llm` imports and a CUDA GPU exists, `LLM(...)` is instantiated from the written options and a
 short generation is run; elsewhere the stage records plainly that the deployment was written, not loaded.
 """
@@ -31,8 +37,8 @@ from pipeline.stage import Artifact, StageContext, StageSection, Strict
 from runtime import compat
 
 NAME = "build"
-CONSUMES: tuple[str, ...] = ("data", "train_draft", "quantize", "tune")
-VERSION = "1"
+CONSUMES: tuple[str, ...] = ("target", "data", "train_draft", "quantize", "tune")
+VERSION = "2"
 PACKAGES = ("tensorrt_llm",)
 USES = ("hardware",)
 
@@ -50,12 +56,16 @@ class AcceptanceGuard(Strict):
     targeted version's terms: 1.2 thresholds an acceptance length, 1.3 a rate)."""
 
     window: int = Field(ge=1, description="1.2: completed requests; 1.3: speculation-enabled iterations")
-    min_acceptance_rate: float = Field(ge=0, le=1, description="accepted / drafted; 1.2 gets 1 + rate x max_draft_len as a length")
+    min_acceptance_rate: float = Field(ge=0, le=1, description=(
+        "accepted / drafted; 1.2 gets rate x max_draft_len (it thresholds accepted draft tokens per step, AL - 1)"))
 
 
 class Bench(Strict):
     output_tokens: int = Field(128, ge=1, description="output tokens per bench request")
     concurrency: int | None = Field(None, ge=1, description="default: max_batch_size")
+    rounds: int = Field(4, ge=1, description=(
+        "the dataset holds at least rounds x concurrency requests (eval prompts repeated), so the largest "
+        "concurrency measured is kept full"))
     model_name: str | None = Field(None, description="trtllm-bench --model (a name, not a path); default from the target")
 
 
@@ -121,30 +131,33 @@ def check(cfg) -> list[tuple[str, str]]:
 
 
 def run(ctx: StageContext) -> dict:
+    from runtime import hf_config
     from runtime import trtllm_options as T
 
     sec: Config = ctx.section
+    version = sec.trtllm_version
+    rel = compat.release(version)
     arts = ctx.input("quantize").path.parent          # <workdir>/artifacts: quantize.json paths are relative to it
     quant = ctx.input("quantize").read_json("quantize.json")
     target_dir = (arts / quant["target_dir"]).resolve()
-    draft_dir = (arts / quant["draft_dir"]).resolve()
+    draft_src = (arts / quant["draft_dir"]).resolve()
     draft = ctx.input("train_draft").read_json("draft.json")
     tuning = ctx.input("tune").read_json("tuning.json")
     tcfg = json.loads((target_dir / "config.json").read_text())
-    dcfg = json.loads((draft_dir / "config.json").read_text())
     algo = str(draft.get("algorithm", "eagle3")).lower()
-    if (p := compat.algorithm_problem(sec.trtllm_version, algo)) is not None:
+    if (p := compat.algorithm_problem(version, algo)) is not None:
         raise StageError(p)
-
-    max_draft_len = int(tuning.get("max_draft_len") or draft.get("trained_draft_len") or 0)
-    if max_draft_len <= 0:
-        raise StageError("tune found no draft length that pays off at batch 1 (max_draft_len 0): a speculative "
-                         "deployment would only add cost; check acceptance.json and tuning.json")
+    mode = rel.mode(algo, sec.eagle3_mode == "one_model")
+    schedule = _tuned_schedule(tuning, version, mode)
     mbs = sec.max_batch_size or int(tuning.get("max_batch_size") or 64)
-    intervals = _tuned_intervals(tuning, max_draft_len)
-    mc = tuning.get("max_concurrency")
-    mnt = sec.max_num_tokens or tuning.get("max_num_tokens") or mbs * (1 + max_draft_len)
-    positions = [p for p in (tcfg.get("max_position_embeddings"), T._draft_positions(dcfg)) if p]
+    speculation = schedule.speculates(mbs)
+    kmax = schedule.max_draft_len(mbs)
+    if not speculation:
+        ctx.log.warning("tune predicted no speedup from speculation at any batch size (%s): deploying the target "
+                        "alone, without a draft", (tuning.get("deployment") or {}).get("note", "see tuning.json"))
+    dcfg = json.loads((draft_src / "config.json").read_text()) if speculation else {}
+    mnt = sec.max_num_tokens or tuning.get("max_num_tokens") or mbs * (1 + kmax)
+    positions = [p for p in (tcfg.get("max_position_embeddings"), T._draft_positions(dcfg) if dcfg else None) if p]
     msl = sec.max_seq_len or (min(positions) if positions else 2048)
     kv = {"free_gpu_memory_fraction": sec.kv_cache.free_gpu_memory_fraction,
           "enable_block_reuse": sec.kv_cache.enable_block_reuse}
@@ -153,88 +166,152 @@ def run(ctx: StageContext) -> dict:
     cg = None
     if sec.cuda_graphs:
         cg = [int(b) for b in (tuning.get("cuda_graph_batch_sizes") or [1, 2, 4, 8]) if int(b) <= mbs] or [1]
+    out = ctx.out_dir / "deployment"
+    out.mkdir(parents=True)
+    trtllm_draft, renamed = (draft_src if speculation else None), 0
+    if speculation and algo == "eagle3":
+        try:
+            trtllm_draft, renamed = _trtllm_draft(draft_src, out / "draft", rel,
+                                                  int(dcfg.get("num_hidden_layers") or draft.get("num_layers") or 1))
+        except ValueError as e:
+            raise StageError(f"the draft's tensor names cannot be written as TensorRT-LLM {version} reads them: {e}") from None
+    # the options name the draft where the committed artifact will be (artifacts/build/...), the checks read it here
+    trtllm_draft_final = (arts / NAME / "deployment" / "draft").resolve() if renamed else trtllm_draft
+    if renamed:
+        ctx.log.info("draft: %d tensors renamed layers.<i>.* -> midlayer.* in deployment/draft/ (TensorRT-LLM %s's "
+                     "EAGLE-3 loader does not remap ModelOpt's names; train_draft's artifact is unchanged)", renamed, version)
     guard = sec.acceptance_guard
     spec = T.DeploymentSpec(
-        version=sec.trtllm_version, algorithm=algo, draft_dir=str(draft_dir), max_draft_len=max_draft_len,
-        num_target_layers=int(tcfg.get("num_hidden_layers") or draft.get("num_target_layers") or 0),
-        aux_layer_ids=draft.get("aux_layer_ids") if algo == "eagle3" else None,
-        max_batch_size=mbs, max_num_tokens=int(mnt), max_seq_len=int(msl), schedule=intervals,
-        max_concurrency=int(mc) if mc else None, cuda_graph_batch_sizes=cg, kv_cache=kv,
+        version=version, algorithm=algo, draft_dir=str(trtllm_draft_final) if trtllm_draft else "", schedule=schedule,
+        capture_layers=draft.get("aux_layer_ids") if algo == "eagle3" else None,
+        max_batch_size=mbs, max_num_tokens=int(mnt), max_seq_len=int(msl), cuda_graph_batch_sizes=cg, kv_cache=kv,
         eagle3_one_model=sec.eagle3_mode == "one_model", tensor_parallel_size=ctx.config.hardware.tensor_parallel_size,
         pipeline_parallel_size=sec.pipeline_parallel_size,
         acceptance_window=guard.window if guard else None, min_acceptance_rate=guard.min_acceptance_rate if guard else None)
-    options = T.llm_api_options(spec)
-    checks = T.consistency_checks(options, version=sec.trtllm_version, algorithm=algo, target_dir=target_dir,
-                                  draft_dir=draft_dir, target_vocab_size=tcfg.get("vocab_size"))
+    try:
+        options = T.llm_api_options(spec)
+    except ValueError as e:   # draft_schedule.UnsupportedSchedule: tune and build disagree on what the version runs
+        raise StageError(f"the tuned draft-length schedule cannot be written for TensorRT-LLM {version}: {e}; "
+                         "rerun tune (specpipe build --from tune)") from None
+    guard_doc, guard_note = T.acceptance_guard(rel, mode, spec.acceptance_window, spec.min_acceptance_rate, kmax)
+    if guard_note and speculation:
+        ctx.log.warning("%s", guard_note)
+    checks = T.consistency_checks(
+        options, version=version, algorithm=algo, target_dir=target_dir, draft_dir=trtllm_draft,
+        target_vocab_size=tcfg.get("vocab_size"), target_hidden_size=tcfg.get("hidden_size"),
+        num_target_layers=int(tcfg.get("num_hidden_layers") or 0) or None,
+        capture_layers=draft.get("aux_layer_ids") if algo == "eagle3" else None, schedule=schedule,
+        target_rope_theta=_theta(ctx.input("target").path / "model" / "config.json", hf_config),
+        draft_rope_theta=_theta(ctx.input("train_draft").path / "draft" / "config.json", hf_config) if speculation else None)
     for c in checks:
         ctx.log.info("check %-28s %s  %s", c.name, "ok  " if c.ok else "FAIL", c.message)
     failed = [c for c in checks if not c.ok]
     if failed:
-        raise StageError("deployment consistency checks failed:\n" + "\n".join(f"  {c.name}: {c.message}" for c in failed))
+        raise StageError("deployment consistency checks failed:\n" + "\n".join(f"  {c.name}: {c.message}" for c in failed)
+                         + ("\n  (config.json RoPE fields are written by quantize and train_draft: rerun them if their "
+                            "artifacts predate that)" if any(c.name.endswith("_rope") for c in failed) else ""))
 
-    out = ctx.out_dir / "deployment"
-    out.mkdir(parents=True)
     (out / "llm_api_options.yaml").write_text(
-        f"# LLM-API options for TensorRT-LLM {sec.trtllm_version} (PyTorch backend), written by specpipe build.\n"
+        f"# LLM-API options for TensorRT-LLM {version} (PyTorch backend), written by specpipe build.\n"
         f"# Use: trtllm-serve <target> --backend pytorch --extra_llm_api_options llm_api_options.yaml\n"
         + T.dump_yaml(options))
-    n_prompts = _bench_dataset(ctx.input("data").path / "eval", out / "bench_dataset.jsonl", sec.bench.output_tokens)
-    image = compat.serving_image_for(sec.trtllm_version)
+    concurrency = sec.bench.concurrency or mbs
+    n_prompts, n_requests = _bench_dataset(ctx.input("data").path / "eval", out / "bench_dataset.jsonl",
+                                           sec.bench.output_tokens, sec.bench.rounds * concurrency)
+    image = compat.serving_image_for(version)
     bench_name = sec.bench.model_name or _model_name(tcfg, ctx.workdir)
     _write_script(out / "serve.sh", serve_command(target_dir))
-    _write_script(out / "bench.sh", bench_command(bench_name, target_dir, sec.bench.concurrency or mbs))
+    _write_script(out / "bench.sh", bench_command(bench_name, target_dir, concurrency))
     loaded = _try_load(sec, target_dir, options, ctx) if sec.load == "auto" else {"loaded": False, "reason": "build.load: never"}
     ctx.log.info("load: %s", "loaded" if loaded["loaded"] else loaded["reason"])
-    from runtime.costmodel import runs as runs_of_k
+    sc = options.get("speculative_config") or {}
+    from runtime import draft_schedule
 
-    by_batch = [list(r) for r in runs_of_k([_k_at(options["speculative_config"], b, sec.trtllm_version, max_draft_len) for b in range(1, mbs + 1)])]
+    runs = draft_schedule.decode(sc, rel, mode, mbs) if sc else draft_schedule.DraftSchedule.constant(0)
+    tnote = (tuning.get("deployment") or {}).get("note")
     doc = {
-        "trtllm_version": sec.trtllm_version, "serving_image": image, "backend": "pytorch", "algorithm": algo,
-        "decoding_type": options["speculative_config"]["decoding_type"], "target_dir": str(target_dir),
-        "draft_dir": str(draft_dir), "max_draft_len": max_draft_len, "max_batch_size": mbs,
+        "trtllm_version": version, "serving_image": image, "backend": "pytorch", "algorithm": algo, "mode": mode,
+        "speculation": speculation, "decoding_type": sc.get("decoding_type"), "target_dir": str(target_dir),
+        # draft_dir: the draft as train_draft/quantize wrote it (specpipe's runtime reads it); trtllm_draft_dir: the
+        # one TensorRT-LLM loads (layer names of the targeted version)
+        "draft_dir": str(draft_src) if speculation else None,
+        "trtllm_draft_dir": str(trtllm_draft_final) if trtllm_draft else None,
+        "draft_weight_names": ({"renamed": renamed, "from": "layers.<i>.*", "to": "midlayer.*", "dir": "deployment/draft"}
+                               if renamed else None),
+        "eagle3_layers_to_capture": sc.get("eagle3_layers_to_capture"),
+        "max_draft_len": kmax, "max_batch_size": mbs,
         "max_num_tokens": options["max_num_tokens"], "max_seq_len": options["max_seq_len"],
-        "draft_len_by_batch": by_batch, "options_file": "deployment/llm_api_options.yaml",
-        "bench_prompts": n_prompts, "bench_model_name": bench_name,
+        "draft_schedule": runs.to_json(mbs), "schedule_note": tnote,
+        "acceptance_guard": guard_doc or None, "acceptance_guard_note": guard_note,
+        "options_file": "deployment/llm_api_options.yaml",
+        "bench_prompts": n_prompts, "bench_requests": n_requests, "bench_concurrency": concurrency,
+        "bench_model_name": bench_name,
         "checks": [{"name": c.name, "ok": c.ok, "message": c.message} for c in checks], "load": loaded,
         "workdir": str(Path(ctx.workdir).resolve()),
     }
     (ctx.out_dir / "deployment.json").write_text(json.dumps(doc, indent=2))
     (out / "README.md").write_text(_readme(doc, options))
-    ctx.log.info("deployment for TensorRT-LLM %s (%s): %s k=%d, batch<=%d, %d bench prompts",
-                 sec.trtllm_version, image, doc["decoding_type"], max_draft_len, mbs, n_prompts)
-    return {"trtllm_version": sec.trtllm_version, "decoding_type": doc["decoding_type"], "max_draft_len": max_draft_len,
+    ctx.log.info("deployment for TensorRT-LLM %s (%s): %s, %s, batch<=%d, bench %d requests (%d prompts) at "
+                 "concurrency %d", version, image, doc["decoding_type"] or "no speculation", runs.describe(mbs), mbs,
+                 n_requests, n_prompts, concurrency)
+    return {"trtllm_version": version, "mode": mode, "speculation": speculation,
+            "decoding_type": doc["decoding_type"], "max_draft_len": kmax, "draft_schedule": runs.describe(mbs),
             "max_batch_size": mbs, "max_num_tokens": options["max_num_tokens"], "checks_passed": len(checks),
-            "loaded": loaded["loaded"], "load_note": loaded.get("reason", "loaded"), "bench_prompts": n_prompts}
+            "loaded": loaded["loaded"], "load_note": loaded.get("reason", "loaded"), "bench_requests": n_requests}
 
 
-def _tuned_intervals(tuning: dict, max_draft_len: int):
-    """The tuned draft length per batch size, decoded from tuning.json in the semantics of the version tune
-    wrote it for (not necessarily the version built here)."""
-    from runtime import trtllm_options as T
-
-    runs = tuning.get("draft_len_by_batch")   # [[first batch, last batch, k], ...]: the step function itself
-    if runs and all(isinstance(r, (list, tuple)) and len(r) == 3 for r in runs):
-        iv = [(int(lo), int(hi), int(k)) for lo, hi, k in runs]
-        return T.merge_intervals(iv[:-1] + [(iv[-1][0], None, iv[-1][2])])   # the last run extends past tune's table
-    sched = tuning.get("draft_len_schedule")
-    if not sched:
+def _theta(config_path: Path, hf_config) -> float | None:
+    """The RoPE theta a model's config.json states (None when unreadable or absent)."""
+    try:
+        rope = hf_config.read(json.loads(Path(config_path).read_text()))
+    except (OSError, ValueError):
         return None
-    src = tuning.get("trtllm_version") or compat.DEFAULT_TRTLLM_VERSION
-    return T.schedule_to_intervals({int(k): int(v) for k, v in sched.items()}, compat.release(src).schedule_semantics)
+    return rope.theta if rope else None
 
 
-def _k_at(sc: dict, batch: int, version: str, max_draft_len: int) -> int:
-    """Draft length TensorRT-LLM uses at this batch size under the written options (for the report)."""
+def _tuned_schedule(tuning: dict, version: str, mode: str):
+    """tune's draft-length schedule, which it fitted to what `version` runs in `mode`."""
+    from runtime.draft_schedule import DraftSchedule
+
+    d = tuning.get("deployment") or {}
+    if "draft_schedule" not in tuning or not d:
+        raise StageError("tuning.json has no draft_schedule/deployment: it was written by an older specpipe; "
+                         "rerun tune (specpipe build --from tune)")
+    if compat.normalize_version(d.get("trtllm_version") or "") != version or d.get("mode") != mode:
+        raise StageError(f"tuning.json was tuned for TensorRT-LLM {d.get('trtllm_version')} {d.get('mode')}, but build "
+                         f"deploys {version} {mode}: which draft lengths the deployment can run differs, so tune must "
+                         "run again (its fingerprint includes the build section: `specpipe build` reruns it; with "
+                         "tune.trtllm_version set, remove it)")
+    try:
+        return DraftSchedule.from_json(tuning["draft_schedule"])
+    except ValueError as e:
+        raise StageError(f"tuning.json draft_schedule: {e}; rerun tune") from None
+
+
+def _trtllm_draft(src: Path, dst: Path, rel, num_layers: int) -> tuple[Path, int]:
+    """The draft directory TensorRT-LLM loads: `src` itself when its tensor names are the ones the targeted
+    loader reads, else a copy in `dst` with the renames (config, tokenizer and other files copied as is)."""
+    import shutil
+
     from runtime import trtllm_options as T
 
-    k = max_draft_len
-    if sc.get("draft_len_schedule"):
-        for lo, hi, kk in T.schedule_to_intervals(sc["draft_len_schedule"], compat.release(version).schedule_semantics):
-            if lo <= batch and (hi is None or batch <= hi):
-                k = kk
-    if sc.get("max_concurrency") and batch > sc["max_concurrency"]:
-        k = 0
-    return k
+    files = sorted(src.glob("*.safetensors"))
+    names = [n for f in files for n in T.safetensors_tensors(f)]
+    renames = T.draft_weight_renames(names, rel, num_layers)
+    if not renames:
+        return src, 0
+    dst.mkdir(parents=True)
+    n = 0
+    for f in sorted(p for p in src.iterdir() if p.is_file()):
+        if f.suffix == ".safetensors":
+            n += T.rename_safetensors(f, dst / f.name, renames)
+        elif f.name == "model.safetensors.index.json":
+            idx = json.loads(f.read_text())
+            idx["weight_map"] = {renames.get(k, k): v for k, v in (idx.get("weight_map") or {}).items()}
+            (dst / f.name).write_text(json.dumps(idx, indent=2))
+        else:
+            shutil.copy2(f, dst / f.name)
+    return dst, n
 
 
 def _model_name(tcfg: dict, workdir: Path) -> str:
@@ -243,21 +320,25 @@ def _model_name(tcfg: dict, workdir: Path) -> str:
     return name if name and not Path(name).exists() and "/" in name else f"specpipe/{Path(workdir).resolve().name}-target"
 
 
-def _bench_dataset(eval_dir: Path, path: Path, output_tokens: int) -> int:
-    """trtllm-bench's dataset format (tensorrt_llm/bench/dataclasses/general.py InferenceRequest)."""
-    n = 0
-    with open(path, "w") as f:
-        for domain_file in sorted(eval_dir.glob("*.jsonl")):
-            for line in domain_file.read_text().splitlines():
-                if not line.strip():
-                    continue
-                p = json.loads(line)
-                f.write(json.dumps({"task_id": n, "prompt": p["prompt"], "input_ids": p.get("prompt_ids"),
-                                    "output_tokens": output_tokens, "category": domain_file.stem}) + "\n")
-                n += 1
-    if n == 0:
+def _bench_dataset(eval_dir: Path, path: Path, output_tokens: int, min_requests: int) -> tuple[int, int]:
+    """trtllm-bench's dataset format (tensorrt_llm/bench/dataclasses/general.py InferenceRequest): every eval
+    prompt, then the prompts again in order until the dataset holds `min_requests` requests (bench.rounds x the
+    concurrency measured: a run with fewer requests than its concurrency never reaches that batch size).
+    Returns (distinct prompts, requests)."""
+    prompts = []
+    for domain_file in sorted(eval_dir.glob("*.jsonl")):
+        for line in domain_file.read_text().splitlines():
+            if line.strip():
+                prompts.append((json.loads(line), domain_file.stem))
+    if not prompts:
         raise StageError(f"no evaluation prompts in {eval_dir} for the bench dataset")
-    return n
+    n = max(len(prompts), int(min_requests))
+    with open(path, "w") as f:
+        for i in range(n):
+            p, cat = prompts[i % len(prompts)]
+            f.write(json.dumps({"task_id": i, "prompt": p["prompt"], "input_ids": p.get("prompt_ids"),
+                                "output_tokens": output_tokens, "category": cat}) + "\n")
+    return len(prompts), n
 
 
 # ---------------------------------------------------------------------------------------------- command files
@@ -306,10 +387,12 @@ def _try_load(sec: Config, target_dir: Path, options: dict, ctx: StageContext) -
     llm = LLM(**args)
     try:
         out = llm.generate(["def fibonacci(n):"], SamplingParams(max_tokens=32, return_perf_metrics=True))[0]
-        sd = out.outputs[0].request_perf_metrics.speculative_decoding
-        return {"loaded": True, "tensorrt_llm": tensorrt_llm.__version__, "warmup_text": out.outputs[0].text,
-                "acceptance_rate": sd.acceptance_rate, "total_draft_tokens": sd.total_draft_tokens,
-                "total_accepted_draft_tokens": sd.total_accepted_draft_tokens}
+        res = {"loaded": True, "tensorrt_llm": tensorrt_llm.__version__, "warmup_text": out.outputs[0].text}
+        sd = getattr(out.outputs[0].request_perf_metrics, "speculative_decoding", None)
+        if sd is not None and options.get("speculative_config"):
+            res.update(acceptance_rate=sd.acceptance_rate, total_draft_tokens=sd.total_draft_tokens,
+                       total_accepted_draft_tokens=sd.total_accepted_draft_tokens)
+        return res
     finally:
         llm.shutdown()
 
@@ -319,15 +402,35 @@ def _try_load(sec: Config, target_dir: Path, options: dict, ctx: StageContext) -
 
 def _readme(doc: dict, options: dict) -> str:
     from runtime import trtllm_options as T
+    from runtime.draft_schedule import DraftSchedule
 
     rows = "\n".join(f"| `{c['name']}` | {'ok' if c['ok'] else 'FAILED'} | {c['message']} |" for c in doc["checks"])
+    mbs = doc["max_batch_size"]
+    sched = DraftSchedule.from_json(doc["draft_schedule"])
+    if doc["speculation"]:
+        table = "\n".join(f"| {lo}-{hi} | {k if k else '0 (speculation off)'} |" for lo, hi, k in sched.bounded(mbs))
+        spec = f"""- speculative decoding: `{doc['decoding_type']}` ({doc['mode'].replace('_', '-')}), max_draft_len {doc['max_draft_len']}
+- FP8 target: `{doc['target_dir']}`
+- draft TensorRT-LLM loads: `{doc['trtllm_draft_dir']}`{' (a copy of `' + doc['draft_dir'] + '` with ' + str(doc['draft_weight_names']['renamed']) + ' tensors renamed `layers.<i>.*` -> `midlayer.*`: TensorRT-LLM ' + doc['trtllm_version'] + "'s EAGLE-3 loader reads only the module's own names)" if doc['draft_weight_names'] else ''}
+{'- `eagle3_layers_to_capture`: ' + str(doc['eagle3_layers_to_capture']) + " (the target layers the draft was trained on; TensorRT-LLM does not read them from the draft's config)" if doc['eagle3_layers_to_capture'] else ''}
+
+### Draft length per batch size (what TensorRT-LLM {doc['trtllm_version']} runs with these options)
+{_schedule_support(doc)}
+
+| batch size | draft tokens per step |
+|---|---|
+{table}
+
+{doc['schedule_note'] or ''}
+{('Acceptance guard: `' + str(doc['acceptance_guard']) + '`.') if doc['acceptance_guard'] else (doc['acceptance_guard_note'] or '')}"""
+    else:
+        spec = f"""- **no speculative decoding**: `tune` predicted no speedup from any draft length at any batch size
+  ({doc['schedule_note'] or 'see tuning.json'}), so the FP8 target is deployed alone and no draft is loaded.
+- FP8 target: `{doc['target_dir']}`"""
     return f"""# TensorRT-LLM deployment (written by specpipe build)
 
 - TensorRT-LLM **{doc['trtllm_version']}**, PyTorch backend (LLM API); container: `{doc['serving_image']}`
-- speculative decoding: `{doc['decoding_type']}`, max_draft_len {doc['max_draft_len']}; draft length per batch size
-  ({'; '.join(f"{lo}-{hi}: {k}" for lo, hi, k in doc['draft_len_by_batch'])})
-- FP8 target: `{doc['target_dir']}`
-- draft: `{doc['draft_dir']}`
+{spec}
 - loaded here: {'yes' if doc['load']['loaded'] else 'no — ' + doc['load']['reason']}
 
 There is no engine build for EAGLE-3/DFlash: `LLM(...)` loads the checkpoint pair with these options and
@@ -336,8 +439,12 @@ captures CUDA graphs / autotunes kernels at startup.
 ## Run
 ```bash
 ./serve.sh                      # OpenAI-compatible server on ${{HOST:-127.0.0.1}}:${{PORT:-8000}}
-./bench.sh                      # trtllm-bench throughput on bench_dataset.jsonl ({doc['bench_prompts']} eval prompts)
+./bench.sh                      # trtllm-bench throughput: {doc['bench_requests']} requests ({doc['bench_prompts']} eval prompts, repeated) at concurrency {doc['bench_concurrency']}
 ```
+The bench dataset repeats the evaluation prompts so that it holds at least `build.bench.rounds` x the
+concurrency; with KV block reuse on, a repeated prompt's prefill is served from cached blocks (decode
+throughput and acceptance are unaffected).
+
 In the container, mount the run directory at the same absolute path (the scripts and the options name the
 checkpoints by absolute path):
 ```bash
@@ -359,17 +466,36 @@ docker run --gpus all --rm -it --ipc=host -p 8000:8000 -e HOST=0.0.0.0 \\
 """
 
 
+def _schedule_support(doc: dict) -> str:
+    rel = compat.release(doc["trtllm_version"])
+    mode = doc["mode"]
+    if mode not in rel.per_batch_draft_len:
+        return (f"TensorRT-LLM {doc['trtllm_version']} in {mode.replace('_', '-')} mode uses one draft length at every "
+                "batch size: it applies draft_len_schedule / max_concurrency only with a two-model drafter "
+                "(build.eagle3_mode: two_model), so none is written.")
+    zero = "" if mode in rel.zero_draft_len_ok else (" A draft length of 0 is never written in one-engine mode "
+                                                      "(TensorRT-LLM PR #16888: acceptance collapses after speculation resumes).")
+    return (f"TensorRT-LLM {doc['trtllm_version']} in {mode.replace('_', '-')} mode applies the draft length per batch "
+            f"size ({rel.schedule_semantics.replace('_', ' ')} schedule keys).{zero}")
+
+
 def report(artifact: Artifact) -> str:
     from pipeline.report import esc, figure, table
+    from runtime.draft_schedule import DraftSchedule
 
     doc = artifact.read_json("deployment.json")
-    html = (f"<p>TensorRT-LLM {esc(doc['trtllm_version'])} ({esc(doc['serving_image'])}), {esc(doc['decoding_type'])}, "
-            f"max_draft_len {doc['max_draft_len']}; {esc('loaded' if doc['load']['loaded'] else doc['load']['reason'])}</p>")
+    sched = DraftSchedule.from_json(doc["draft_schedule"])
+    html = (f"<p>TensorRT-LLM {esc(doc['trtllm_version'])} ({esc(doc['serving_image'])}), "
+            f"{esc(doc['decoding_type'] or 'no speculation')} {esc(doc['mode'])}: "
+            f"{esc(sched.describe(doc['max_batch_size']))}; "
+            f"{esc('loaded' if doc['load']['loaded'] else doc['load']['reason'])}</p>")
+    if doc.get("schedule_note"):
+        html += f"<p>{esc(doc['schedule_note'])}</p>"
     html += table([{"check": c["name"], "result": "ok" if c["ok"] else "FAILED", "detail": c["message"]} for c in doc["checks"]])
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 2.6))
-    ks = [k for lo, hi, k in doc["draft_len_by_batch"] for _ in range(lo, hi + 1)]
+    ks = sched.ks(doc["max_batch_size"])
     ax.step(range(1, len(ks) + 1), ks, where="mid")
     ax.set_xlabel("batch size")
     ax.set_ylabel("draft length")

@@ -1,8 +1,9 @@
 """Stage `export`: Triton model repositories for the deployment `build` wrote.
 
   triton/        the production repository for Triton's TensorRT-LLM LLM-API model
-                 (`tensorrt_llm/config.pbtxt`, `tensorrt_llm/1/model.yaml` = the LLM-API options + `triton_config`,
-                 the FP8 target and the draft under `tensorrt_llm/1/`), plus `launch.sh` and a README for
+                 (`tensorrt_llm/config.pbtxt` with `max_batch_size` and the decoupled transaction policy,
+                 `tensorrt_llm/1/model.yaml` = the LLM-API options + `triton_config`, the FP8 target and the
+                 draft TensorRT-LLM loads under `tensorrt_llm/1/`), plus `launch.sh` and a README for
                  `nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3`. The container provides the model code
                  (`/app/all_models/llmapi/tensorrt_llm/1/{model.py,helpers.py}`); launch.sh assembles a
                  serving copy of the repository with it, so the mounted directory stays read-only.
@@ -31,7 +32,7 @@ from pipeline.stage import Artifact, StageContext, StageSection
 
 NAME = "export"
 CONSUMES: tuple[str, ...] = ("quantize", "validate", "build")
-VERSION = "1"
+VERSION = "2"
 PACKAGES = ("tritonclient",)
 
 
@@ -64,11 +65,14 @@ def run(ctx: StageContext) -> dict:
     prod = ctx.out_dir / "triton"
     mdir = prod / sec.model_name / "1"
     mdir.mkdir(parents=True)
+    speculation = bool(options.get("speculative_config"))
     _place(Path(dep["target_dir"]), mdir / "target_fp8", sec.weights)
-    _place(Path(dep["draft_dir"]), mdir / "draft", sec.weights)
+    if speculation:   # the draft as TensorRT-LLM loads it (layer names of the targeted version, see build)
+        _place(Path(dep.get("trtllm_draft_dir") or dep["draft_dir"]), mdir / "draft", sec.weights)
     in_container = f"{sec.container_path.rstrip('/')}/{sec.model_name}/1"
     body = {"model": f"{in_container}/target_fp8", "backend": "pytorch", **options}
-    body["speculative_config"] = {**options["speculative_config"], "speculative_model": f"{in_container}/draft"}
+    if speculation:
+        body["speculative_config"] = {**options["speculative_config"], "speculative_model": f"{in_container}/draft"}
     body["triton_config"] = {"max_batch_size": 0, "decoupled": sec.decoupled,
                              "cancellation_check_period_ms": sec.cancellation_check_period_ms}
     if bad := T.unknown_keys(body, version, model_yaml=True):
@@ -76,9 +80,12 @@ def run(ctx: StageContext) -> dict:
     (mdir / "model.yaml").write_text(
         f"# TensorRT-LLM {version} LLM-API options for Triton's llmapi model (every key but triton_config goes to LLM(...)).\n"
         f"# Paths are inside the container: triton/ mounted at {sec.container_path}.\n"
-        "# triton_config.max_batch_size 0: the LLM-API model batches in TensorRT-LLM, not in Triton.\n"
+        "# triton_config.max_batch_size 0: the LLM-API model batches in TensorRT-LLM, not in Triton. config.pbtxt states\n"
+        "# the same max_batch_size and decoupled policy: launch_triton_server.py disables auto-complete-config.\n"
         + T.dump_yaml(body))
-    (prod / sec.model_name / "config.pbtxt").write_text(config_pbtxt(sec.model_name, io, production=True))
+    (prod / sec.model_name / "config.pbtxt").write_text(
+        config_pbtxt(sec.model_name, io, production=True, decoupled=sec.decoupled,
+                     max_batch_size=body["triton_config"]["max_batch_size"]))
     image = compat.triton_image_for(version)
     (prod / "launch.sh").write_text(_launch_sh(sec, dep))
     (prod / "launch.sh").chmod(0o755)
@@ -90,15 +97,18 @@ def run(ctx: StageContext) -> dict:
         cdir = cpu / sec.model_name / "1"
         cdir.mkdir(parents=True)
         _place(Path(dep["target_dir"]), cdir / "target_fp8", sec.weights)
-        _place(Path(dep["draft_dir"]), cdir / "draft", sec.weights)
+        if speculation:   # specpipe's runtime reads the draft as train_draft/quantize wrote it
+            _place(Path(dep["draft_dir"]), cdir / "draft", sec.weights)
         from importlib import resources
 
         import runtime
 
         (cdir / "model.py").write_text(resources.files("runtime").joinpath("triton_model", "model.py").read_text())
+        runs = (dep.get("draft_schedule") or {}).get("runs") or [[1, 1, 0]]
         (cdir / "specpipe_model.json").write_text(json.dumps({
-            "target": "target_fp8", "draft": "draft", "algorithm": dep["algorithm"],
-            "draft_len": dep["draft_len_by_batch"][0][2],   # Triton's LLM-API model serves one request at a time
+            "target": "target_fp8", "draft": "draft" if speculation else None, "algorithm": dep["algorithm"],
+            "draft_len": runs[0][2],         # the draft length at batch 1
+            "draft_schedule": dep.get("draft_schedule"),   # per batch size, as the TensorRT-LLM deployment runs it
             "trtllm_version": version, "specpipe_src": str(Path(runtime.__file__).resolve().parents[1])}, indent=2))
         (cpu / sec.model_name / "config.pbtxt").write_text(
             config_pbtxt(sec.model_name, io, production=False, decoupled=sec.decoupled))
@@ -107,6 +117,7 @@ def run(ctx: StageContext) -> dict:
     ctx.log.info("config.pbtxt: %s", ", ".join(f"{Path(k).relative_to(ctx.out_dir)} {v}" for k, v in parsed.items()))
     doc = {"model_name": sec.model_name, "trtllm_version": version, "triton_image": image,
            "serving_image": dep["serving_image"], "decoupled": sec.decoupled, "container_path": sec.container_path,
+           "speculation": speculation,
            "cpu_repository": "triton_cpu" if sec.cpu_repository else None,
            "config_pbtxt": {str(Path(k).relative_to(ctx.out_dir)): v for k, v in parsed.items()}}
     (ctx.out_dir / "export.json").write_text(json.dumps(doc, indent=2))
@@ -146,13 +157,14 @@ def _place(src: Path, dst: Path, mode: str) -> None:
 # ---------------------------------------------------------------------------------------------- config.pbtxt
 
 
-def config_pbtxt(name: str, io: dict, *, production: bool, decoupled: bool = True) -> str:
-    """The LLM-API model's config (inputs/outputs from the extracted schema). The production config leaves
-    max_batch_size and the transaction policy to model.yaml's triton_config (the container's model.py sets them
-    in auto_complete_config); the CPU config states them."""
-    lines = [f'name: "{name}"', 'backend: "python"']
-    if not production:
-        lines += ["max_batch_size: 0", f"model_transaction_policy {{ decoupled: {'true' if decoupled else 'false'} }}"]
+def config_pbtxt(name: str, io: dict, *, production: bool, decoupled: bool = True, max_batch_size: int = 0) -> str:
+    """The LLM-API model's config (inputs/outputs from the extracted schema), stating `max_batch_size` and the
+    transaction policy itself: the container's launcher (`launch_triton_server.py`) always passes
+    --disable-auto-complete-config, so the model's `auto_complete_config`, which would copy them from model.yaml's
+    triton_config, never runs (compat.SOURCES['decoupled']); without `decoupled: true` here streaming requests are
+    refused. The CPU repository's config is the same interface."""
+    lines = [f'name: "{name}"', 'backend: "python"', f"max_batch_size: {int(max_batch_size)}",
+             f"model_transaction_policy {{ decoupled: {'true' if decoupled else 'false'} }}"]
     for kind, items in (("input", io["inputs"]), ("output", io["outputs"])):
         for it in items:
             opt = " optional: true" if it.get("optional") else ""
@@ -210,8 +222,8 @@ def _readme(sec: Config, dep: dict, image: str | None, workdir: Path) -> str:
 
 `{sec.model_name}/config.pbtxt` is the LLM-API model's interface; `{sec.model_name}/1/model.yaml` holds the
 LLM-API options specpipe built (every key but `triton_config` goes to `LLM(...)`), with the FP8 target
-(`1/target_fp8/`) and the {dep['decoding_type']} draft (`1/draft/`) next to it, referenced by their paths inside
-the container ({sec.container_path}).
+(`1/target_fp8/`){f" and the {dep['decoding_type']} draft (`1/draft/`, its layers named as TensorRT-LLM {dep['trtllm_version']} reads them)" if dep.get('speculation', True) else " (no draft)"}
+next to it, referenced by their paths inside the container ({sec.container_path}).
 
 The model code (`model.py`, `helpers.py`) is not copied here: it comes with the container, under
 `/app/all_models/llmapi/tensorrt_llm/1/`, and must match its TensorRT-LLM. `launch.sh` copies it into a
@@ -232,7 +244,11 @@ curl -s localhost:8000/v2/models/{sec.model_name}/generate -d '{{"text_input": "
 curl -s -N localhost:8000/v2/models/{sec.model_name}/generate_stream -d '{{"text_input": "def add(a, b):", "streaming": true}}'
 ```
 With `sampling_param_return_perf_metrics: true` the response carries `acceptance_rate`,
-`total_accepted_draft_tokens` and `total_draft_tokens`. `triton_config.decoupled: {str(sec.decoupled).lower()}`.
+`total_accepted_draft_tokens` and `total_draft_tokens`. `config.pbtxt` states `max_batch_size: 0` and
+`model_transaction_policy {{ decoupled: {str(sec.decoupled).lower()} }}` itself (the same values as model.yaml's
+`triton_config`): `launch_triton_server.py` starts Triton with `--disable-auto-complete-config`, so the
+model's `auto_complete_config` does not copy them from model.yaml.
+{'' if dep.get('speculation', True) else chr(10) + "No draft: `tune` predicted no speedup from speculation at any batch size, so the target is served alone (see ../../build/deployment/README.md)." + chr(10)}
 
 The sibling repository `../triton_cpu/` serves the same FP8 pair with the same interface on a CPU
 (`specpipe serve --workdir <run>`), through specpipe's speculative runtime instead of TensorRT-LLM.

@@ -292,6 +292,8 @@ def export_target(model, out_dir: Path, source_dir: Path, dtype) -> None:
     cfg = json.loads((out_dir / "config.json").read_text())
     cfg["dtype"] = str(dtype).replace("torch.", "")
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+    from runtime.hf_config import normalize_file  # RoPE in the form TensorRT-LLM 1.2 and 1.3 read
+    normalize_file(out_dir / "config.json")
     copy_tokenizer(source_dir, out_dir)
 
 
@@ -673,7 +675,7 @@ def quantize_eagle_checkpoint(target_dir: Path, draft_dir: Path, out: Path, cali
     export_speculative_decoding(model, dtype=torch.float32, export_dir=out)  # exact FP8 weights; see export_target
     exported = json.loads((out / "config.json").read_text())
     dcfg = dict(dcfg, quantization_config=exported.get("quantization_config"))
-    (out / "config.json").write_text(json.dumps(dcfg, indent=4))
+    (out / "config.json").write_text(json.dumps(dcfg, indent=4))   # RoPE as train_draft normalized it
     orig = read_safetensors(draft_dir)
     cast_high_precision(out, lambda k, v: orig[k].dtype if k in orig else v.dtype)
     copy_tokenizer(draft_dir, out)

@@ -473,6 +473,8 @@ def run(ctx: StageContext) -> dict:
         if (model_dir / name).exists():
             shutil.copy2(model_dir / name, draft_dir / name)
 
+    from runtime.hf_config import normalize_file  # RoPE in the form TensorRT-LLM 1.2 and 1.3 read
+    normalize_file(draft_dir / "config.json")
     cfg = json.loads((draft_dir / "config.json").read_text())
     capture = a["aux_layer_ids"] if a["name"] == "eagle3" else a["target_layer_ids"]
     expect = Expect(algorithm=a["name"], num_layers=a["draft_layers"], hidden_size=job["target"]["hidden_size"],

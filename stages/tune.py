@@ -5,11 +5,14 @@ extra rows are nearly free; past it every rejected draft token costs compute, so
 grows and speculation stops paying at high batch. This stage prices one step of the target and the draft with
 the roofline cost model (`runtime.costmodel`) for the deployment GPU (`hardware.gpu`, or a measured
 `hardware.profile`), combines it with the per-position acceptance that `validate` measured on the FP8 pair,
-and picks k for every batch size. From that it derives what TensorRT-LLM needs: `max_draft_len`,
-`draft_len_schedule` in the format of the targeted version (1.2 and 1.3+ read the keys differently),
-`max_concurrency`, `max_batch_size`, `max_num_tokens` and CUDA-graph batch sizes.
+and picks k for every batch size. The draft length the deployment runs is then fitted to what the targeted
+TensorRT-LLM version does in the deployment's mode (`build.trtllm_version`, `build.eagle3_mode`; runtime/compat.py):
+1.2 one-model applies one draft length at every batch size, 1.2 two-model a per-batch schedule that may switch
+speculation off, 1.3 one-engine a per-batch schedule that must never reach 0 (TensorRT-LLM PR #16888). From that:
+`max_batch_size`, `max_num_tokens` and CUDA-graph batch sizes. Because the decision depends on the build section,
+`build` is in USES: changing the version or the mode re-tunes.
 
-Artifact: `tuning.json` (chosen values, a ready LLM-API fragment, and the full predicted table).
+Artifact: `tuning.json` (the draft-length schedule as one `DraftSchedule`, limits, and the predicted table).
 """
 from __future__ import annotations
 
@@ -23,8 +26,8 @@ from pipeline.stage import StageContext, StageSection, Strict
 
 NAME = "tune"
 CONSUMES: tuple[str, ...] = ("target", "train_draft", "quantize", "validate")
-USES = ("hardware",)
-VERSION = "1"
+USES = ("hardware", "build")   # build.trtllm_version / eagle3_mode decide which schedules the deployment runs
+VERSION = "2"
 PACKAGES: tuple[str, ...] = ()
 
 class Efficiency(Strict):
@@ -37,8 +40,8 @@ class Efficiency(Strict):
 
 
 class Config(StageSection):
-    trtllm_version: str | None = Field(None, description="TensorRT-LLM version the schedule is written for (1.2 "
-                                       "keys are lower bounds, 1.3 upper bounds); default: build.trtllm_version")
+    trtllm_version: str | None = Field(None, description="TensorRT-LLM version to tune for when build is disabled; "
+                                       "with build enabled it must equal build.trtllm_version (default: build's)")
     batch_sizes: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128, 256],
                                    description="batch sizes of the predicted table and the plot")
     context_length: int = Field(2048, ge=1, description="typical KV length during decode (prompt + output so far)")
@@ -92,18 +95,26 @@ class Config(StageSection):
 
 
 def target_version(cfg, algorithm: str | None = None) -> str:
-    """The TensorRT-LLM version the schedule is written for: tune's own, else the one build deploys, else the
-    default version, or, when that cannot serve the draft (DFlash needs 1.3), the newest one that can."""
+    """The TensorRT-LLM version the schedule is tuned for: the one build deploys (tune's own only when build is
+    disabled or absent), else the default version, or, when that cannot serve the draft (DFlash needs 1.3), the
+    newest one that can."""
     from runtime import compat
 
-    v = cfg.tune.trtllm_version or getattr(getattr(cfg, "build", None), "trtllm_version", None)
+    b = getattr(cfg, "build", None)
+    v = (getattr(b, "trtllm_version", None) if getattr(b, "enabled", True) else None) or cfg.tune.trtllm_version \
+        or getattr(b, "trtllm_version", None)
     if v:
-        return v
+        return compat.normalize_version(v)
     if algorithm and compat.algorithm_problem(compat.DEFAULT_TRTLLM_VERSION, algorithm) is not None:
         able = compat.supported_versions_for(algorithm)
         if able:
             return able[-1]
     return compat.DEFAULT_TRTLLM_VERSION
+
+
+def eagle3_one_model(cfg) -> bool:
+    """Whether the deployment runs EAGLE-3 as one model (build.eagle3_mode; the default)."""
+    return getattr(getattr(cfg, "build", None), "eagle3_mode", "one_model") != "two_model"
 
 
 def check(cfg) -> list[tuple[str, str]]:
@@ -138,6 +149,12 @@ def check(cfg) -> list[tuple[str, str]]:
     if cfg.tune.trtllm_version and isinstance(algo, str) and \
             (p := compat.algorithm_problem(cfg.tune.trtllm_version, algo)) is not None:
         out.append(("tune.trtllm_version", p))
+    b = getattr(cfg, "build", None)
+    if cfg.tune.trtllm_version and b is not None and getattr(b, "enabled", True) and getattr(b, "trtllm_version", None) \
+            and compat.normalize_version(cfg.tune.trtllm_version) != compat.normalize_version(b.trtllm_version):
+        out.append(("tune.trtllm_version", f"{cfg.tune.trtllm_version} differs from build.trtllm_version "
+                                           f"{b.trtllm_version}: the schedule is tuned for the version build deploys "
+                                           "(which schedules it runs differs by version); remove tune.trtllm_version"))
     return out
 
 
@@ -179,40 +196,33 @@ def run(ctx: StageContext) -> dict:
                      r["speedup"], K, " ".join(f"{s:.2f}" for s in r["speedups_by_k"]), r["rows_over_ridge"],
                      "" if r["within_max_batch_size"] else " [above max_batch_size]")
 
-    ks = cm.k_by_batch(dep, curves, weights, max_batch, K, **kw)
-    sched = cm.schedule_for(ks, rel.schedule_semantics, rel.schedule_with_max_concurrency)
-    # Read back what TensorRT-LLM would do with the emitted settings: it must be exactly the chosen steps.
-    back = cm.parse_schedule(sched["draft_len_schedule"], sched["max_concurrency"], sched["max_draft_len"],
-                             rel.schedule_semantics, max_batch)
-    if back != ks:
-        raise RuntimeError(f"schedule {sched} does not reproduce the chosen draft lengths {ks}")
-    for r in table:   # the schedule is made non-increasing; say where that overrules a table entry
-        r["deployed_k"] = ks[r["batch"] - 1] if r["within_max_batch_size"] else None
+    mode = rel.mode(str(draft.get("algorithm")), eagle3_one_model(ctx.config))
+    schedule, policy = choose_schedule(dep, curves, weights, max_batch, K, rel, mode, sec, kw)
+    ctx.log.info("TensorRT-LLM %s, %s: %s", version, mode.replace("_", "-"), policy["note"])
+    for r in table:   # what the deployment runs at each table batch size; say where that overrules the table
+        r["deployed_k"] = schedule.k_at(r["batch"]) if r["within_max_batch_size"] else None
+        r["deployed_speedup"] = r["speedups_by_k"][r["deployed_k"]] if r["deployed_k"] is not None else None
         if r["deployed_k"] is not None and r["deployed_k"] != r["k"]:
-            ctx.log.info("batch %d: k=%d kept at %d so that k never grows with the batch", r["batch"], r["k"],
-                         r["deployed_k"])
-    steps = cm.runs(ks)
-    points = [hi for _, hi, _ in steps] + [lo for lo, _, _ in steps]
+            ctx.log.info("batch %d: k=%d deployed as %d (%s)", r["batch"], r["k"], r["deployed_k"], policy["name"])
+    runs = schedule.bounded(max_batch)
+    points = [hi for _, hi, _ in runs] + [lo for lo, _, _ in runs]
     graphs = cm.cuda_graph_batch_sizes(max_batch, points)
-    num_tokens = cm.max_num_tokens(max_batch, sched["max_draft_len"], sec.min_num_tokens)
-    for lo, hi, k in steps:
+    kmax = schedule.max_draft_len(max_batch)
+    num_tokens = cm.max_num_tokens(max_batch, kmax, sec.min_num_tokens)
+    for lo, hi, k in runs:
         ctx.log.info("batch %d-%d: draft length %d%s", lo, hi, k, " (speculation off)" if k == 0 else "")
-    if not sched["speculation"]:
-        ctx.log.warning("speculation never pays on this hardware with this acceptance: deploy without a draft")
+    if kmax == 0:
+        ctx.log.warning("speculation never pays on this hardware with this acceptance (%s): build deploys the "
+                        "target without a draft", policy["note"])
 
     doc = {
-        "trtllm_version": version,
-        "schedule_semantics": rel.schedule_semantics,
-        "speculation": sched["speculation"],
-        "max_draft_len": sched["max_draft_len"],
-        "draft_len_schedule": sched["draft_len_schedule"],
-        "max_concurrency": sched["max_concurrency"],
-        "speculation_off_above": sched["speculation_off_above"],
+        "deployment": {"trtllm_version": version, "mode": mode, "algorithm": draft.get("algorithm"), **policy},
+        "speculation": kmax > 0,
+        "max_draft_len": kmax,
+        "draft_schedule": schedule.to_json(max_batch),
         "max_batch_size": max_batch,
         "max_num_tokens": num_tokens,
         "cuda_graph_batch_sizes": graphs,
-        "draft_len_by_batch": [list(r) for r in steps],
-        "llm_api": llm_api_fragment(sched, max_batch, num_tokens, graphs),
         "context_length": sec.context_length,
         "kv_capacity_sequences": capacity,
         "hardware": hw_doc,
@@ -225,13 +235,45 @@ def run(ctx: StageContext) -> dict:
     (ctx.out_dir / "tuning.json").write_text(json.dumps(doc, indent=2))
     b1 = table[0]
     return {
-        "speculation": sched["speculation"], "max_draft_len": sched["max_draft_len"],
-        "max_concurrency": sched["max_concurrency"], "max_batch_size": max_batch, "max_num_tokens": num_tokens,
-        "draft_len_schedule": json.dumps(sched["draft_len_schedule"]) if sched["draft_len_schedule"] else None,
-        "trtllm_version": version, "gpu": hw_doc["gpu"], "ridge_rows": round(hw_doc["ridge_rows"], 1),
+        "speculation": kmax > 0, "max_draft_len": kmax, "draft_schedule": schedule.describe(max_batch),
+        "schedule_policy": policy["name"], "max_batch_size": max_batch, "max_num_tokens": num_tokens,
+        "trtllm_version": version, "mode": mode, "gpu": hw_doc["gpu"], "ridge_rows": round(hw_doc["ridge_rows"], 1),
         f"predicted_speedup_batch{b1['batch']}": round(b1["speedup"], 3),
         "predicted_speedup": {str(r["batch"]): round(r["speedup"], 3) for r in table},
     }
+
+
+def choose_schedule(dep, curves, weights, max_batch: int, K: int, rel, mode: str, sec: Config, kw: dict):
+    """The draft length per batch size the deployment runs, fitted to what `rel` does in `mode`
+    (runtime/compat.py, SOURCES per_batch_draft_len_1_2 and zero_draft_len_one_engine), and a description."""
+    from runtime import costmodel as cm
+    from runtime.draft_schedule import DraftSchedule
+
+    line = f"TensorRT-LLM {rel.line}"
+    if mode not in rel.per_batch_draft_len:
+        batches = [b for b in sec.batch_sizes if b <= max_batch] or [max_batch]
+        k, gm = cm.best_constant_k(dep, curves, weights, batches, K, **kw)
+        return DraftSchedule.constant(k), {
+            "name": "constant", "per_batch_draft_len": False,
+            "note": (f"{line} in {mode.replace('_', '-')} mode uses one draft length at every batch size (it applies "
+                     "draft_len_schedule and max_concurrency only with a two-model drafter): "
+                     + (f"k={k} at every batch size, the best geometric-mean predicted speedup ({gm:.3f}x) over batch "
+                        f"sizes {batches}" if k else "no constant draft length pays on average: no speculation"))}
+    ideal = cm.k_by_batch(dep, curves, weights, max_batch, K, **kw)
+    if mode in rel.zero_draft_len_ok or not any(ideal):
+        sched = DraftSchedule.from_ks(ideal)
+        return sched, {"name": "per_batch", "per_batch_draft_len": True,
+                       "note": f"{line} applies the draft length per batch size: {sched.describe(max_batch)}"}
+    floored = cm.k_by_batch(dep, curves, weights, max_batch, K, **kw, min_k=1)
+    sched = DraftSchedule.from_ks(floored)
+    off = [b for b, k in enumerate(ideal, start=1) if k == 0]
+    note = f"{line} applies the draft length per batch size: {sched.describe(max_batch)}"
+    if off:
+        note += (f"; batch sizes {off[0]}-{off[-1]} would do better without speculation, but a draft length of 0 in "
+                 "one-engine mode corrupts the drafter's state and acceptance collapses once speculation resumes "
+                 "(TensorRT-LLM PR #16888), and max_concurrency is translated into such a schedule: they keep the "
+                 "best k >= 1 instead")
+    return sched, {"name": "per_batch_min1", "per_batch_draft_len": True, "note": note}
 
 
 def deployment(ctx, sec: Config, hw, target: dict, draft: dict, draft_dir: Path, quant: dict):
@@ -345,7 +387,9 @@ def acceptance_curves(acc: dict, sec: Config, draft: dict, log=None):
     if sec.max_draft_len:
         K = min(K, sec.max_draft_len)
     if draft.get("algorithm") == "dflash" and draft.get("block_size"):
-        K = min(K, int(draft["block_size"]) - 1)   # TensorRT-LLM: max_draft_len <= block_size - 1
+        from runtime.draft_schedule import dflash_max_draft_len
+
+        K = min(K, dflash_max_draft_len(int(draft["block_size"])))
     return curves, weights, K
 
 
@@ -391,22 +435,6 @@ def _shape(s) -> dict | None:
             "head_dim": s.head_dim, "weight_params": s.weight_params()}
 
 
-def llm_api_fragment(sched: dict, max_batch: int, num_tokens: int, graphs: list[int]) -> dict:
-    """The LLM-API keys this stage decides, ready for `build` to merge (schedule keys as ints in YAML).
-    `cuda_graph_config` gives batch_sizes only: with max_batch_size too, TensorRT-LLM requires the list to be
-    its own generated one."""
-    frag: dict = {"max_batch_size": max_batch, "max_num_tokens": num_tokens,
-                  "cuda_graph_config": {"enable_padding": True, "batch_sizes": graphs}}
-    if sched["speculation"]:
-        spec = {"max_draft_len": sched["max_draft_len"]}
-        if sched["draft_len_schedule"]:
-            spec["draft_len_schedule"] = {int(k): v for k, v in sched["draft_len_schedule"].items()}
-        if sched["max_concurrency"] is not None:
-            spec["max_concurrency"] = sched["max_concurrency"]
-        frag["speculative_config"] = spec
-    return frag
-
-
 # ---------------------------------------------------------------------------------------------- report
 
 
@@ -436,14 +464,22 @@ def report(artifact) -> str:
     ax.legend(fontsize=8, ncol=2)
     ax.grid(alpha=0.3)
     html = [figure(fig)]
-    steps = ", ".join(f"{lo}-{hi}: {k}" for lo, hi, k in t["draft_len_by_batch"])
+    from runtime import compat, draft_schedule
+
+    d = t["deployment"]
+    sched = draft_schedule.DraftSchedule.from_json(t["draft_schedule"])
+    rel = compat.release(d["trtllm_version"])
+    try:
+        settings = draft_schedule.encode(sched, rel, d["mode"], t["max_batch_size"]) if t["speculation"] else {}
+    except draft_schedule.UnsupportedSchedule as e:
+        settings = {"not expressible": str(e)}
     html.append(table([
-        ["TensorRT-LLM", f"{t['trtllm_version']} (schedule keys are {t['schedule_semantics'].replace('_', ' ')}s)"],
+        ["TensorRT-LLM", f"{d['trtllm_version']}, {d['mode'].replace('_', '-')} (per-batch draft length "
+                         f"{'applied' if d['per_batch_draft_len'] else 'not applied: one k at every batch size'})"],
         ["speculation", "on" if t["speculation"] else "off (never predicted to pay)"],
-        ["draft length by batch", steps],
-        ["max_draft_len", t["max_draft_len"]],
-        ["draft_len_schedule", t["draft_len_schedule"]],
-        ["max_concurrency", t["max_concurrency"]],
+        ["draft length by batch", sched.describe(t["max_batch_size"])],
+        ["why", d["note"]],
+        ["speculative_config (as build writes it)", json.dumps(settings)],
         ["max_batch_size", f"{t['max_batch_size']} (KV holds {t['kv_capacity_sequences']} sequences)"],
         ["max_num_tokens", t["max_num_tokens"]],
         ["cuda_graph batch_sizes", t["cuda_graph_batch_sizes"]],

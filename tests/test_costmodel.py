@@ -130,20 +130,48 @@ def test_choose_k_prefers_shorter_within_tolerance_and_turns_off_below_min():
 
 
 def test_schedule_round_trip_for_every_step_function():
+    """Every non-increasing step function tune can produce is written so that the targeted version runs exactly
+    it, or refused where the version cannot (runtime/draft_schedule.py; compat.SOURCES)."""
     import itertools
 
+    from runtime import compat, draft_schedule as D
+
+    r12, r13 = compat.release("1.2.1"), compat.release("1.3.0rc27")
     for ks_runs in itertools.product([5, 3, 1], [3, 1, 0], [1, 0]):
         for widths in ((1, 1, 1), (3, 7, 20), (10, 1, 5)):
             ks = []
             for k, w in zip(ks_runs, widths):
                 ks += [k] * w
             ks = [min(ks[: i + 1]) for i in range(len(ks))]        # non-increasing, as k_by_batch makes it
-            for sem, both in (("lower_bound", True), ("upper_bound", False)):
-                s = cm.schedule_for(ks, sem, both)
-                assert cm.parse_schedule(s["draft_len_schedule"], s["max_concurrency"], s["max_draft_len"], sem,
-                                         len(ks)) == ks
-                if not both:
-                    assert s["draft_len_schedule"] is None or s["max_concurrency"] is None
+            n = len(ks)
+            sched = D.DraftSchedule.from_ks(ks)
+            assert sched.ks(n) == ks
+            assert D.DraftSchedule.from_json(sched.to_json(n)) == sched
+            sc = D.encode(sched, r12, "two_model", n)              # 1.2 two-model: anything, zeros included
+            assert D.decode(sc, r12, "two_model", n) == sched
+            if 0 in ks:                                           # 1.3 one-engine: never 0 (PR #16888)
+                with pytest.raises(D.UnsupportedSchedule):
+                    D.encode(sched, r13, "one_model", n)
+            else:
+                sc = D.encode(sched, r13, "one_model", n)
+                assert D.decode(sc, r13, "one_model", n) == sched
+                assert not ("draft_len_schedule" in sc and "max_concurrency" in sc)
+            if len(set(ks)) > 1:                                  # 1.2 one-model: one length only
+                with pytest.raises(D.UnsupportedSchedule, match="every batch size"):
+                    D.encode(sched, r12, "one_model", n)
+
+
+def test_choose_k_floor_and_best_constant_k():
+    m = datasheet("h200", 0.85, 2.0)
+    dep = cm.Deployment(L8B, L8B, "eagle3", FP8, FP8, m, context=128)     # a draft as large as the target: never pays
+    off = cm.choose_k(dep, {"d": [0.5] * 3}, {"d": 1}, 1, 3)
+    assert off.k == 0
+    floor = cm.choose_k(dep, {"d": [0.5] * 3}, {"d": 1}, 1, 3, min_k=1)
+    assert floor.k == 1 and floor.speedup == floor.speedups[1] < 1            # the least bad k >= 1
+    assert cm.best_constant_k(dep, {"d": [0.5] * 3}, {"d": 1}, [1, 8], 3) == (0, 1.0)
+    cheap = cm.Deployment(L8B, None, "eagle3", FP8, FP8, m, context=1024)
+    k, gm = cm.best_constant_k(cheap, {"d": [0.9, 0.9, 0.9, 0.01]}, {"d": 1}, [1, 2, 4], 4)
+    assert k == 3 and gm > 1
 
 
 def test_cuda_graph_sizes_and_token_budget():

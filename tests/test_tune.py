@@ -3,7 +3,8 @@ settings in both schedule formats, and its config errors.
 
 The stage runs for real on synthetic upstream artifacts (target.json, draft.json + draft config.json,
 quantize.json, acceptance.json written exactly as the contracts in docs/architecture.md say), so each case
-controls the shapes and the acceptance it needs.
+controls the shapes and the acceptance it needs. The deployment it tunes for (TensorRT-LLM version and
+EAGLE-3 mode) comes from the build section, as in a real config.
 """
 from __future__ import annotations
 
@@ -18,9 +19,9 @@ import pytest
 from pipeline.config import HardwareConfig
 from pipeline.errors import StageError
 from pipeline.stage import Artifact, StageContext
-from runtime import compat
+from runtime import compat, draft_schedule
 from runtime import trtllm_options as T
-from runtime.costmodel import parse_schedule
+from runtime.draft_schedule import DraftSchedule
 from stages import tune
 
 from conftest import run_cli
@@ -59,7 +60,7 @@ def acceptance(curves: dict[str, list[float]]) -> dict:
 
 
 def run_tune(tmp: Path, *, target=LLAMA_8B, curves=None, gpu="h200", tp=1, quant=None, profile=None,
-             draft_vocab=32000, acc=None, **section) -> dict:
+             draft_vocab=32000, acc=None, build_version=None, mode="one_model", **section) -> dict:
     """Write the upstream artifacts, run the stage, return tuning.json (plus `_metrics`)."""
     arts = tmp / "artifacts"
     draft, dcfg = eagle3(target, draft_vocab)
@@ -77,6 +78,9 @@ def run_tune(tmp: Path, *, target=LLAMA_8B, curves=None, gpu="h200", tp=1, quant
     inputs = {n: Artifact(n, arts / n, {"fingerprint": n, "metrics": {}}) for n in tune.CONSUMES}
     sec = tune.Config(**section)
     cfg = SimpleNamespace(hardware=HardwareConfig(gpu=gpu, tensor_parallel_size=tp, profile=profile), tune=sec)
+    if build_version or mode != "one_model":
+        cfg.build = SimpleNamespace(enabled=True, trtllm_version=build_version or compat.DEFAULT_TRTLLM_VERSION,
+                                    eagle3_mode=mode)
     out = tmp / "out"
     out.mkdir(exist_ok=True)
     ctx = StageContext(name="tune", config=cfg, section=sec, out_dir=out, scratch_dir=tmp / "scratch", inputs=inputs,
@@ -89,10 +93,18 @@ def run_tune(tmp: Path, *, target=LLAMA_8B, curves=None, gpu="h200", tp=1, quant
 
 
 def ks_of(doc: dict) -> list[int]:
-    """The draft length TensorRT-LLM will use at each batch size under the emitted settings."""
-    sem = compat.release(doc["trtllm_version"]).schedule_semantics
-    return parse_schedule(doc["draft_len_schedule"], doc["max_concurrency"], doc["max_draft_len"], sem,
-                          doc["max_batch_size"])
+    """The draft length TensorRT-LLM will use at each batch size: the tuned schedule written in the targeted
+    version's settings (as build writes them) and read back with that version's runtime rules."""
+    d, mbs = doc["deployment"], doc["max_batch_size"]
+    sched = DraftSchedule.from_json(doc["draft_schedule"])
+    if not sched.speculates(mbs):
+        return [0] * mbs
+    rel = compat.release(d["trtllm_version"])
+    return draft_schedule.decode(draft_schedule.encode(sched, rel, d["mode"], mbs), rel, d["mode"], mbs).ks(mbs)
+
+
+TWO_MODEL = dict(build_version="1.2.1", mode="two_model")     # per-batch draft length, 0 allowed
+ONE_ENGINE_13 = dict(build_version="1.3.0rc27")               # per-batch draft length, never 0 (PR #16888)
 
 
 def by_batch(doc: dict) -> dict[int, dict]:
@@ -116,8 +128,9 @@ def test_memory_bound_keeps_the_longest_useful_k(tmp_path):
 
 def test_past_the_ridge_k_drops_and_speculation_switches_off(tmp_path):
     # Short contexts keep attention small, so the GEMMs decide: the regime the ridge point describes.
+    # Two-model EAGLE-3 on 1.2 runs a per-batch schedule that may reach 0 (compat.SOURCES per_batch_draft_len_1_2).
     doc = run_tune(tmp_path, curves={"code": [0.7, 0.6, 0.5, 0.45, 0.4]}, context_length=128, max_batch_size=1024,
-                   batch_sizes=[1, 8, 32, 64, 128, 256, 512, 1024])
+                   batch_sizes=[1, 8, 32, 64, 128, 256, 512, 1024], **TWO_MODEL)
     rows = by_batch(doc)
     assert rows[1]["k"] == doc["max_draft_len"] >= 3
     ridge = doc["hardware"]["ridge_rows"]
@@ -129,23 +142,68 @@ def test_past_the_ridge_k_drops_and_speculation_switches_off(tmp_path):
     # At 512 sequences the target is compute-bound even without drafts: speculation costs more than it returns.
     assert rows[512]["k"] == 0 and rows[512]["speedup"] == 1.0
     assert all(s < 1.0 for s in rows[512]["speedups_by_k"][1:])
-    assert doc["max_concurrency"] is not None and doc["max_concurrency"] < 512
+    deployed = ks_of(doc)
+    off = deployed.index(0)
+    assert 0 < off < 511 and set(deployed[off:]) == {0} and doc["deployment"]["name"] == "per_batch"
+    assert [rows[b]["deployed_k"] for b in sorted(rows) if b <= 1024] == [deployed[b - 1] for b in sorted(rows)]
     # Where the context is long, reading the KV cache dominates and verification shares it across the 1+k rows:
     # the same batch still gains from a short draft.
     long = run_tune(tmp_path / "long", curves={"code": [0.7, 0.6, 0.5, 0.45, 0.4]}, context_length=2048,
-                    max_batch_size=512, batch_sizes=[512])
+                    max_batch_size=512, batch_sizes=[512], **TWO_MODEL)
     assert long["predicted"][0]["k"] >= 1 and long["predicted"][0]["speedup"] > 1
-    assert ks_of(doc)[doc["max_concurrency"]] == 0          # batch max_concurrency + 1: off
-    assert ks_of(doc)[doc["max_concurrency"] - 1] > 0       # batch max_concurrency: on
 
 
 def test_acceptance_zero_turns_speculation_off(tmp_path):
-    doc = run_tune(tmp_path, curves={"code": [0.0] * 4, "prose": [0.0] * 4}, batch_sizes=[1, 4, 16])
-    assert not doc["speculation"] and doc["max_draft_len"] == 0
-    assert all(r["k"] == 0 and r["speedup"] == 1.0 for r in doc["predicted"])
-    assert doc["draft_len_schedule"] is None and doc["max_concurrency"] is None
-    assert "speculative_config" not in doc["llm_api"]
-    assert doc["_metrics"]["speculation"] is False
+    for kw in ({}, TWO_MODEL, ONE_ENGINE_13):
+        doc = run_tune(tmp_path / str(kw.get("build_version")) / kw.get("mode", "-"), curves={"code": [0.0] * 4, "prose": [0.0] * 4},
+                       batch_sizes=[1, 4, 16], **kw)
+        assert not doc["speculation"] and doc["max_draft_len"] == 0
+        assert all(r["k"] == 0 and r["speedup"] == 1.0 for r in doc["predicted"])
+        assert doc["draft_schedule"] == {"runs": [[1, doc["max_batch_size"], 0]]}
+        assert doc["_metrics"]["speculation"] is False
+
+
+def test_1_2_one_model_tunes_one_draft_length_for_every_batch_size(tmp_path):
+    """Defect 4: TensorRT-LLM 1.2 one-model has no drafter, so draft_len_schedule and max_concurrency are never
+    applied (py_executor.py `_prepare_and_schedule_batch` under `if self.drafter is not None`; speculative/utils.py
+    get_spec_drafter: compat.SOURCES per_batch_draft_len_1_2). tune picks the one k with the best geometric-mean
+    speedup over the table's batch sizes and tuning.json says it is constant."""
+    kw = dict(curves={"code": [0.7, 0.6, 0.5, 0.45, 0.4]}, context_length=128, max_batch_size=1024,
+              batch_sizes=[1, 8, 32, 64, 128, 256, 512, 1024])
+    one = run_tune(tmp_path / "one", **kw)
+    two = run_tune(tmp_path / "two", **kw, **TWO_MODEL)
+    d = one["deployment"]
+    assert d == {**d, "trtllm_version": "1.2.1", "mode": "one_model", "name": "constant", "per_batch_draft_len": False}
+    assert "one draft length at every batch size" in d["note"]
+    runs = one["draft_schedule"]["runs"]
+    assert len(runs) == 1 and runs[0][2] >= 1 and ks_of(one) == [runs[0][2]] * 1024
+    # the ideal per-batch choice is the same table; the constant k is one of its values, and it is the best
+    # constant by the geometric mean over the table
+    assert [r["k"] for r in one["predicted"]] == [r["k"] for r in two["predicted"]]
+    k = runs[0][2]
+    gm = lambda j: sum(__import__("math").log(r["speedups_by_k"][j]) for r in one["predicted"])  # noqa: E731
+    assert all(gm(k) >= gm(j) - 1e-9 for j in range(1, one["acceptance"]["K"] + 1))
+    assert all(r["deployed_k"] == k for r in one["predicted"])
+    assert len(two["draft_schedule"]["runs"]) > 1                       # two-model: per batch, as tuned
+
+
+def test_1_3_one_engine_schedule_never_reaches_zero(tmp_path):
+    """Defect 5: in 1.3 one-engine mode a schedule resolving to 0 (or max_concurrency, translated into one)
+    corrupts drafter state and acceptance collapses after speculation resumes (TensorRT-LLM PR #16888, open:
+    compat.SOURCES zero_draft_len_one_engine). Where speculation stops paying, tune keeps the best k >= 1."""
+    kw = dict(curves={"code": [0.7, 0.6, 0.5, 0.45, 0.4]}, context_length=128, max_batch_size=1024,
+              batch_sizes=[1, 8, 32, 64, 128, 256, 512, 1024])
+    doc = run_tune(tmp_path, **kw, **ONE_ENGINE_13)
+    rows = by_batch(doc)
+    assert rows[512]["k"] == 0                                    # ideal: off ...
+    assert rows[512]["deployed_k"] == 1                           # ... deployed: 1, the best k >= 1 there
+    assert rows[512]["deployed_speedup"] == rows[512]["speedups_by_k"][1] < 1
+    ks = ks_of(doc)
+    assert min(ks) == 1 and ks == sorted(ks, reverse=True) and ks[0] == doc["max_draft_len"]
+    assert doc["deployment"]["name"] == "per_batch_min1" and "16888" in doc["deployment"]["note"]
+    sc = draft_schedule.encode(DraftSchedule.from_json(doc["draft_schedule"]), compat.release("1.3.0rc27"),
+                               "one_model", doc["max_batch_size"])
+    assert "max_concurrency" not in sc and max(sc["draft_len_schedule"]) == doc["max_batch_size"]
 
 
 @pytest.mark.parametrize("version", ["1.2.1", "1.3.0rc27"])
@@ -153,9 +211,9 @@ def test_acceptance_zero_turns_speculation_off(tmp_path):
                                            ("b200", TINY, 1)])
 def test_max_num_tokens_always_covers_the_draft_tokens(tmp_path, version, gpu, target, tp):
     doc = run_tune(tmp_path, target=target, gpu=gpu, tp=tp, curves={"code": [0.9, 0.8, 0.7, 0.6]},
-                   trtllm_version=version, min_num_tokens=256, batch_sizes=[1, 4, 16, 64, 256])
+                   build_version=version, min_num_tokens=256, batch_sizes=[1, 4, 16, 64, 256])
     assert doc["max_num_tokens"] >= doc["max_batch_size"] * (1 + doc["max_draft_len"])
-    assert doc["llm_api"]["max_num_tokens"] == doc["max_num_tokens"]
+    assert doc["deployment"]["trtllm_version"] == version
     assert max(doc["cuda_graph_batch_sizes"]) == doc["max_batch_size"]
     assert all(1 <= b <= doc["max_batch_size"] for b in doc["cuda_graph_batch_sizes"])
 
@@ -163,67 +221,40 @@ def test_max_num_tokens_always_covers_the_draft_tokens(tmp_path, version, gpu, t
 # ---------------------------------------------------------------------------------------------- formats
 
 
-def test_schedules_serialize_in_both_trtllm_formats(tmp_path):
+def test_one_schedule_type_written_in_each_versions_settings(tmp_path):
+    """tuning.json holds the schedule once (`draft_schedule`, version-free runs); build writes it in the targeted
+    version's settings, and those read back with that version's rules are the tuned draft lengths."""
     kw = dict(curves={"code": [0.75, 0.65, 0.55, 0.5, 0.45]}, context_length=128, max_batch_size=512,
               batch_sizes=[1, 16, 64, 256, 512])
-    d12 = run_tune(tmp_path / "v12", trtllm_version="1.2.1", **kw)
-    d13 = run_tune(tmp_path / "v13", trtllm_version="1.3.0rc27", **kw)
-    assert d12["schedule_semantics"] == "lower_bound" and d13["schedule_semantics"] == "upper_bound"
-    s12 = {int(k): v for k, v in d12["draft_len_schedule"].items()}
-    s13 = {int(k): v for k, v in d13["draft_len_schedule"].items()}
-    assert len(set(s12.values())) >= 3                 # several draft lengths, then off
-    # 1.2: key 1 == max_draft_len, a trailing 0 switches speculation off; max_concurrency may accompany it.
-    assert s12[1] == d12["max_draft_len"] and s12[max(s12)] == 0
-    assert d12["max_concurrency"] == max(s12) - 1
-    # 1.3: the smallest key's value == max_draft_len, no 0 values, and no max_concurrency next to a schedule.
-    assert s13[min(s13)] == d13["max_draft_len"] and 0 not in s13.values() and d13["max_concurrency"] is None
-    # Same decisions, two encodings: TensorRT-LLM reads both as the same draft length at every batch size...
-    assert ks_of(d12) == ks_of(d13)
-    assert [lo for lo, _, _ in d12["draft_len_by_batch"]] == sorted(s12)
-    # ... and so does build's decoder (runtime.trtllm_options), which re-encodes for the version it deploys.
-    for doc, sched in ((d12, s12), (d13, s13)):
-        iv = T.schedule_to_intervals(sched, doc["schedule_semantics"])
-        iv = T.cap_intervals(iv, doc["max_concurrency"])
-        decoded = [next(k for lo, hi, k in iv if lo <= b and (hi is None or b <= hi))
-                   for b in range(1, doc["max_batch_size"] + 1)]
-        assert decoded == ks_of(doc)
-        assert T.schedule_problems(sched, doc["max_draft_len"], doc["trtllm_version"]) == []
-    # The reference examples, exactly.
-    from runtime.costmodel import schedule_for
-
-    ks = [4] * 3 + [2] * 4 + [0] * 5          # batch 1-3: 4, 4-7: 2, >= 8: 0
-    assert schedule_for(ks, "lower_bound")["draft_len_schedule"] == {"1": 4, "4": 2, "8": 0}
-    ks = [4] * 4 + [2] * 4 + [1] * 24 + [0] * 8
-    up = schedule_for(ks, "upper_bound", with_max_concurrency=False)
-    assert up["draft_len_schedule"] == {"4": 4, "8": 2, "32": 1} and up["max_concurrency"] is None
+    d12 = run_tune(tmp_path / "v12", **kw, **TWO_MODEL)
+    d13 = run_tune(tmp_path / "v13", **kw, **ONE_ENGINE_13)
+    for doc in (d12, d13):
+        assert not {"draft_len_schedule", "max_concurrency", "llm_api", "draft_len_by_batch", "schedule_semantics"} & set(doc)
+        sched = DraftSchedule.from_json(doc["draft_schedule"])
+        assert ks_of(doc) == sched.ks(doc["max_batch_size"])
+        rel = compat.release(doc["deployment"]["trtllm_version"])
+        sc = draft_schedule.encode(sched, rel, doc["deployment"]["mode"], doc["max_batch_size"])
+        schema = T.load_schema(rel.schema)
+        assert set(sc) <= T._class_fields(schema, "Eagle3DecodingConfig") | T._class_fields(schema, "DecodingBaseConfig")
+        if "draft_len_schedule" in sc:
+            assert draft_schedule.schedule_problems(sc["draft_len_schedule"], sc["max_draft_len"], rel) == []
+    k12, k13 = ks_of(d12), ks_of(d13)
+    assert len(set(k12)) >= 3 and k12[-1] == 0                    # several lengths, then off (1.2 two-model)
+    assert [a or 1 for a in k12] == k13                           # 1.3: the same, floored at 1 where 1.2 is off
+    sc12 = draft_schedule.encode(DraftSchedule.from_json(d12["draft_schedule"]), compat.release("1.2.1"), "two_model", 512)
+    assert min(sc12["draft_len_schedule"]) == 1 and sc12["draft_len_schedule"][max(sc12["draft_len_schedule"])] == 0
 
 
-def test_llm_api_fragment_uses_only_fields_the_version_has(tmp_path):
-    for version in ("1.2.1", "1.3.0rc27"):
-        doc = run_tune(tmp_path / version, trtllm_version=version, curves={"code": [0.7, 0.6, 0.5, 0.4]},
-                       context_length=128, max_batch_size=512, batch_sizes=[1, 64, 512])
-        frag = doc["llm_api"]
-        schema = T.load_schema(compat.release(version).schema)
-        spec_fields = T._class_fields(schema, "Eagle3DecodingConfig") | T._class_fields(schema, "DecodingBaseConfig")
-        assert set(frag["speculative_config"]) <= spec_fields
-        if "CudaGraphConfig" in schema["classes"]:
-            assert set(frag["cuda_graph_config"]) <= T._class_fields(schema, "CudaGraphConfig")
-        assert set(frag) - {"speculative_config", "cuda_graph_config"} <= T.allowed_fields(version)["top"]
-        sc = frag["speculative_config"]
-        assert "draft_len_schedule" in sc
-        if version.startswith("1.3"):
-            assert "max_concurrency" not in sc
-        assert all(k.isdigit() for k in sc["draft_len_schedule"])   # JSON keys; batch sizes
-
-
-def test_constant_k_with_cutoff_is_a_lone_max_concurrency(tmp_path):
-    # One useful draft position: k is 1 or 0; both versions say it with max_concurrency alone.
-    for version in ("1.2.1", "1.3.0rc27"):
-        doc = run_tune(tmp_path / version, trtllm_version=version, curves={"code": [0.6, 0.0]}, context_length=256,
-                       max_batch_size=1024, batch_sizes=[1, 64, 1024])
-        assert doc["max_draft_len"] == 1 and doc["draft_len_schedule"] is None
-        assert doc["max_concurrency"] is not None and 1 < doc["max_concurrency"] < 1024
-        assert ks_of(doc) == [1] * doc["max_concurrency"] + [0] * (1024 - doc["max_concurrency"])
+def test_constant_k_with_cutoff_per_version(tmp_path):
+    # One useful draft position: 1.2 two-model says "off above N" with max_concurrency alone; 1.3 one-engine
+    # cannot switch off (PR #16888) and keeps k = 1 everywhere.
+    kw = dict(curves={"code": [0.6, 0.0]}, context_length=256, max_batch_size=1024, batch_sizes=[1, 64, 1024])
+    d12 = run_tune(tmp_path / "12", **kw, **TWO_MODEL)
+    sc = draft_schedule.encode(DraftSchedule.from_json(d12["draft_schedule"]), compat.release("1.2.1"), "two_model", 1024)
+    assert sc["max_draft_len"] == 1 and "draft_len_schedule" not in sc and 1 < sc["max_concurrency"] < 1024
+    assert ks_of(d12) == [1] * sc["max_concurrency"] + [0] * (1024 - sc["max_concurrency"])
+    d13 = run_tune(tmp_path / "13", **kw, **ONE_ENGINE_13)
+    assert ks_of(d13) == [1] * 1024
 
 
 # ---------------------------------------------------------------------------------------------- production shape
@@ -234,7 +265,7 @@ def test_llama70b_on_h200_gets_a_plausible_schedule(tmp_path):
               "writing": [0.72, 0.62, 0.55, 0.5, 0.45, 0.4], "roleplay": [0.68, 0.58, 0.5, 0.44, 0.4, 0.35]}
     doc = run_tune(tmp_path, target=LLAMA_70B, curves=curves, context_length=4096,
                    domain_weights={"coding": 0.4, "math": 0.2, "writing": 0.2, "roleplay": 0.2},
-                   batch_sizes=[1, 2, 4, 8, 16, 32, 64, 128, 256])
+                   batch_sizes=[1, 2, 4, 8, 16, 32, 64, 128, 256], **ONE_ENGINE_13)
     rows = by_batch(doc)
     # 70B FP8 (~70 GB) + FP8 KV at 4096 tokens (160 KiB/token, anchors) on 141 GB: room for ~90 sequences.
     assert 60 <= doc["kv_capacity_sequences"] <= 120
@@ -304,9 +335,10 @@ def test_a_measured_profile_replaces_the_datasheet(tmp_path):
 
 def test_report_has_the_plot_and_the_schedule(tmp_path):
     run_tune(tmp_path, curves={"code": [0.75, 0.65, 0.55]}, context_length=512, max_batch_size=512,
-             batch_sizes=[1, 32, 128, 512])
+             batch_sizes=[1, 32, 128, 512], **TWO_MODEL)
     html = tune.report(Artifact("tune", tmp_path / "out", {"fingerprint": "x", "metrics": {}}))
-    assert "<img" in html and "draft_len_schedule" in html and "max_concurrency" in html and "speedup code" in html
+    assert "<img" in html and "draft length by batch" in html and "speedup code" in html
+    assert "draft_len_schedule" in html and "two-model" in html
 
 
 # ---------------------------------------------------------------------------------------------- config
@@ -365,11 +397,34 @@ def test_cross_section_checks():
     cfg = SimpleNamespace(hardware=HardwareConfig(gpu="a100_80gb"), tune=tune.Config(),
                           quantize=SimpleNamespace(format="fp8"))
     assert "no FP8 tensor cores" in dict(tune.check(cfg))["hardware.gpu"]
+    # tune tunes for what build deploys: a different tune.trtllm_version is an error while build is enabled
+    cfg = SimpleNamespace(hardware=HardwareConfig(), tune=tune.Config(trtllm_version="1.3.0rc27"),
+                          build=SimpleNamespace(enabled=True, trtllm_version="1.2.1"))
+    assert "differs from build.trtllm_version" in dict(tune.check(cfg))["tune.trtllm_version"]
+    cfg.build.enabled = False
+    assert tune.check(cfg) == [] and tune.target_version(cfg) == "1.3.0rc27"
+
+
+def test_build_section_enters_tunes_fingerprint(tmp_path):
+    """Defect 7: tune reads build.trtllm_version and build.eagle3_mode (which schedules the deployment runs); both
+    must make a committed tuning.json stale (pipeline/runner.py fingerprint_inputs: USES sections enter the doc)."""
+    from pipeline import registry, runner
+    from pipeline.config import validate
+
+    spec = registry.get("tune")
+    assert "build" in spec.uses
+    up = {d: "0" * 64 for d in spec.consumes}
+    base = {"target": {"bootstrap": "tiny"}}
+    docs = {name: runner.fingerprint_inputs(spec, validate({**base, "build": b}), up) for name, b in (
+        ("default", {}), ("13", {"trtllm_version": "1.3.0rc27"}), ("two", {"eagle3_mode": "two_model"}))}
+    assert len({runner.fingerprint(d) for d in docs.values()}) == 3
+    assert "build.trtllm_version" in runner.stale_reason(docs["default"], docs["13"])
+    assert "build.eagle3_mode" in runner.stale_reason(docs["default"], docs["two"])
 
 
 def test_table_and_schedule_agree(tmp_path):
     doc = run_tune(tmp_path, curves={"code": [0.7, 0.6, 0.5, 0.45, 0.4]}, context_length=128, max_batch_size=512,
-                   batch_sizes=[1, 8, 32, 64, 128, 256, 512, 1024])
+                   batch_sizes=[1, 8, 32, 64, 128, 256, 512, 1024], **TWO_MODEL)
     ks = ks_of(doc)
     for r in doc["predicted"]:
         if r["batch"] <= doc["max_batch_size"]:
