@@ -278,9 +278,9 @@ def write_speculators_draft(draft_dir: str | Path, out_dir: str | Path, *, targe
             raise SpeculatorsFormatError(f"{where}: a non-zero d2t with draft_vocab_size == vocab_size")
         ids = [i + 1 for i in mo_ids]
         if len(ids) != 3:
-            notes.append(f"{len(ids)} capture layers: vLLM versions whose llama_eagle3.py sizes fc as 3 x hidden "
-                         "cannot load this draft (speculators 0.9 and current vLLM size it from "
-                         "eagle_aux_hidden_state_layer_ids)")
+            notes.append(f"{len(ids)} capture layers: a vLLM whose llama_eagle3.py sizes fc as 3 x hidden (as at "
+                         "vllm-project/vllm 00bd1493) cannot load this draft; speculators 0.9 sizes fc from "
+                         "eagle_aux_hidden_state_layer_ids")
         if n_target is not None and max(ids) == int(n_target):
             notes.append(f"capture id {max(ids)} is the target's final hidden state (ModelOpt layer {max(mo_ids)}): only "
                          "vLLM versions that capture after a layer (`layer_idx + 1 in aux_hidden_state_layers`) provide it")
@@ -387,21 +387,23 @@ def readme(spec: SpeculatorsExport, argv: list[str], *, draft: str, source_draft
            deployed_draft: str | None = None) -> str:
     cmd = shlex.join(argv)
     kind = "EAGLE-3" if spec.algorithm == "eagle3" else f"DFlash (block {spec.block_size})"
-    vocab = (f"reduced draft vocabulary {spec.draft_vocab_size} of {spec.vocab_size} (`d2t`, `t2d`)" if spec.has_d2t
-             else f"full vocabulary {spec.vocab_size}")
+    vocab = (f"Reduced draft vocabulary: {spec.draft_vocab_size} of {spec.vocab_size} tokens (`d2t`, `t2d`)"
+             if spec.has_d2t else f"Full vocabulary ({spec.vocab_size} tokens)")
+    shared = ("The token embeddings are the verifier's: `embed_tokens.weight` is a bit-exact copy of the target's, "
+              "which vLLM\nfinds equal to the target's and shares." if spec.algorithm == "eagle3" else
+              "Embeddings and LM head are the verifier's and not in this directory: vLLM shares the target's, the "
+              f"speculators\nlibrary loads them from `speculators_config.verifier.name_or_path` = `{spec.verifier}`.")
     fp8 = ("" if deployed_draft in (None, source_draft) else
            f"\nThe TensorRT-LLM deployment uses the FP8 draft `{deployed_draft}`; vLLM gets the BF16 draft it was "
            "quantized from (the speculators library cannot run ModelOpt FP8 weights, so nothing here verifies one).\n")
-    notes = "".join(f"- {n}\n" for n in spec.notes)
+    notes = "".join(f"- {n}\n" for n in spec.notes) or "- none\n"
     return f"""# {kind} draft in the speculators {SPECULATORS_VERSION} format (for vLLM)
 
 `config.json` + `{WEIGHTS_FILE}`: the draft from `{source_draft}` (ModelOpt's export) in the format of
 vllm-project/speculators, which vLLM reads natively. {vocab}; capture layers
 `{spec.aux_hidden_state_layer_ids}` in speculators/vLLM numbering (the decoder layer a hidden state enters; ModelOpt
-and TensorRT-LLM number the same states `{spec.modelopt_layer_ids}`, the layer they leave). The token embeddings
-are the verifier's: EAGLE-3 carries a bit-exact copy (`embed_tokens.weight`, which vLLM finds equal to the
-target's and shares), DFlash carries none and takes embeddings and LM head from the target (vLLM from the model it
-serves, the speculators library from `speculators_config.verifier.name_or_path` = `{spec.verifier}`).
+and TensorRT-LLM number the same states `{spec.modelopt_layer_ids}`, the layer they leave).
+{shared}
 {fp8}
 ## Serve
 ```bash

@@ -13,13 +13,19 @@ Upstream read for these tests:
 - speculators 0.9.0 (PyPI wheel): models/eagle3/{config,core,model_definitions}.py, models/dflash/{config,core,
   attention,model_definitions}.py, model.py (DraftVocabMixin: t2d/d2t, verifier-owned embed_tokens/lm_head),
   config.py, models/utils.py (resolve_target_layer_ids: ids in [0, num_layers], distinct).
-- vLLM (vllm-project/vllm): vllm/transformers_utils/configs/speculators/algos.py @ 54858736156-era upstream
-  (update_eagle3: `norm_before_residual` defaults to True when absent; update_dflash: capture ids = aux ids,
-  `dflash_config.target_layer_ids = [i - 1 ...]`, `causal = not sliding_window_non_causal`), base.py @ 052316aeab2a
-  (num_speculative_tokens = proposal_methods[0].speculative_tokens), vllm/model_executor/models/llama_eagle3.py @
-  00bd1493b3e8 (names prefixed `model.` except lm_head, d2t -> draft_id_to_target_id, t2d skipped, embed_tokens
-  optional; fc = 3 x hidden in that version), vllm/model_executor/models/llama.py (aux state L = `hidden_states +
-  residual` entering layer L), vllm/v1/spec_decode/dflash.py @ 01046b9a3384 (1 + num_speculative_tokens queries).
+- vLLM (vllm-project/vllm), read through the code index: vllm/transformers_utils/configs/speculators/algos.py
+  (upstream versions with update_dflash; the newest stored one, 055e47c2, is a shim to vllm/foundation/...;
+  update_eagle3: `norm_before_residual` defaults to True when absent; update_dflash: capture ids = the aux ids,
+  `dflash_config.target_layer_ids = [i - 1 ...]`, `causal = not sliding_window_non_causal`), base.py @ 052316ae
+  (num_speculative_tokens = proposal_methods[0].speculative_tokens; `vllm serve <speculators dir>` serves
+  verifier.name_or_path: transformers_utils/config.py maybe_override_with_speculators), model_executor/models/
+  llama_eagle3.py @ 00bd1493 (names prefixed `model.` except lm_head, d2t -> draft_id_to_target_id, t2d skipped,
+  embed_tokens optional; fc = 3 x hidden in that version), model_executor/models/llama.py (aux state L =
+  `hidden_states + residual` entering layer L), v1/spec_decode/dflash.py @ 01046b9a (1 + num_speculative_tokens
+  queries), model_executor/models/qwen3_dflash.py @ 036a00d1 (dflash_config.causal overrides every layer).
+- ModelOpt 0.47 (installed): torch/speculative/plugins/modeling_eagle.py (first layer: residual = raw h, hidden
+  half = hidden_norm(input_layernorm(h))), plugins/hf_eagle.py default_eagle_aux_layer_ids {1, L//2-1, L-4} on
+  layer outputs, torch/export/plugins/hf_spec_export.py (tensor names, DFlash config).
 """
 from __future__ import annotations
 
