@@ -357,6 +357,7 @@ def write_speculators_draft(draft_dir: str | Path, out_dir: str | Path, *, targe
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(out, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
+    (out_dir / WEIGHTS_FILE).chmod(0o644)      # safetensors writes 0600: a container user other than ours must read it
     (out_dir / "config.json").write_text(json.dumps(doc, indent=2) + "\n")
     return SpeculatorsExport(path=out_dir, algorithm=algo, speculative_tokens=int(speculative_tokens),
                              aux_hidden_state_layer_ids=ids, modelopt_layer_ids=mo_ids, draft_vocab_size=dv,

@@ -389,6 +389,7 @@ def test_export_writes_the_speculators_draft_with_the_tuned_deployment(tiny_run)
     assert (Path(dep["target_dir"]) / "hf_quant_config.json").exists()     # the FP8 target is the verifier
     assert s["source_draft"] == str((a["train_draft"] / "draft").resolve())
     # the vllm serve command beside it, and in export.json and the report
+    assert all(f.stat().st_mode & 0o444 == 0o444 for f in spec.iterdir())     # readable by a container's user
     script = spec / "serve_vllm.sh"
     subprocess.run(["bash", "-n", str(script)], check=True)
     argv = shlex.split(script.read_text().splitlines()[-1])
