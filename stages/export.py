@@ -10,6 +10,8 @@
   triton_cpu/    the same model name and request/response interface, served by a Python-backend model that runs
                  the same FP8 pair through specpipe's speculative runtime (runtime/triton_model/model.py), so
                  `specpipe serve` answers on a CPU with the acceptance statistics TensorRT-LLM would report.
+  speculators/   the draft in the speculators format for vLLM (runtime/speculators_format.py), with the tuned
+                 draft length, a README and `serve_vllm.sh` (`vllm serve <FP8 target> --speculative-config ...`).
   export.json    what was exported and checked.
 
 Refuses to run when `validate`'s gate failed. Every config.pbtxt is parsed with Triton's model-config protobuf
@@ -31,8 +33,8 @@ from pipeline.errors import StageError
 from pipeline.stage import Artifact, StageContext, StageSection
 
 NAME = "export"
-CONSUMES: tuple[str, ...] = ("quantize", "validate", "build")
-VERSION = "2"
+CONSUMES: tuple[str, ...] = ("train_draft", "quantize", "validate", "build")
+VERSION = "3"
 PACKAGES = ("tritonclient",)
 
 
@@ -45,6 +47,9 @@ class Config(StageSection):
                                 description="where launch.sh expects triton/ mounted inside the container")
     weights: Literal["link", "copy"] = Field("link", description="hard-link the checkpoints (copy across filesystems) or copy")
     cpu_repository: bool = Field(True, description="also write triton_cpu/ (served by `specpipe serve`)")
+    speculators: bool = Field(True, description=(
+        "also write speculators/: the BF16 draft in the speculators 0.9 format with the tuned draft length and a "
+        "`vllm serve` command, for vLLM"))
 
 
 def run(ctx: StageContext) -> dict:
@@ -113,19 +118,58 @@ def run(ctx: StageContext) -> dict:
         (cpu / sec.model_name / "config.pbtxt").write_text(
             config_pbtxt(sec.model_name, io, production=False, decoupled=sec.decoupled))
 
+    vllm = None
+    if sec.speculators and speculation:
+        vllm = _speculators(ctx, dep, options)
+    elif sec.speculators:
+        ctx.log.info("speculators/: not written, the deployment runs the target alone (tune found no draft length that pays)")
+
     parsed = check_pbtxt([p for p in ctx.out_dir.rglob("config.pbtxt")])
     ctx.log.info("config.pbtxt: %s", ", ".join(f"{Path(k).relative_to(ctx.out_dir)} {v}" for k, v in parsed.items()))
     doc = {"model_name": sec.model_name, "trtllm_version": version, "triton_image": image,
            "serving_image": dep["serving_image"], "decoupled": sec.decoupled, "container_path": sec.container_path,
            "speculation": speculation,
            "cpu_repository": "triton_cpu" if sec.cpu_repository else None,
-           "config_pbtxt": {str(Path(k).relative_to(ctx.out_dir)): v for k, v in parsed.items()}}
+           "config_pbtxt": {str(Path(k).relative_to(ctx.out_dir)): v for k, v in parsed.items()}, "speculators": vllm}
     (ctx.out_dir / "export.json").write_text(json.dumps(doc, indent=2))
     if image is None:
         ctx.log.warning("no Triton image ships TensorRT-LLM %s: serve the production repository from a custom image "
                         "built on %s (see triton/README.md)", version, dep["serving_image"])
     return {"model_name": sec.model_name, "trtllm_version": version, "triton_image": image or "custom",
-            "cpu_repository": sec.cpu_repository, "config_pbtxt_checked": sum(v == "parsed" for v in parsed.values())}
+            "cpu_repository": sec.cpu_repository, "config_pbtxt_checked": sum(v == "parsed" for v in parsed.values()),
+            "speculators": vllm["speculators_model_type"] if vllm else None}
+
+
+def _speculators(ctx: StageContext, dep: dict, options: dict) -> dict:
+    """speculators/: the trained (BF16) draft in the speculators format, its README and `serve_vllm.sh`."""
+    from runtime import speculators_format as S
+
+    src = ctx.input("train_draft").path / "draft"
+    final = Path(ctx.workdir).resolve() / "artifacts" / NAME / "speculators"     # where it lives once committed
+    try:
+        spec = S.write_speculators_draft(src, ctx.out_dir / "speculators", target_dir=dep["target_dir"],
+                                         speculative_tokens=int(dep["max_draft_len"]))
+    except S.SpeculatorsFormatError as e:
+        raise StageError(f"the draft cannot be written in the speculators format for vLLM: {e} "
+                         "(export.speculators: false exports without it)") from None
+    qcfg = Path(dep["target_dir"]) / "hf_quant_config.json"
+    kv = json.loads(qcfg.read_text()).get("quantization", {}).get("kv_cache_quant_algo") if qcfg.exists() else None
+    argv = S.vllm_serve_command(spec, target=dep["target_dir"], draft=str(final), max_model_len=dep.get("max_seq_len"),
+                                kv_cache_fp8=str(kv).upper() == "FP8",
+                                tensor_parallel_size=int(options.get("tensor_parallel_size") or 1))
+    (spec.path / "README.md").write_text(S.readme(spec, argv, draft=str(final), source_draft=str(src.resolve()),
+                                                  deployed_draft=dep["draft_dir"]))
+    (spec.path / "serve_vllm.sh").write_text("#!/usr/bin/env bash\n# vLLM with the speculators draft beside this "
+                                             "script (see README.md); extra arguments go to `vllm serve`.\n"
+                                             f"set -euo pipefail\nexec {shlex.join(argv)} \"$@\"\n")
+    (spec.path / "serve_vllm.sh").chmod(0o755)
+    ctx.log.info("speculators/: %s draft for vLLM, %d speculative tokens, capture layers %s (speculators numbering), %s",
+                 spec.algorithm, spec.speculative_tokens, spec.aux_hidden_state_layer_ids,
+                 f"draft vocabulary {spec.draft_vocab_size} with d2t/t2d" if spec.has_d2t else "full vocabulary")
+    for note in spec.notes:
+        ctx.log.info("speculators/: %s", note)
+    return {**spec.as_dict(), "source_draft": str(src.resolve()), "vllm_serve": shlex.join(argv),
+            "readme": "speculators/README.md", "script": "speculators/serve_vllm.sh"}
 
 
 def _require_gate(acc: dict) -> None:
@@ -252,7 +296,7 @@ model's `auto_complete_config` does not copy them from model.yaml.
 
 The sibling repository `../triton_cpu/` serves the same FP8 pair with the same interface on a CPU
 (`specpipe serve --workdir <run>`), through specpipe's speculative runtime instead of TensorRT-LLM.
-"""
+{"For vLLM, `../speculators/` holds the same draft in the speculators format with its `vllm serve` command." + chr(10) if sec.speculators and dep.get('speculation', True) else ""}"""
 
 
 def report(artifact: Artifact) -> str:
@@ -261,4 +305,19 @@ def report(artifact: Artifact) -> str:
     doc = artifact.read_json("export.json")
     return (f"<p>model <code>{esc(doc['model_name'])}</code> for TensorRT-LLM {esc(doc['trtllm_version'])} in "
             f"<code>{esc(str(doc['triton_image']))}</code>; CPU repository: {esc(str(doc['cpu_repository']))}</p>"
-            + table([{"config.pbtxt": k, "check": v} for k, v in doc["config_pbtxt"].items()]))
+            + table([{"config.pbtxt": k, "check": v} for k, v in doc["config_pbtxt"].items()])
+            + _speculators_report(doc.get("speculators")))
+
+
+def _speculators_report(s: dict | None) -> str:
+    from pipeline.report import esc, table
+
+    if not s:
+        return "<p>vLLM (speculators format): not written</p>"
+    return (f"<p>vLLM: <code>{esc(s['dir'])}/</code>, the {esc(s['speculators_model_type'])} draft in the "
+            f"{esc(s['format'])} format; <code>{esc(s['script'])}</code> runs <code>{esc(s['vllm_serve'])}</code></p>"
+            + table([{"speculative tokens": s["speculative_tokens"],
+                      "capture layers (speculators / ModelOpt)": f"{s['aux_hidden_state_layer_ids']} / {s['modelopt_layer_ids']}",
+                      "draft vocabulary": f"{s['draft_vocab_size']} of {s['vocab_size']}" + (" (d2t, t2d)" if s["has_d2t"] else ""),
+                      "verifier": s["verifier"]}])
+            + "".join(f"<p>{esc(n)}</p>" for n in s.get("notes", [])))
