@@ -313,7 +313,7 @@ def test_export_stage_fails_loudly_on_a_draft_it_cannot_convert(tmp_path):
     write_checkpoints(tmp_path)           # a synthetic draft: no decoder shape in its config.json
     gate(tmp_path, True)
     run_stage(tmp_path, build, build.Config())
-    with pytest.raises(StageError, match=r"speculators format for vLLM: .*lacks \['hidden_size'.*export.speculators: false"):
+    with pytest.raises(StageError, match=r"speculators format for vLLM: .*config.json lacks \[.*transformer_layer_config.*export.speculators: false"):
         run_stage(tmp_path, export, export.Config())
     assert not (tmp_path / "artifacts" / "export").exists()
     shutil.rmtree(tmp_path / ".tmp")
