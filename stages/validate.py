@@ -748,7 +748,8 @@ def _render_lossless(ll: dict) -> str:
         arms = [["speculative: " + st["speculative_arm"], st["speculative"]]] + \
                [[k, v] for k, v in st["noise"].items()]
         parts.append(table([[name, v["prompts"], v["diverging"], v["share_diverging"], v["exposure"], v["rate_per_token"],
-                             v.get("mean_first_divergence", "")] for name, v in arms],
+                             "" if v.get("mean_first_divergence") is None else v["mean_first_divergence"]]
+                            for name, v in arms],
                            ["arm (vs " + st["reference"] + ")", "prompts", "diverging", "share", "tokens compared",
                             "divergences / token", "mean first divergence"]))
         if st.get("speculative_divergence_margins") or st.get("noise_divergence_margins"):

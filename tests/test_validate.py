@@ -658,7 +658,7 @@ def test_real_fp8_pair_passes_where_token_equality_fails(real_fp8):
     prompts, eos = real_fp8["prompts"], real_fp8["eos"]
     first = {p[0] for ps in prompts.values() for p in ps}
     assert len(first) == 1 and sum(map(len, prompts.values())) == 6
-    sec = V.Config(max_new_tokens=24, batch_size=4, lossless_prompts=3, max_draft_len=3)
+    sec = V.Config(max_new_tokens=20, batch_size=4, lossless_prompts=3, max_draft_len=3)
     tally = InvariantTally()
     eng = SpeculativeEngine(fp8, drafter=_ModelDrafter(bf16, first.pop()))
     ll, tps, _ = V._lossless_and_speed(_LogCtx(), eng, sec, 3, eos, prompts, _Bar(), "eagle3", tally)
@@ -668,14 +668,14 @@ def test_real_fp8_pair_passes_where_token_equality_fails(real_fp8):
     assert noise["pooled"]["diverging"] >= 2, noise
     assert max(st["noise_divergence_margins"]) > 100 * sec.gates.tie_margin, st
     # the new check: the correct FP8 pair passes every part
-    assert tally.as_dict()["violations"] == 0 and tally.rows > 6 * 24 / 4, tally.as_dict()
+    assert tally.as_dict()["violations"] == 0 and tally.rows > 6 * 20 / 4, tally.as_dict()
     assert st["passed"] and st["p_value"] >= sec.gates.divergence_alpha, st
     assert tps["speculative"] > 0 and tally.drafted > 0
     # exact on the unquantized pair (drafted by the FP8 model, so drafts are rejected too)
     btally = InvariantTally()
     beng = SpeculativeEngine(bf16, drafter=_ModelDrafter(fp8, prompts["gsm8k"][0][0]))
-    sub = [p for ps in prompts.values() for p in ps[:2]]
+    sub = [p for ps in prompts.values() for p in ps[:1]]
     ex = V._exact(_LogCtx(), beng, sec, 3, eos, sub, btally, "bf16")
-    assert ex["passed"] and ex["identical"] and ex["generated_tokens"] > 4 * 12, ex
+    assert ex["passed"] and ex["identical"] and ex["generated_tokens"] > 2 * 10, ex
     b = btally.as_dict()
     assert b["violations"] == 0 and b["drafted"] > 0
