@@ -595,7 +595,8 @@ def tie_margins(model, prompts: list[list[int]], ref: list[list[int]], bad: list
     prompt + the target-only output before it. Verifying k+1 tokens at once and decoding one at a time do the
     same math in a different order; float rounding (amplified by FP8's E4M3 activation rounding) can flip an
     argmax only where the two best logits are within that noise, so a tiny margin marks a numerical tie,
-    a large one a real bug."""
+    a large one a real bug. `gap`: the reference token's logit minus the other output's token's logit there
+    (None when one output ended at the divergence)."""
     out = []
     for b in bad:
         seq = prompts[b["request"]] + ref[b["request"]][: b["position"]]
@@ -603,6 +604,8 @@ def tie_margins(model, prompts: list[list[int]], ref: list[list[int]], bad: list
         r.reset(1, len(seq) + 1)
         logits, _ = r.forward(torch.tensor([seq], device=r.device), logits_at=torch.tensor([len(seq) - 1], device=r.device))
         top = logits[0].topk(2)
-        out.append({**b, "margin": float(top.values[0] - top.values[1]), "top2": top.indices.tolist()})
+        gap = (float(logits[0, b["target"][0]] - logits[0, b["speculative"][0]])
+               if b["target"] and b["speculative"] else None)
+        out.append({**b, "margin": float(top.values[0] - top.values[1]), "top2": top.indices.tolist(), "gap": gap})
     return out
 

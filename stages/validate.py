@@ -8,12 +8,20 @@ acceptance on an FP8 target).
 
 Per domain and pair: acceptance length (TensorRT-LLM's definition), per-position conditional acceptance up to
 `validate.max_draft_len` (the `tune` stage derives the deployed length from these curves), draft acceptance
-rate, drafted/accepted totals. On the deployed pair also: the lossless check (greedy speculative output ==
-target-only output, token for token), tokens/s of speculative vs autoregressive decoding and the step costs.
+rate, drafted/accepted totals. Also tokens/s of speculative vs autoregressive decoding and the step costs.
+
+The lossless check has three parts (`runtime/lossless.py`, docs/stages/validate.md says what each proves):
+exact on the unquantized pair (greedy speculative == autoregressive, token for token, fp32 ties excepted);
+the acceptance-rule invariant on every decoding run of both pairs (each emitted token is what the rule picks
+from the logits of the same verification forward; the stream and the cache length are continuous); and
+statistical on the deployed pair (speculative output diverges from batch-1 autoregressive output no faster
+than the FP8 target's own noise floor: autoregressive decoding at another batch size and with a chunked
+prefill).
 
 Gates (`validate.gates`): a per-domain minimum AL, an overall minimum AL, a minimum retention, and the
-lossless check. A failed gate fails the stage (nothing downstream runs); the table of measured vs required is
-in the error message, the stage log and `<scratch>/acceptance.json` (a failed stage commits nothing).
+lossless check (`require_lossless`: all three parts must pass). A failed gate fails the stage (nothing
+downstream runs); the table of measured vs required is in the error message, the stage log and
+`<scratch>/acceptance.json` (a failed stage commits nothing).
 
 `validate.runtime`: `reference` (this project's runtime, CPU or CUDA), `tensorrt_llm` (the TensorRT-LLM LLM
 API with the same speculative config; only where tensorrt_llm imports and a GPU exists), `auto` (tensorrt_llm
@@ -33,7 +41,7 @@ from pipeline.stage import StageContext, StageSection, Strict
 
 NAME = "validate"
 CONSUMES: tuple[str, ...] = ("target", "data", "train_draft", "quantize")
-VERSION = "1"
+VERSION = "2"
 PACKAGES = ("torch", "transformers", "safetensors")
 
 
@@ -44,10 +52,17 @@ class Gates(Strict):
         None, description="per-domain minimum AL: one number for every domain, or {domain: minimum}")
     min_overall_acceptance_length: float | None = Field(None, ge=1.0, description="minimum AL over all domains")
     min_retention: float | None = Field(None, gt=0, le=1.5, description="minimum AL(deployed)/AL(BF16) per domain and overall")
-    require_lossless: bool = Field(True, description="fail when greedy speculative output differs from the target's")
+    require_lossless: bool = Field(True, description=(
+        "fail unless the lossless check passes: exact on the unquantized pair, the acceptance-rule invariant on "
+        "every run, and the deployed pair's divergence within the target's noise floor"))
     tie_margin: float = Field(1e-3, ge=0, description=(
-        "a divergence where the target's two best logits are closer than this is a numerical tie (reported, "
-        "not failed): verifying k+1 tokens at once rounds differently from one at a time, more so through FP8"))
+        "unquantized pair only: a divergence between the two tokens whose logits (one fresh forward) differ by "
+        "less than this is an fp32 accumulation-order tie (reported, not failed); measured noise is ~1e-4"))
+    max_divergence_ratio: float = Field(1.0, gt=0, description=(
+        "deployed pair: the speculative divergence rate (first divergences per compared token, vs batch-1 "
+        "autoregressive) may be at most this times the noise floor's rate (H0 of the test)"))
+    divergence_alpha: float = Field(0.01, gt=0, lt=1, description=(
+        "deployed pair: fail when the one-sided exact test rejects H0 (rate <= ratio x noise) at this p-value"))
 
 
 class Config(StageSection):
@@ -57,7 +72,11 @@ class Config(StageSection):
     num_prompts: int = Field(16, ge=1, description="prompts per domain (at most what `data` wrote)")
     batch_size: int = Field(4, ge=1)
     temperature: float = Field(0.0, ge=0.0, description="0 = greedy acceptance; > 0 = rejection sampling")
-    lossless_prompts: int = Field(8, ge=0, description="prompts per domain for the lossless check (0: skip)")
+    lossless_prompts: int = Field(8, ge=0, description=(
+        "prompts per domain for the exact and statistical lossless checks (0: skip them; the invariant still "
+        "checks every run)"))
+    noise_prefill_chunk: int = Field(16, ge=1, description=(
+        "noise floor: the chunk size of the chunked-prefill autoregressive arm"))
     measure_bf16: bool = Field(True, description="also measure the unquantized pair (needed for retention)")
     first_layer_norm: Literal["modelopt", "serving"] = Field(
         "modelopt", description="EAGLE-3 first-layer norm: as ModelOpt trains it, or as serving engines compute it")
@@ -110,14 +129,16 @@ def run(ctx: StageContext) -> dict:
             if not Path(p).is_dir():
                 raise StageError(f"validate: {k} {p} does not exist (quantize.json or the train_draft artifact is incomplete)")
     same = all(Path(deployed[k]).resolve() == Path(bf16[k]).resolve() for k in deployed)
-    tinfo = ctx.input("target").read_json("target.json")
-    eos = tinfo.get("eos_token_id")
+    eos = eos_ids(ctx.input("target").read_json("target.json"))
+    ctx.log.info("generation stops at token ids %s (target.json)", eos)
     prompts = _read_prompts(ctx, sec)
 
+    # the unquantized pair runs when it is measured, and for the exact lossless check
+    need_bf16 = not same and (sec.measure_bf16 or sec.lossless_prompts > 0)
     if runtime == "tensorrt_llm":
         res = _run_trtllm(ctx, sec, deployed, bf16 if sec.measure_bf16 and not same else None, prompts, eos)
     else:
-        res = _run_reference(ctx, sec, deployed, bf16 if sec.measure_bf16 and not same else None, prompts, eos)
+        res = _run_reference(ctx, sec, deployed, bf16 if need_bf16 else None, prompts, eos, same=same)
     if sec.measure_bf16 and same:
         ctx.log.info("quantize deployed the unquantized pair: the BF16 figures are the deployed ones")
         for d in res["domains"].values():
@@ -126,7 +147,7 @@ def run(ctx: StageContext) -> dict:
     _add_retention(res)
     res.update({"runtime": runtime, "runtime_reason": why, "max_draft_len": res.pop("draft_len"),
                 "requested_max_draft_len": sec.max_draft_len, "temperature": sec.temperature,
-                "max_new_tokens": sec.max_new_tokens, "batch_size": sec.batch_size,
+                "max_new_tokens": sec.max_new_tokens, "batch_size": sec.batch_size, "eos_token_ids": eos,
                 "pairs": {"fp8": {k: str(Path(v).relative_to(arts)) for k, v in deployed.items()},
                           "bf16": {k: str(Path(v).relative_to(arts)) for k, v in bf16.items()}},
                 "same_pair": same})
@@ -139,17 +160,51 @@ def run(ctx: StageContext) -> dict:
         # failed_metrics (status --json, report) keep the whole measurement, table included
         raise StageError("validate: acceptance gate failed; the pair is not deployed.\n" + table +
                          f"\n(full measurements: {ctx.scratch_dir / 'acceptance.json'}; lower validate.gates or "
-                         "train a better draft / keep the draft BF16 / quantize with calibration data of the domain)",
+                         "train a better draft / keep the draft BF16 / quantize with calibration data of the domain; "
+                         "a failed lossless row is a defect of the decoding engine or of the deployed checkpoints, "
+                         "see docs/stages/validate.md)",
                          metrics=res)
     (ctx.out_dir / "acceptance.json").write_text(text)
     metrics = {"runtime": runtime, "max_draft_len": res["max_draft_len"], "gates_passed": True,
                "lossless": res["lossless"].get("passed"),
+               "lossless_check": lossless_summary(res["lossless"]),
                "overall_acceptance_length": res["overall"]["fp8"]["acceptance_length"],
                "overall_retention": res["overall"].get("retention"),
                "acceptance_length": {d: v["fp8"]["acceptance_length"] for d, v in res["domains"].items()},
                "retention": {d: v.get("retention") for d, v in res["domains"].items()},
                "speedup_measured": res.get("tokens_per_s", {}).get("speedup")}
     return metrics
+
+
+def eos_ids(tinfo: dict) -> list[int]:
+    """Every id that ends a generation: target.json's `eos_token_ids` (an instruct model's end-of-turn and its
+    eos), else its `eos_token_id` (one id, or a list as some HF configs write it)."""
+    ids = tinfo.get("eos_token_ids") or tinfo.get("eos_token_id")
+    if ids is None:
+        return []
+    ids = [ids] if isinstance(ids, int) else list(ids)
+    return sorted({int(i) for i in ids if i is not None})
+
+
+def lossless_summary(ll: dict) -> dict:
+    """The lossless check in a few numbers, each part with what it measured and what it required (stage
+    metrics, so `status --json` shows the statistic and its threshold)."""
+    out: dict = {"passed": ll.get("passed")}
+    if ex := ll.get("exact"):
+        out["exact"] = {k: ex.get(k) for k in ("pair", "passed", "compared_prompts", "generated_tokens", "differ",
+                                               "numerical_ties", "tie_margin")}
+    if inv := ll.get("invariant"):
+        out["invariant"] = {"passed": inv.get("passed"),
+                            **{p: {k: v.get(k) for k in ("rows_checked", "forwards", "violations", "by_kind")}
+                               for p, v in inv.get("pairs", {}).items()}}
+    if st := ll.get("statistical"):
+        out["statistical"] = {k: st.get(k) for k in ("pair", "statistic", "reference", "threshold", "test", "passed",
+                                                     "p_value", "ratio", "alpha")}
+        out["statistical"]["rate_speculative"] = st["speculative"]["rate_per_token"]
+        out["statistical"]["rate_noise"] = st["noise"]["pooled"]["rate_per_token"]
+        out["statistical"]["share_diverging_speculative"] = st["speculative"]["share_diverging"]
+        out["statistical"]["share_diverging_noise"] = st["noise"]["pooled"]["share_diverging"]
+    return out
 
 
 def _choose_runtime(want: str) -> tuple[str, str]:
@@ -205,18 +260,22 @@ def _device(ctx) -> str:
     return want
 
 
-def _run_reference(ctx, sec: Config, deployed: dict, bf16: dict | None, prompts: dict, eos) -> dict:
+def _run_reference(ctx, sec: Config, deployed: dict, bf16: dict | None, prompts: dict, eos, *, same: bool = False) -> dict:
     import torch
 
     from runtime.drafts import DraftFormatError, summarize
+    from runtime.lossless import InvariantTally
     from runtime.speculative import SpeculativeEngine, load_pair
 
     dev = _device(ctx)
     pairs = [("fp8", deployed)] + ([("bf16", bf16)] if bf16 else [])
     expected = _trained_layers(ctx)
     res: dict = {"domains": {d: {} for d in prompts}, "overall": {}}
+    tallies = {label: InvariantTally() for label, _ in pairs}
+    ll: dict = {}
     K = sec.max_draft_len
-    n_runs = len(pairs) * len(prompts) + (len(prompts) if sec.lossless_prompts else 0)
+    measured = [label for label, _ in pairs if label == "fp8" or sec.measure_bf16]
+    n_runs = len(measured) * len(prompts) + (len(pairs) * len(prompts) if sec.lossless_prompts else 0)
     with ctx.progress(total=n_runs, desc="validate") as bar:
         for label, pair in pairs:
             try:
@@ -231,29 +290,41 @@ def _run_reference(ctx, sec: Config, deployed: dict, bf16: dict | None, prompts:
             res.setdefault("draft", summarize(draft))
             res.setdefault("fp8_info", getattr(model, "fp8_info", {}))
             eng = SpeculativeEngine(model, draft)
-            total = None
-            for d, ps in prompts.items():
-                st = _measure(eng, ps, sec, K, eos, speculative=True)[0]
-                res["domains"][d][label] = st.as_dict()
-                total = st if total is None else total.merge(st)
-                ctx.log.info("%s %s: AL %.3f over %d steps, acceptance rate %s, per position %s", label, d,
-                             st.acceptance_length, st.steps, res["domains"][d][label]["draft_acceptance_rate"],
-                             res["domains"][d][label]["per_position"])
-                bar.update(1)
-            res["overall"][label] = total.as_dict()
+            tally = tallies[label]
+            if label in measured:
+                total = None
+                for d, ps in prompts.items():
+                    st = _measure(eng, ps, sec, K, eos, speculative=True, tally=tally, run=f"{label}/{d}")[0]
+                    res["domains"][d][label] = st.as_dict()
+                    total = st if total is None else total.merge(st)
+                    ctx.log.info("%s %s: AL %.3f over %d steps, acceptance rate %s, per position %s", label, d,
+                                 st.acceptance_length, st.steps, res["domains"][d][label]["draft_acceptance_rate"],
+                                 res["domains"][d][label]["per_position"])
+                    bar.update(1)
+                res["overall"][label] = total.as_dict()
             if label == "fp8":
-                res["lossless"], res["tokens_per_s"], res["step_ms"] = _lossless_and_speed(
-                    ctx, eng, sec, K, eos, prompts, bar, draft.algorithm)
+                ll, res["tokens_per_s"], res["step_ms"] = _lossless_and_speed(
+                    ctx, eng, sec, K, eos, prompts, bar, draft.algorithm, tally, exact=same)
                 if draft.algorithm == "eagle3" and sec.measure_other_norm:
-                    _other_norm(ctx, sec, model, pair, expected, K, eos, prompts, res, dev)
+                    _other_norm(ctx, sec, model, pair, expected, K, eos, prompts, res, dev, tally)
+            elif sec.lossless_prompts:
+                ll["exact"] = _exact(ctx, eng, sec, K, eos, _lossless_subset(prompts, sec), tally, "bf16")
+                bar.update(len(prompts))
+            ctx.log.info("acceptance-rule invariant on the %s pair: %d violations in %d verification rows of %d runs",
+                         label, tally.violations, tally.rows, tally.generations)
             del eng, model, draft
             if dev == "cuda":
                 torch.cuda.empty_cache()
+    inv = {label: t.as_dict() for label, t in tallies.items()}
+    ll["invariant"] = {"passed": all(v["passed"] for v in inv.values()), "pairs": inv}
+    ll["passed"] = all(part["passed"] for part in (ll.get("exact"), ll.get("statistical"), ll["invariant"])
+                       if part is not None and part.get("passed") is not None)
+    res["lossless"] = ll
     res["draft_len"] = K
     return res
 
 
-def _other_norm(ctx, sec: Config, model, pair, expected, K, eos, prompts, res, dev) -> None:
+def _other_norm(ctx, sec: Config, model, pair, expected, K, eos, prompts, res, dev, tally) -> None:
     """The deployed pair once more with the other EAGLE-3 first-layer norm: ModelOpt trains with
     hidden_norm(input_layernorm(h)), TensorRT-LLM/vLLM/SGLang serve hidden_norm(h) (docs/stages/validate.md)."""
     from runtime.drafts import load_draft
@@ -264,7 +335,7 @@ def _other_norm(ctx, sec: Config, model, pair, expected, K, eos, prompts, res, d
                        expected_capture_layers=expected)
     eng = SpeculativeEngine(model, draft)
     for d, ps in prompts.items():
-        st = _measure(eng, ps, sec, K, eos, speculative=True)[0]
+        st = _measure(eng, ps, sec, K, eos, speculative=True, tally=tally, run=f"fp8_{other}_norm/{d}")[0]
         res["domains"][d]["fp8_other_norm"] = {"first_layer_norm": other, "acceptance_length": round(st.acceptance_length, 6),
                                                "per_position": st.as_dict()["per_position"]}
         ctx.log.info("fp8 %s with first_layer_norm=%s: AL %.3f (vs %.3f with %s)", d, other, st.acceptance_length,
@@ -280,41 +351,86 @@ def _trained_layers(ctx) -> list[int] | None:
     return info.get("aux_layer_ids") if info.get("algorithm") == "eagle3" else info.get("target_layer_ids")
 
 
-def _measure(eng, prompts, sec: Config, K: int, eos, *, speculative: bool, temperature: float | None = None):
+def _measure(eng, prompts, sec: Config, K: int, eos, *, speculative: bool, temperature: float | None = None,
+             batch_size: int | None = None, tally=None, run: str = ""):
+    """Decode `prompts` in batches; every generate call is checked by the acceptance-rule invariant (`tally`)."""
+    from runtime.lossless import checked_generate
     from runtime.speculative import RunStats
 
+    bs = batch_size or sec.batch_size
     total, outs = RunStats(K if speculative else 0), []
-    for i in range(0, len(prompts), sec.batch_size):
-        g = eng.generate(prompts[i:i + sec.batch_size], max_new_tokens=sec.max_new_tokens, draft_len=K if speculative else 0,
-                         temperature=sec.temperature if temperature is None else temperature, eos_token_id=eos,
-                         seed=sec.seed + i, speculative=speculative)
+    for i in range(0, len(prompts), bs):
+        g, _ = checked_generate(eng, prompts[i:i + bs], tally=tally, run=run, max_new_tokens=sec.max_new_tokens,
+                                draft_len=K if speculative else 0,
+                                temperature=sec.temperature if temperature is None else temperature,
+                                eos_token_id=eos, seed=sec.seed + i, speculative=speculative)
         total = total.merge(g.stats)
         outs += g.tokens
     return total, outs
 
 
-def _lossless_and_speed(ctx, eng, sec: Config, K: int, eos, prompts: dict, bar, algorithm: str):
-    """Greedy speculative vs target-only on the same prompts: equality, tokens/s, step costs."""
-    from runtime.speculative import lossless_diff, predicted_speedup, tie_margins
+def _lossless_subset(prompts: dict, sec: Config) -> list[list[int]]:
+    return [p for ps in prompts.values() for p in ps[:sec.lossless_prompts]]
+
+
+def _exact(ctx, eng, sec: Config, K: int, eos, sub, tally, label: str, spec_out=None, ar1_out=None) -> dict:
+    """Unquantized pair: greedy speculative (batch `batch_size`) == autoregressive (batch 1), token for token.
+    The one tolerance: at a divergence, the two tokens' logits from one fresh forward over the reference prefix
+    differ by less than `gates.tie_margin` (an fp32 accumulation-order tie; see docs/stages/validate.md)."""
+    from runtime.speculative import lossless_diff, tie_margins
+
+    if spec_out is None:
+        spec_out = _measure(eng, sub, sec, K, eos, speculative=True, temperature=0.0, tally=tally, run=f"{label}/exact")[1]
+    if ar1_out is None:
+        ar1_out = _measure(eng, sub, sec, K, eos, speculative=False, temperature=0.0, batch_size=1, tally=tally,
+                           run=f"{label}/ar_b1")[1]
+    bad = tie_margins(eng.target.model, sub, ar1_out, lossless_diff(spec_out, ar1_out))
+    tm = sec.gates.tie_margin
+    for b in bad:
+        b["tie"] = b.get("gap") is not None and abs(b["gap"]) < tm
+    real = [b for b in bad if not b["tie"]]
+    out = {"pair": label, "passed": not real, "identical": not bad, "compared_prompts": len(sub),
+           "generated_tokens": sum(map(len, ar1_out)), "differ": len(real), "numerical_ties": len(bad) - len(real),
+           "tie_margin": tm, "mismatches": bad[:10],
+           "rule": f"speculative (batch {sec.batch_size}, k={K}) == autoregressive (batch 1) token for token; a "
+                   f"divergence counts as an fp32 tie only where the two tokens' logits differ by < {tm}"}
+    ctx.log.info("exact lossless check on the %s pair, %d prompts: %s", label, len(sub),
+                 "identical" if not bad else f"{len(real)} differ, {len(bad) - len(real)} at fp32 ties: {bad[:3]}")
+    return out
+
+
+def _lossless_and_speed(ctx, eng, sec: Config, K: int, eos, prompts: dict, bar, algorithm: str, tally,
+                        exact: bool = False):
+    """Deployed pair, greedy: speculative and autoregressive decoding (tokens/s, step costs), the batch-1
+    autoregressive reference and the noise-floor arms, the statistical check; `exact` (the deployed pair is
+    the unquantized one): the exact check too."""
+    from runtime.lossless import decode_chunked_prefill
+    from runtime.speculative import predicted_speedup
 
     n = sec.lossless_prompts
     if n == 0:
         return {"checked_prompts": 0, "passed": None}, {}, {}
-    sub = [p for ps in prompts.values() for p in ps[:n]]
+    sub = _lossless_subset(prompts, sec)
     _measure(eng, sub[:1], sec, K, eos, speculative=True, temperature=0.0)    # warm-up (allocator, kernels)
     t0 = time.perf_counter()
-    spec, spec_out = _measure(eng, sub, sec, K, eos, speculative=True, temperature=0.0)
+    spec, spec_out = _measure(eng, sub, sec, K, eos, speculative=True, temperature=0.0, tally=tally, run="fp8/speculative")
     t1 = time.perf_counter()
-    ar, ar_out = _measure(eng, sub, sec, K, eos, speculative=False, temperature=0.0)
+    ar, ar_out = _measure(eng, sub, sec, K, eos, speculative=False, temperature=0.0, tally=tally, run="fp8/ar_batch")
     t2 = time.perf_counter()
+    ar1_out = _measure(eng, sub, sec, K, eos, speculative=False, temperature=0.0, batch_size=1, tally=tally,
+                       run="fp8/ar_b1")[1]
+    chunked = decode_chunked_prefill(eng.target.model, sub, max_new_tokens=sec.max_new_tokens, eos=eos,
+                                     chunk=sec.noise_prefill_chunk)
     bar.update(len(prompts))
-    bad = tie_margins(eng.target.model, sub, ar_out, lossless_diff(spec_out, ar_out))
-    real = [b for b in bad if b["margin"] >= sec.gates.tie_margin]
-    lossless = {"checked_prompts": len(sub), "generated_tokens": sum(map(len, ar_out)), "passed": not real,
-                "identical": not bad, "numerical_ties": len(bad) - len(real), "tie_margin": sec.gates.tie_margin,
-                "mismatches": bad[:10]}
-    ctx.log.info("lossless check on %d prompts: %s", len(sub), "identical" if not bad else
-                 f"{len(bad)} differ ({len(bad) - len(real)} at numerical ties, margin < {sec.gates.tie_margin}): {bad[:3]}")
+    ll: dict = {"checked_prompts": len(sub), "generated_tokens": sum(map(len, ar1_out)), "max_new_tokens": sec.max_new_tokens}
+    nb = sec.batch_size if sec.batch_size > 1 else 2              # batch 1 is the reference itself
+    ar_noise = ar_out if sec.batch_size > 1 else _measure(eng, sub, sec, K, eos, speculative=False, temperature=0.0,
+                                                          batch_size=2, tally=tally, run="fp8/ar_b2")[1]
+    ll["statistical"] = _statistical(ctx, eng.target.model, sec, K, sub, spec_out, ar1_out,
+                                     {f"autoregressive_batch{nb}": ar_noise,
+                                      f"autoregressive_prefill_chunk{sec.noise_prefill_chunk}": chunked})
+    if exact:
+        ll["exact"] = _exact(ctx, eng, sec, K, eos, sub, tally, "fp8", spec_out=spec_out, ar1_out=ar1_out)
     sd, ad = spec.as_dict(), ar.as_dict()
     ar_fwd = len(ar.rows_per_step)
     t_ar = ar.target_s / ar_fwd if ar_fwd else None
@@ -332,7 +448,48 @@ def _lossless_and_speed(ctx, eng, sec: Config, K: int, eos, prompts: dict, bar, 
                                                            parallel_draft=algorithm == "dflash"), 3)
     ctx.log.info("tokens/s: speculative %.1f vs autoregressive %.1f (x%.2f; predicted x%s from AL and step costs)",
                  tps["speculative"], tps["autoregressive"], tps["speedup"], tps.get("predicted_speedup"))
-    return lossless, tps, step_ms
+    return ll, tps, step_ms
+
+
+STATISTIC = ("first-divergence rate per compared token of greedy output vs batch-1 autoregressive output "
+             "(diverging prompts / token positions compared up to and including each first divergence)")
+
+
+def _statistical(ctx, model, sec: Config, K: int, sub, spec_out, ref, noise_arms: dict) -> dict:
+    """Deployed pair: the speculative arm's first-divergence rate against batch-1 autoregressive decoding,
+    tested against the pooled rate of the noise arms (the same target and prompts, autoregressive, other
+    forward shapes)."""
+    from runtime.lossless import divergence, rate_test
+    from runtime.speculative import lossless_diff, tie_margins
+
+    g = sec.gates
+    spec = divergence(spec_out, ref)
+    noise = {name: divergence(outs, ref) for name, outs in noise_arms.items()}
+    d_n = sum(v["diverging"] for v in noise.values())
+    e_n = sum(v["exposure"] for v in noise.values())
+    n_p = sum(v["prompts"] for v in noise.values())
+    noise["pooled"] = {"prompts": n_p, "diverging": d_n, "share_diverging": round(d_n / n_p, 4) if n_p else 0.0,
+                       "exposure": e_n, "rate_per_token": round(d_n / e_n, 6) if e_n else 0.0}
+    t = rate_test(spec["diverging"], spec["exposure"], d_n, e_n, ratio=g.max_divergence_ratio, alpha=g.divergence_alpha)
+    # the target's own top-2 margin where speculative decoding diverged (informative: FP8 noise flips tokens
+    # far beyond fp32 ties)
+    margins = lambda outs: [round(b["margin"], 4) for b in tie_margins(model, sub, ref, lossless_diff(outs, ref)[:4])]  # noqa: E731
+    out = {"pair": "fp8", "statistic": STATISTIC, "reference": "autoregressive, batch 1, one prefill forward",
+           "speculative_arm": f"speculative, batch {sec.batch_size}, k={K}", "speculative": spec, "noise": noise,
+           "test": "one-sided exact conditional binomial test of two Poisson rates, H0: rate_speculative <= ratio x "
+                   "rate_noise (pooled arms)",
+           "ratio": g.max_divergence_ratio, "alpha": g.divergence_alpha,
+           "threshold": f"p >= {g.divergence_alpha} for H0 rate_speculative <= {g.max_divergence_ratio} x rate_noise",
+           "p_value": t["p_value"], "passed": t["passed"], "speculative_divergence_margins": margins(spec_out),
+           "noise_divergence_margins": [m for outs in noise_arms.values() for m in margins(outs)]}
+    ctx.log.info("statistical lossless check (deployed pair, %d prompts): speculative diverges on %d (rate %.4f/token), "
+                 "noise floor %d of %d arm-prompts (rate %.4f/token: %s); p = %.4g for H0 rate <= %.2f x noise -> %s",
+                 len(sub), spec["diverging"], spec["rate_per_token"], d_n, n_p, noise["pooled"]["rate_per_token"],
+                 ", ".join(f"{k} {v['diverging']}/{v['prompts']}" for k, v in noise.items() if k != "pooled"),
+                 t["p_value"], g.max_divergence_ratio, "pass" if t["passed"] else "FAIL")
+    ctx.log.info("top-2 logit margins where the outputs diverged: speculative %s, noise arms %s (an fp32 tie is < 1e-3)",
+                 out["speculative_divergence_margins"], out["noise_divergence_margins"])
+    return out
 
 
 def _ms(s):
@@ -363,24 +520,47 @@ def evaluate_gates(res: dict, g: Gates) -> dict:
     if g.min_retention is not None and res["overall"].get("retention") is not None:
         rows.append({"domain": "overall", "metric": "retention", "measured": res["overall"]["retention"],
                      "required": g.min_retention, "passed": res["overall"]["retention"] >= g.min_retention})
-    if g.require_lossless and res.get("lossless", {}).get("passed") is not None:
-        ok = res["lossless"]["passed"]
-        ll = res["lossless"]
-        measured = ("identical" if ll.get("identical", ok) else f"{ll.get('numerical_ties', 0)} ties") if ok else \
-            f"{len(ll['mismatches']) - ll.get('numerical_ties', 0)} differ"
-        rows.append({"domain": "all", "metric": "lossless", "measured": measured, "required": "identical", "passed": ok})
+    if g.require_lossless:
+        rows += lossless_rows(res.get("lossless") or {})
     return {"passed": all(r["passed"] for r in rows), "rows": rows}
+
+
+def lossless_rows(ll: dict) -> list[dict]:
+    """One gate row per part of the lossless check that ran."""
+    rows = []
+    ex = ll.get("exact")
+    if ex and ex.get("passed") is not None:
+        m = "identical" if ex.get("identical") else (f"{ex['differ']} differ" if ex["differ"] else
+                                                     f"{ex['numerical_ties']} fp32 ties")
+        rows.append({"domain": "unquantized", "metric": "lossless_exact", "measured": m,
+                     "required": f"identical (ties < {ex['tie_margin']:g})", "passed": ex["passed"]})
+    inv = ll.get("invariant")
+    if inv and inv.get("pairs"):
+        n = sum(v["violations"] for v in inv["pairs"].values())
+        rows_checked = sum(v["rows_checked"] for v in inv["pairs"].values())
+        rows.append({"domain": "all runs", "metric": "acceptance_rule", "measured": f"{n} of {rows_checked} rows",
+                     "required": "0 violations", "passed": inv["passed"]})
+    st = ll.get("statistical")
+    if st and st.get("passed") is not None:
+        rows.append({"domain": "deployed", "metric": "divergence_rate",
+                     "measured": f"{st['speculative']['rate_per_token']:.4f} vs {st['noise']['pooled']['rate_per_token']:.4f} "
+                                 f"noise, p={st['p_value']:.3g}",
+                     "required": f"<= {st['ratio']:g}x noise at p>={st['alpha']:g}", "passed": st["passed"]})
+    return rows
 
 
 def gate_table(rows: list[dict]) -> str:
     if not rows:
         return "  (no gates configured)"
-    head = f"  {'domain':<12} {'metric':<18} {'measured':>10} {'required':>10}  result"
+    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)  # noqa: E731
+    wm = max([10] + [len(fmt(r["measured"])) for r in rows])
+    wq = max([10] + [len(fmt(r["required"])) for r in rows])
+    wd = max([12] + [len(r["domain"]) for r in rows])
+    head = f"  {'domain':<{wd}} {'metric':<18} {'measured':>{wm}}  {'required':>{wq}}  result"
     lines = [head, "  " + "-" * (len(head) - 2)]
     for r in rows:
-        m = f"{r['measured']:.3f}" if isinstance(r["measured"], float) else str(r["measured"])
-        q = f"{r['required']:.3f}" if isinstance(r["required"], float) else str(r["required"])
-        lines.append(f"  {r['domain']:<12} {r['metric']:<18} {m:>10} {q:>10}  {'pass' if r['passed'] else 'FAIL'}")
+        lines.append(f"  {r['domain']:<{wd}} {r['metric']:<18} {fmt(r['measured']):>{wm}}  {fmt(r['required']):>{wq}}  "
+                     f"{'pass' if r['passed'] else 'FAIL'}")
     return "\n".join(lines)
 
 
@@ -412,9 +592,14 @@ def trtllm_llm_kwargs(target_dir, draft_dir, *, algorithm: str, max_draft_len: i
     }
 
 
-def trtllm_sampling_kwargs(*, max_new_tokens: int, temperature: float, seed: int) -> dict:
-    """SamplingParams(...) arguments (end token: the tokenizer's eos, TensorRT-LLM's default)."""
+def trtllm_sampling_kwargs(*, max_new_tokens: int, temperature: float, seed: int,
+                           stop_token_ids: list[int] | None = None) -> dict:
+    """SamplingParams(...) arguments (end token: the tokenizer's eos, TensorRT-LLM's default; `stop_token_ids`:
+    every id that ends a generation, e.g. an instruct model's end-of-turn, SamplingParams.stop_token_ids in
+    tensorrt_llm/sampling_params.py)."""
     kw = {"max_tokens": max_new_tokens, "return_perf_metrics": True, "seed": seed}
+    if stop_token_ids:
+        kw["stop_token_ids"] = list(stop_token_ids)
     if temperature > 0:
         kw["temperature"] = temperature
     else:
@@ -446,7 +631,7 @@ def _run_trtllm(ctx, sec: Config, deployed: dict, bf16: dict | None, prompts: di
         cls = getattr(llmapi, TRTLLM_SPEC_CLASSES[spec.pop("decoding_type")])
         llm = LLM(**kw, speculative_config=cls(**spec))
         sp = SamplingParams(**trtllm_sampling_kwargs(max_new_tokens=sec.max_new_tokens, temperature=sec.temperature,
-                                                     seed=sec.seed))
+                                                     seed=sec.seed, stop_token_ids=eos))
         tot = {"drafted": 0, "accepted": 0, "tokens": 0}
         for d, ps in prompts.items():
             t0 = time.perf_counter()
@@ -506,10 +691,7 @@ def _render(a: dict) -> str:
     if g["rows"]:
         parts.append(table([[r["domain"], r["metric"], r["measured"], r["required"], "pass" if r["passed"] else "FAIL"]
                             for r in g["rows"]], ["domain", "metric", "measured", "required", "result"]))
-    ll = a.get("lossless", {})
-    parts.append(f"<p>lossless check: {esc(str(ll.get('passed')))} on {ll.get('checked_prompts', 0)} prompts "
-                 f"({ll.get('generated_tokens', 0)} tokens, greedy speculative vs target-only; "
-                 f"{ll.get('numerical_ties', 0)} divergences at numerical ties)</p>")
+    parts.append(_render_lossless(a.get("lossless") or {}))
     tps = a.get("tokens_per_s") or {}
     if tps:
         parts.append(table([[k, v] for k, v in tps.items()] + [[f"step ms {k}", v] for k, v in (a.get("step_ms") or {}).items()],
@@ -531,4 +713,47 @@ def _render(a: dict) -> str:
         ax.legend(fontsize=7)
         ax.set_title("per-position conditional acceptance")
         parts.append(figure(fig))
+    return "".join(parts)
+
+
+def _render_lossless(ll: dict) -> str:
+    """The lossless check, each part with its numbers (docs/stages/validate.md says what each proves)."""
+    from pipeline.report import esc, table
+
+    parts = [f"<p>lossless check: <b>{esc(str(ll.get('passed')))}</b> "
+             f"({ll.get('checked_prompts', 0)} prompts x {ll.get('max_new_tokens', '?')} new tokens, greedy)"
+             + (f"; {esc(ll['note'])}" if ll.get("note") else "") + "</p>"]
+    rows = []
+    if ex := ll.get("exact"):
+        rows.append(["exact", f"{ex['pair']} pair (unquantized)", ex["rule"],
+                     f"{ex['compared_prompts']} prompts, {ex['generated_tokens']} tokens: {ex['differ']} differ, "
+                     f"{ex['numerical_ties']} fp32 ties", ex["passed"]])
+    if inv := ll.get("invariant"):
+        for p, v in inv.get("pairs", {}).items():
+            kinds = ", ".join(f"{k}: {n}" for k, n in v["by_kind"].items()) or "none"
+            rows.append(["acceptance rule", f"{p} pair, every run",
+                         "each emitted token = the rule's choice from the same verification forward's logits; "
+                         "each step verifies the last emitted token; cache advances by accepted + 1",
+                         f"{v['rows_checked']} rows in {v['forwards']} forwards of {v['generations']} runs: "
+                         f"{v['violations']} violations ({kinds})", v["passed"]])
+    if st := ll.get("statistical"):
+        s, nz = st["speculative"], st["noise"]["pooled"]
+        rows.append(["statistical", f"{st['pair']} pair (deployed)", st["statistic"] + "; " + st["test"],
+                     f"speculative {s['rate_per_token']:.4f}/token ({s['diverging']}/{s['prompts']} prompts) vs noise "
+                     f"{nz['rate_per_token']:.4f}/token ({nz['diverging']}/{nz['prompts']}); p = {st['p_value']:.3g}, "
+                     f"required {st['threshold']}", st["passed"]])
+    if rows:
+        parts.append(table(rows, ["part", "on", "checks", "measured", "passed"]))
+    if st := ll.get("statistical"):
+        arms = [["speculative: " + st["speculative_arm"], st["speculative"]]] + \
+               [[k, v] for k, v in st["noise"].items()]
+        parts.append(table([[name, v["prompts"], v["diverging"], v["share_diverging"], v["exposure"], v["rate_per_token"],
+                             "" if v.get("mean_first_divergence") is None else v["mean_first_divergence"]]
+                            for name, v in arms],
+                           ["arm (vs " + st["reference"] + ")", "prompts", "diverging", "share", "tokens compared",
+                            "divergences / token", "mean first divergence"]))
+        if st.get("speculative_divergence_margins") or st.get("noise_divergence_margins"):
+            parts.append(f"<p>the target's top-2 logit margin where the outputs diverged (an fp32 tie is below "
+                         f"1e-3): speculative {esc(str(st.get('speculative_divergence_margins')))}, noise arms "
+                         f"{esc(str(st.get('noise_divergence_margins')))}</p>")
     return "".join(parts)
