@@ -218,7 +218,11 @@ def report(workdir, out):
 @click.option("--grpc-port", type=click.IntRange(1, 65535), default=None, help="default: a free port")
 @click.option("--metrics-port", type=click.IntRange(1, 65535), default=None, help="default: a free port")
 @click.option("--ready-timeout", type=float, default=300.0, show_default=True, help="seconds to wait for the model to load")
-def serve(workdir, http_port, grpc_port, metrics_port, ready_timeout):
+@click.option("--max-batch", type=click.IntRange(1), default=None,
+              help="most requests decoding together (continuous batching; the model's default: 8)")
+@click.option("--max-queue", type=click.IntRange(0), default=None,
+              help="most requests waiting for a slot; beyond it a request gets an 'overloaded' error (default: 32)")
+def serve(workdir, http_port, grpc_port, metrics_port, ready_timeout, max_batch, max_queue):
     """Serve the exported CPU Triton repository (FP8 target + draft) on 127.0.0.1 until Ctrl-C."""
     import time
 
@@ -235,8 +239,10 @@ def serve(workdir, http_port, grpc_port, metrics_port, ready_timeout):
         _fail(UsageError(f"{wd}: no committed export with a CPU repository; run `specpipe build <config>` first"))
     click.echo(f"starting Triton on {repo} ...", err=True)
     try:
+        params = {k: str(v) for k, v in (("specpipe_max_batch", max_batch), ("specpipe_max_queue", max_queue))
+                  if v is not None}
         srv = triton_server.start(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
-                                  load_timeout=ready_timeout)
+                                  load_timeout=ready_timeout, model_parameters=params or None)
     except SpecpipeError as e:
         _fail(e)
         return

@@ -69,6 +69,10 @@ def run(ctx: StageContext) -> dict:
     in_container = f"{sec.container_path.rstrip('/')}/{sec.model_name}/1"
     body = {"model": f"{in_container}/target_fp8", "backend": "pytorch", **options}
     body["speculative_config"] = {**options["speculative_config"], "speculative_model": f"{in_container}/draft"}
+    # Per-request speculative statistics: the LLM-API model returns acceptance_rate / total_accepted_draft_tokens /
+    # total_draft_tokens for requests with sampling_param_return_perf_metrics; the LLM-level flag (BaseLlmArgs,
+    # 1.2 line) also records the request timestamps those responses carry. `specpipe monitor` reads them.
+    body.setdefault("return_perf_metrics", True)
     body["triton_config"] = {"max_batch_size": 0, "decoupled": sec.decoupled,
                              "cancellation_check_period_ms": sec.cancellation_check_period_ms}
     if bad := T.unknown_keys(body, version, model_yaml=True):
@@ -98,7 +102,8 @@ def run(ctx: StageContext) -> dict:
         (cdir / "model.py").write_text(resources.files("runtime").joinpath("triton_model", "model.py").read_text())
         (cdir / "specpipe_model.json").write_text(json.dumps({
             "target": "target_fp8", "draft": "draft", "algorithm": dep["algorithm"],
-            "draft_len": dep["draft_len_by_batch"][0][2],   # Triton's LLM-API model serves one request at a time
+            # one draft length for every batch size: the CPU model batches continuously with a fixed k
+            "draft_len": dep["draft_len_by_batch"][0][2],
             "trtllm_version": version, "specpipe_src": str(Path(runtime.__file__).resolve().parents[1])}, indent=2))
         (cpu / sec.model_name / "config.pbtxt").write_text(
             config_pbtxt(sec.model_name, io, production=False, decoupled=sec.decoupled))
@@ -115,6 +120,18 @@ def run(ctx: StageContext) -> dict:
                         "built on %s (see triton/README.md)", version, dep["serving_image"])
     return {"model_name": sec.model_name, "trtllm_version": version, "triton_image": image or "custom",
             "cpu_repository": sec.cpu_repository, "config_pbtxt_checked": sum(v == "parsed" for v in parsed.values())}
+
+
+def fingerprint_extra(section: Config) -> dict | None:
+    """The CPU repository carries a copy of runtime/triton_model/model.py: its content enters the fingerprint,
+    so a changed serving model is re-exported."""
+    if not section.cpu_repository:
+        return None
+    import hashlib
+    from importlib import resources
+
+    text = resources.files("runtime").joinpath("triton_model", "model.py").read_bytes()
+    return {"runtime/triton_model/model.py": hashlib.sha256(text).hexdigest()}
 
 
 def _require_gate(acc: dict) -> None:
