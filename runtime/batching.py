@@ -200,6 +200,7 @@ class Scheduler:
         self.running = True
         self._stop_ids: list[str] = []
         self._last_cancel_check = 0.0
+        self._last_gauges = (0, 0)
         self.thread = threading.Thread(target=self._loop, name="specpipe-scheduler", daemon=True)
         self.thread.start()
 
@@ -214,11 +215,12 @@ class Scheduler:
                 raise Overloaded(f"overloaded: {live} requests decoding (max_batch {self.max_batch}) and "
                                  f"{len(self.queue)} waiting (max_queue {self.max_queue}); retry later")
             self.queue.append(job)
-            self.metrics("set:queue_depth", len(self.queue))
             self.cv.notify()
 
     def stop_request(self, request_id: str) -> int:
         """Cancel the live or waiting requests with this id (the interface's `stop` input); returns how many."""
+        if not request_id:
+            return 0
         with self.cv:
             n = sum(j.request_id == request_id for j in self.queue)
             n += sum(j.request_id == request_id for g in self.groups.values() for j in g.jobs.values())
@@ -249,8 +251,6 @@ class Scheduler:
                     break
                 admitted = self._admit_locked()
                 stop_ids, self._stop_ids = self._stop_ids, []
-            for rid in stop_ids:
-                self._guarded(lambda rid=rid: self._cancel_where(lambda j: j.request_id == rid))
             for key, jobs in admitted.items():   # joins the running batch: takes part in the next step
                 try:
                     self._group(key, jobs[0].req.seed).add(jobs)
@@ -260,6 +260,8 @@ class Scheduler:
                         if not j.done.is_set():
                             j.fail(RuntimeError(f"generation failed: {e}"))
                             self.metrics("requests_failed", 1)
+            for rid in stop_ids:                 # after admission: a stopped request may just have been admitted
+                self._guarded(lambda rid=rid: self._cancel_where(lambda j: j.request_id == rid))
             for key in list(self.groups):
                 g = self.groups[key]
                 if g.live:
@@ -271,7 +273,7 @@ class Scheduler:
                 with self.cv:
                     self._check_cancelled_locked()
             self._drop_empty()
-            self.metrics("set:batch_rows", sum(g.live for g in self.groups.values()))
+            self._gauges()
         with self.cv:
             pending = list(self.queue)
             self.queue.clear()
@@ -279,6 +281,15 @@ class Scheduler:
             j.fail(Overloaded("the model is shutting down"))
         for g in self.groups.values():
             g.fail_all(Overloaded("the model is shutting down"))
+
+    def _gauges(self) -> None:
+        """batch_rows and queue_depth, sent when they change."""
+        with self.cv:
+            now = (sum(g.live for g in self.groups.values()), len(self.queue))
+        if now != self._last_gauges:
+            self._last_gauges = now
+            self.metrics("set:batch_rows", now[0])
+            self.metrics("set:queue_depth", now[1])
 
     def _guarded(self, fn, group: "_Group | None" = None) -> None:
         """Run one batch operation; if it fails, that batch's requests get the error and the model keeps serving."""
@@ -298,8 +309,6 @@ class Scheduler:
             j = self.queue.popleft()
             out.setdefault(j.req.sampling_key, []).append(j)
             free -= 1
-        if out:
-            self.metrics("set:queue_depth", len(self.queue))
         return out
 
     def _check_cancelled_locked(self) -> None:
@@ -310,8 +319,6 @@ class Scheduler:
             j.cancelled = True
             j.fail(_Cancelled("request cancelled by client"))
             self.metrics("requests_cancelled", 1)
-        if gone:
-            self.metrics("set:queue_depth", len(self.queue))
 
     def _cancel_where(self, pred) -> None:
         with self.cv:
