@@ -25,7 +25,8 @@ cancelled: gRPC stream cancellation, HTTP connection closed) is noticed through 
 model sends. Bad requests get an INVALID_ARG error naming the input and the model keeps serving. In
 non-decoupled mode `execute` waits for its own requests, so requests from different clients do not overlap.
 
-Prometheus metrics on Triton's metrics port (Python-backend custom metrics, labels `model`, `version`):
+Prometheus metrics on Triton's metrics port (Python-backend custom metrics, labels `model`, `version`,
+`instance` (the model instance and its stub's pid: a reloaded model starts new series)):
 `specpipe_draft_tokens_total`, `specpipe_accepted_draft_tokens_total`, `specpipe_verification_steps_total`
 (AL = 1 + accepted / steps), `specpipe_target_forwards_total`, `specpipe_decode_rows_total` (rows per forward
 = rows / forwards), `specpipe_output_tokens_total`, `specpipe_requests_joined_running_batch_total`,
@@ -40,6 +41,7 @@ best_of > 1, cumulative log-probs, KV-cache block metrics.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -115,7 +117,12 @@ class TritonPythonModel:
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(self.model_config)
         self.engine = ServingEngine(here / spec["target"], here / spec["draft"] if spec.get("draft") else None,
                                     draft_len=int(spec["draft_len"]))
-        labels = {"model": args["model_name"], "version": str(args["model_version"])}
+        # `instance` differs between the old and the new instance of a reloaded model: Triton 2.51's core counts
+        # references per MetricFamily object, not per shared prometheus series, so with identical labels the old
+        # instance's cleanup deletes the series the new instance writes to (core r24.10 src/metric_family.cc
+        # MetricFamily::Remove; the server then crashes with SIGSEGV on the next increment or scrape).
+        labels = {"model": args["model_name"], "version": str(args["model_version"]),
+                  "instance": f"{args.get('model_instance_name', 'instance')}:{os.getpid()}"}
         # A MetricFamily must outlive its Metrics (python_backend r24.10 README, custom metrics): keep both.
         self._families = []
 
