@@ -222,7 +222,12 @@ def report(workdir, out):
               help="most requests decoding together (continuous batching; the model's default: 8)")
 @click.option("--max-queue", type=click.IntRange(0), default=None,
               help="most requests waiting for a slot; beyond it a request gets an 'overloaded' error (default: 32)")
-def serve(workdir, http_port, grpc_port, metrics_port, ready_timeout, max_batch, max_queue):
+@click.option("--draft-len", type=click.IntRange(0), default=None,
+              help="draft tokens per step (default: the exported one; 0 serves the target without speculation)")
+@click.option("--decoupled/--not-decoupled", default=None,
+              help="override the exported transaction policy (HTTP infer clients such as perf_analyzer -i http "
+                   "need --not-decoupled; streaming needs decoupled)")
+def serve(workdir, http_port, grpc_port, metrics_port, ready_timeout, max_batch, max_queue, draft_len, decoupled):
     """Serve the exported CPU Triton repository (FP8 target + draft) on 127.0.0.1 until Ctrl-C."""
     import time
 
@@ -239,10 +244,10 @@ def serve(workdir, http_port, grpc_port, metrics_port, ready_timeout, max_batch,
         _fail(UsageError(f"{wd}: no committed export with a CPU repository; run `specpipe build <config>` first"))
     click.echo(f"starting Triton on {repo} ...", err=True)
     try:
-        params = {k: str(v) for k, v in (("specpipe_max_batch", max_batch), ("specpipe_max_queue", max_queue))
-                  if v is not None}
+        params = {k: str(v) for k, v in (("specpipe_max_batch", max_batch), ("specpipe_max_queue", max_queue),
+                                         ("specpipe_draft_len", draft_len)) if v is not None}
         srv = triton_server.start(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
-                                  load_timeout=ready_timeout, model_parameters=params or None)
+                                  load_timeout=ready_timeout, model_parameters=params or None, decoupled=decoupled)
     except SpecpipeError as e:
         _fail(e)
         return

@@ -12,6 +12,7 @@ reuse an existing run that has a committed `export`.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -42,13 +43,12 @@ def run_dir(request) -> Path:
     return wd
 
 
-@pytest.fixture(scope="module")
-def server(run_dir):
+@contextlib.contextmanager
+def cli_server(run_dir, *args: str):
     """`specpipe serve` as a user runs it; yields its endpoints; stops it with SIGINT."""
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "HF_HUB_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.Popen([SPECPIPE, "serve", "--workdir", str(run_dir), "--max-batch", str(MAX_BATCH),
-                             "--max-queue", str(MAX_QUEUE)], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([SPECPIPE, "serve", "--workdir", str(run_dir), *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
@@ -80,6 +80,12 @@ def server(run_dir):
     assert "stopped (exit code" in err
     with pytest.raises(ProcessLookupError):   # the server process is gone, not orphaned
         os.kill(info["pid"], 0)
+
+
+@pytest.fixture(scope="module")
+def server(run_dir):
+    with cli_server(run_dir, "--max-batch", str(MAX_BATCH), "--max-queue", str(MAX_QUEUE)) as info:
+        yield info
 
 
 @pytest.fixture(scope="module")
@@ -495,3 +501,41 @@ def test_prometheus_counters_match_the_responses(server, reference, prompts):
     assert metric(m1, "specpipe_max_batch") == MAX_BATCH and metric(m1, "specpipe_max_queue") == MAX_QUEUE
     assert metric(m1, "specpipe_requests_total", outcome="completed") - \
         metric(m0, "specpipe_requests_total", outcome="completed") == len(prompts)
+
+
+def test_http_infer_clients_share_forwards_without_speculation(run_dir, reference, all_prompts):
+    """`specpipe serve --not-decoupled --draft-len 0`: Triton's HTTP `infer` endpoint (what perf_analyzer -i http
+    uses; it refuses decoupled models), the target alone. Concurrent infer requests still share target forwards,
+    and each greedy response is generate()'s output at draft length 0."""
+    import tritonclient.http as h
+
+    ps = all_prompts[:4]
+    want = []
+    for p in ps:
+        g = reference.engine.generate([reference.encode(p)], max_new_tokens=24, draft_len=0,
+                                      eos_token_id=reference.eos_token_ids)
+        want.append(reference.decode(g.tokens[0]))
+    with cli_server(run_dir, "--not-decoupled", "--draft-len", "0", "--max-batch", "4") as srv:
+        m0 = metrics(srv)
+        got: dict[int, str] = {}
+
+        def client(i):
+            c = h.InferenceServerClient(srv["http"], network_timeout=180)
+            t = h.InferInput("text_input", [1], "BYTES")
+            t.set_data_from_numpy(np.array([ps[i].encode()], dtype=np.object_))
+            n = h.InferInput("sampling_param_max_tokens", [1], "INT32")
+            n.set_data_from_numpy(np.array([24], dtype=np.int32))
+            got[i] = c.infer("tensorrt_llm", [t, n]).as_numpy("text_output")[0].decode()
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(ps))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=180)
+        assert [got.get(i) for i in range(len(ps))] == want
+        m1 = metrics(srv)
+        assert metric(m1, "specpipe_draft_len") == 0
+        assert metric(m1, "specpipe_draft_tokens_total") == metric(m0, "specpipe_draft_tokens_total") == 0
+        rows = metric(m1, "specpipe_decode_rows_total") - metric(m0, "specpipe_decode_rows_total")
+        fwd = metric(m1, "specpipe_target_forwards_total") - metric(m0, "specpipe_target_forwards_total")
+        assert rows / fwd > 1.5

@@ -15,15 +15,17 @@ response interface of TensorRT-LLM's LLM-API Triton model (triton_backend/all_mo
 - with streaming each decoding step (1 + accepted draft tokens) is one response, the last one carries the
   final flag and the metrics.
 
-Serving under load (decoupled mode, the exported default): `execute` validates each request and hands it to
+Serving under load: `execute` validates each request and hands it to
 `runtime.batching.Scheduler`, whose thread runs continuous batching: requests join the running batch at the
 next step and every live row is verified in one target forward. Beyond `specpipe_max_batch` decoding rows
 and `specpipe_max_queue` waiting requests (config `parameters`, defaults 8 and 32) a request gets an
 UNAVAILABLE "overloaded" error at once. A client that cancels or disconnects (Triton marks the request
 cancelled: gRPC stream cancellation, HTTP connection closed) is noticed through `is_cancelled()` within
 `specpipe_cancel_check_ms` (default 50) and its row is freed; it gets a CANCELLED error, as TensorRT-LLM's
-model sends. Bad requests get an INVALID_ARG error naming the input and the model keeps serving. In
-non-decoupled mode `execute` waits for its own requests, so requests from different clients do not overlap.
+model sends. Bad requests get an INVALID_ARG error naming the input and the model keeps serving. A
+non-decoupled configuration (needed by Triton's HTTP `infer` endpoint, which refuses decoupled models) batches
+the same way: each request's single response goes through its response sender.
+`specpipe_draft_len` (config parameter) overrides the draft length; 0 serves the target autoregressively.
 
 Prometheus metrics on Triton's metrics port (Python-backend custom metrics, labels `model`, `version`,
 `instance` (the model instance and its stub's pid: a reloaded model starts new series)):
@@ -102,12 +104,10 @@ class TritonPythonModel:
         self.model_config = json.loads(args["model_config"])
         here = Path(args["model_repository"]) / args["model_version"]
         spec = json.loads((here / "specpipe_model.json").read_text())
+        # The specpipe that exported this repository first (its runtime matches this file), else the installed one.
         src = spec.get("specpipe_src")
-        try:
-            import runtime.serving  # noqa: F401 - specpipe installed in the stub's environment
-        except ImportError:
-            if src and Path(src).is_dir():
-                sys.path.insert(0, src)
+        if src and (Path(src) / "runtime" / "batching.py").is_file() and src not in sys.path:
+            sys.path.insert(0, src)
         from runtime.batching import Scheduler
         from runtime.serving import ServingEngine
 
@@ -115,8 +115,9 @@ class TritonPythonModel:
         params = {k: v.get("string_value") for k, v in (self.model_config.get("parameters") or {}).items()}
         conf = {k: int(params.get(k) or spec.get(k) or d) for k, d in DEFAULTS.items()}
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(self.model_config)
-        self.engine = ServingEngine(here / spec["target"], here / spec["draft"] if spec.get("draft") else None,
-                                    draft_len=int(spec["draft_len"]))
+        draft_len = int(params["specpipe_draft_len"]) if params.get("specpipe_draft_len") else int(spec["draft_len"])
+        self.engine = ServingEngine(here / spec["target"], here / spec["draft"] if spec.get("draft") and draft_len else None,
+                                    draft_len=draft_len)
         # `instance` differs between the old and the new instance of a reloaded model: Triton 2.51's core counts
         # references per MetricFamily object, not per shared prometheus series, so with identical labels the old
         # instance's cleanup deletes the series the new instance writes to (core r24.10 src/metric_family.cc
@@ -157,9 +158,12 @@ class TritonPythonModel:
 
     # ------------------------------------------------------------------------------------------ requests
     def execute(self, requests):
-        jobs = []
+        """Validate each request and hand it to the scheduler; every response goes through the request's
+        response sender (decoupled: one per step when streaming; non-decoupled: exactly one, final, which the
+        python backend allows since 23.x), so `execute` returns at once in both modes and requests from
+        different clients share the running batch."""
         for request in requests:
-            sender = request.get_response_sender() if self.decoupled else None
+            sender = request.get_response_sender()
             job, error = None, None
             try:
                 job = self._job(request, sender)
@@ -172,25 +176,10 @@ class TritonPythonModel:
                 try:
                     self.scheduler.submit(job)
                 except self._overloaded as e:
-                    job, error = None, pb_utils.TritonError(str(e), pb_utils.TritonError.UNAVAILABLE)
+                    error = pb_utils.TritonError(str(e), pb_utils.TritonError.UNAVAILABLE)
             if error is not None:
-                resp = pb_utils.InferenceResponse(error=error)
-                if sender is not None:
-                    self._send(sender, resp, final=True)
-                else:
-                    jobs.append(resp)
-            elif sender is None:
-                jobs.append(job)
-        if self.decoupled:
-            return None
-        out = []
-        for j in jobs:                       # non-decoupled: this call's requests, in order
-            if isinstance(j, pb_utils.InferenceResponse):
-                out.append(j)
-                continue
-            j.done.wait()
-            out.append(self._final(j, j.want) if j.error is None and not j.cancelled else self._error(j))
-        return out
+                self._send(sender, pb_utils.InferenceResponse(error=error), final=True)
+        return None
 
     @property
     def _overloaded(self):
@@ -252,17 +241,14 @@ class TritonPythonModel:
             pending.append(text)
 
         def on_done(job):
-            if sender is None:
-                return
             if job.error is not None or job.cancelled:
                 self._send(sender, self._error(job), final=True)
             else:
                 self._send(sender, self._final(job, want), final=True)
 
         job = Job(self.engine, req, on_text=on_text if streaming else None, on_done=on_done,
-                  is_cancelled=(sender.is_cancelled if sender is not None else request.is_cancelled),
+                  is_cancelled=sender.is_cancelled,
                   request_id=request.request_id() or "")
-        job.want = want
         return job
 
     def _final(self, job, want):
