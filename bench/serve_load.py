@@ -81,7 +81,7 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=16, help="evaluation prompts to cycle through (all domains)")
     ap.add_argument("--requests", type=int, default=32, help="perf_analyzer --measurement-request-count")
     ap.add_argument("--stability", type=float, default=10.0, help="perf_analyzer --stability-percentage")
-    ap.add_argument("--max-trials", type=int, default=10, help="perf_analyzer --max-trials")
+    ap.add_argument("--max-trials", type=int, default=10, help="perf_analyzer --max-trials (at least 3: it compares 3 windows)")
     ap.add_argument("--modes", default="speculative,plain")
     ap.add_argument("--protocols", default="grpc,http")
     ap.add_argument("--out", type=Path, default=None, help="where the profiles and results.json go (default: a temp dir)")
@@ -140,11 +140,18 @@ def main() -> int:
                            "--measurement-request-count", str(a.requests), "--stability-percentage", str(a.stability),
                            "--max-trials", str(a.max_trials), "--profile-export-file", str(prof)]
                     cmds.append(" ".join(shlex.quote(x) for x in cmd))
-                    m0 = counters(srv.metrics_url)
-                    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
-                    m1 = counters(srv.metrics_url)
-                    (out / f"{mode}-{proto}-c{c}.log").write_text(r.stdout + r.stderr)
+                    for attempt in (1, 2):   # perf_analyzer 2.51 now and then leaves an empty profile export
+                        prof.unlink(missing_ok=True)
+                        m0 = counters(srv.metrics_url)
+                        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+                        m1 = counters(srv.metrics_url)
+                        (out / f"{mode}-{proto}-c{c}.log").write_text(f"rc {r.returncode}\n{r.stdout}{r.stderr}")
+                        if r.returncode != 0 or (prof.exists() and prof.stat().st_size > 0):
+                            break
+                        print(f"{mode} {proto} c={c}: perf_analyzer exited 0 with an empty profile export; "
+                              f"{'running it again' if attempt == 1 else 'giving up'}", file=sys.stderr)
                     row = summarize(prof, expected[k], streaming, m0, m1, rc=r.returncode)
+                    row["attempts"] = attempt
                     row.update(mode=mode, protocol=f"{proto}{' streaming' if streaming else ''}", concurrency=c, draft_len=k)
                     if r.returncode != 0:
                         print(f"perf_analyzer failed ({mode} {proto} c={c}):\n{(r.stdout + r.stderr)[-2000:]}", file=sys.stderr)
@@ -163,9 +170,11 @@ def main() -> int:
 
 def summarize(prof: Path, expected: dict[str, tuple[str, int]], streaming: bool, m0: dict, m1: dict, rc: int) -> dict:
     reqs = []
-    if prof.exists():
+    try:
         for e in json.loads(prof.read_text()).get("experiments", []):
             reqs += e.get("requests", [])
+    except (OSError, ValueError):
+        pass                                   # no readable profile: counted as lost below
     tpot, ttft, lost, mismatches, tokens = [], [], 0, 0, 0
     starts, ends = [], []
     for q in reqs:

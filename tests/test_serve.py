@@ -539,3 +539,37 @@ def test_http_infer_clients_share_forwards_without_speculation(run_dir, referenc
         rows = metric(m1, "specpipe_decode_rows_total") - metric(m0, "specpipe_decode_rows_total")
         fwd = metric(m1, "specpipe_target_forwards_total") - metric(m0, "specpipe_target_forwards_total")
         assert rows / fwd > 1.5
+
+
+@pytest.mark.slow
+def test_perf_analyzer_load_loses_nothing_and_matches_generate(run_dir, tmp_path):
+    """bench/serve_load.py at small scale: perf_analyzer (tritonclient 2.51's binary, a client nobody here wrote)
+    drives the server over gRPC streaming and HTTP infer at 1 and 3 clients; no response is lost and every greedy
+    response equals the in-process generate() output for its prompt (the script exits 1 otherwise)."""
+    import shutil
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import serve_load
+
+    try:
+        lib = serve_load.cudart_dir()
+    except SystemExit as e:
+        pytest.skip(f"perf_analyzer cannot run here: {e} (.ci/run installs it)")
+    pa = shutil.which("perf_analyzer") or str(Path(sys.executable).parent / "perf_analyzer")
+    probe = subprocess.run([pa, "--help"], capture_output=True, text=True, env={**os.environ, "LD_LIBRARY_PATH": lib})
+    if "error while loading shared libraries" in probe.stderr:
+        pytest.skip(f"perf_analyzer cannot run here: {probe.stderr.strip()} (.ci/run installs libb64-0d)")
+    script = Path(__file__).resolve().parent.parent / "bench" / "serve_load.py"
+    r = subprocess.run([sys.executable, str(script), "--workdir", str(run_dir), "--concurrency", "1,3", "--requests", "6",
+                        "--max-tokens", "16", "--prompts", "4", "--modes", "speculative", "--stability", "1000",
+                        "--max-trials", "3", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    print(r.stdout, r.stderr[-3000:])
+    assert r.returncode == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert {(x["protocol"], x["concurrency"]) for x in rows} == {("grpc streaming", 1), ("grpc streaming", 3),
+                                                                 ("http", 1), ("http", 3)}
+    for x in rows:
+        assert x["requests"] >= 6 and x["lost"] == 0 and x["mismatches"] == 0 and x["throughput_tok_s"] > 0
+    assert "| tokens/s |" in r.stdout and "Command: `" in r.stdout
