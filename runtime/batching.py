@@ -317,7 +317,7 @@ class Scheduler:
         for j in gone:
             self.queue.remove(j)
             j.cancelled = True
-            j.fail(_Cancelled("request cancelled by client"))
+            j.fail(Cancelled("request cancelled by client"))
             self.metrics("requests_cancelled", 1)
 
     def _cancel_where(self, pred) -> None:
@@ -327,7 +327,7 @@ class Scheduler:
                 self.queue.remove(j)
         for j in waiting:
             j.cancelled = True
-            j.fail(_Cancelled("request cancelled by client"))
+            j.fail(Cancelled("request cancelled by client"))
             self.metrics("requests_cancelled", 1)
         for g in self.groups.values():
             keys = [k for k, j in g.jobs.items() if pred(j)]
@@ -344,8 +344,5 @@ class Scheduler:
             del self.groups[key]
 
 
-class _Cancelled(RuntimeError):
-    """A request its client cancelled before it was scheduled."""
-
-
-Cancelled = _Cancelled
+class Cancelled(RuntimeError):
+    """A request its client cancelled (or stopped by id) before it was scheduled."""
