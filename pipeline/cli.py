@@ -218,7 +218,16 @@ def report(workdir, out):
 @click.option("--grpc-port", type=click.IntRange(1, 65535), default=None, help="default: a free port")
 @click.option("--metrics-port", type=click.IntRange(1, 65535), default=None, help="default: a free port")
 @click.option("--ready-timeout", type=float, default=300.0, show_default=True, help="seconds to wait for the model to load")
-def serve(workdir, http_port, grpc_port, metrics_port, ready_timeout):
+@click.option("--max-batch", type=click.IntRange(1), default=None,
+              help="most requests decoding together (continuous batching; the model's default: 8)")
+@click.option("--max-queue", type=click.IntRange(0), default=None,
+              help="most requests waiting for a slot; beyond it a request gets an 'overloaded' error (default: 32)")
+@click.option("--draft-len", type=click.IntRange(0), default=None,
+              help="draft tokens per step (default: the exported one; 0 serves the target without speculation)")
+@click.option("--decoupled/--not-decoupled", default=None,
+              help="override the exported transaction policy (HTTP infer clients such as perf_analyzer -i http "
+                   "need --not-decoupled; streaming needs decoupled)")
+def serve(workdir, http_port, grpc_port, metrics_port, ready_timeout, max_batch, max_queue, draft_len, decoupled):
     """Serve the exported CPU Triton repository (FP8 target + draft) on 127.0.0.1 until Ctrl-C."""
     import time
 
@@ -235,8 +244,10 @@ def serve(workdir, http_port, grpc_port, metrics_port, ready_timeout):
         _fail(UsageError(f"{wd}: no committed export with a CPU repository; run `specpipe build <config>` first"))
     click.echo(f"starting Triton on {repo} ...", err=True)
     try:
+        params = {k: str(v) for k, v in (("specpipe_max_batch", max_batch), ("specpipe_max_queue", max_queue),
+                                         ("specpipe_draft_len", draft_len)) if v is not None}
         srv = triton_server.start(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
-                                  load_timeout=ready_timeout)
+                                  load_timeout=ready_timeout, model_parameters=params or None, decoupled=decoupled)
     except SpecpipeError as e:
         _fail(e)
         return
@@ -264,6 +275,85 @@ def serve(workdir, http_port, grpc_port, metrics_port, ready_timeout):
         click.echo("stopping Triton ...", err=True)
         rc = srv.stop()
         click.echo(f"stopped (exit code {rc})", err=True)
+
+
+@cli.command()
+@click.option("--workdir", type=click.Path(file_okay=False), default=None,
+              help="the run whose validated pair is deployed (default: the only run under ./runs)")
+@click.option("--url", default=None, help="the endpoint's HTTP address, e.g. http://127.0.0.1:8000 (active probes)")
+@click.option("--model", default=None, help="model name (default: the export's, tensorrt_llm)")
+@click.option("--passive", is_flag=True, help="read the CPU model's Prometheus counters instead of probing")
+@click.option("--metrics-url", default=None, help="Triton's metrics URL, e.g. http://127.0.0.1:8002/metrics (--passive)")
+@click.option("--once", is_flag=True, help="one round, then exit: 1 on a drift alarm or a failed probe (for cron)")
+@click.option("--interval", type=click.FloatRange(0), default=300.0, show_default=True, help="seconds between rounds")
+@click.option("--probes", type=click.IntRange(1), default=None, help="stop after this many rounds (default: run until Ctrl-C)")
+@click.option("--draft-len", type=click.IntRange(1), default=None, help="deployed draft length (default: build's, at batch 1)")
+@click.option("--drop", type=click.FloatRange(0.01, 0.99), default=0.2, show_default=True,
+              help="relative AL drop the test is designed to detect (alarm boundary: half of it)")
+@click.option("--false-alarm", type=click.FloatRange(1e-12, 0.5), default=1e-3, show_default=True,
+              help="designed false alarms per probe and domain (CUSUM threshold ln(1/x))")
+@click.option("--dispersion", type=click.FloatRange(1.0), default=2.0, show_default=True,
+              help="variance inflation for correlated steps within a response")
+@click.option("--prompts-per-probe", type=click.IntRange(1), default=None,
+              help="prompts per domain and round (default: the ones validate measured)")
+@click.option("--timeout", type=click.FloatRange(1), default=120.0, show_default=True, help="seconds per probe request")
+@click.option("--prom-file", type=click.Path(dir_okay=False), default=None,
+              help="Prometheus text file (default: <workdir>/monitor/specpipe_monitor-<endpoint>.prom)")
+@click.option("--state", "state_file", type=click.Path(dir_okay=False), default=None,
+              help="CUSUM state across runs (default: <workdir>/monitor/state-<endpoint>.json)")
+@click.option("--reset", is_flag=True, help="forget the accumulated evidence")
+def monitor(workdir, url, model, passive, metrics_url, once, interval, probes, draft_len, drop, false_alarm, dispersion,
+            prompts_per_probe, timeout, prom_file, state_file, reset):
+    """Watch a live endpoint's acceptance against validate's baseline (draft drift): a sequential test per
+    domain, an alarm line, a Prometheus text file."""
+    import hashlib
+    import time
+
+    from pipeline import monitor as M
+
+    wd = _existing_workdir(workdir)
+    if passive and not metrics_url:
+        _fail(UsageError("--passive reads Triton's metrics: give --metrics-url http://HOST:PORT/metrics"))
+    if not passive and not url:
+        _fail(UsageError("give --url (the endpoint to probe) or --passive --metrics-url"))
+    try:
+        run = M.read_run(wd, draft_len=draft_len, prompts_per_probe=prompts_per_probe)
+        if model:
+            run.model_name = model
+        design = M.Design(draft_len=run.draft_len, drop=drop, false_alarm=false_alarm, dispersion=dispersion)
+        target = metrics_url if passive else url
+        tag = hashlib.sha256(f"{target}|{run.model_name}".encode()).hexdigest()[:10]
+        mon = M.Monitor(run, design, url=url, metrics_url=metrics_url, passive=passive,
+                        state_path=Path(state_file) if state_file else wd / "monitor" / f"state-{tag}.json",
+                        prom_path=Path(prom_file) if prom_file else wd / "monitor" / f"specpipe_monitor-{tag}.prom",
+                        timeout=timeout, reset=reset, echo=click.echo)
+    except SpecpipeError as e:
+        _fail(e)
+        return
+    click.echo(mon.describe())
+    raised = False
+    n = 0
+    try:
+        while True:
+            try:
+                alarms = mon.step()
+            except M.ProbeError as e:
+                click.echo(f"probe failed: {e}", err=True)
+                if once:
+                    sys.exit(EXIT_FAILED)
+                alarms = []
+            raised = raised or bool(alarms)
+            n += 1
+            if once:
+                missing = [d for d, t in mon.tests.items() if t.missing_stats]
+                sys.exit(EXIT_FAILED if alarms or missing else EXIT_OK)
+            if probes is not None and n >= probes:
+                break
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        click.echo("stopped", err=True)
+    click.echo(f"{n} round(s); {'drift alarm raised' if raised else 'no drift alarm'}; prometheus file: {mon.prom_path}")
+    sys.exit(EXIT_FAILED if raised else EXIT_OK)
 
 
 @cli.command()

@@ -1,23 +1,35 @@
 """Text in, text out over specpipe's speculative runtime: the one adapter the CPU Triton model uses.
 
-`runtime.speculative` works on token ids in batches and returns when every request is done. Serving needs a
-prompt string, the tokenizer, per-step streaming and the per-request statistics TensorRT-LLM reports
-(`acceptance_rate`, `total_accepted_draft_tokens`, `total_draft_tokens`, reference §4). This module is the
-only place that knows the runtime's API, so the Triton model (runtime/triton_model/model.py) and the tests
-that compare the server with the in-process runtime go through the same code.
+`runtime.speculative` works on token ids in batches. Serving needs a prompt string, the tokenizer, request
+validation with messages a client can act on, per-step streaming and the per-request statistics TensorRT-LLM
+reports (`acceptance_rate`, `total_accepted_draft_tokens`, `total_draft_tokens`, reference §4). This module
+and `runtime.batching` are the only places that know the runtime's API, so the Triton model
+(runtime/triton_model/model.py) and the tests that compare the server with the in-process runtime go through
+the same code: `ServingEngine.complete` runs one request through the same `batching` job logic the server's
+continuous-batching scheduler runs many requests through.
 
 Semantics follow TensorRT-LLM's LLM API where they are defined: the prompt is tokenized without special
 tokens; `text` is the generated text only (the LLM API's `CompletionOutput.text`, cumulative when
-streaming); generation ends at the tokenizer's EOS or after `max_tokens` (finish_reason `stop` / `length`);
-stop strings cut the text (finish_reason `stop`, `stop_reason` the string). The statistics are those of the
-runtime for the whole generation (a stop string only truncates what is returned).
+streaming); generation ends at an end-of-sequence id (the tokenizer's EOS and every id of the checkpoint's
+`generation_config.json`), after `max_tokens` (finish_reason `stop` / `length`), or at a stop string
+(finish_reason `stop`, `stop_reason` the string; the request leaves the batch there, so its statistics end
+there too). A prompt plus `max_tokens` must fit the target's context (`max_position_embeddings`).
 """
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
+
+
+class RequestError(ValueError):
+    """A request the server refuses (the client can fix it); the message names the input and the limit."""
+
+
+class Overloaded(RuntimeError):
+    """Every batch slot is taken and the waiting queue is at its bound; the client should retry later."""
 
 
 @dataclass
@@ -34,16 +46,41 @@ class Completion:
     last_token_time_ns: int
     draft_len: int
     chunks: list[str] = field(default_factory=list)   # cumulative text after each decoding step
+    first_scheduled_time_ns: int = 0
 
     @property
     def acceptance_rate(self) -> float:
         return self.total_accepted_draft_tokens / self.total_draft_tokens if self.total_draft_tokens else 0.0
 
+    @property
+    def acceptance_length(self) -> float:
+        return (self.steps + self.total_accepted_draft_tokens) / self.steps if self.steps else 1.0
+
+
+@dataclass
+class GenerationRequest:
+    """A validated request: what `ServingEngine.request` returns and the scheduler runs."""
+
+    prompt: str
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    stop: list[str] = field(default_factory=list)
+
+    @property
+    def sampling_key(self) -> tuple[float, float]:
+        """Requests with the same key share one running batch (one acceptance rule per batch)."""
+        return (0.0, 1.0) if self.temperature <= 0 else (float(self.temperature), float(self.top_p))
+
 
 class ServingEngine:
-    """An FP8 target + draft loaded once; `complete(prompt, ...)` serves one request at a time."""
+    """An FP8 target + draft loaded once. `request(...)` validates, `complete(request)` serves one request
+    in-process; `runtime.batching.Scheduler` serves many at once on the same engine."""
 
-    def __init__(self, target_dir: str | Path, draft_dir: str | Path | None, *, draft_len: int, device: str = "cpu"):
+    def __init__(self, target_dir: str | Path, draft_dir: str | Path | None, *, draft_len: int, device: str = "cpu",
+                 eos_token_ids: list[int] | None = None):
         import torch
         from transformers import AutoTokenizer
 
@@ -56,7 +93,12 @@ class ServingEngine:
             model, draft = load_target(str(target_dir), device=device), None
         self.engine = SpeculativeEngine(model, draft)
         self.draft_len = draft_len if draft is not None else 0
+        # the pipeline's stop ids (target.json via validate: the end of turn, checked against the chat template) when
+        # the repository carries them; else what the checkpoint's tokenizer and generation_config.json say
+        self.eos_token_ids = list(eos_token_ids) if eos_token_ids else eos_ids(target_dir, self.tokenizer)
         self.eos_token_id = self.tokenizer.eos_token_id
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.context = int(cfg.max_position_embeddings)
         self._torch = torch
 
     def encode(self, prompt: str) -> list[int]:
@@ -65,53 +107,81 @@ class ServingEngine:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def complete(self, prompt: str, *, max_tokens: int = 32, temperature: float = 0.0, seed: int = 0,
-                 stop: list[str] | None = None, on_text: Callable[[str], None] | None = None) -> Completion:
-        """Generate for one prompt. `on_text(cumulative text)` is called after every decoding step whose text
-        changed, until a stop string is reached."""
-        arrival = time.time_ns()
+    def request(self, prompt: str | bytes, *, max_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,
+                seed: int = 0, stop: list[str] | None = None) -> GenerationRequest:
+        """Validate and tokenize; raises RequestError naming the input (as the Triton interface calls it)."""
+        if isinstance(prompt, bytes):
+            try:
+                prompt = prompt.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise RequestError(f"text_input is not valid UTF-8 (byte 0x{prompt[e.start]:02x} at offset {e.start}); "
+                                   "send the prompt as UTF-8 text") from None
+        if not isinstance(prompt, str):
+            raise RequestError(f"text_input must be a string, got {type(prompt).__name__}")
+        if not prompt:
+            raise RequestError("text_input is empty: send a non-empty prompt")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+            raise RequestError(f"sampling_param_max_tokens must be an integer, got {max_tokens!r}")
+        if max_tokens < 1:
+            raise RequestError(f"sampling_param_max_tokens must be >= 1, got {max_tokens}")
+        if max_tokens >= self.context:
+            raise RequestError(f"sampling_param_max_tokens={max_tokens} is not below the model's context of "
+                               f"{self.context} tokens")
+        if not (temperature >= 0.0) or temperature != temperature or temperature == float("inf"):
+            raise RequestError(f"sampling_param_temperature must be a finite number >= 0, got {temperature}")
+        if not (0.0 < top_p <= 1.0):
+            raise RequestError(f"sampling_param_top_p must be in (0, 1], got {top_p}")
         ids = self.encode(prompt)
         if not ids:
-            raise ValueError("empty prompt after tokenization")
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        stop = [s for s in (stop or []) if s]
-        tokens: list[int] = []
-        chunks: list[str] = []
-        times: list[int] = []
-        stopped: list[str] = []
+            raise RequestError("text_input has no tokens after tokenization: send a non-empty prompt")
+        if len(ids) >= self.context:
+            raise RequestError(f"the prompt has {len(ids)} tokens; the model's context is {self.context}: "
+                               "shorten the prompt")
+        if len(ids) + max_tokens > self.context:
+            raise RequestError(f"the prompt's {len(ids)} tokens + sampling_param_max_tokens={max_tokens} exceed the "
+                               f"model's context of {self.context} tokens: ask for at most "
+                               f"{self.context - len(ids)} tokens")
+        for s in stop or []:
+            if not isinstance(s, str):
+                raise RequestError(f"sampling_param_stop must hold strings, got {s!r}")
+        return GenerationRequest(prompt=prompt, prompt_ids=ids, max_tokens=int(max_tokens), temperature=float(temperature),
+                                 top_p=float(top_p), seed=int(seed), stop=[s for s in (stop or []) if s])
 
-        def on_step(_req: int, new: list[int]) -> None:
-            times.append(time.time_ns())
-            if stopped:
-                return
-            tokens.extend(new)
-            text = self.decode(tokens)
-            hit = _first_stop(text, stop)
-            if hit is not None:
-                stopped.append(hit[1])
-                text = text[:hit[0]]
-            if not chunks or text != chunks[-1]:
-                chunks.append(text)
-                if on_text is not None:
-                    on_text(text)
+    def complete(self, prompt: str | GenerationRequest, *, max_tokens: int = 32, temperature: float = 0.0,
+                 seed: int = 0, top_p: float = 1.0, stop: list[str] | None = None,
+                 on_text: Callable[[str], None] | None = None) -> Completion:
+        """Generate for one prompt in-process (the same job logic as the server). `on_text(cumulative text)` is
+        called after every decoding step whose text changed, until a stop string is reached."""
+        from runtime.batching import Job, run_alone
 
-        gen = self.engine.generate([ids], max_new_tokens=max_tokens, draft_len=self.draft_len, temperature=temperature,
-                                   eos_token_id=self.eos_token_id, seed=seed, on_tokens=on_step)
-        out = gen.tokens[0]
-        text = self.decode(out)
-        if stopped:
-            text = text[:_first_stop(text, stop)[0]]
-            finish = "stop"
-        else:
-            finish = "stop" if (self.eos_token_id is not None and out and out[-1] == self.eos_token_id) else "length"
-        rs = gen.requests[0]
-        return Completion(text=text, token_ids=out, finish_reason=finish, stop_reason=stopped[0] if stopped else None,
-                          total_draft_tokens=rs.drafted, total_accepted_draft_tokens=rs.accepted, steps=rs.steps,
-                          arrival_time_ns=arrival, first_token_time_ns=times[0] if times else arrival,
-                          last_token_time_ns=times[-1] if times else arrival, draft_len=self.draft_len, chunks=chunks)
+        req = prompt if isinstance(prompt, GenerationRequest) else self.request(
+            prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop)
+        job = Job(self, req, on_text=on_text)
+        run_alone(self, job)
+        if job.error is not None:
+            raise job.error
+        return job.result
 
 
-def _first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
+def eos_ids(model_dir: str | Path, tokenizer=None) -> list[int]:
+    """Every id that ends a generation: the tokenizer's EOS and the checkpoint's generation_config.json
+    `eos_token_id` (one id or a list: an instruct model's end-of-turn and its eos)."""
+    ids: list[int] = []
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    gc = Path(model_dir) / "generation_config.json"
+    if gc.exists():
+        v = json.loads(gc.read_text()).get("eos_token_id")
+        for e in ([v] if isinstance(v, int) else v or []):
+            if int(e) not in ids:
+                ids.append(int(e))
+    return ids
+
+
+def first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
     hits = [(text.find(s), s) for s in stops if s in text]
     return min(hits) if hits else None
+
+
+def now_ns() -> int:
+    return time.time_ns()

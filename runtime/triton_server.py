@@ -166,16 +166,30 @@ class TritonServer:
             time.sleep(0.1)
         raise TritonServerError(f"tritonserver not ready after {timeout:.0f}s; its log ({self.log_path}):\n{self.log_tail()}")
 
-    def load(self, model: str, timeout: float = 600.0) -> None:
-        """Load one model; raises TritonServerError with the server's message when it fails."""
+    def load(self, model: str, timeout: float = 600.0, parameters: dict[str, str] | None = None,
+             decoupled: bool | None = None) -> None:
+        """Load (or reload) one model; raises TritonServerError with the server's message when it fails.
+        `parameters` (entries of the model config's `parameters`) and `decoupled` (its transaction policy) apply
+        to this load only: Triton's load API with a config override, the repository's config.pbtxt changed so."""
+        body: dict = {}
+        if parameters or decoupled is not None:
+            body = {"parameters": {"config": config_with_parameters(self._config_path(model), parameters or {},
+                                                                    decoupled=decoupled)}}
         try:
-            status, body = self._request("POST", f"/v2/repository/models/{model}/load", body={}, timeout=timeout)
+            status, body = self._request("POST", f"/v2/repository/models/{model}/load", body=body, timeout=timeout)
         except (urllib.error.URLError, TimeoutError, OSError) as e:
             raise TritonServerError(f"loading model '{model}': no answer from the server ({e}); "
                                     f"its log:\n{self.log_tail()}") from None
         if status != 200:
             raise TritonServerError(f"Triton failed to load model '{model}': {body.get('error', body)}")
-        self.loaded.append(model)
+        if model not in self.loaded:
+            self.loaded.append(model)
+
+    def _config_path(self, model: str) -> Path:
+        for r in self.repositories:
+            if (r / model / "config.pbtxt").exists():
+                return r / model / "config.pbtxt"
+        raise TritonServerError(f"model '{model}' has no config.pbtxt in {[str(r) for r in self.repositories]}")
 
     def stop(self, grace: float = 15.0) -> int | None:
         """Stop by PID: SIGTERM, wait, then SIGKILL the server's process group (its stubs). Idempotent."""
@@ -209,6 +223,20 @@ class TritonServer:
         self.stop()
 
 
+def config_with_parameters(config_pbtxt: Path, parameters: dict[str, str], decoupled: bool | None = None) -> str:
+    """A model's config.pbtxt as the JSON Triton's load API accepts, with `parameters` set (string values) and,
+    when given, the decoupled transaction policy."""
+    from google.protobuf import json_format, text_format
+    from tritonclient.grpc import model_config_pb2
+
+    cfg = text_format.Parse(Path(config_pbtxt).read_text(), model_config_pb2.ModelConfig())
+    for k, v in parameters.items():
+        cfg.parameters[k].string_value = str(v)
+    if decoupled is not None:
+        cfg.model_transaction_policy.decoupled = decoupled
+    return json_format.MessageToJson(cfg, preserving_proto_field_name=True)
+
+
 def model_names(repository: Path) -> list[str]:
     """Models of a repository: sub-directories holding a config.pbtxt."""
     return sorted(p.parent.name for p in Path(repository).glob("*/config.pbtxt"))
@@ -216,11 +244,14 @@ def model_names(repository: Path) -> list[str]:
 
 def start(repositories: list[Path] | Path, *, models: list[str] | None = None, http_port: int | None = None,
           grpc_port: int | None = None, metrics_port: int | None = None, work_dir: Path | None = None,
-          ready_timeout: float = 60.0, load_timeout: float = 600.0, log_verbose: int = 0) -> TritonServer:
+          ready_timeout: float = 60.0, load_timeout: float = 600.0, log_verbose: int = 0,
+          model_parameters: dict[str, str] | None = None, decoupled: bool | None = None) -> TritonServer:
     """Start tritonserver on `repositories`, wait until it is ready, load `models` (default: every model found).
 
     The caller owns the returned server and must `stop()` it (or use it as a context manager). Raises
-    TritonServerError (after stopping the server) when startup or a model load fails.
+    TritonServerError (after stopping the server) when startup or a model load fails. `model_parameters` are
+    added to every loaded model's config `parameters` (e.g. specpipe_max_batch for the CPU model); `decoupled`
+    overrides their transaction policy.
     """
     repos = [Path(r).resolve() for r in ([repositories] if isinstance(repositories, (str, Path)) else repositories)]
     for r in repos:
@@ -270,7 +301,7 @@ def start(repositories: list[Path] | Path, *, models: list[str] | None = None, h
             raise
         try:
             for m in models:
-                srv.load(m, timeout=load_timeout)
+                srv.load(m, timeout=load_timeout, parameters=model_parameters, decoupled=decoupled)
         except BaseException:
             srv.stop()
             if own:

@@ -59,7 +59,8 @@ def run(ctx: StageContext) -> dict:
     from runtime import trtllm_options as T
 
     sec: Config = ctx.section
-    _require_gate(ctx.input("validate").read_json("acceptance.json"))
+    acc = ctx.input("validate").read_json("acceptance.json")
+    _require_gate(acc)
     bpath = ctx.input("build").path
     dep = json.loads((bpath / "deployment.json").read_text())
     options = yaml.safe_load((bpath / dep["options_file"]).read_text())
@@ -78,6 +79,10 @@ def run(ctx: StageContext) -> dict:
     body = {"model": f"{in_container}/target_fp8", "backend": "pytorch", **options}
     if speculation:
         body["speculative_config"] = {**options["speculative_config"], "speculative_model": f"{in_container}/draft"}
+    # Per-request speculative statistics: the LLM-API model returns acceptance_rate / total_accepted_draft_tokens /
+    # total_draft_tokens for requests with sampling_param_return_perf_metrics; the LLM-level flag (BaseLlmArgs,
+    # 1.2 line) also records the request timestamps those responses carry. `specpipe monitor` reads them.
+    body.setdefault("return_perf_metrics", True)
     body["triton_config"] = {"max_batch_size": 0, "decoupled": sec.decoupled,
                              "cancellation_check_period_ms": sec.cancellation_check_period_ms}
     if bad := T.unknown_keys(body, version, model_yaml=True):
@@ -112,8 +117,9 @@ def run(ctx: StageContext) -> dict:
         runs = (dep.get("draft_schedule") or {}).get("runs") or [[1, 1, 0]]
         (cdir / "specpipe_model.json").write_text(json.dumps({
             "target": "target_fp8", "draft": "draft" if speculation else None, "algorithm": dep["algorithm"],
-            "draft_len": runs[0][2],         # the draft length at batch 1
+            "draft_len": runs[0][2],         # the CPU model batches continuously with one k: batch 1's
             "draft_schedule": dep.get("draft_schedule"),   # per batch size, as the TensorRT-LLM deployment runs it
+            "eos_token_ids": acc.get("eos_token_ids"),     # the stop ids validate decoded with (target.json)
             "trtllm_version": version, "specpipe_src": str(Path(runtime.__file__).resolve().parents[1])}, indent=2))
         (cpu / sec.model_name / "config.pbtxt").write_text(
             config_pbtxt(sec.model_name, io, production=False, decoupled=sec.decoupled))
@@ -170,6 +176,18 @@ def _speculators(ctx: StageContext, dep: dict, options: dict) -> dict:
         ctx.log.info("speculators/: %s", note)
     return {**spec.as_dict(), "source_draft": str(src.resolve()), "vllm_serve": shlex.join(argv),
             "readme": "speculators/README.md", "script": "speculators/serve_vllm.sh"}
+
+
+def fingerprint_extra(section: Config) -> dict | None:
+    """The CPU repository carries a copy of runtime/triton_model/model.py: its content enters the fingerprint,
+    so a changed serving model is re-exported."""
+    if not section.cpu_repository:
+        return None
+    import hashlib
+    from importlib import resources
+
+    text = resources.files("runtime").joinpath("triton_model", "model.py").read_bytes()
+    return {"runtime/triton_model/model.py": hashlib.sha256(text).hexdigest()}
 
 
 def _require_gate(acc: dict) -> None:

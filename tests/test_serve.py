@@ -1,15 +1,18 @@
 """`specpipe serve`: a real Triton Inference Server (nvidia-pytriton's binary) on the exported CPU repository.
 
-One server for the module, started through the real CLI (`specpipe serve --workdir ...`, free ports on
-127.0.0.1, readiness bounded) and stopped with SIGINT as a user's Ctrl-C would. The requests go through
-tritonclient (gRPC) and plain HTTP, and are compared with the same FP8 pair run in-process through
-`runtime.serving` (specpipe's speculative runtime).
+One server for the module, started through the real CLI (`specpipe serve --workdir ... --max-batch 4
+--max-queue 4`, free ports on 127.0.0.1, readiness bounded) and stopped with SIGINT as a user's Ctrl-C would.
+The requests go through tritonclient (gRPC) and plain HTTP, and are compared with the same FP8 pair run
+in-process through `runtime.serving` (specpipe's speculative runtime). Under load: concurrent clients (at most
+12, loopback only, each bounded by a timeout), requests joining a running batch, the overloaded error,
+cancellation and disconnection freeing a slot, every class of bad request, and the Prometheus metrics.
 
 The run comes from the session's tiny pipeline (conftest `tiny_run`); set SPECPIPE_TEST_RUN=<workdir> to
 reuse an existing run that has a committed `export`.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -27,6 +30,8 @@ from conftest import SPECPIPE, artifact_dir
 
 MAX_TOKENS = 16
 START_TIMEOUT_S = 600
+MAX_BATCH, MAX_QUEUE = 4, 4
+LONG = 1500          # tokens: a request that decodes for a second or more on the tiny pair
 
 
 @pytest.fixture(scope="module")
@@ -38,12 +43,12 @@ def run_dir(request) -> Path:
     return wd
 
 
-@pytest.fixture(scope="module")
-def server(run_dir):
+@contextlib.contextmanager
+def cli_server(run_dir, *args: str):
     """`specpipe serve` as a user runs it; yields its endpoints; stops it with SIGINT."""
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "HF_HUB_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.Popen([SPECPIPE, "serve", "--workdir", str(run_dir)], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([SPECPIPE, "serve", "--workdir", str(run_dir), *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
@@ -59,6 +64,8 @@ def server(run_dir):
             info["http"] = s.split("http://")[1]
         elif s.startswith("gRPC"):
             info["grpc"] = s.split()[1]
+        elif s.startswith("metrics"):
+            info["metrics"] = s.split()[1]
         elif "ready (pid" in s:
             info["pid"] = int(s.split("(pid ")[1].rstrip(")"))
         elif s.startswith("Ctrl-C"):
@@ -73,6 +80,12 @@ def server(run_dir):
     assert "stopped (exit code" in err
     with pytest.raises(ProcessLookupError):   # the server process is gone, not orphaned
         os.kill(info["pid"], 0)
+
+
+@pytest.fixture(scope="module")
+def server(run_dir):
+    with cli_server(run_dir, "--max-batch", str(MAX_BATCH), "--max-queue", str(MAX_QUEUE)) as info:
+        yield info
 
 
 @pytest.fixture(scope="module")
@@ -111,25 +124,39 @@ def http_generate(server, body: dict, stream: bool = False):
     return 200, json.loads(raw)
 
 
-def grpc_stream(server, inputs: dict) -> list:
-    """One request over a gRPC stream; returns (text, outputs, final flag) per response, or raises its error."""
+def _tensors(inputs: dict) -> list:
+    """tritonclient inputs: a Python value picks its Triton type; (datatype, numpy array) is sent as given."""
     import tritonclient.grpc as g
 
-    dtypes = {bool: ("BOOL", np.bool_), int: ("INT32", np.int32), float: ("FP32", np.float32), str: ("BYTES", np.object_)}
+    dtypes = {bool: ("BOOL", np.bool_), int: ("INT32", np.int32), float: ("FP32", np.float32), str: ("BYTES", np.object_),
+              bytes: ("BYTES", np.object_)}
     tensors = []
     for name, v in inputs.items():
-        dt, npt = dtypes[type(v)]
-        t = g.InferInput(name, [1], dt)
-        t.set_data_from_numpy(np.array([v.encode() if isinstance(v, str) else v], dtype=npt))
+        if isinstance(v, tuple):
+            dt, arr = v
+        else:
+            dt, npt = dtypes[type(v)]
+            arr = np.array([v.encode() if isinstance(v, str) else v], dtype=npt)
+        t = g.InferInput(name, list(arr.shape), dt)
+        t.set_data_from_numpy(arr)
         tensors.append(t)
+    return tensors
+
+
+def grpc_stream(server, inputs: dict, *, cancel_after: int | None = None, timeout: float = 120) -> list:
+    """One request over a gRPC stream; returns (text, outputs, final flag) per response, or raises its error.
+    `cancel_after`: cancel the stream (tritonclient's stop_stream(cancel_requests=True)) after that many responses."""
+    import tritonclient.grpc as g
+
     q: queue.Queue = queue.Queue()
     c = g.InferenceServerClient(server["grpc"])
     c.start_stream(callback=lambda result, error: q.put((result, error)))
+    cancelled = False
     try:
-        c.async_stream_infer("tensorrt_llm", tensors, enable_empty_final_response=True)
+        c.async_stream_infer("tensorrt_llm", _tensors(inputs), enable_empty_final_response=True)
         out = []
         while True:
-            res, err = q.get(timeout=120)
+            res, err = q.get(timeout=timeout)
             if err is not None:
                 raise RuntimeError(str(err))
             final = res.get_response().parameters["triton_final_response"].bool_param
@@ -137,9 +164,55 @@ def grpc_stream(server, inputs: dict) -> list:
             out.append((text[0].decode() if text is not None else None, res, final))
             if final:
                 return out
+            if cancel_after is not None and len(out) >= cancel_after:
+                c.stop_stream(cancel_requests=True)
+                cancelled = True
+                return out
     finally:
-        c.stop_stream()
+        if not cancelled:
+            c.stop_stream()
         c.close()
+
+
+def metrics(server) -> dict[str, float]:
+    """The specpipe_* samples of Triton's Prometheus endpoint, keyed by name{labels}."""
+    with urllib.request.urlopen(server["metrics"], timeout=10) as r:   # noqa: S310 - 127.0.0.1
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("specpipe_"):
+            k, v = line.rsplit(" ", 1)
+            out[k] = float(v)
+    return out
+
+
+def metric(m: dict, name: str, **labels) -> float:
+    """The sum of the samples of `name` whose labels include these (model tensorrt_llm, version 1 by default)."""
+    want = {"model": "tensorrt_llm", "version": "1", **labels}
+    found, total = False, 0.0
+    for k, v in m.items():
+        n, _, rest = k.partition("{")
+        got = {a: b.strip('"') for a, b in (p.split("=", 1) for p in rest.rstrip("}").split(",") if p)}
+        if n == name and all(got.get(a) == b for a, b in want.items()) and (name != "specpipe_requests_total"
+                                                                             or "outcome" in labels):
+            found, total = True, total + v
+    if not found:
+        raise KeyError(f"{name}{labels} not in {sorted(m)}")
+    return total
+
+
+def wait_for(cond, timeout: float = 30.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = cond()
+        if v:
+            return v
+        time.sleep(0.05)
+    pytest.fail(f"timed out after {timeout}s waiting for {what}")
+
+
+def outcome(server, name: str) -> float:
+    return metric(metrics(server), "specpipe_requests_total", outcome=name)
 
 
 def test_http_and_grpc_return_the_in_process_text(server, reference, prompts):
@@ -215,3 +288,288 @@ def test_a_broken_repository_fails_to_load_with_the_servers_message(tmp_path, mo
         assert srv.alive() and srv.loaded == []      # the server survives a bad model
     finally:
         srv.stop()
+
+
+# ---------------------------------------------------------------------------------------------- under load
+
+
+class Stream:
+    """A gRPC streaming request kept open, so the test decides when its client cancels (disconnects)."""
+
+    def __init__(self, server, inputs: dict):
+        import tritonclient.grpc as g
+
+        self.q: queue.Queue = queue.Queue()
+        self.c = g.InferenceServerClient(server["grpc"])
+        self.c.start_stream(callback=lambda result, error: self.q.put((result, error)))
+        self.c.async_stream_infer("tensorrt_llm", _tensors({**inputs, "streaming": True}), enable_empty_final_response=True)
+
+    def first(self, timeout: float = 60):
+        res, err = self.q.get(timeout=timeout)
+        return res, err
+
+    def cancel(self):
+        self.c.stop_stream(cancel_requests=True)
+        self.c.close()
+
+
+def in_process(reference, prompt: str, max_tokens: int) -> str:
+    """What the runtime's own generate() produces for this prompt (greedy), decoded as the server decodes."""
+    ids = reference.encode(prompt)
+    g = reference.engine.generate([ids], max_new_tokens=max_tokens, draft_len=reference.draft_len,
+                                  eos_token_id=reference.eos_token_ids)
+    return reference.decode(g.tokens[0])
+
+
+@pytest.fixture(scope="module")
+def all_prompts(run_dir) -> list[str]:
+    return [json.loads(line)["prompt"] for f in sorted((run_dir / "artifacts" / "data" / "eval").glob("*.jsonl"))
+            for line in f.read_text().splitlines() if line.strip()]
+
+
+def test_concurrent_greedy_responses_equal_in_process_generate(server, reference, all_prompts):
+    """MAX_BATCH + MAX_QUEUE clients at once, half over HTTP, half over gRPC streaming: every response is what
+    the runtime's generate() gives for that prompt alone, and the target forwards were shared (rows per forward > 1)."""
+    n = MAX_BATCH + MAX_QUEUE
+    ps = [all_prompts[i % len(all_prompts)] for i in range(n)]
+    want = [in_process(reference, p, 24) for p in ps]
+    m0 = metrics(server)
+    got: dict[int, str] = {}
+
+    def client(i):
+        if i % 2:
+            status, body = http_generate(server, {"text_input": ps[i], "sampling_param_max_tokens": 24})
+            got[i] = body["text_output"] if status == 200 else f"HTTP {status}: {body}"
+        else:
+            try:
+                got[i] = grpc_stream(server, {"text_input": ps[i], "sampling_param_max_tokens": 24, "streaming": True})[-1][0]
+            except RuntimeError as e:
+                got[i] = f"gRPC error: {e}"
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=180)
+    assert [got.get(i) for i in range(n)] == want          # nothing lost, nothing refused, nothing changed
+    m1 = metrics(server)
+    rows = metric(m1, "specpipe_decode_rows_total") - metric(m0, "specpipe_decode_rows_total")
+    fwd = metric(m1, "specpipe_target_forwards_total") - metric(m0, "specpipe_target_forwards_total")
+    print(f"{n} concurrent requests: {rows:.0f} rows over {fwd:.0f} target forwards")
+    assert fwd > 0 and rows / fwd > 1.5
+    assert metric(m1, "specpipe_batch_rows") == 0 and metric(m1, "specpipe_queue_depth") == 0
+
+
+def test_a_request_joins_the_running_batch_at_the_next_step(server, reference, prompts):
+    """A long request decodes; a short one arriving later joins the running batch and finishes first, instead of
+    waiting for the long one (one model instance: only continuous batching can do that)."""
+    m0 = metrics(server)
+    done: dict[str, float] = {}
+
+    def long():
+        status, body = http_generate(server, {"text_input": prompts[0], "sampling_param_max_tokens": LONG})
+        done["long"] = time.monotonic() if status == 200 else -1
+
+    t = threading.Thread(target=long)
+    t.start()
+    wait_for(lambda: metric(metrics(server), "specpipe_batch_rows") >= 1, what="the long request decoding")
+    status, body = http_generate(server, {"text_input": prompts[1], "sampling_param_max_tokens": MAX_TOKENS,
+                                          "sampling_param_return_perf_metrics": True})
+    short_done = time.monotonic()
+    assert status == 200 and body["text_output"] == reference.complete(prompts[1], max_tokens=MAX_TOKENS).text
+    assert "long" not in done                                    # the long request is still decoding
+    m1 = metrics(server)
+    assert metric(m1, "specpipe_requests_joined_running_batch_total") - \
+        metric(m0, "specpipe_requests_joined_running_batch_total") >= 1
+    # scheduled (prefilled) as soon as it arrived, not after the long request
+    assert body["first_scheduled_time_ns"] - body["arrival_time_ns"] < 2e9
+    t.join(timeout=180)
+    assert done["long"] > short_done
+
+
+def test_overload_is_refused_and_cancelled_clients_free_their_slots(server, reference, prompts):
+    """Fill every batch slot and the queue with long streaming requests; the next requests get an UNAVAILABLE
+    'overloaded' error at once; cancelling the clients frees every slot (decoding and waiting) within the
+    cancellation check period; then a request is served again."""
+    c0 = outcome(server, "cancelled")
+    r0 = outcome(server, "rejected_overloaded")
+    streams = [Stream(server, {"text_input": prompts[i % 2], "sampling_param_max_tokens": LONG})
+               for i in range(MAX_BATCH + MAX_QUEUE)]
+    try:
+        wait_for(lambda: (lambda m: metric(m, "specpipe_batch_rows") == MAX_BATCH
+                          and metric(m, "specpipe_queue_depth") == MAX_QUEUE)(metrics(server)),
+                 what="every slot and the queue taken")
+        for transport in ("grpc", "http"):
+            t0 = time.monotonic()
+            if transport == "grpc":
+                with pytest.raises(RuntimeError) as e:
+                    grpc_stream(server, {"text_input": prompts[0], "sampling_param_max_tokens": 4})
+                msg = str(e.value)
+                assert "UNAVAILABLE" in msg or "overloaded" in msg
+            else:
+                status, body = http_generate(server, {"text_input": prompts[0], "sampling_param_max_tokens": 4})
+                assert status != 200
+                msg = body["error"]
+            print(f"{transport}: {msg}")
+            assert "overloaded" in msg and f"max_batch {MAX_BATCH}" in msg and f"max_queue {MAX_QUEUE}" in msg
+            assert time.monotonic() - t0 < 5                          # refused at once, not queued
+        assert outcome(server, "rejected_overloaded") - r0 == 2
+    finally:
+        for s in streams:
+            s.cancel()
+    wait_for(lambda: outcome(server, "cancelled") - c0 == MAX_BATCH + MAX_QUEUE, timeout=30,
+             what="every cancelled request counted")
+    m = metrics(server)
+    assert metric(m, "specpipe_batch_rows") == 0 and metric(m, "specpipe_queue_depth") == 0
+    status, body = http_generate(server, {"text_input": prompts[0], "sampling_param_max_tokens": MAX_TOKENS})
+    assert status == 200 and body["text_output"] == reference.complete(prompts[0], max_tokens=MAX_TOKENS).text
+
+
+def test_an_http_client_that_disconnects_frees_its_slot(server, prompts):
+    """A streaming HTTP client closes its connection after the first event: Triton cancels the request, the
+    model sees it and the row leaves the batch."""
+    import socket
+
+    c0 = outcome(server, "cancelled")
+    host, port = server["http"].split(":")
+    body = json.dumps({"text_input": prompts[0], "sampling_param_max_tokens": LONG, "streaming": True}).encode()
+    with socket.create_connection((host, int(port)), timeout=60) as s:
+        s.sendall(b"POST /v2/models/tensorrt_llm/generate_stream HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        assert b"data: " in s.recv(4096)                            # it was decoding
+    wait_for(lambda: outcome(server, "cancelled") - c0 == 1, timeout=30, what="the disconnected request cancelled")
+    assert metric(metrics(server), "specpipe_batch_rows") == 0
+
+
+BAD = [  # (transport, inputs, what the error must say); each is answered and the model keeps serving
+    ("http", {"text_input": ""}, "text_input is empty"),
+    ("http", {"text_input": "abc", "sampling_param_max_tokens": 0}, "sampling_param_max_tokens must be >= 1, got 0"),
+    ("http", {"text_input": "abc", "sampling_param_max_tokens": -3}, "sampling_param_max_tokens must be >= 1, got -3"),
+    ("http", {"text_input": "abc", "sampling_param_max_tokens": 100000}, "is not below the model's context"),
+    ("http", {"text_input": "abc " * 3000, "sampling_param_max_tokens": 4}, "the model's context is"),
+    ("http", {"text_input": "abc " * 500, "sampling_param_max_tokens": 2000}, "exceed the model's context"),
+    ("http", {"text_input": "abc", "max_tokens": 4}, "unknown parameter(s) ['max_tokens']"),
+    ("http", {"text_input": "abc", "sampling_param_temperature": -1.0}, "sampling_param_temperature must be"),
+    ("http", {"text_input": "abc", "sampling_param_top_p": 0.0}, "sampling_param_top_p must be in (0, 1]"),
+    ("http", {"text_input": "abc", "sampling_param_max_tokens": "many"}, ""),        # Triton's own JSON check
+    ("grpc", {"text_input": b"\xff\xfeabc"}, "text_input is not valid UTF-8"),
+    ("grpc", {"text_input": ("BYTES", np.array([b"a", b"b"], dtype=np.object_))}, "exactly one prompt, got 2"),
+    ("grpc", {"text_input": "abc", "sampling_param_max_tokens": ("FP32", np.array([4.0], dtype=np.float32))},
+     "expects 'INT32'"),
+    ("grpc", {"text_input": "abc", "sampling_param_max_tokens": ("INT32", np.array([4, 5], dtype=np.int32))},
+     "unexpected shape for input 'sampling_param_max_tokens'"),
+    ("grpc", {"text_input": "abc", "no_such_input": 1}, "unexpected inference input 'no_such_input'"),
+    ("grpc", {"text_input": "abc", "sampling_param_top_k": 5}, "sampling_param_top_k=5 is not supported"),
+]
+MODEL_SIDE = 12       # the BAD cases the model itself answers (the others Triton rejects before the model)
+
+
+def test_every_bad_request_gets_its_error_and_the_server_keeps_serving(server, reference, prompts):
+    r0 = outcome(server, "rejected_invalid")
+    for transport, inputs, expected in BAD:
+        if transport == "http":
+            status, body = http_generate(server, inputs)
+            assert status >= 400, (inputs, body)
+            msg = body["error"]
+        else:
+            with pytest.raises(RuntimeError) as e:
+                grpc_stream(server, inputs)
+            msg = str(e.value)
+        print(f"{transport} {sorted(inputs)}: {msg[:160]}")
+        assert expected in msg, (inputs, msg)
+    assert outcome(server, "rejected_invalid") - r0 == MODEL_SIDE
+    status, body = http_generate(server, {"text_input": prompts[0], "sampling_param_max_tokens": MAX_TOKENS})
+    assert status == 200 and body["text_output"] == reference.complete(prompts[0], max_tokens=MAX_TOKENS).text
+
+
+def test_prometheus_counters_match_the_responses(server, reference, prompts):
+    """The custom metrics on Triton's metrics port count exactly what the responses report."""
+    m0 = metrics(server)
+    tot = {"draft": 0, "acc": 0}
+    for p in prompts:
+        status, body = http_generate(server, {"text_input": p, "sampling_param_max_tokens": MAX_TOKENS,
+                                              "sampling_param_return_perf_metrics": True})
+        assert status == 200
+        tot["draft"] += body["total_draft_tokens"]
+        tot["acc"] += body["total_accepted_draft_tokens"]
+    m1 = metrics(server)
+    d = lambda name: metric(m1, name) - metric(m0, name)  # noqa: E731
+    assert d("specpipe_draft_tokens_total") == tot["draft"] > 0
+    assert d("specpipe_accepted_draft_tokens_total") == tot["acc"]
+    assert d("specpipe_verification_steps_total") * reference.draft_len == tot["draft"]
+    assert metric(m1, "specpipe_draft_len") == reference.draft_len
+    assert metric(m1, "specpipe_max_batch") == MAX_BATCH and metric(m1, "specpipe_max_queue") == MAX_QUEUE
+    assert metric(m1, "specpipe_requests_total", outcome="completed") - \
+        metric(m0, "specpipe_requests_total", outcome="completed") == len(prompts)
+
+
+def test_http_infer_clients_share_forwards_without_speculation(run_dir, reference, all_prompts):
+    """`specpipe serve --not-decoupled --draft-len 0`: Triton's HTTP `infer` endpoint (what perf_analyzer -i http
+    uses; it refuses decoupled models), the target alone. Concurrent infer requests still share target forwards,
+    and each greedy response is generate()'s output at draft length 0."""
+    import tritonclient.http as h
+
+    ps = all_prompts[:4]
+    want = []
+    for p in ps:
+        g = reference.engine.generate([reference.encode(p)], max_new_tokens=24, draft_len=0,
+                                      eos_token_id=reference.eos_token_ids)
+        want.append(reference.decode(g.tokens[0]))
+    with cli_server(run_dir, "--not-decoupled", "--draft-len", "0", "--max-batch", "4") as srv:
+        m0 = metrics(srv)
+        got: dict[int, str] = {}
+
+        def client(i):
+            c = h.InferenceServerClient(srv["http"], network_timeout=180)
+            t = h.InferInput("text_input", [1], "BYTES")
+            t.set_data_from_numpy(np.array([ps[i].encode()], dtype=np.object_))
+            n = h.InferInput("sampling_param_max_tokens", [1], "INT32")
+            n.set_data_from_numpy(np.array([24], dtype=np.int32))
+            got[i] = c.infer("tensorrt_llm", [t, n]).as_numpy("text_output")[0].decode()
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(ps))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=180)
+        assert [got.get(i) for i in range(len(ps))] == want
+        m1 = metrics(srv)
+        assert metric(m1, "specpipe_draft_len") == 0
+        assert metric(m1, "specpipe_draft_tokens_total") == metric(m0, "specpipe_draft_tokens_total") == 0
+        rows = metric(m1, "specpipe_decode_rows_total") - metric(m0, "specpipe_decode_rows_total")
+        fwd = metric(m1, "specpipe_target_forwards_total") - metric(m0, "specpipe_target_forwards_total")
+        assert rows / fwd > 1.5
+
+
+@pytest.mark.slow
+def test_perf_analyzer_load_loses_nothing_and_matches_generate(run_dir, tmp_path):
+    """bench/serve_load.py at small scale: perf_analyzer (tritonclient 2.51's binary, a client nobody here wrote)
+    drives the server over gRPC streaming and HTTP infer at 1 and 3 clients; no response is lost and every greedy
+    response equals the in-process generate() output for its prompt (the script exits 1 otherwise)."""
+    import shutil
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import serve_load
+
+    try:
+        lib = serve_load.cudart_dir()
+    except SystemExit as e:
+        pytest.skip(f"perf_analyzer cannot run here: {e} (.ci/run installs it)")
+    pa = shutil.which("perf_analyzer") or str(Path(sys.executable).parent / "perf_analyzer")
+    probe = subprocess.run([pa, "--help"], capture_output=True, text=True, env={**os.environ, "LD_LIBRARY_PATH": lib})
+    if "error while loading shared libraries" in probe.stderr:
+        pytest.skip(f"perf_analyzer cannot run here: {probe.stderr.strip()} (.ci/run installs libb64-0d)")
+    script = Path(__file__).resolve().parent.parent / "bench" / "serve_load.py"
+    r = subprocess.run([sys.executable, str(script), "--workdir", str(run_dir), "--concurrency", "1,3", "--requests", "6",
+                        "--max-tokens", "16", "--prompts", "4", "--modes", "speculative", "--stability", "1000",
+                        "--max-trials", "3", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    print(r.stdout, r.stderr[-3000:])
+    assert r.returncode == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert {(x["protocol"], x["concurrency"]) for x in rows} == {("grpc streaming", 1), ("grpc streaming", 3),
+                                                                 ("http", 1), ("http", 3)}
+    for x in rows:
+        assert x["requests"] >= 6 and x["lost"] == 0 and x["mismatches"] == 0 and x["throughput_tok_s"] > 0
+    assert "| tokens/s |" in r.stdout and "Command: `" in r.stdout

@@ -1,0 +1,229 @@
+"""`specpipe serve` under load, measured by a client nobody here wrote: Triton's perf_analyzer (tritonclient 2.51).
+
+For each mode (speculative: the exported draft length; plain: the same FP8 target, draft length 0) and protocol
+(gRPC with streaming, one response per decoding step; HTTP `infer`, one response per request, which needs the
+model loaded non-decoupled) a real Triton server is started on the run's CPU repository, and perf_analyzer
+drives it at each concurrency with the run's evaluation prompts (greedy). From perf_analyzer's profile export
+(every request's send time, every response's time and text) this reports:
+
+- throughput: output tokens / wall time of the measured requests;
+- time per output token (TPOT) p50 / p99 over requests: streaming (last response - first response) / (tokens - 1);
+  HTTP (response - request) / tokens (includes the prefill: one response);
+- TTFT p50 (streaming): first response - request;
+- rows per target forward and AL, from the model's Prometheus counters over the run;
+- lost responses (requests without a final response) and greedy mismatches: every response's text must equal
+  the in-process `SpeculativeEngine.generate` output for the same prompt (and draft length).
+
+It prints a markdown table ready for docs/benchmarks.md, with the command. Exit code 1 if anything was lost or
+differs. perf_analyzer needs Debian's libb64-0d and PyPI's nvidia-cuda-runtime-cu12 (libcudart.so.12, found
+through the installed package; no GPU needed).
+
+    OMP_NUM_THREADS=1 python bench/serve_load.py --workdir runs/tiny_fp8_eagle3
+    python bench/serve_load.py --workdir RUN --concurrency 1,2 --requests 8 --stability 1000   # a quick check
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def cudart_dir() -> str:
+    import importlib.util
+
+    spec = importlib.util.find_spec("nvidia.cuda_runtime")
+    if spec is None or not spec.submodule_search_locations:
+        sys.exit("perf_analyzer needs libcudart.so.12: pip install nvidia-cuda-runtime-cu12")
+    return str(Path(list(spec.submodule_search_locations)[0]) / "lib")
+
+
+def perf_analyzer() -> str:
+    exe = shutil.which("perf_analyzer") or str(Path(sys.executable).parent / "perf_analyzer")
+    if not Path(exe).exists():
+        sys.exit("perf_analyzer not found: pip install 'tritonclient[grpc,http]==2.51.0' (it ships the binary)")
+    return exe
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    i = min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))
+    return xs[i]
+
+
+def counters(metrics_url: str) -> dict[str, float]:
+    with urllib.request.urlopen(metrics_url, timeout=10) as r:  # noqa: S310 - 127.0.0.1
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("specpipe_") and "_total{" in line and "outcome=" not in line:
+            name = line.split("{", 1)[0]
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workdir", required=True, type=Path, help="a run with a committed export (CPU repository)")
+    ap.add_argument("--concurrency", default="1,2,4,8,16")
+    ap.add_argument("--max-tokens", type=int, default=64, help="sampling_param_max_tokens of every request")
+    ap.add_argument("--prompts", type=int, default=16, help="evaluation prompts to cycle through (all domains)")
+    ap.add_argument("--requests", type=int, default=32, help="perf_analyzer --measurement-request-count")
+    ap.add_argument("--stability", type=float, default=10.0, help="perf_analyzer --stability-percentage")
+    ap.add_argument("--max-trials", type=int, default=10, help="perf_analyzer --max-trials (at least 3: it compares 3 windows)")
+    ap.add_argument("--modes", default="speculative,plain")
+    ap.add_argument("--protocols", default="grpc,http")
+    ap.add_argument("--out", type=Path, default=None, help="where the profiles and results.json go (default: a temp dir)")
+    a = ap.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+    from runtime import triton_server
+    from runtime.serving import ServingEngine
+
+    conc = [int(c) for c in a.concurrency.split(",")]
+    repo = a.workdir / "artifacts" / "export" / "triton_cpu"
+    model_dir = repo / "tensorrt_llm" / "1"
+    if not (model_dir / "specpipe_model.json").exists():
+        sys.exit(f"{a.workdir}: no exported CPU repository ({repo}); run `specpipe build <config>` first")
+    spec = json.loads((model_dir / "specpipe_model.json").read_text())
+    prompts = []
+    for f in sorted((a.workdir / "artifacts" / "data" / "eval").glob("*.jsonl")):
+        prompts += [json.loads(x)["prompt"] for x in f.read_text().splitlines() if x.strip()]
+    per = max(1, a.prompts)
+    prompts = list(dict.fromkeys(prompts))[:per]
+    out = a.out or Path(tempfile.mkdtemp(prefix="serve_load-"))
+    out.mkdir(parents=True, exist_ok=True)
+
+    # what every greedy response must be: the runtime's own generate() on each prompt alone
+    ref = ServingEngine(model_dir / spec["target"], model_dir / spec["draft"], draft_len=spec["draft_len"])
+    modes = {"speculative": ref.draft_len, "plain": 0}
+    expected: dict[int, dict[str, tuple[str, int]]] = {}
+    for k in {modes[m] for m in a.modes.split(",")}:
+        expected[k] = {}
+        for p in prompts:
+            g = ref.engine.generate([ref.encode(p)], max_new_tokens=a.max_tokens, draft_len=k,
+                                    eos_token_id=ref.eos_token_ids)
+            expected[k][p] = (ref.decode(g.tokens[0]), len(g.tokens[0]))
+    del ref
+
+    env = dict(os.environ, LD_LIBRARY_PATH=os.pathsep.join(p for p in (cudart_dir(), os.environ.get("LD_LIBRARY_PATH", "")) if p))
+    pa = perf_analyzer()
+    rows, cmds, bad = [], [], 0
+    for mode in a.modes.split(","):
+        k = modes[mode]
+        for proto in a.protocols.split(","):
+            streaming = proto == "grpc"
+            data = {"data": [{"text_input": {"content": [p], "shape": [1]},
+                              "sampling_param_max_tokens": {"content": [a.max_tokens], "shape": [1]},
+                              **({"streaming": {"content": [True], "shape": [1]}} if streaming else {})} for p in prompts]}
+            data_f = out / f"input-{proto}.json"
+            data_f.write_text(json.dumps(data))
+            params = {"specpipe_max_batch": str(max(conc)), "specpipe_max_queue": str(max(conc)), "specpipe_draft_len": str(k)}
+            srv = triton_server.start(repo, model_parameters=params, decoupled=streaming, ready_timeout=120)
+            try:
+                for c in conc:
+                    prof = out / f"{mode}-{proto}-c{c}.json"
+                    cmd = [pa, "-m", "tensorrt_llm", "-u", srv.grpc_url if streaming else srv.http_url, "-i", proto,
+                           *(["--streaming"] if streaming else []), "--input-data", str(data_f),
+                           "--concurrency-range", f"{c}:{c}", "--measurement-mode", "count_windows",
+                           "--measurement-request-count", str(a.requests), "--stability-percentage", str(a.stability),
+                           "--max-trials", str(a.max_trials), "--profile-export-file", str(prof)]
+                    cmds.append(" ".join(shlex.quote(x) for x in cmd))
+                    for attempt in (1, 2):   # perf_analyzer 2.51 now and then leaves an empty profile export
+                        prof.unlink(missing_ok=True)
+                        m0 = counters(srv.metrics_url)
+                        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+                        m1 = counters(srv.metrics_url)
+                        (out / f"{mode}-{proto}-c{c}.log").write_text(f"rc {r.returncode}\n{r.stdout}{r.stderr}")
+                        if r.returncode != 0 or (prof.exists() and prof.stat().st_size > 0):
+                            break
+                        print(f"{mode} {proto} c={c}: perf_analyzer exited 0 with an empty profile export; "
+                              f"{'running it again' if attempt == 1 else 'giving up'}", file=sys.stderr)
+                    row = summarize(prof, expected[k], streaming, m0, m1, rc=r.returncode)
+                    row["attempts"] = attempt
+                    row.update(mode=mode, protocol=f"{proto}{' streaming' if streaming else ''}", concurrency=c, draft_len=k)
+                    if r.returncode != 0:
+                        print(f"perf_analyzer failed ({mode} {proto} c={c}):\n{(r.stdout + r.stderr)[-2000:]}", file=sys.stderr)
+                    bad += row["lost"] + row["mismatches"] + (r.returncode != 0)
+                    rows.append(row)
+                    print(f"{mode:11s} {proto:4s} c={c:<3d} {row['throughput_tok_s']} tok/s, TPOT p50 {row['tpot_p50_ms']} ms "
+                          f"p99 {row['tpot_p99_ms']} ms, rows/forward {row['rows_per_forward']}, lost {row['lost']}, "
+                          f"mismatches {row['mismatches']}", file=sys.stderr)
+            finally:
+                srv.stop()
+    (out / "results.json").write_text(json.dumps({"workdir": str(a.workdir), "rows": rows, "commands": cmds}, indent=1))
+    print(table(a, rows, spec))
+    print(f"\nprofiles and results: {out}")
+    return 1 if bad else 0
+
+
+def summarize(prof: Path, expected: dict[str, tuple[str, int]], streaming: bool, m0: dict, m1: dict, rc: int) -> dict:
+    reqs = []
+    try:
+        for e in json.loads(prof.read_text()).get("experiments", []):
+            reqs += e.get("requests", [])
+    except (OSError, ValueError):
+        pass                                   # no readable profile: counted as lost below
+    tpot, ttft, lost, mismatches, tokens = [], [], 0, 0, 0
+    starts, ends = [], []
+    for q in reqs:
+        ts = q.get("response_timestamps") or []
+        outs = [o.get("text_output") for o in q.get("response_outputs") or []]
+        prompt = (q.get("request_inputs") or {}).get("text_input")
+        if not ts or not outs or outs[-1] is None:
+            lost += 1
+            continue
+        want, n = expected.get(prompt, (None, 0))
+        if outs[-1] != want:
+            mismatches += 1
+        tokens += n
+        starts.append(q["timestamp"])
+        ends.append(ts[-1])
+        if streaming:
+            ttft.append((ts[0] - q["timestamp"]) / 1e6)
+            if n > 1:
+                tpot.append((ts[-1] - ts[0]) / 1e6 / (n - 1))
+        elif n:
+            tpot.append((ts[-1] - q["timestamp"]) / 1e6 / n)
+    wall = (max(ends) - min(starts)) / 1e9 if starts else 0
+    d = {k: m1.get(k, 0) - m0.get(k, 0) for k in m1}
+    fwd, rows_, steps = d.get("specpipe_target_forwards_total", 0), d.get("specpipe_decode_rows_total", 0), \
+        d.get("specpipe_verification_steps_total", 0)
+    r3 = lambda x: None if x is None else round(x, 3)  # noqa: E731
+    return {"requests": len(reqs), "output_tokens": tokens, "throughput_tok_s": r3(tokens / wall) if wall else None,
+            "tpot_p50_ms": r3(pct(tpot, 50)), "tpot_p99_ms": r3(pct(tpot, 99)),
+            "ttft_p50_ms": r3(pct(ttft, 50)) if streaming else None,
+            "rows_per_forward": r3(rows_ / fwd) if fwd else None,
+            "acceptance_length": r3(1 + d.get("specpipe_accepted_draft_tokens_total", 0) / steps) if steps else None,
+            "lost": lost + (0 if reqs else 1), "mismatches": mismatches, "perf_analyzer_rc": rc}
+
+
+def table(a, rows: list[dict], spec: dict) -> str:
+    head = ("| pair | mode (k) | protocol | concurrency | requests | tokens/s | TPOT p50 ms | TPOT p99 ms | TTFT p50 ms | "
+            "rows / forward | AL | lost | greedy mismatches |")
+    lines = [f"Command: `OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '1')} python bench/serve_load.py "
+             + " ".join(shlex.quote(x) for x in sys.argv[1:]) + "`", "", head, "|" + "---|" * 13]
+    fmt = lambda v: "–" if v is None else (f"{v:.2f}" if isinstance(v, float) else str(v))  # noqa: E731
+    for r in rows:
+        lines.append(f"| {a.workdir.name} ({spec.get('algorithm')}) | {r['mode']} ({r['draft_len']}) | {r['protocol']} | "
+                     f"{r['concurrency']} | {r['requests']} | {fmt(r['throughput_tok_s'])} | {fmt(r['tpot_p50_ms'])} | "
+                     f"{fmt(r['tpot_p99_ms'])} | {fmt(r['ttft_p50_ms'])} | {fmt(r['rows_per_forward'])} | "
+                     f"{fmt(r['acceptance_length'])} | {r['lost']} | {r['mismatches']} |")
+    lines.append(f"\n{a.max_tokens} new tokens per request, greedy, {a.requests} measured requests per point "
+                 f"(perf_analyzer --measurement-mode count_windows, stability {a.stability:g}%), max_batch = max_queue = "
+                 f"{max(int(c) for c in a.concurrency.split(','))}.")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
