@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from runtime.draft_schedule import dflash_max_draft_len
 from runtime.drafts import (KVCache, RopeTable, TargetShape, apply_rope, attention, causal_mask, load_draft,
                             positions_for)
 
@@ -255,7 +256,7 @@ class DFlashDrafter(Drafter):
         self.embed = target.embed
         self.lm_head = target.lm_head
         self.capture_layers = list(draft.target_layer_ids)
-        self.max_draft_len = draft.block_size - 1
+        self.max_draft_len = dflash_max_draft_len(draft.block_size)
         self.row_state = ("cache",)
 
     def reset(self, batch, capacity):
@@ -272,8 +273,8 @@ class DFlashDrafter(Drafter):
 
     def propose(self, last, k, temperature, gen):
         d = self.draft
-        if k > d.block_size - 1:
-            raise ValueError(f"DFlash drafts at most block_size-1 = {d.block_size - 1} tokens, asked for {k}")
+        if k > self.max_draft_len:
+            raise ValueError(f"DFlash drafts at most block_size-1 = {self.max_draft_len} tokens, asked for {k}")
         B = last.shape[0]
         block = torch.full((B, d.block_size), d.mask_token_id, dtype=torch.long, device=last.device)
         block[:, 0] = last
@@ -620,7 +621,7 @@ class DecodeBatch:
         before = tgt.lengths.clone()
         logits, hid = tgt.forward(verify)
         t2 = time.perf_counter()
-        acc, bonus = SpeculativeEngine._accept(logits, d, q, self.temperature, self.gen, self.top_p)
+        acc, bonus = self.engine._accept(logits, d, q, self.temperature, self.gen, self.top_p)   # the engine's rule (a subclass may replace it)
         tgt.commit(acc + 1)
         if self.on_verify is not None:
             self.on_verify(VerifyStep(self.keys(), verify, logits, before, acc, bonus))

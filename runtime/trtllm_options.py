@@ -207,6 +207,30 @@ def rename_safetensors(src: Path, dst: Path, renames: dict[str, str]) -> int:
     return sum(1 for k in header if k in renames)
 
 
+def trtllm_draft_dir(src: Path, dst: Path, rel: compat.Release, num_layers: int) -> tuple[Path, int]:
+    """The draft directory TensorRT-LLM loads: `src` itself when its tensor names are the ones the targeted
+    loader reads, else a copy in `dst` with the renames (config, tokenizer and other files copied as is)."""
+    import shutil
+
+    files = sorted(src.glob("*.safetensors"))
+    names = [n for f in files for n in safetensors_tensors(f)]
+    renames = draft_weight_renames(names, rel, num_layers)
+    if not renames:
+        return src, 0
+    dst.mkdir(parents=True)
+    n = 0
+    for f in sorted(p for p in src.iterdir() if p.is_file()):
+        if f.suffix == ".safetensors":
+            n += rename_safetensors(f, dst / f.name, renames)
+        elif f.name == "model.safetensors.index.json":
+            idx = json.loads(f.read_text())
+            idx["weight_map"] = {renames.get(k, k): v for k, v in (idx.get("weight_map") or {}).items()}
+            (dst / f.name).write_text(json.dumps(idx, indent=2))
+        else:
+            shutil.copy2(f, dst / f.name)
+    return dst, n
+
+
 def dump_yaml(doc: dict) -> str:
     """Block-style mappings, flow-style lists and schedules: readable, and still plain YAML."""
     import yaml

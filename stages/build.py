@@ -171,7 +171,7 @@ def run(ctx: StageContext) -> dict:
     trtllm_draft, renamed = (draft_src if speculation else None), 0
     if speculation and algo == "eagle3":
         try:
-            trtllm_draft, renamed = _trtllm_draft(draft_src, out / "draft", rel,
+            trtllm_draft, renamed = T.trtllm_draft_dir(draft_src, out / "draft", rel,
                                                   int(dcfg.get("num_hidden_layers") or draft.get("num_layers") or 1))
         except ValueError as e:
             raise StageError(f"the draft's tensor names cannot be written as TensorRT-LLM {version} reads them: {e}") from None
@@ -286,32 +286,6 @@ def _tuned_schedule(tuning: dict, version: str, mode: str):
         return DraftSchedule.from_json(tuning["draft_schedule"])
     except ValueError as e:
         raise StageError(f"tuning.json draft_schedule: {e}; rerun tune") from None
-
-
-def _trtllm_draft(src: Path, dst: Path, rel, num_layers: int) -> tuple[Path, int]:
-    """The draft directory TensorRT-LLM loads: `src` itself when its tensor names are the ones the targeted
-    loader reads, else a copy in `dst` with the renames (config, tokenizer and other files copied as is)."""
-    import shutil
-
-    from runtime import trtllm_options as T
-
-    files = sorted(src.glob("*.safetensors"))
-    names = [n for f in files for n in T.safetensors_tensors(f)]
-    renames = T.draft_weight_renames(names, rel, num_layers)
-    if not renames:
-        return src, 0
-    dst.mkdir(parents=True)
-    n = 0
-    for f in sorted(p for p in src.iterdir() if p.is_file()):
-        if f.suffix == ".safetensors":
-            n += T.rename_safetensors(f, dst / f.name, renames)
-        elif f.name == "model.safetensors.index.json":
-            idx = json.loads(f.read_text())
-            idx["weight_map"] = {renames.get(k, k): v for k, v in (idx.get("weight_map") or {}).items()}
-            (dst / f.name).write_text(json.dumps(idx, indent=2))
-        else:
-            shutil.copy2(f, dst / f.name)
-    return dst, n
 
 
 def _model_name(tcfg: dict, workdir: Path) -> str:

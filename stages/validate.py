@@ -263,6 +263,7 @@ def _device(ctx) -> str:
 def _run_reference(ctx, sec: Config, deployed: dict, bf16: dict | None, prompts: dict, eos, *, same: bool = False) -> dict:
     import torch
 
+    from runtime.draft_schedule import dflash_max_draft_len
     from runtime.drafts import DraftFormatError, summarize
     from runtime.lossless import InvariantTally
     from runtime.speculative import SpeculativeEngine, load_pair
@@ -283,10 +284,11 @@ def _run_reference(ctx, sec: Config, deployed: dict, bf16: dict | None, prompts:
                                          first_layer_norm=sec.first_layer_norm, expected_capture_layers=expected)
             except DraftFormatError as e:
                 raise StageError(f"validate: the {label} draft does not load as exported: {e}") from None
-            if draft.algorithm == "dflash" and K > draft.block_size - 1:
+            if draft.algorithm == "dflash" and K > dflash_max_draft_len(draft.block_size):
+                kmax = dflash_max_draft_len(draft.block_size)
                 ctx.log.warning("DFlash block_size %d drafts at most %d tokens: measuring %d positions, not %d",
-                                draft.block_size, draft.block_size - 1, draft.block_size - 1, K)
-                K = draft.block_size - 1
+                                draft.block_size, kmax, kmax, K)
+                K = kmax
             res.setdefault("draft", summarize(draft))
             res.setdefault("fp8_info", getattr(model, "fp8_info", {}))
             eng = SpeculativeEngine(model, draft)
@@ -570,10 +572,6 @@ def gate_table(rows: list[dict]) -> str:
 TRTLLM_SPEC_CLASSES = {"Eagle3": "Eagle3DecodingConfig", "DFlash": "DFlashDecodingConfig"}
 
 
-def default_layers_to_capture(num_layers: int) -> set[int]:
-    return {1, num_layers // 2 - 1, num_layers - 4}
-
-
 def trtllm_llm_kwargs(target_dir, draft_dir, *, algorithm: str, max_draft_len: int, num_target_layers: int,
                       aux_layer_ids: list[int] | None, batch_size: int, max_seq_len: int) -> dict:
     """LLM(...) arguments for measuring acceptance with TensorRT-LLM (PyTorch backend, LLM API), field names
@@ -582,8 +580,11 @@ def trtllm_llm_kwargs(target_dir, draft_dir, *, algorithm: str, max_draft_len: i
                   "max_draft_len": max_draft_len, "speculative_model": str(draft_dir)}
     if algorithm == "eagle3":
         spec["eagle3_one_model"] = True
-        if aux_layer_ids is not None and set(aux_layer_ids) != default_layers_to_capture(num_target_layers):
-            spec["eagle3_layers_to_capture"] = sorted(aux_layer_ids)   # 1.2 ignores the draft config's ids
+        if aux_layer_ids is None:
+            raise ValueError("the EAGLE-3 draft's config.json names no eagle_aux_hidden_state_layer_ids")
+        # always: unset, TensorRT-LLM captures (1, L//2-1, L-4) and sizes fc for 3 layers, whatever the draft was
+        # trained on (runtime/compat.py SOURCES["layers_to_capture"])
+        spec["eagle3_layers_to_capture"] = list(aux_layer_ids)
     return {
         "model": str(target_dir), "backend": "pytorch", "max_batch_size": batch_size,
         "max_num_tokens": max(8192, batch_size * (1 + max_draft_len), batch_size * max_seq_len),
@@ -613,7 +614,10 @@ def _run_trtllm(ctx, sec: Config, deployed: dict, bf16: dict | None, prompts: di
     from tensorrt_llm import LLM, SamplingParams
     from tensorrt_llm import llmapi
 
+    from runtime import compat
+    from runtime.draft_schedule import dflash_max_draft_len
     from runtime.drafts import draft_algorithm
+    from runtime.trtllm_options import trtllm_draft_dir
 
     res: dict = {"domains": {d: {} for d in prompts}, "overall": {}, "trtllm_version": tensorrt_llm.__version__,
                  "lossless": {"checked_prompts": 0, "passed": None, "note": "not checked by the tensorrt_llm runtime"}}
@@ -621,9 +625,14 @@ def _run_trtllm(ctx, sec: Config, deployed: dict, bf16: dict | None, prompts: di
         dcfg = json.loads((Path(pair["draft_dir"]) / "config.json").read_text())
         tcfg = json.loads((Path(pair["target_dir"]) / "config.json").read_text())
         algo = draft_algorithm(pair["draft_dir"])
-        K = min(sec.max_draft_len, int(dcfg.get("block_size", 1 << 30)) - 1)
+        K = min(sec.max_draft_len, dflash_max_draft_len(dcfg["block_size"])) if algo == "dflash" else sec.max_draft_len
         longest = max(len(p) for ps in prompts.values() for p in ps)
-        kw = trtllm_llm_kwargs(pair["target_dir"], pair["draft_dir"], algorithm=algo, max_draft_len=K,
+        draft_dir = Path(pair["draft_dir"])
+        if algo == "eagle3":   # the layer names the installed loader reads (build does the same for the deployment)
+            draft_dir, _ = trtllm_draft_dir(draft_dir, ctx.scratch_dir / f"trtllm_draft_{label}",
+                                            compat.release(compat.normalize_version(tensorrt_llm.__version__)),
+                                            int(dcfg.get("num_hidden_layers") or 1))
+        kw = trtllm_llm_kwargs(pair["target_dir"], draft_dir, algorithm=algo, max_draft_len=K,
                                num_target_layers=tcfg["num_hidden_layers"],
                                aux_layer_ids=(dcfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"),
                                batch_size=sec.batch_size, max_seq_len=longest + sec.max_new_tokens + K + 8)

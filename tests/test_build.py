@@ -312,7 +312,7 @@ def _checks_of(opts, ck=None, **kw):
 def _good(tmp_path, **kw):
     """A written deployment draft (names as 1.2 reads them) and options that pass every check."""
     ck = write_checkpoints(tmp_path, **kw)
-    ddir, _ = build._trtllm_draft(ck["draft"], tmp_path / "trtllm_draft", compat.release("1.2.1"), 1)
+    ddir, _ = T.trtllm_draft_dir(ck["draft"], tmp_path / "trtllm_draft", compat.release("1.2.1"), 1)
     ck["draft"] = ddir
     opts = T.llm_api_options(spec(draft_dir=str(ddir), capture_layers=ck["aux"]))
     return opts, ck
@@ -457,10 +457,10 @@ def test_build_names_draft_weights_as_the_targeted_loader_reads_them(tmp_path):
     assert (ck["draft"] / "model.safetensors").read_bytes() == before
     assert doc["draft_dir"] == str(ck["draft"].resolve()) and doc["draft_weight_names"]["renamed"] == 5
     ck1 = write_checkpoints(tmp_path / "one")
-    one = load_file(str(build._trtllm_draft(ck1["draft"], tmp_path / "one" / "x", compat.release("1.2.1"), 1)[0] / "model.safetensors"))
+    one = load_file(str(T.trtllm_draft_dir(ck1["draft"], tmp_path / "one" / "x", compat.release("1.2.1"), 1)[0] / "model.safetensors"))
     assert "midlayer.self_attn.q_proj.weight" in one                    # one layer: midlayer is the layer itself
     with pytest.raises(ValueError, match="merge"):                      # 2 layers named as 1: refused, not merged
-        build._trtllm_draft(ck["draft"], tmp_path / "two-as-one", compat.release("1.2.1"), 1)
+        T.trtllm_draft_dir(ck["draft"], tmp_path / "two-as-one", compat.release("1.2.1"), 1)
     ck13 = write_checkpoints(tmp_path / "13", version="1.3.0rc27")
     opts, doc, dep = run_build(tmp_path / "13", trtllm_version="1.3.0rc27")
     assert opts["speculative_config"]["speculative_model"] == str(ck13["draft"].resolve()) and not (dep / "draft").exists()

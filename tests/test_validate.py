@@ -208,10 +208,16 @@ def test_trtllm_arguments_match_schema(shared):
     assert set(spec) <= set(s12["classes"]["Eagle3DecodingConfig"]["all_field_names"])
     assert spec["max_draft_len"] > 0 and spec["speculative_model"]           # rules: both required for Eagle3
     assert kw["max_num_tokens"] >= kw["max_batch_size"] * (1 + spec["max_draft_len"])
-    assert "eagle3_layers_to_capture" not in spec                            # {0,1} is the default for 4 layers
+    # always written, also when the ids equal the default: unset, TensorRT-LLM captures (1, L//2-1, L-4) and sizes the
+    # draft's fc for 3 layers, raising for L <= 5 (runtime/compat.py SOURCES["layers_to_capture"] names the
+    # llm_args.py / modeling_speculative.py versions read)
+    assert spec["eagle3_layers_to_capture"] == [0, 1]
     kw2 = V.trtllm_llm_kwargs("/t", "/d", algorithm="eagle3", max_draft_len=3, num_target_layers=32,
-                              aux_layer_ids=[2, 15, 28], batch_size=1, max_seq_len=64)
-    assert kw2["speculative_config"]["eagle3_layers_to_capture"] == [2, 15, 28]   # differs from {1, 15, 28}
+                              aux_layer_ids=[1, 15, 28], batch_size=1, max_seq_len=64)
+    assert kw2["speculative_config"]["eagle3_layers_to_capture"] == [1, 15, 28]   # the default tuple, still written
+    with pytest.raises(ValueError, match="eagle_aux_hidden_state_layer_ids"):
+        V.trtllm_llm_kwargs("/t", "/d", algorithm="eagle3", max_draft_len=3, num_target_layers=32,
+                            aux_layer_ids=None, batch_size=1, max_seq_len=64)
     s13 = _schema("trtllm-1.3-specdec.json")
     kd = V.trtllm_llm_kwargs("/t", "/d", algorithm="dflash", max_draft_len=7, num_target_layers=4, aux_layer_ids=None,
                              batch_size=2, max_seq_len=64)["speculative_config"]
