@@ -732,7 +732,7 @@ def _finish(job, held: list, offline, device, tok, curve, step_times, step0, wor
 
     model = held.pop()
     ev = job["eval"]
-    estimator = ev.get("estimator", "modelopt")
+    estimator = ev.get("estimator", "runtime")
     draft_len = ev["draft_len"]
     prompts = read_prompts(job["eval_files"], ev["prompts_per_domain"])
     acc, eval_s = None, 0.0

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, SPECPIPE, TINY_CONFIG, run_cli, status_json, tiny_overrides
+from conftest import REAL_CONFIG, REPO, SPECPIPE, TINY_CONFIG, run_cli, status_json, tiny_overrides
 
 pytestmark = pytest.mark.slow
 DFLASH_CONFIG = REPO / "configs" / "tiny_fp8_dflash.yaml"   # same target/data sections as TINY_CONFIG
