@@ -14,8 +14,10 @@ never reads the pipeline config. What it does, in order:
 2. convert the target with `modelopt.torch.speculative.convert` (the base stays frozen) and train the
    draft with AdamW/SGD, a warmup + cosine/linear schedule and periodic checkpoints in `<scratch>/ckpt/`
    (draft weights as safetensors + optimizer/step state); a restarted job resumes from the checkpoint;
-3. rank 0: ModelOpt's `HFARValidation.validate_online` acceptance length on held-out prompts, then
-   `export_speculative_decoding` into `<export_dir>`, and `result.json` with the curve and metrics.
+3. rank 0: `export_speculative_decoding` into `<export_dir>`, the acceptance estimate on held-out prompts
+   (`eval.estimator`: `runtime_acceptance`, specpipe's runtime on the BF16 target and the exported draft with the
+   validate stage's definition; or ModelOpt's `HFARValidation.validate_online` before the export, collective
+   under FSDP), and `result.json` with the curve and metrics.
 
 Data order and randomness are functions of (seed, step, rank) only, so a resumed run sees the same batches
 as an uninterrupted one. Progress goes to a callback in-process, or as `@@specpipe {json}` lines on the
@@ -729,6 +731,7 @@ def _finish(job, held: list, offline, device, tok, curve, step_times, step0, wor
     import gc
 
     import torch
+    from modelopt.torch.export import export_speculative_decoding
 
     model = held.pop()
     ev = job["eval"]
@@ -753,7 +756,17 @@ def _finish(job, held: list, offline, device, tok, curve, step_times, step0, wor
         return {}
 
     export_dir = Path(job["export_dir"])
-    export_draft(job, model, export_dir)
+    export_dir.mkdir(parents=True, exist_ok=True)
+    dtype = _torch_dtype(job["export_dtype"])
+    if job["algorithm"]["name"] == "eagle3":
+        if job.get("_fsdp"):   # only the draft (and the lm_head it may share) is exported; the target stays sharded
+            draft_module(model).to(dtype)
+            model.get_output_embeddings().to(dtype)
+        else:
+            model.to(dtype)   # EagleExporter writes the state dict as is
+        export_speculative_decoding(model, export_dir=str(export_dir))
+    else:
+        export_speculative_decoding(model, dtype=dtype, export_dir=str(export_dir))
     if prompts and estimator == "runtime":
         del model
         gc.collect()
@@ -779,23 +792,6 @@ def _finish(job, held: list, offline, device, tok, curve, step_times, step0, wor
         result["fsdp"] = job["_fsdp"]
     (Path(job["scratch_dir"]) / "result.json").write_text(json.dumps(result, indent=2))
     return result
-
-
-def export_draft(job: dict, model, export_dir: Path) -> None:
-    """ModelOpt's `export_speculative_decoding` of the trained draft into `export_dir`, in the target's dtype."""
-    from modelopt.torch.export import export_speculative_decoding
-
-    export_dir.mkdir(parents=True, exist_ok=True)
-    dtype = _torch_dtype(job["export_dtype"])
-    if job["algorithm"]["name"] == "eagle3":
-        if job.get("_fsdp"):   # only the draft (and the lm_head it may share) is exported; the target stays sharded
-            draft_module(model).to(dtype)
-            model.get_output_embeddings().to(dtype)
-        else:
-            model.to(dtype)   # EagleExporter writes the state dict as is
-        export_speculative_decoding(model, export_dir=str(export_dir))
-    else:
-        export_speculative_decoding(model, dtype=dtype, export_dir=str(export_dir))
 
 
 # ------------------------------------------------------------------------------------------- entry point
