@@ -113,6 +113,8 @@ def check_draft(draft_dir: Path, e: Expect) -> list[Check]:
                                             f"for {n_cap} captured target layers of width {e.hidden_size}"))
 
     if e.algorithm == "eagle3":
+        if fc is not None:   # a missing fc is required_tensors' failure
+            out.append(_fc_in_features(fc, e.hidden_size))
         out += _eagle_checks(draft_dir, cfg, shapes, e)
     else:
         out += _dflash_checks(cfg, e)
@@ -127,6 +129,23 @@ def check_draft(draft_dir: Path, e: Expect) -> list[Check]:
 
     out.append(_tokenizer_check(draft_dir, e.target_dir))
     return out
+
+
+# The capture-layer count every EAGLE-3 consumer builds its fc for: TensorRT-LLM (3 unless
+# eagle3_layers_to_capture says otherwise; tensorrt_llm/_torch/speculative/eagle3.py), vLLM
+# (vllm/model_executor/models/llama_eagle3.py: Linear(hidden_size * 3, hidden_size)), speculators' converter.
+EAGLE3_FC_LAYERS = 3
+
+
+def _fc_in_features(fc, hidden: int) -> Check:
+    n_in = fc[0][1] if len(fc[0]) == 2 else None
+    ok = n_in == EAGLE3_FC_LAYERS * hidden
+    return Check("fc_in_features", ok,
+                 "" if ok else f"fc.weight takes {n_in} inputs, expected {EAGLE3_FC_LAYERS} x hidden = "
+                               f"{EAGLE3_FC_LAYERS * hidden}: TensorRT-LLM (default capture count), vLLM's llama_eagle3 and "
+                               f"speculators build fc for {EAGLE3_FC_LAYERS} captured layers and refuse this shape at load; "
+                               "train on 3 distinct capture layers (train_draft.algorithm.aux_layer_ids)",
+                 {"in_features": n_in, "expected": EAGLE3_FC_LAYERS * hidden})
 
 
 def _eagle_checks(draft_dir: Path, cfg: dict, shapes: dict, e: Expect) -> list[Check]:

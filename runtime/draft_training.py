@@ -14,8 +14,10 @@ never reads the pipeline config. What it does, in order:
 2. convert the target with `modelopt.torch.speculative.convert` (the base stays frozen) and train the
    draft with AdamW/SGD, a warmup + cosine/linear schedule and periodic checkpoints in `<scratch>/ckpt/`
    (draft weights as safetensors + optimizer/step state); a restarted job resumes from the checkpoint;
-3. rank 0: ModelOpt's `HFARValidation.validate_online` acceptance length on held-out prompts, then
-   `export_speculative_decoding` into `<export_dir>`, and `result.json` with the curve and metrics.
+3. rank 0: `export_speculative_decoding` into `<export_dir>`, the acceptance estimate on held-out prompts
+   (`eval.estimator`: `runtime_acceptance`, specpipe's runtime on the BF16 target and the exported draft with the
+   validate stage's definition; or ModelOpt's `HFARValidation.validate_online` before the export, collective
+   under FSDP), and `result.json` with the curve and metrics.
 
 Data order and randomness are functions of (seed, step, rank) only, so a resumed run sees the same batches
 as an uninterrupted one. Progress goes to a callback in-process, or as `@@specpipe {json}` lines on the
@@ -488,9 +490,48 @@ def load_checkpoint(scratch: Path, model, opt, sched, device) -> dict | None:
 # ------------------------------------------------------------------------------------------- acceptance
 
 
+def runtime_acceptance(target_dir: str | Path, draft_dir: str | Path, prompts: dict[str, list[list[int]]], *, osl: int,
+                       draft_len: int, batch_size: int, eos_token_ids: list[int], device: str = "cpu", seed: int = 0,
+                       expected_capture_layers: list[int] | None = None) -> dict:
+    """The acceptance estimate through specpipe's speculative runtime, with the `validate` stage's definition and
+    procedure: the target (here the BF16 checkpoint) and the draft as exported (`runtime.drafts.load_draft`, ModelOpt's
+    first-layer norm, as trained), greedy, `batch_size` prompts per `generate` call, at most `osl` new tokens, a
+    request stopping at the first of `eos_token_ids`; AL per domain = (verification steps + accepted draft tokens) /
+    verification steps over all its requests (`RunStats.acceptance_length`), overall the same over every domain."""
+    import torch
+
+    from runtime.drafts import load_draft
+    from runtime.speculative import RunStats, SpeculativeEngine, load_target, target_shape
+
+    t0 = time.monotonic()
+    model = load_target(target_dir, device=device)
+    draft = load_draft(draft_dir, target_shape(model), device=device, expected_capture_layers=expected_capture_layers)
+    if draft.algorithm == "dflash" and draft_len > draft.block_size - 1:
+        raise JobError(f"train_draft.eval.draft_len {draft_len} exceeds what one DFlash block drafts ({draft.block_size - 1})")
+    eng = SpeculativeEngine(model, draft)
+    per_domain, total = {}, None
+    for domain, ps in prompts.items():
+        st = RunStats(draft_len)
+        for i in range(0, len(ps), batch_size):
+            g = eng.generate(ps[i:i + batch_size], max_new_tokens=osl, draft_len=draft_len, temperature=0.0,
+                             eos_token_id=eos_token_ids, seed=seed + i, speculative=True)
+            st = st.merge(g.stats)
+        d = st.as_dict()
+        per_domain[domain] = {"acceptance_length": round(st.acceptance_length, 6), "prompts": len(ps), "steps": st.steps,
+                              "accepted": st.accepted, "drafted": st.drafted, "per_position": d["per_position"]}
+        total = st if total is None else total.merge(st)
+    del eng, draft, model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return {"estimator": "runtime", "acceptance_length": round(total.acceptance_length, 6), "draft_len": draft_len,
+            "osl": osl, "batch_size": batch_size, "eos_token_ids": list(eos_token_ids), "first_layer_norm": "modelopt",
+            "target": "bf16", "seconds": round(time.monotonic() - t0, 2), "domains": per_domain}
+
+
 def acceptance(model, tokenizer, prompts: dict[str, list[list[int]]], osl: int, steps: int) -> dict:
     """ModelOpt's own estimate: `validate_online` (target verifies the draft's tokens greedily, no KV cache)
-    per prompt; acceptance length = mean tokens per target step, at most steps + 1."""
+    per prompt; acceptance length = mean tokens per target step, at most steps + 1. It stops at the tokenizer's
+    eos token only, and averages per prompt (not per step as `runtime_acceptance` and `validate` do)."""
     import torch
     from modelopt.torch.speculative.plugins.hf_eagle import HFARValidation
 
@@ -507,8 +548,8 @@ def acceptance(model, tokenizer, prompts: dict[str, list[list[int]]], osl: int, 
             per_domain[domain] = {"acceptance_length": round(sum(ars) / len(ars), 4), "prompts": len(ars)}
     all_ars = [v["acceptance_length"] * v["prompts"] for v in per_domain.values()]
     n = sum(v["prompts"] for v in per_domain.values())
-    return {"acceptance_length": round(sum(all_ars) / max(1, n), 4), "draft_len": steps, "osl": osl,
-            "domains": per_domain}
+    return {"estimator": "modelopt", "acceptance_length": round(sum(all_ars) / max(1, n), 4), "draft_len": steps,
+            "osl": osl, "domains": per_domain}
 
 
 # ------------------------------------------------------------------------------------------- training
@@ -670,38 +711,54 @@ def train(job: dict, emit: Callable[[dict], None] | None = None, should_stop: Ca
         d.destroy_process_group()
     if rank != 0 and not fsdp:
         return {}
-    result = _finish(job, model, offline, device, tok, curve, step_times, step0, world, dump_info, rank)
+    held = [model]   # _finish takes the only reference: the runtime estimate frees the training model first
+    del model, ddp, opt, sched, params, state
+    result = _finish(job, held, offline, device, tok, curve, step_times, step0, world, dump_info, rank)
     if d is not None and fsdp:
         d.barrier()
         d.destroy_process_group()
     return result if rank == 0 else {}
 
 
-def _finish(job, model, offline, device, tok, curve, step_times, step0, world, dump_info, rank: int = 0) -> dict:
-    """After training: acceptance on held-out prompts, export, result.json. Rank 0 alone, or under FSDP every
-    rank (the evaluation is collective; only rank 0 exports and writes)."""
+def _finish(job, held: list, offline, device, tok, curve, step_times, step0, world, dump_info, rank: int = 0) -> dict:
+    """After training: export, the acceptance estimate on held-out prompts, result.json. Rank 0 alone, or under
+    FSDP every rank (ModelOpt's estimate is collective there; only rank 0 exports and writes).
+
+    `eval.estimator: runtime` (default): rank 0 exports, frees the training model, and measures the exported draft
+    with the BF16 target through specpipe's runtime (`runtime_acceptance`, the validate stage's definition).
+    `modelopt`: ModelOpt's `validate_online` on the in-memory model before the export (offline training first
+    rebuilds the online model around the trained draft, since the offline model has no decoder layers)."""
+    import gc
+
     import torch
     from modelopt.torch.export import export_speculative_decoding
 
-    emit_t0 = time.monotonic()
-    a = job["algorithm"]
-    if offline:   # the offline model has no decoder layers: rebuild the online one around the trained draft
-        sd = {k: v.detach().clone() for k, v in draft_module(model).state_dict().items()}
-        del model
-        model = build_model(job, False, device)
-        draft_module(model).load_state_dict(sd)
-    model.eval()
-    draft_len = job["eval"]["draft_len"]
-    prompts = read_prompts(job["eval_files"], job["eval"]["prompts_per_domain"])
-    acc = acceptance(model, tok, prompts, job["eval"]["osl"], draft_len) if prompts else None
-    eval_s = time.monotonic() - emit_t0
+    model = held.pop()
+    ev = job["eval"]
+    estimator = ev.get("estimator", "runtime")
+    draft_len = ev["draft_len"]
+    prompts = read_prompts(job["eval_files"], ev["prompts_per_domain"])
+    acc, eval_s = None, 0.0
+    if prompts and estimator == "modelopt":
+        t0 = time.monotonic()
+        if offline:   # the offline model has no decoder layers: rebuild the online one around the trained draft
+            sd = {k: v.detach().clone() for k, v in draft_module(model).state_dict().items()}
+            del model
+            model = build_model(job, False, device)
+            draft_module(model).load_state_dict(sd)
+        model.eval()
+        acc = acceptance(model, tok, prompts, ev["osl"], draft_len)
+        eval_s = time.monotonic() - t0
+    elif prompts and (job.get("_fsdp") or job.get("shard_target")):
+        raise JobError("train_draft.eval.estimator: runtime needs the whole target in one process; with launcher.fsdp "
+                       "or shard_target use eval.estimator: modelopt")
     if rank != 0:
         return {}
 
     export_dir = Path(job["export_dir"])
     export_dir.mkdir(parents=True, exist_ok=True)
     dtype = _torch_dtype(job["export_dtype"])
-    if a["name"] == "eagle3":
+    if job["algorithm"]["name"] == "eagle3":
         if job.get("_fsdp"):   # only the draft (and the lm_head it may share) is exported; the target stays sharded
             draft_module(model).to(dtype)
             model.get_output_embeddings().to(dtype)
@@ -710,6 +767,17 @@ def _finish(job, model, offline, device, tok, curve, step_times, step0, world, d
         export_speculative_decoding(model, export_dir=str(export_dir))
     else:
         export_speculative_decoding(model, dtype=dtype, export_dir=str(export_dir))
+    if prompts and estimator == "runtime":
+        del model
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        t0 = time.monotonic()
+        acc = runtime_acceptance(job["target_dir"], export_dir, prompts, osl=ev["osl"], draft_len=draft_len,
+                                 batch_size=ev.get("batch_size", 4), eos_token_ids=ev.get("eos_token_ids") or [],
+                                 device=device.type, seed=job["train"]["seed"],
+                                 expected_capture_layers=capture_layer_ids(job))
+        eval_s = time.monotonic() - t0
 
     ts = step_times[1:] or step_times   # the first step pays one-time setup
     result = {

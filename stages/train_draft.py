@@ -52,12 +52,39 @@ def _distinct_nonneg(v: list[int] | None) -> list[int] | None:
     return v
 
 
+# EAGLE-3 drafts read exactly this many target layers. TensorRT-LLM sizes the draft's fc as hidden x (number of
+# capture layers), 3 when eagle3_layers_to_capture is unset (tensorrt_llm/_torch/speculative/eagle3.py,
+# Eagle3SpecMetadata / _get_eagle3_default_capture_layers); vLLM's llama_eagle3.py builds
+# fc = Linear(3 x hidden, hidden) (vllm-project/vllm vllm/model_executor/models/llama_eagle3.py at 583507d1) and
+# speculators' converter does the same: any other count does not load there.
+EAGLE3_CAPTURE_LAYERS = 3
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """The EAGLE-3 capture layers when `aux_layer_ids` is not set (0-based, sorted).
+
+    TensorRT-LLM's default tuple (1, L//2-1, L-4) when its three ids are distinct and inside the target;
+    otherwise (L <= 6, where it collapses or leaves the stack) three distinct layers spread over the whole
+    target: the first, the middle ((L-1)//2) and the last. ModelOpt 0.47's own default
+    (`default_eagle_aux_layer_ids`: sorted({1, max(0, L//2-1), max(0, L-4)})) collapses to 2 layers on a 4-layer
+    target, which gives fc [H, 2H]: a shape TensorRT-LLM and vLLM refuse, so it is never used."""
+    if num_layers < EAGLE3_CAPTURE_LAYERS:
+        raise ValueError(f"EAGLE-3 captures {EAGLE3_CAPTURE_LAYERS} distinct target layers; a {num_layers}-layer target "
+                         "has too few")
+    trt = (1, num_layers // 2 - 1, num_layers - 4)
+    if len(set(trt)) == EAGLE3_CAPTURE_LAYERS and all(0 <= i < num_layers for i in trt):
+        return sorted(trt)
+    return [0, (num_layers - 1) // 2, num_layers - 1]
+
+
 class Eagle3(Strict):
-    """EAGLE-3: a small decoder that reads the target's hidden states from a few layers (the aux layers)."""
+    """EAGLE-3: a small decoder that reads the target's hidden states from 3 of its layers (the aux layers)."""
 
     kind: Literal["eagle3"]
     draft_layers: int = Field(1, ge=1, le=8, description="decoder layers in the draft (1 is what TensorRT-LLM ships)")
-    aux_layer_ids: list[int] | None = Field(None, description="target layers to capture, 0-based; default {1, L//2-1, L-4} as ModelOpt/TensorRT-LLM")
+    aux_layer_ids: list[int] | None = Field(None, description=(
+        "the 3 target layers to capture, 0-based (stored sorted); default TensorRT-LLM's (1, L//2-1, L-4) when those "
+        "are 3 distinct layers, else [0, (L-1)//2, L-1]"))
     ttt_steps: int = Field(3, ge=1, le=16, description="training-time-test steps: draft positions trained per sample")
     draft_vocab_size: int | None = Field(None, ge=2, description="reduced draft vocabulary (d2t map calibrated on the training data); default: full")
     intermediate_size: int | None = Field(None, ge=1, description="draft MLP width; default: the target's")
@@ -66,7 +93,12 @@ class Eagle3(Strict):
     @field_validator("aux_layer_ids")
     @classmethod
     def _ids(cls, v):
-        return _distinct_nonneg(v)
+        v = _distinct_nonneg(v)
+        if v is not None and len(v) != EAGLE3_CAPTURE_LAYERS:
+            raise ValueError(f"{v} has {len(v)} layers; EAGLE-3 drafts capture exactly {EAGLE3_CAPTURE_LAYERS} (TensorRT-LLM, "
+                             "vLLM and speculators build fc as 3 x hidden)")
+        # sorted: ModelOpt's online hooks and TensorRT-LLM concatenate the captured layers in layer order
+        return sorted(v) if v is not None else v
 
 
 class DFlash(Strict):
@@ -124,9 +156,16 @@ class Offline(Strict):
 
 
 class Eval(Strict):
+    """The acceptance estimate at the end of training, on held-out prompts of each data.eval_domains entry."""
+
+    estimator: Literal["runtime", "modelopt"] = Field("runtime", description=(
+        "runtime: specpipe's speculative runtime on the BF16 target and the exported draft (KV cache, batched, the "
+        "validate stage's definition); modelopt: ModelOpt's HFARValidation.validate_online (no KV cache, one prompt "
+        "at a time; the only one that runs with launcher.fsdp or shard_target)"))
     prompts_per_domain: int = Field(8, ge=0, description="held-out prompts per data.eval_domains entry (0: skip)")
     osl: int = Field(64, ge=1, description="tokens generated per prompt")
     draft_len: int | None = Field(None, ge=1, description="draft tokens per step; default: the trained length")
+    batch_size: int = Field(4, ge=1, description="runtime estimator: prompts decoded together (as validate.batch_size)")
 
 
 class Config(StageSection):
@@ -188,6 +227,13 @@ def check(cfg) -> list[tuple[str, str]]:
     if sec.launcher.fsdp and (sec.launcher.kind != "torchrun" or procs < 2):
         out.append((f"{p}.launcher.fsdp", f"shards the target over several processes: it needs launcher.kind torchrun with "
                     f"nproc_per_node x nnodes >= 2 (now {sec.launcher.kind}, {procs} process{'es' if procs != 1 else ''})"))
+    if sec.eval.estimator == "runtime" and sec.eval.prompts_per_domain:
+        whole = ("launcher.fsdp" if sec.launcher.fsdp and sec.launcher.kind == "torchrun" else
+                 "shard_target" if sec.shard_target else None)
+        if whole:
+            out.append((f"{p}.eval.estimator", f"runtime needs the whole target in one process, and {p}.{whole} spreads it; "
+                        "use eval.estimator: modelopt (runs on the sharded target) or eval.prompts_per_domain: 0 "
+                        "(validate measures the deployed pair)"))
     if sec.batch_size % procs:
         out.append((f"{p}.batch_size", f"{sec.batch_size} is not divisible by the {procs} training processes (launcher.nproc_per_node x nnodes)"))
     if cfg.target.bootstrap == "tiny":
@@ -202,7 +248,10 @@ def _shape_problems(sec: Config, n_layers: int, vocab: int, layers_src: str, voc
     out = []
     if a.kind == "eagle3":
         bad = [i for i in (a.aux_layer_ids or []) if i >= n_layers]
-        if bad:
+        if n_layers < EAGLE3_CAPTURE_LAYERS:
+            out.append((f"{p}.kind", f"EAGLE-3 captures {EAGLE3_CAPTURE_LAYERS} distinct target layers, but the target has "
+                        f"{n_layers} ({layers_src}); TensorRT-LLM and vLLM load no other shape: use DFlash or a deeper target"))
+        elif bad:
             out.append((f"{p}.aux_layer_ids", f"{bad} out of range: the target has {n_layers} layers (0..{n_layers - 1}; {layers_src})"))
         if a.draft_vocab_size and a.draft_vocab_size > vocab:
             out.append((f"{p}.draft_vocab_size", f"{a.draft_vocab_size} exceeds the target vocabulary of {vocab} ({vocab_src})"))
@@ -229,9 +278,10 @@ def _resolve(ctx: StageContext, summary: dict, tok) -> dict:
     if probs:
         raise StageError("; ".join(f"{k}: {m}" for k, m in probs))
     if a.kind == "eagle3":
-        from modelopt.torch.speculative.plugins.hf_eagle import default_eagle_aux_layer_ids
-
-        ids = a.aux_layer_ids or default_eagle_aux_layer_ids(n_layers)
+        ids = a.aux_layer_ids or default_aux_layer_ids(n_layers)
+        ctx.log.info("EAGLE-3 capture layers %s of %d (%s)", ids, n_layers, "configured" if a.aux_layer_ids else
+                     "TensorRT-LLM's default" if ids == sorted((1, n_layers // 2 - 1, n_layers - 4)) else
+                     "spread over the target: TensorRT-LLM's default (1, L//2-1, L-4) is not 3 distinct layers here")
         return {"name": "eagle3", "draft_layers": a.draft_layers, "aux_layer_ids": ids, "ttt_steps": a.ttt_steps,
                 "draft_vocab_size": a.draft_vocab_size or vocab, "intermediate_size": a.intermediate_size,
                 "loss_decay_factor": a.loss_decay_factor, "trained_draft_len": a.ttt_steps}
@@ -323,8 +373,10 @@ def make_job(ctx: StageContext) -> dict:
                   "schedule": sec.schedule, "warmup_steps": min(sec.warmup_steps, steps), "min_lr_ratio": sec.min_lr_ratio,
                   "grad_clip": sec.grad_clip, "steps": steps, "batch_size": sec.batch_size, "seq_len": sec.seq_len,
                   "seed": sec.seed, "checkpoint_every": sec.checkpoint_every, "log_every": sec.log_every},
-        "eval": {"prompts_per_domain": sec.eval.prompts_per_domain, "osl": sec.eval.osl,
-                 "draft_len": sec.eval.draft_len or algo["trained_draft_len"]},
+        "eval": {"estimator": sec.eval.estimator, "prompts_per_domain": sec.eval.prompts_per_domain, "osl": sec.eval.osl,
+                 "draft_len": sec.eval.draft_len or algo["trained_draft_len"], "batch_size": sec.eval.batch_size,
+                 # every id that ends a generation (an instruct model's end-of-turn and its eos)
+                 "eos_token_ids": [e for e in (summary.get("eos_token_ids") or [summary.get("eos_token_id")]) if e is not None]},
     }
 
 
@@ -496,6 +548,7 @@ def run(ctx: StageContext) -> dict:
         "trained_draft_len": a["trained_draft_len"], "max_position_embeddings": cfg.get("max_position_embeddings"),
         "rope_scaling": cfg.get("rope_scaling"), "serving_context": job["serving_context"], "mode": job["mode"],
         "acceptance_length": acc.get("acceptance_length"), "eval_draft_len": acc.get("draft_len"),
+        "acceptance_estimator": acc.get("estimator"),
     }
     (ctx.out_dir / "draft.json").write_text(json.dumps(draft, indent=2))
     curve = {"algorithm": a["name"], "steps": job["train"]["steps"], "log_every": job["train"]["log_every"],
@@ -509,19 +562,25 @@ def run(ctx: StageContext) -> dict:
         ctx.log.info("FSDP: each of %d processes held %.1f MB of the target's %.1f MB of decoder-layer weights",
                      f["processes"], f["target_layer_bytes_per_process"] / 1e6, f["target_layer_bytes"] / 1e6)
     if acc:
-        ctx.log.info("acceptance length %.3f at %d draft tokens (ModelOpt validate_online, %s)", acc["acceptance_length"],
-                     acc["draft_len"], ", ".join(f"{d} {v['acceptance_length']:.2f}" for d, v in acc["domains"].items()))
+        ctx.log.info("acceptance length %.3f at %d draft tokens (%s, %.1f s: %s)", acc["acceptance_length"],
+                     acc["draft_len"], ESTIMATORS[acc["estimator"]], result.get("eval_seconds") or 0.0,
+                     ", ".join(f"{d} {v['acceptance_length']:.2f}" for d, v in acc["domains"].items()))
     return {
         "algorithm": a["name"], "mode": job["mode"], "steps": job["train"]["steps"], "world_size": result["world_size"],
         "resumed_from_step": result["resumed_from_step"], "final_loss": result["final_loss"],
         "final_accuracy": result["final_accuracy"], "step_ms_mean": result["step_ms_mean"],
         "train_seconds": result["train_seconds"], "acceptance_length": acc.get("acceptance_length"),
-        "acceptance_draft_len": acc.get("draft_len"),
+        "acceptance_draft_len": acc.get("draft_len"), "acceptance_estimator": acc.get("estimator"),
+        "eval_seconds": result.get("eval_seconds"),
         "acceptance_by_domain": {d: v["acceptance_length"] for d, v in acc.get("domains", {}).items()},
         "export_checks_passed": len(checks), **{k: result[k] for k in ("dump_bytes", "dump_estimate_bytes", "dump_seconds") if k in result},
         **({"fsdp_processes": result["fsdp"]["processes"], "target_layer_bytes": result["fsdp"]["target_layer_bytes"],
             "target_layer_bytes_per_process": result["fsdp"]["target_layer_bytes_per_process"]} if result.get("fsdp") else {}),
     }
+
+
+ESTIMATORS = {"runtime": "specpipe runtime, BF16 target + exported draft (validate's definition)",
+              "modelopt": "ModelOpt validate_online"}
 
 
 def _tensor_names(d: Path) -> set[str]:
@@ -546,7 +605,9 @@ def report(artifact) -> str:
                  ["resumed from step", m.get("resumed_from_step")],
                  ["final loss", m.get("final_loss")], ["final accuracy per position", m.get("final_accuracy")],
                  ["ms per step", m.get("step_ms_mean")],
-                 ["acceptance length (ModelOpt validate_online)", f"{m.get('acceptance_length')} at {m.get('acceptance_draft_len')} draft tokens"]],
+                 ["acceptance estimator", ESTIMATORS.get(m.get("acceptance_estimator") or "", "none (eval.prompts_per_domain: 0)")],
+                 ["acceptance length", f"{m.get('acceptance_length')} at {m.get('acceptance_draft_len')} draft tokens"
+                                       f" ({m.get('eval_seconds')} s)"]],
                 ["", ""])
     if pts:
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.2))
