@@ -48,6 +48,8 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from runtime.draft_schedule import dflash_max_draft_len
+
 SPECULATORS_VERSION = "0.9.0"
 WEIGHTS_FILE = "model.safetensors"
 _SCALE_SUFFIXES = ("weight_scale", "input_scale", "k_scale", "v_scale", "weight_scale_2", "pre_quant_scale")
@@ -316,7 +318,7 @@ def write_speculators_draft(draft_dir: str | Path, out_dir: str | Path, *, targe
         H, L, V = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]), int(cfg["vocab_size"])
         dv = V
         block_size = int(cfg["block_size"])
-        if speculative_tokens > block_size - 1:
+        if speculative_tokens > dflash_max_draft_len(block_size):
             raise SpeculatorsFormatError(f"speculative_tokens {speculative_tokens} > block_size - 1 = {block_size - 1}, "
                                          "what one DFlash block drafts")
         required = {"fc.weight", "hidden_norm.weight", "norm.weight"}
@@ -334,7 +336,7 @@ def write_speculators_draft(draft_dir: str | Path, out_dir: str | Path, *, targe
         ids = [i + 1 for i in mo_ids]
         tl = _decoder_config(cfg, "qwen3", V, dtype)
         tl.update(use_sliding_window=False, sliding_window=None, max_window_layers=L, layer_types=["full_attention"] * L)
-        if speculative_tokens < block_size - 1:
+        if speculative_tokens < dflash_max_draft_len(block_size):
             notes.append(f"vLLM queries 1 + num_speculative_tokens = {speculative_tokens + 1} positions per request, "
                          f"the draft was trained and validated with blocks of {block_size}: its drafts can differ "
                          f"from the validated ones unless num_speculative_tokens is {block_size - 1}")

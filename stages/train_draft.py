@@ -217,8 +217,10 @@ def check(cfg) -> list[tuple[str, str]]:
     if a.kind == "dflash":
         if sec.seq_len % a.block_size:
             out.append((f"{p}.seq_len", f"{sec.seq_len} is not divisible by algorithm.block_size {a.block_size} (DFlash trains whole blocks)"))
-        if sec.eval.draft_len and sec.eval.draft_len > a.block_size - 1:
-            out.append((f"{p}.eval.draft_len", f"{sec.eval.draft_len} exceeds block_size - 1 = {a.block_size - 1}, what one DFlash block drafts"))
+        from runtime.draft_schedule import dflash_max_draft_len
+
+        if sec.eval.draft_len and sec.eval.draft_len > dflash_max_draft_len(a.block_size):
+            out.append((f"{p}.eval.draft_len", f"{sec.eval.draft_len} exceeds block_size - 1 = {dflash_max_draft_len(a.block_size)}, what one DFlash block drafts"))
     elif sec.eval.draft_len and sec.eval.draft_len > 3 * a.ttt_steps:
         out.append((f"{p}.eval.draft_len", f"{sec.eval.draft_len} is far beyond the {a.ttt_steps} trained positions (algorithm.ttt_steps)"))
     procs = sec.launcher.nproc_per_node * sec.launcher.nnodes if sec.launcher.kind == "torchrun" else 1
@@ -271,6 +273,8 @@ def _shape_problems(sec: Config, n_layers: int, vocab: int, layers_src: str, voc
 
 def _resolve(ctx: StageContext, summary: dict, tok) -> dict:
     """Algorithm options with the target's values filled in; raises StageError for impossible ones."""
+    from runtime.draft_schedule import dflash_max_draft_len
+
     sec: Config = ctx.section
     a = sec.algorithm
     n_layers, vocab = summary["num_layers"], summary["vocab_size"]
@@ -311,7 +315,7 @@ def _resolve(ctx: StageContext, summary: dict, tok) -> dict:
     return {"name": "dflash", "draft_layers": a.draft_layers, "target_layer_ids": ids, "block_size": a.block_size,
             "mask_token_id": mask_id, "num_anchors": a.num_anchors, "loss_objective": a.loss_objective,
             "loss_decay_factor": a.loss_decay_factor, "intermediate_size": a.intermediate_size,
-            "trained_draft_len": a.block_size - 1}
+            "trained_draft_len": dflash_max_draft_len(a.block_size)}
 
 
 def _rope_scaling(sec: Config, target_positions: int, serving: int) -> dict:
