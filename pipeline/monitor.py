@@ -199,7 +199,10 @@ def read_run(workdir: Path, draft_len: int | None = None, prompts_per_probe: int
     if draft_len is None:
         dep = arts / "build" / "deployment.json"
         if dep.exists():
-            draft_len = int(json.loads(dep.read_text())["draft_len_by_batch"][0][2])
+            from runtime.draft_schedule import DraftSchedule
+
+            # the probe runs one request at a time: the deployed k at batch 1
+            draft_len = DraftSchedule.from_json(json.loads(dep.read_text())["draft_schedule"]).k_at(1)
         else:
             draft_len = int(acc["max_draft_len"])
     model = "tensorrt_llm"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 
 from conftest import TINY_CONFIG, run_cli, status_json, tiny_overrides
 from pipeline import registry
@@ -22,7 +23,7 @@ def _actions(workdir) -> dict[str, str]:
     return {k: v["action"] for k, v in doc["stages"].items()}
 
 
-def test_build_skip_rerun_status_report(tiny_run):
+def test_build_skip_rerun_status_report(tiny_run, tmp_path):
     wd, first = tiny_run
     assert first.returncode == 0, first.stderr[-4000:]
     st = status_json(wd)
@@ -50,7 +51,10 @@ def test_build_skip_rerun_status_report(tiny_run):
     for name in registry.names():
         assert f"[{name}] skip: up to date" in again.stderr
 
-    # one field changed: exactly that stage and what consumes it (transitively) rerun
+    # one field changed: exactly that stage and what consumes it (transitively) rerun. In a copy: the session's
+    # tiny run is shared with later tests, which need it built from tiny_overrides() as it stands.
+    wd = tmp_path / "run"
+    shutil.copytree(tiny_run[0], wd, symlinks=True)
     changed = run_cli("build", str(TINY_CONFIG), "--workdir", str(wd), *tiny_overrides(), "-o", "data.eval_prompts=3")
     assert changed.returncode == 0, changed.stderr[-3000:]
     acts = _actions(wd)
