@@ -27,8 +27,12 @@ SMOKE = [
     "train_draft.steps=6", "train_draft.batch_size=2", "train_draft.seq_len=192", "train_draft.warmup_steps=2",
     "train_draft.checkpoint_every=3", "train_draft.log_every=2", "train_draft.eval.prompts_per_domain=2",
     "train_draft.eval.osl=12",
-    # quantize: the real gate on a small held-out sample
+    # quantize: the shipped recipe and search. The smoke's held-out is a few short regenerated replies: a perplexity
+    # ratio over ~50 tokens is noise (measured +5.7 % and +7.7 % on 2 replies where 64 chats give +1.9 %), so the gate
+    # here only proves the machinery; the shipped gate on 64 samples is tested in test_quantize.py
+    # (test_real_model_auto_exclude_finds_the_sensitive_layer_and_meets_the_gate).
     "quantize.calib_samples=8", "quantize.calib_seq_len=192", "quantize.eval_samples=8",
+    "quantize.max_ppl_increase=0.15", "quantize.fallback_formats=[]",
     # validate: short generations; acceptance gates at what a 6-step draft guarantees, lossless at full strength
     "validate.max_new_tokens=12", "validate.num_prompts=3", "validate.batch_size=3", "validate.lossless_prompts=3",
     "validate.gates.min_acceptance_length=1.0", "validate.gates.min_overall_acceptance_length=1.0",
@@ -82,7 +86,8 @@ def test_every_stage_commits_on_the_real_model(real_run):
     assert draft.get("acceptance_estimator") == "runtime"
 
     q = _json(wd, "quantize", "quality.json")
-    assert q["ppl_increase"] <= 0.02                                           # the shipped FP8 gate, met
+    assert 0 < q["ppl_increase"] <= 0.15                                       # the smoke's gate, met
+    assert _json(wd, "quantize", "quantize.json")["format"] == "fp8_per_channel_per_token"
 
     acc = _json(wd, "validate", "acceptance.json")
     assert acc["lossless"]["passed"] is True and acc["eos_token_ids"] == [2]
