@@ -526,7 +526,9 @@ def run(ctx: StageContext) -> dict:
     a = job["algorithm"]
     ctx.log.info("%s draft, %d layer(s), %s mode, %d steps of batch %d x %d tokens on %s (%s), launcher %s%s",
                  a["name"], a["draft_layers"], job["mode"], job["train"]["steps"], job["train"]["batch_size"],
-                 job["train"]["seq_len"], job["device"], job["train_dtype"], sec.launcher.kind,
+                 job["train"]["seq_len"], job["device"],
+                 job["train_dtype"] + (f", target {job['target_dtype']} under autocast" if job["target_dtype"] != job["train_dtype"] else ""),
+                 sec.launcher.kind,
                  " with the target's layers sharded (FSDP)" if job["fsdp"] else "")
     bars = _Bars(ctx)
     try:
