@@ -65,6 +65,24 @@ def _barrier() -> None:
         d.barrier()
 
 
+def target_dtype(job: dict):
+    """The frozen target's weight and compute dtype (`target_dtype`, default the training dtype). Lower than the
+    training dtype, the forward runs under autocast: the target in it, the draft's matmuls too, its master weights,
+    optimizer state and loss in the training dtype."""
+    return _torch_dtype(job.get("target_dtype") or job["train_dtype"])
+
+
+def autocast(job: dict, device):
+    import contextlib
+
+    import torch
+
+    low = target_dtype(job)
+    if low == _torch_dtype(job["train_dtype"]):
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=low)
+
+
 def _torch_dtype(name: str):
     import torch
 
@@ -172,21 +190,24 @@ def build_model(job: dict, offline: bool, device):
     import torch
 
     dtype = _torch_dtype(job["train_dtype"])
+    tdtype = target_dtype(job)
     fsdp = fsdp_active(job) and not offline   # the offline model has no decoder layers to shard
     if offline:
         from modelopt.torch.speculative.utils import load_vlm_or_llm
 
-        model = load_vlm_or_llm(job["target_dir"], use_offline_training=True, dtype=dtype,
+        model = load_vlm_or_llm(job["target_dir"], use_offline_training=True, dtype=tdtype,
                                 trust_remote_code=job["trust_remote_code"])
     elif fsdp:
-        model = load_target_skeleton(job, device, dtype)
+        model = load_target_skeleton(job, device, tdtype)
     else:
-        model = _load_target(job, device, dtype)
+        model = _load_target(job, device, tdtype)
     if offline or not (job.get("shard_target") or fsdp):
         model.to(device)
     mode, cfg = convert_config(job, offline)
     torch.manual_seed(job["train"]["seed"])  # the draft's initial weights
     mtsp.convert(model, [(mode, cfg)])
+    if tdtype != dtype:   # ModelOpt builds the draft in the base model's dtype: its master weights stay in `dtype`
+        draft_module(model).to(dtype)
     if job["algorithm"]["name"] == "eagle3" and job.get("d2t_path"):
         from modelopt.torch.speculative.plugins.hf_eagle import HFEagleModel
 
@@ -671,7 +692,8 @@ def train(job: dict, emit: Callable[[dict], None] | None = None, should_stop: Ca
         torch.manual_seed(t["seed"] * 7919 + step * world + rank)   # DFlash anchors: a function of (seed, step, rank)
         idx = batch_indices(step, len(samples), t["batch_size"], t["seed"])[rank * per_rank:(rank + 1) * per_rank]
         batch = offline_batch(dataset, collator, idx, device) if offline else online_batch(samples, idx, t["seq_len"], pad_id, device)
-        out = ddp(**batch)
+        with autocast(job, device):
+            out = ddp(**batch)
         opt.zero_grad(set_to_none=True)
         out.loss.backward()
         if fsdp:

@@ -190,6 +190,10 @@ class Config(StageSection):
     checkpoint_every: int = Field(100, ge=1)
     log_every: int = Field(10, ge=1, description="curve points every N steps")
     dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="training dtype; auto: bfloat16 on GPU, float32 on CPU")
+    target_dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description=(
+        "the frozen target's weights and forward; bfloat16 under a float32 dtype runs the forward (the target and the "
+        "draft's matmuls) under bfloat16 autocast while the draft's master weights, optimizer state and loss stay "
+        "float32 (about 2.6x faster steps on CPU for SmolLM2, docs/stages/train_draft.md); auto: the training dtype"))
     torch_compile: bool = False
     shard_target: bool = Field(False, description="launcher none on a multi-GPU node: spread the target over all visible GPUs (device_map=auto) for a target larger than one GPU")
     serving_context: int | None = Field(None, ge=16, description="longest context the draft must serve; default: the target's max_position_embeddings")
@@ -236,6 +240,9 @@ def check(cfg) -> list[tuple[str, str]]:
             out.append((f"{p}.eval.estimator", f"runtime needs the whole target in one process, and {p}.{whole} spreads it; "
                         "use eval.estimator: modelopt (runs on the sharded target) or eval.prompts_per_domain: 0 "
                         "(validate measures the deployed pair)"))
+    if (sec.dtype, sec.target_dtype) == ("bfloat16", "float32"):
+        out.append((f"{p}.target_dtype", "float32 under dtype bfloat16 would run the target above the draft's own "
+                    "precision; use target_dtype bfloat16 or auto (the training dtype)"))
     if sec.batch_size % procs:
         out.append((f"{p}.batch_size", f"{sec.batch_size} is not divisible by the {procs} training processes (launcher.nproc_per_node x nnodes)"))
     if cfg.target.bootstrap == "tiny":
@@ -346,6 +353,11 @@ def make_job(ctx: StageContext) -> dict:
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     train_dtype = sec.dtype if sec.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    target_dtype = sec.target_dtype if sec.target_dtype != "auto" else train_dtype
+    if (train_dtype, target_dtype) == ("bfloat16", "float32"):
+        raise StageError(f"train_draft.target_dtype: float32 under a bfloat16 training dtype ({sec.dtype} on {device}) "
+                         "would run the target above the draft's own precision; set target_dtype: bfloat16 or auto, "
+                         "or dtype: float32")
     positions = summary.get("max_position_embeddings") or 2048
     serving = sec.serving_context or positions
     eval_files = {p.stem: str(p) for p in sorted((data.path / "eval").glob("*.jsonl"))}
@@ -368,7 +380,7 @@ def make_job(ctx: StageContext) -> dict:
         "scratch_dir": str(ctx.scratch_dir), "export_dir": str(ctx.out_dir / "draft"),
         "d2t_path": str(ctx.scratch_dir / "d2t.pt") if d2t else None,
         "mode": sec.mode, "max_dump_gb": sec.offline.max_dump_gb, "max_samples": sec.max_samples,
-        "device": device, "train_dtype": train_dtype, "export_dtype": summary.get("dtype") or "bfloat16",
+        "device": device, "train_dtype": train_dtype, "target_dtype": target_dtype, "export_dtype": summary.get("dtype") or "bfloat16",
         "threads": ctx.config.run.threads, "trust_remote_code": trust, "torch_compile": sec.torch_compile,
         "shard_target": sec.shard_target and device == "cuda",
         "fsdp": sec.launcher.kind == "torchrun" and sec.launcher.fsdp,
@@ -514,7 +526,9 @@ def run(ctx: StageContext) -> dict:
     a = job["algorithm"]
     ctx.log.info("%s draft, %d layer(s), %s mode, %d steps of batch %d x %d tokens on %s (%s), launcher %s%s",
                  a["name"], a["draft_layers"], job["mode"], job["train"]["steps"], job["train"]["batch_size"],
-                 job["train"]["seq_len"], job["device"], job["train_dtype"], sec.launcher.kind,
+                 job["train"]["seq_len"], job["device"],
+                 job["train_dtype"] + (f", target {job['target_dtype']} under autocast" if job["target_dtype"] != job["train_dtype"] else ""),
+                 sec.launcher.kind,
                  " with the target's layers sharded (FSDP)" if job["fsdp"] else "")
     bars = _Bars(ctx)
     try:

@@ -490,6 +490,7 @@ def _check(*overrides: str, config: Path = TINY_CONFIG) -> subprocess.CompletedP
     (["train_draft.launcher={kind: torchrun, nproc_per_node: 3}"], "train_draft.batch_size", "not divisible by the 3"),
     (["train_draft.launcher={kind: none, fsdp: true}"], "train_draft.launcher.fsdp", "needs launcher.kind torchrun"),
     (["train_draft.launcher={kind: torchrun, fsdp: true}"], "train_draft.launcher.fsdp", "(now torchrun, 1 process)"),
+    (["train_draft.dtype=bfloat16", "train_draft.target_dtype=float32"], "train_draft.target_dtype", "above the draft's own precision"),
 ])
 def test_bad_algorithm_options_are_config_errors(overrides, path, fragment):
     r = _check(*overrides)
@@ -514,6 +515,73 @@ def test_mask_token_not_in_vocab_is_a_stage_error(inputs, tmp_path):
     ctx = _stage_ctx(wd, "train_draft.algorithm={kind: dflash, block_size: 4, mask_token: '<|nope|>'}", config=DFLASH_CONFIG)
     with pytest.raises(StageError, match=r"'<\|nope\|>' is not a token of the target's vocabulary"):
         td.run(ctx)
+
+
+# ------------------------------------------------------------------------------------------- bf16 target
+
+
+def test_bf16_target_runs_the_target_in_bf16_and_training_still_learns(inputs, tmp_path):
+    """`target_dtype: bfloat16` under the float32 training dtype: the job carries it, the frozen target's weights
+    are bf16 and its layers compute in bf16 (autocast), the draft's master weights and the loss stay float32, its
+    matmuls (fc) run in bf16; a few steps on one repeated batch still lower the loss."""
+    import torch
+
+    import stages.train_draft as td
+    from runtime import draft_training as dt
+
+    wd = _workdir(inputs, tmp_path)
+    ctx = _stage_ctx(wd, "train_draft.target_dtype=bfloat16", "train_draft.max_samples=2", "train_draft.batch_size=2",
+                     "train_draft.steps=10", "train_draft.warmup_steps=1", "train_draft.lr=0.003",
+                     "train_draft.log_every=1", "train_draft.eval.prompts_per_domain=0")
+    job = json.loads(json.dumps(td.make_job(ctx)))
+    assert (job["train_dtype"], job["target_dtype"]) == ("float32", "bfloat16")
+    dev = torch.device("cpu")
+    model = dt.build_model(job, False, dev)
+    draft = dt.draft_module(model)
+    draft_ids = {id(p) for p in draft.parameters()}
+    target_params = [p for p in model.parameters() if id(p) not in draft_ids]
+    assert target_params and all(p.dtype == torch.bfloat16 for p in target_params)
+    assert all(p.dtype == torch.float32 for p in draft.parameters() if p.requires_grad)
+    seen = {}
+
+    def record(name):
+        def hook(module, args, out):   # returns None: the output is left as it is
+            seen.setdefault(name, (out[0] if isinstance(out, tuple) else out).dtype)
+        return hook
+
+    model._base_model.layers[0].register_forward_hook(record("target"))
+    draft.fc.register_forward_hook(record("fc"))
+    samples = dt.read_samples(job["train_parquet"], 2)
+    batch = dt.online_batch(samples, [0, 1], 64, 0, dev)
+    with dt.autocast(job, dev):
+        out = model(**batch)
+    assert seen == {"target": torch.bfloat16, "fc": torch.bfloat16}
+    assert out.loss.dtype == torch.float32
+    del model
+    # Training still learns, as the float32 target does: on the tiny target (barely pretrained, so its
+    # distribution is nearly uniform and the distillation loss starts close to its entropy floor) both runs lower
+    # the loss by the same amount, and end within 1 % of each other.
+    curves = {}
+    for name, tdtype in (("bf16", "bfloat16"), ("fp32", "float32")):
+        j = {**job, "target_dtype": tdtype, "scratch_dir": str(tmp_path / name), "export_dir": str(tmp_path / name / "draft")}
+        curves[name] = [c["loss"] for c in dt.train(j)["curve"]]
+    bf, fp = curves["bf16"], curves["fp32"]
+    assert len(bf) == len(fp) == 10, curves
+    assert bf[-1] < bf[0] - 0.5 * (fp[0] - fp[-1]) and fp[-1] < fp[0], curves
+    assert abs(bf[-1] - fp[-1]) <= 0.01 * fp[-1], curves
+
+
+def test_target_dtype_enters_the_fingerprint():
+    from pipeline import registry, runner
+    from pipeline.config import validate
+
+    spec = registry.get("train_draft")
+    up = {d: "0" * 64 for d in spec.consumes}
+    base = {"target": {"bootstrap": "tiny"}}
+    a, b = (runner.fingerprint_inputs(spec, validate({**base, "train_draft": t}), up)
+            for t in ({}, {"target_dtype": "bfloat16"}))
+    assert runner.fingerprint(a) != runner.fingerprint(b)
+    assert "train_draft.target_dtype" in runner.stale_reason(a, b)
 
 
 # ------------------------------------------------------------------------------------------- FSDP, several nodes
@@ -872,7 +940,8 @@ def test_real_model_offline_with_tied_embeddings(real_inputs, tmp_path, monkeypa
     from runtime import draft_training as dt
 
     monkeypatch.chdir(REPO)
-    ctx = _real_ctx(real_inputs, tmp_path, "train_draft.mode=offline", "train_draft.max_samples=4")
+    # target_dtype auto (float32): the logits below are compared with the float32 target's at 1e-4
+    ctx = _real_ctx(real_inputs, tmp_path, "train_draft.mode=offline", "train_draft.max_samples=4", "train_draft.target_dtype=auto")
     m = td.run(ctx)
     assert m["mode"] == "offline" and m["dump_bytes"] > 0 and m["acceptance_estimator"] == "runtime"
     assert all(c["passed"] for c in json.loads((ctx.out_dir / "checks.json").read_text()))
