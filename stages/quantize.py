@@ -1,30 +1,40 @@
 """Stage `quantize`: FP8 post-training quantization of the target (and optionally the draft) with ModelOpt.
 
-What it does, in order:
-1. Loads the target in float32 (bfloat16 on CUDA), inserts ModelOpt quantizers (`mtq.quantize`, FP8 E4M3
-   per-tensor weights and static activations, optionally FP8 KV) and calibrates them (max calibration) on the
-   `data` stage's `calib.parquet`.
-2. Exports a ModelOpt unified Hugging Face checkpoint (`export_hf_checkpoint`) to `target_fp8/`, with
-   `hf_quant_config.json` (TensorRT-LLM 1.2 ignores the FP8 scales without it) and the target's tokenizer.
-3. Runs named format checks on what was written (`check_checkpoint`) before anything is committed.
-4. Measures quality by running the exported checkpoint itself through `runtime.fp8` (FP8 weights and E4M3
-   activations with the exported scales, as the GPU kernels compute) against the unquantized target on
-   `heldout.parquet`: perplexity before/after, next-token top-1 agreement, mean KL. The exported model's
-   logits are also compared with ModelOpt's own fake-quant model (a check of the export).
-   `max_ppl_increase` (relative) fails the stage, naming the numbers.
-5. With `draft: fp8`, rebuilds ModelOpt's EAGLE-3 model around the target from the exported draft
-   (`train_draft/draft`, verified by re-exporting it bit-exactly), quantizes only the draft part, calibrates
-   it with the training-time forward (all TTT steps, so later draft steps are covered) and exports it with
-   `export_speculative_decoding` to `draft_fp8/`.
+What it does, for the recipe in `format` (then each of `fallback_formats` while the gate is missed):
+1. Loads the target in float32 (bfloat16 on CUDA), inserts ModelOpt quantizers (`mtq.quantize` with the recipe's
+   preset: `fp8` = FP8_DEFAULT_CFG, per-tensor weights and static activations; `fp8_per_channel_per_token` =
+   FP8_PER_CHANNEL_PER_TOKEN_CFG, per-channel weights and dynamic per-token activations; optionally FP8 KV) and
+   calibrates them (max calibration) on the `data` stage's `calib.parquet`.
+2. Aligns the calibrated model with what TensorRT-LLM will execute (`align_with_deployment`): per-tensor q/k/v and
+   gate/up share one weight scale (TensorRT-LLM fuses them into one GEMM and would re-quantize them at load),
+   and the fake-quant weights are snapped to the exact E4M3 codes the export writes.
+3. With `auto_exclude.enabled`: measures every decoder layer's sensitivity on calibration samples and keeps the
+   fewest, most sensitive layers in BF16 until the calibration perplexity meets `max_ppl_increase`
+   (`search_exclusions`; cost in forwards logged and recorded).
+4. Exports a ModelOpt unified Hugging Face checkpoint (`export_hf_checkpoint`) with `hf_quant_config.json`
+   (TensorRT-LLM 1.2 ignores the FP8 scales without it) and the target's tokenizer, and runs named format checks
+   for the recipe (`check_checkpoint`).
+5. Measures quality by running the exported checkpoint itself through `runtime.fp8` (TensorRT-LLM's arithmetic:
+   E4M3 activations, fused-layer scales, FP8 KV with unit scales) against the unquantized target on
+   `heldout.parquet`: perplexity before/after, next-token top-1 agreement, mean KL. The exported model is also
+   compared with ModelOpt's own fake-quant model: layer by layer on the same inputs (the executor's exactness),
+   end to end (top-1, KL), next to the FP8 model's own noise floor (its agreement with itself under a 1e-6
+   relative input perturbation). `max_ppl_increase` (relative) is the gate.
+6. With `draft: fp8`, rebuilds ModelOpt's EAGLE-3 model around the target from the exported draft
+   (`train_draft/draft`, verified by re-exporting it bit-exactly), quantizes only the draft part (per-tensor FP8),
+   calibrates it with the training-time forward (all TTT steps) and exports it with `export_speculative_decoding`
+   to `draft_fp8/`.
 
-Artifact (see docs/architecture.md): `target_fp8/`, `draft_fp8/` (only with `draft: fp8`), `quantize.json`,
-`quality.json`.
+Artifact (see docs/architecture.md): `target_fp8/` (the shipped recipe), `draft_fp8/` (only with `draft: fp8`),
+`quantize.json`, `quality.json` (with `recipes`: one row per recipe tried).
 """
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import json
 import math
+import re
 import shutil
 import time
 from pathlib import Path
@@ -33,32 +43,69 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from pipeline.errors import StageError
-from pipeline.stage import StageContext, StageSection
+from pipeline.stage import StageContext, StageSection, Strict
 
 NAME = "quantize"
 CONSUMES: tuple[str, ...] = ("target", "data", "train_draft")
-VERSION = "1"
+VERSION = "2"
 PACKAGES = ("torch", "transformers", "nvidia-modelopt", "safetensors")
 
 WEIGHT_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json", "hf_quant_config.json")
+
+Recipe = Literal["fp8", "fp8_per_channel_per_token"]
+# recipe -> (ModelOpt 0.47 preset in modelopt.torch.quantization, hf_quant_config.json quant_algo it exports,
+# TensorRT-LLM 1.2 linear method that executes it)
+RECIPES: dict[str, dict] = {
+    "fp8": {"preset": "FP8_DEFAULT_CFG", "quant_algo": "FP8", "trtllm": "FP8QDQLinearMethod",
+            "weights": "per-tensor", "activations": "static per-tensor (calibrated input_scale)"},
+    "fp8_per_channel_per_token": {"preset": "FP8_PER_CHANNEL_PER_TOKEN_CFG", "quant_algo": "FP8_PER_CHANNEL_PER_TOKEN",
+                                  "trtllm": "FP8RowwiseLinearMethod", "weights": "per-channel",
+                                  "activations": "dynamic per-token (computed at run time)"},
+}
+
+
+class AutoExclude(Strict):
+    """Automatic search for the fewest decoder layers to keep in BF16 so that FP8 meets `max_ppl_increase`."""
+
+    enabled: bool = Field(False, description=(
+        "opt-in: when the FP8 model misses max_ppl_increase on calibration samples, keep the most sensitive "
+        "decoder layers in BF16 (they are named in hf_quant_config.json's exclude_modules)"))
+    max_layers: int = Field(8, ge=1, description="never keep more than this many decoder layers in BF16")
+    sensitivity_samples: int = Field(2, ge=1, description=(
+        "calibration samples for the per-layer sensitivity (one partial forward per layer and sample)"))
+    check_samples: int = Field(12, ge=1, description=(
+        "calibration samples on which each candidate exclusion set is checked against the gate"))
+    seq_len: int = Field(256, ge=16, description="the search's samples are truncated to this many tokens")
+    headroom: float = Field(0.75, gt=0, le=1, description=(
+        "aim for headroom * max_ppl_increase on calibration, leaving the rest for the held-out measurement"))
 
 
 class Config(StageSection):
     """FP8 post-training quantization. Defaults follow ModelOpt's hf_ptq example (FP8 weights+activations, FP8 KV)."""
 
-    format: Literal["fp8"] = Field("fp8", description="quantization format; FP8 E4M3 per-tensor (ModelOpt FP8_DEFAULT_CFG)")
+    format: Recipe = Field("fp8", description=(
+        "the FP8 recipe: fp8 = per-tensor weight scales + static per-tensor activation scales (ModelOpt "
+        "FP8_DEFAULT_CFG, quant_algo FP8); fp8_per_channel_per_token = per-channel weight scales + dynamic per-token "
+        "activation scales (ModelOpt FP8_PER_CHANNEL_PER_TOKEN_CFG, quant_algo FP8_PER_CHANNEL_PER_TOKEN)"))
+    fallback_formats: list[Recipe] = Field(default_factory=list, description=(
+        "recipes tried in order when `format` misses the gate (each calibrated, searched and measured); the first "
+        "that meets it ships, every one tried is reported"))
     kv_cache: Literal["fp8", "none"] = Field("fp8", description="fp8: calibrate and export FP8 KV-cache scales")
     exclude_modules: list[str] = Field(default_factory=list, description=(
         "module name patterns (fnmatch, e.g. 'model.layers.0.*' or '*down_proj') kept in high precision, "
         "in addition to ModelOpt's defaults (lm_head, embeddings, routers)"))
+    auto_exclude: AutoExclude = Field(default_factory=AutoExclude, description=(
+        "automatic BF16 exclusion search (opt-in; see docs/stages/quantize.md)"))
     calib_samples: int = Field(64, ge=1, description="calibration samples taken from data's calib.parquet")
     calib_seq_len: int = Field(256, ge=8, description="calibration samples are truncated to this many tokens")
     eval_samples: int = Field(64, ge=1, description="held-out samples for the quality measurement")
+    fidelity_samples: int = Field(4, ge=1, description=(
+        "held-out samples on which the exported checkpoint is compared with ModelOpt's fake-quant model"))
     max_ppl_increase: float = Field(0.02, ge=0, description="fail when ppl_fp8 / ppl_bf16 - 1 exceeds this")
     min_top1_agreement: float | None = Field(None, ge=0, le=1, description="optional gate on next-token top-1 agreement")
     draft: Literal["none", "fp8"] = Field("none", description=(
         "none: deploy train_draft's BF16 draft (NVIDIA's documented combination: FP8 target + BF16 draft); "
-        "fp8: quantize the draft too"))
+        "fp8: quantize the draft too (per-tensor FP8)"))
     seed: int = 0
 
     @field_validator("exclude_modules")
@@ -82,6 +129,9 @@ def check(cfg) -> list[tuple[str, str]]:
     if sec.draft == "fp8" and algo not in (None, "eagle3"):
         problems.append(("quantize.draft", f"fp8 is implemented for EAGLE-3 drafts only; train_draft.algorithm is '{algo}' "
                                            "(use draft: none, NVIDIA's documented FP8 target + BF16 draft)"))
+    if len(set(sec.fallback_formats)) != len(sec.fallback_formats) or sec.format in sec.fallback_formats:
+        problems.append(("quantize.fallback_formats", f"lists a recipe twice (format {sec.format!r}, fallbacks "
+                                                      f"{sec.fallback_formats}); each recipe is tried once"))
     return problems
 
 
@@ -107,36 +157,42 @@ def run(ctx: StageContext) -> dict:
     ctx.log.info("calibrating on %d samples (<= %d tokens each), measuring on %d held-out samples, device %s",
                  len(calib), sec.calib_seq_len, len(heldout), device)
 
-    # 1-2. quantize + export the target
-    t0 = time.monotonic()
-    fq_model = quantize_model(target_dir, calib, fmt=sec.format, kv_cache=sec.kv_cache, exclude=sec.exclude_modules,
-                              device=device, dtype=calib_dtype, progress=ctx.progress, log=ctx.log)
-    fq_ref = fake_quant_reference(fq_model, heldout, device=device)
+    recipes = [sec.format] + list(sec.fallback_formats)
+    tried: list[dict] = []
+    shipped = None
+    t_all = time.monotonic()
+    for recipe in recipes:
+        ctx.log.info("recipe %s (%s weights, %s activations, ModelOpt %s)", recipe, RECIPES[recipe]["weights"],
+                     RECIPES[recipe]["activations"], RECIPES[recipe]["preset"])
+        cand = _try_recipe(ctx, sec, recipe, target_dir, calib, heldout, device, calib_dtype, export_dtype)
+        tried.append(cand)
+        if cand["gate_problems"]:
+            ctx.log.warning("recipe %s misses the gate: %s", recipe, "; ".join(cand["gate_problems"]))
+            continue
+        shipped = cand
+        break
+    chosen = shipped or min(tried, key=lambda c: c["quality"]["ppl_increase"])
     out_target = ctx.out_dir / "target_fp8"
-    export_target(fq_model, out_target, target_dir, export_dtype)
-    del fq_model   # its logits are kept (fq_ref); the reference and FP8 models below need the memory
-    quant_s = time.monotonic() - t0
+    shutil.move(str(chosen["path"]), str(out_target))
+    for c in tried:  # the candidates not shipped were written to scratch
+        if c is not chosen:
+            shutil.rmtree(c["path"], ignore_errors=True)
 
-    # 3. format checks
-    checks = check_checkpoint(out_target, kv_cache=sec.kv_cache == "fp8", exclude=sec.exclude_modules)
-    _raise_failed(checks, "target_fp8")
-    ctx.log.info("target_fp8: all %d format checks passed", len(checks))
-
-    # 4. quality, running the exported files
-    from runtime.fp8 import load_causal_lm
-
-    ref = load_causal_lm(target_dir, device=device, compute_dtype=calib_dtype, spread=True)
-    fp8 = load_causal_lm(out_target, device=device, compute_dtype=calib_dtype, spread=True)
-    quality = measure_quality(ref, fp8, heldout, device=device, fake_quant=fq_ref, progress=ctx.progress)
-    del ref, fp8
-    quality.update(target_dir=str(target_dir), checkpoint="target_fp8", runtime="runtime.fp8 (emulated E4M3 on "
-                   + device.type + ")", kv_cache=sec.kv_cache, max_ppl_increase=sec.max_ppl_increase)
-    ctx.log.info("quality: perplexity %.4f -> %.4f (%+.3f%%), top-1 agreement %.4f, mean KL %.3g nats, "
-                 "export vs ModelOpt fake-quant max |dlogit| %.3g", quality["ppl_bf16"], quality["ppl_fp8"],
+    quality = dict(chosen["quality"])
+    quality.update(target_dir=str(target_dir), checkpoint="target_fp8", format=chosen["recipe"],
+                   quant_algo=RECIPES[chosen["recipe"]]["quant_algo"],
+                   runtime="runtime.fp8 (emulated E4M3 on " + device.type + ", TensorRT-LLM 1.2 semantics: fused-layer "
+                   "scales, FP8 KV with unit scales)", kv_cache=sec.kv_cache, max_ppl_increase=sec.max_ppl_increase,
+                   recipes=[_recipe_row(c) for c in tried])
+    ctx.log.info("quality (%s): perplexity %.4f -> %.4f (%+.3f%%), top-1 agreement %.4f, mean KL %.3g nats; export vs "
+                 "ModelOpt fake-quant: top-1 %.4f, KL %.3g (FP8 noise floor: top-1 %.4f, KL %.3g), layer-wise max "
+                 "relative error %.2g", chosen["recipe"], quality["ppl_bf16"], quality["ppl_fp8"],
                  100 * quality["ppl_increase"], quality["top1_agreement"], quality["mean_kl"],
-                 quality["export_vs_fakequant_max_abs_logit_diff"])
+                 quality["export_vs_fakequant_top1_agreement"], quality["export_vs_fakequant_kl"],
+                 quality["noise_floor_top1_agreement"], quality["noise_floor_kl"],
+                 quality["layerwise_max_rel_err"])
 
-    # 5. the draft
+    # the draft
     draft_rel = "train_draft/draft"
     draft_metrics: dict = {}
     if sec.draft == "fp8":
@@ -145,26 +201,92 @@ def run(ctx: StageContext) -> dict:
         quality["draft"] = draft_metrics
 
     (ctx.out_dir / "quality.json").write_text(json.dumps(quality, indent=2))
+    hq = _hf_quant(out_target)
     (ctx.out_dir / "quantize.json").write_text(json.dumps({
-        "format": sec.format, "kv_cache": sec.kv_cache, "target_dir": "quantize/target_fp8", "draft_dir": draft_rel,
-        "draft_format": sec.draft if sec.draft == "fp8" else "bf16", "exclude_modules": _hf_quant(out_target).get("exclude_modules"),
-        "calib_samples": len(calib), "calib_seq_len": sec.calib_seq_len, "checks": checks,
+        "format": chosen["recipe"], "quant_algo": hq.get("quant_algo"), "kv_cache": sec.kv_cache,
+        "target_dir": "quantize/target_fp8", "draft_dir": draft_rel,
+        "draft_format": sec.draft if sec.draft == "fp8" else "bf16", "exclude_modules": hq.get("exclude_modules"),
+        "auto_excluded": chosen["auto_excluded"], "recipes_tried": [c["recipe"] for c in tried],
+        "calib_samples": len(calib), "calib_seq_len": sec.calib_seq_len, "checks": chosen["checks"],
     }, indent=2))
 
     metrics = {k: quality[k] for k in ("ppl_bf16", "ppl_fp8", "ppl_fakequant", "ppl_increase", "top1_agreement", "mean_kl",
                                        "max_abs_logit_diff", "export_vs_fakequant_max_abs_logit_diff",
-                                       "export_vs_fakequant_top1_agreement", "eval_tokens")}
-    metrics.update(format=sec.format, kv_cache=sec.kv_cache, draft=draft_rel, quantize_seconds=round(quant_s, 2),
-                   checks_passed=len(checks))
+                                       "export_vs_fakequant_top1_agreement", "export_vs_fakequant_kl",
+                                       "noise_floor_top1_agreement", "noise_floor_kl", "layerwise_max_rel_err",
+                                       "eval_tokens")}
+    metrics.update(format=chosen["recipe"], quant_algo=quality["quant_algo"], kv_cache=sec.kv_cache, draft=draft_rel,
+                   quantize_seconds=round(time.monotonic() - t_all, 2), checks_passed=len(chosen["checks"]),
+                   recipes_tried=[c["recipe"] for c in tried], kept_bf16=chosen["auto_excluded"],
+                   search_forwards=(chosen.get("search") or {}).get("forwards", 0))
     for k in ("draft_top1_bf16", "draft_top1_fp8", "draft_export_vs_fakequant_loss_diff"):
         if k in draft_metrics:
             metrics[k] = draft_metrics[k]
-    gate_problems = quality_gate(quality, sec.max_ppl_increase, sec.min_top1_agreement)
-    if gate_problems:  # the measured numbers stay visible in status --json (failed_metrics) and the report
-        raise StageError("quantize: FP8 quality gate failed: " + "; ".join(gate_problems),
+    if shipped is None:  # the measured numbers stay visible in status --json (failed_metrics) and the report
+        msg = " | ".join(f"{c['recipe']}: " + "; ".join(c["gate_problems"]) for c in tried)
+        raise StageError("quantize: FP8 quality gate failed for every recipe tried: " + msg,
                          metrics={**metrics, "max_ppl_increase": sec.max_ppl_increase,
                                   "min_top1_agreement": sec.min_top1_agreement, "gate_passed": False})
     return metrics
+
+
+def _recipe_row(c: dict) -> dict:
+    q = c["quality"]
+    return {"format": c["recipe"], "quant_algo": RECIPES[c["recipe"]]["quant_algo"],
+            "ppl_bf16": q["ppl_bf16"], "ppl_fp8": q["ppl_fp8"], "ppl_increase": q["ppl_increase"],
+            "top1_agreement": q["top1_agreement"], "mean_kl": q["mean_kl"],
+            "kept_bf16": c["auto_excluded"], "exclude_modules": c["exclude_modules"],
+            "export_vs_fakequant_top1_agreement": q["export_vs_fakequant_top1_agreement"],
+            "export_vs_fakequant_kl": q["export_vs_fakequant_kl"], "noise_floor_kl": q["noise_floor_kl"],
+            "layerwise_max_rel_err": q["layerwise_max_rel_err"], "gate_passed": not c["gate_problems"],
+            "gate_problems": c["gate_problems"], "search": c.get("search"), "seconds": c["seconds"]}
+
+
+def _try_recipe(ctx: StageContext, sec: Config, recipe: str, target_dir: Path, calib, heldout, device, calib_dtype,
+                export_dtype) -> dict:
+    """Calibrate, align, (search), export into scratch, check and measure one recipe. Returns the candidate."""
+    import torch
+
+    from runtime.fp8 import load_causal_lm
+
+    t0 = time.monotonic()
+    kv = sec.kv_cache
+    fq_model = quantize_model(target_dir, calib, fmt=recipe, kv_cache=kv, exclude=sec.exclude_modules,
+                              device=device, dtype=calib_dtype, progress=ctx.progress, log=ctx.log)
+    align_with_deployment(fq_model, log=ctx.log)
+    auto: list[str] = []
+    search = None
+    if sec.auto_exclude.enabled:
+        search = search_exclusions(fq_model, target_dir, calib, recipe=recipe, kv_cache=kv,
+                                   max_ppl_increase=sec.max_ppl_increase, opts=sec.auto_exclude, device=device,
+                                   dtype=calib_dtype, progress=ctx.progress, log=ctx.log)
+        auto = search["kept_bf16"]
+        disable_quantizers(fq_model, auto)
+    with kv_unit_scales(fq_model):  # the reference computes what TensorRT-LLM computes for the KV cache
+        fq_ref = fake_quant_reference(fq_model, heldout, device=device, keep=sec.fidelity_samples)
+    out = ctx.scratch_dir / f"target_{recipe}"
+    shutil.rmtree(out, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    export_target(fq_model, out, target_dir, export_dtype)
+    del fq_model   # its logits are kept (fq_ref); the reference and FP8 models below need the memory
+
+    exclude = list(sec.exclude_modules) + auto
+    checks = check_checkpoint(out, kv_cache=kv == "fp8", exclude=exclude, quant_algo=RECIPES[recipe]["quant_algo"])
+    _raise_failed(checks, f"target_fp8 ({recipe})")
+    ctx.log.info("target_fp8 (%s): all %d format checks passed", recipe, len(checks))
+
+    ref = load_causal_lm(target_dir, device=device, compute_dtype=calib_dtype, spread=True)
+    fp8 = load_causal_lm(out, device=device, compute_dtype=calib_dtype, spread=True)
+    quality = measure_quality(ref, fp8, heldout, device=device, fake_quant=fq_ref, progress=ctx.progress)
+    del ref, fp8
+    torch.cuda.empty_cache() if device.type == "cuda" else None
+    problems = quality_gate(quality, sec.max_ppl_increase, sec.min_top1_agreement)
+    ctx.log.info("recipe %s: perplexity %.4f -> %.4f (%+.3f%%), top-1 %.4f, KL %.3g, BF16 layers %s", recipe,
+                 quality["ppl_bf16"], quality["ppl_fp8"], 100 * quality["ppl_increase"], quality["top1_agreement"],
+                 quality["mean_kl"], auto or "none")
+    return {"recipe": recipe, "path": out, "quality": quality, "checks": checks, "auto_excluded": auto,
+            "exclude_modules": _hf_quant(out).get("exclude_modules"), "search": search, "gate_problems": problems,
+            "seconds": round(time.monotonic() - t0, 1)}
 
 
 def _place(model, device):
@@ -216,15 +338,15 @@ def read_samples(path: Path, limit: int, max_len: int | None) -> list[dict]:
 
 def quant_config(fmt: str, kv_cache: str, exclude: list[str], *, only_under: str | None = None,
                  other_top_modules: list[str] = ()) -> dict:
-    """The ModelOpt quant config: the format's preset, + FP8 KV, + disabled quantizers for excluded modules.
-    `only_under`/`other_top_modules`: quantize only that submodule (used for the draft)."""
+    """The ModelOpt quant config: the recipe's preset (`RECIPES`), + FP8 KV, + disabled quantizers for excluded
+    modules. `only_under`/`other_top_modules`: quantize only that submodule (used for the draft)."""
     import copy
 
     import modelopt.torch.quantization as mtq
 
-    if fmt != "fp8":  # the Literal already guarantees this; a new format adds its preset here
+    if fmt not in RECIPES:  # the Literal already guarantees this; a new recipe adds its preset to RECIPES
         raise ValueError(f"unknown format {fmt}")
-    cfg = copy.deepcopy(mtq.FP8_DEFAULT_CFG)
+    cfg = copy.deepcopy(getattr(mtq, RECIPES[fmt]["preset"]))
     entries = list(cfg["quant_cfg"])
     if kv_cache == "fp8":
         entries += copy.deepcopy(mtq.FP8_KV_CFG["quant_cfg"])
@@ -276,6 +398,333 @@ class _nullctx:
 
     def __exit__(self, *a):
         return False
+
+
+def quantized_linears(model) -> dict:
+    """{name: module} of every module whose ModelOpt weight quantizer is enabled."""
+    return {n: m for n, m in model.named_modules()
+            if getattr(m, "weight_quantizer", None) is not None and getattr(m.weight_quantizer, "is_enabled", False)
+            and hasattr(m, "weight")}
+
+
+def _fused_groups(names) -> list[list[str]]:
+    """TensorRT-LLM's fused GEMMs among `names`: q/k/v and gate/up of one block (runtime.fp8.FUSED_GROUPS)."""
+    from runtime.fp8 import FUSED_GROUPS
+
+    names = set(names)
+    groups = []
+    for parent in sorted({n.rpartition(".")[0] for n in names}):
+        for g in FUSED_GROUPS:
+            members = [f"{parent}.{leaf}" if parent else leaf for leaf in g]
+            if all(m in names for m in members):
+                groups.append(members)
+    return groups
+
+
+def align_with_deployment(model, log=None) -> dict:
+    """Make ModelOpt's calibrated fake-quant model compute what the exported checkpoint computes on TensorRT-LLM.
+
+    1. Per-tensor q/k/v and gate/up get one shared weight (and input) amax, with ModelOpt's own
+       `preprocess_linear_fusion`. TensorRT-LLM runs each group as one GEMM with one weight scale: given separate
+       scales it re-quantizes the members onto the largest at load time (runtime.fp8.trtllm_fuse_scales), a second
+       rounding the calibrated model never saw. ModelOpt 0.47's export skips this fusion for FP8
+       (unified_export_hf.py `_fuse_shared_input_modules` excludes QUANTIZATION_FP8), so the stage does it.
+       Per-channel scales are concatenated by TensorRT-LLM unchanged: nothing to do there.
+    2. Every quantized weight is replaced by its exact E4M3 dequantization as the export computes it
+       (`weight / (amax / 448)` rounded to nearest even, runtime.fp8.quantize_weight), so the fake-quant model
+       holds the checkpoint's codes: its own `weight * (448 / amax)` breaks exact rounding ties the other way
+       (about 1% of SmolLM2's weights, which sit on a 4-bit grid, lie exactly on a tie).
+    Returns {"fused_groups": n, "snapped_weights": n}."""
+    import torch
+    from modelopt.torch.export.quant_utils import preprocess_linear_fusion
+
+    from runtime.fp8 import FP8_MAX, dequantize_weight, quantize_weight
+
+    lin = quantized_linears(model)
+    fused = 0
+    for group in _fused_groups(lin):
+        mods = [lin[n] for n in group]
+        if all(m.weight_quantizer.amax is not None and m.weight_quantizer.amax.numel() == 1 for m in mods):
+            with torch.no_grad():
+                preprocess_linear_fusion(mods)
+            fused += 1
+    snapped = 0
+    with torch.no_grad():
+        for m in lin.values():
+            amax = m.weight_quantizer.amax
+            if amax is None:
+                continue
+            scale = (amax.float() / FP8_MAX).reshape(-1)
+            w = m.weight
+            m.weight.copy_(dequantize_weight(quantize_weight(w, scale), scale, w.dtype))
+            snapped += 1
+    if log:
+        log.info("aligned with the deployment: %d fused groups share one scale, %d weights snapped to the export's "
+                 "E4M3 codes", fused, snapped)
+    return {"fused_groups": fused, "snapped_weights": snapped}
+
+
+def disable_quantizers(model, patterns: list[str]) -> list[str]:
+    """Disable the weight and input quantizers of every quantized linear matching `patterns` (fnmatch, as in
+    `exclude_modules`): those modules are exported in high precision. Calibration is unaffected (ModelOpt
+    calibrates on unquantized activations). Returns the module names."""
+    names = [n for n in quantized_linears(model) if _matches(n, patterns)]
+    mods = dict(model.named_modules())
+    for n in names:
+        mods[n].weight_quantizer.disable()
+        iq = getattr(mods[n], "input_quantizer", None)
+        if iq is not None and iq.is_enabled:
+            iq.disable()
+    return names
+
+
+@contextlib.contextmanager
+def kv_unit_scales(model):
+    """Within the block, ModelOpt's KV quantizers use scale 1 (amax 448): TensorRT-LLM 1.2's PyTorch backend
+    quantizes the FP8 KV cache with unit scales whatever k_scale/v_scale say (see runtime.fp8.attach_kv_scales).
+    The calibrated amax is restored afterwards, so the export still writes the calibrated k_scale/v_scale."""
+    import torch
+
+    saved = []
+    for n, q in model.named_modules():
+        if n.endswith(("k_bmm_quantizer", "v_bmm_quantizer")) and getattr(q, "is_enabled", False) and q.amax is not None:
+            saved.append((q, q.amax.detach().clone()))
+            q.amax = torch.full_like(q.amax, 448.0)
+    try:
+        yield len(saved)
+    finally:
+        for q, a in saved:
+            q.amax = a
+
+
+def decoder_layers(model) -> tuple[str, list]:
+    """(module path, layers) of the model's decoder-layer list (`model.layers` for Llama-family models)."""
+    from torch import nn
+
+    n_layers = getattr(model.config.get_text_config(), "num_hidden_layers", None)
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) == n_layers and name.endswith("layers"):
+            return name, list(mod)
+    raise StageError("quantize: cannot find the model's decoder layers (a ModuleList named '*layers' with "
+                     f"num_hidden_layers={n_layers} entries)")
+
+
+# ---------------------------------------------------------------------------------------------- BF16 exclusion search
+
+
+class _SearchModel:
+    """The unquantized target with, per decoder layer, its linears switchable between the original (BF16) modules
+    and `runtime.fp8.FP8Linear`s built from the calibrated ModelOpt model (the same codes and scales the export
+    writes), plus the FP8 KV cache (unit scales, as TensorRT-LLM runs it) on every layer."""
+
+    def __init__(self, fq_model, target_dir: Path, recipe: str, kv_cache: str, device, dtype):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from runtime.fp8 import FP8_MAX, FP8Linear, quantize_weight
+
+        self.model = _place(AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype), device).eval()
+        self.prefix, self.layers = decoder_layers(self.model)
+        mods = dict(self.model.named_modules())
+        dynamic = RECIPES[recipe]["quant_algo"] == "FP8_PER_CHANNEL_PER_TOKEN"
+        self.units: dict[int, list[tuple[str, object, object]]] = {}
+        for name, m in quantized_linears(fq_model).items():
+            match = re.match(rf"{re.escape(self.prefix)}\.(\d+)\.", name)
+            if match is None or name not in mods:
+                continue  # not inside a decoder layer: never a search unit
+            scale = (m.weight_quantizer.amax.float() / FP8_MAX).reshape(-1)
+            iq = getattr(m, "input_quantizer", None)
+            static = None if dynamic or iq is None or not iq.is_enabled else (iq.amax.float() / FP8_MAX).reshape(())
+            with torch.no_grad():
+                lin = FP8Linear(quantize_weight(m.weight.detach(), scale), scale, static,
+                                None if m.bias is None else m.bias.detach(), dynamic_per_token=dynamic,
+                                compute_dtype=dtype).to(device)
+            self.units.setdefault(int(match.group(1)), []).append((name, mods[name], lin))
+        self.kv = kv_cache == "fp8"
+        self.forwards = 0.0
+
+    def set(self, quantized: set[int], kv: bool) -> None:
+        """Quantize exactly the decoder layers in `quantized`; FP8 KV on every layer when `kv`."""
+        import torch
+
+        from runtime.fp8 import KV_ATTN_IMPL, enable_fp8_kv
+
+        for i, entries in self.units.items():
+            for name, orig, lin in entries:
+                parent, _, child = name.rpartition(".")
+                setattr(self.model.get_submodule(parent), child, lin if i in quantized else orig)
+        want = kv and self.kv
+        if want:
+            for layer in self.layers:
+                a = layer.self_attn
+                for attr in ("fp8_k_scale", "fp8_v_scale"):
+                    if getattr(a, attr, None) is None:
+                        a.register_buffer(attr, torch.ones((), device=self.model.device))
+            enable_fp8_kv(self.model)
+        elif str(self.model.config._attn_implementation).startswith(KV_ATTN_IMPL):
+            self.model.config._attn_implementation = "sdpa"
+
+    def logprobs(self, samples, start: int = 0, inputs=None) -> list:
+        """Log-probabilities at each sample's scored positions. With `start`/`inputs` (from `layer_inputs`), run
+        only decoder layers start.. on the captured hidden states (partial forward)."""
+        import torch
+
+        out = []
+        with torch.no_grad():
+            for k, s in enumerate(samples):
+                if inputs is None:
+                    logits = self.model(input_ids=s["input_ids"][None].to(self.model.device), use_cache=False).logits
+                    self.forwards += 1
+                else:
+                    h, kw = inputs[k][start]
+                    for layer in self.layers[start:]:
+                        h = layer(h, **kw)
+                        h = h[0] if isinstance(h, tuple) else h
+                    logits = self.model.lm_head(self.model.model.norm(h))
+                    self.forwards += (len(self.layers) - start) / len(self.layers)
+                _, mask = _positions(s, logits.device)
+                out.append(logits[0, :-1].float().log_softmax(-1)[mask])
+        return out
+
+    def layer_inputs(self, samples) -> list:
+        """[sample][layer] = (hidden states entering the layer, its keyword arguments), from an unquantized pass."""
+        import torch
+
+        caught: list = []
+
+        def pre(i):
+            def hook(mod, args, kwargs):
+                h = args[0] if args else kwargs["hidden_states"]
+                kw = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+                kw.update(past_key_values=None, use_cache=False)
+                caught[-1][i] = (h.detach(), kw)
+            return hook
+
+        hs = [layer.register_forward_pre_hook(pre(i), with_kwargs=True) for i, layer in enumerate(self.layers)]
+        try:
+            with torch.no_grad():
+                for s in samples:
+                    caught.append({})
+                    self.model(input_ids=s["input_ids"][None].to(self.model.device), use_cache=False)
+                    self.forwards += 1
+        finally:
+            for h in hs:
+                h.remove()
+        return caught
+
+
+def _compare(ref: list, test: list, samples) -> tuple[float, float]:
+    """(relative perplexity increase, mean KL(ref || test)) over the scored positions."""
+    nll_r = nll_t = kl = 0.0
+    n = 0
+    for a, b, s in zip(ref, test, samples):
+        tgt, mask = _positions(s, a.device)
+        t = tgt[mask][:, None]
+        nll_r -= a.gather(1, t).sum().item()
+        nll_t -= b.gather(1, t).sum().item()
+        kl += (a.exp() * (a - b)).sum().item()
+        n += a.shape[0]
+    return math.exp((nll_t - nll_r) / max(n, 1)) - 1, kl / max(n, 1)
+
+
+def search_exclusions(fq_model, target_dir: Path, calib: list[dict], *, recipe: str, kv_cache: str,
+                      max_ppl_increase: float, opts: AutoExclude, device=None, dtype=None, progress=None,
+                      log=None) -> dict:
+    """The fewest decoder layers to keep in BF16 so that FP8 meets `max_ppl_increase` on calibration samples.
+
+    1. Check: the fully quantized model on `check_samples` calibration samples (truncated to `seq_len`; the last
+       ones, disjoint from the sensitivity samples when there are enough); if its perplexity increase is within
+       `headroom * max_ppl_increase`, nothing is excluded. The increase is estimated as exp(mean KL) - 1: on text
+       the target itself would write (the data stage's regenerated responses) the expected increase of the next-token
+       NLL is exactly KL(p_bf16 || p_fp8), and KL carries none of the noise of the observed token (the measured
+       perplexity increase of a dozen samples moves by +-0.5 % from one candidate to the next on SmolLM2, the KL
+       decreases monotonically); the measured increase is recorded next to it.
+    2. Sensitivity of each decoder layer: KL(unquantized || only that layer's linears in FP8) on
+       `sensitivity_samples` samples, run from the layer's captured unquantized input onward (a partial forward;
+       the FP8 KV cache is left out here: it is global in TensorRT-LLM, never a choice per layer).
+    3. Greedy in sensitivity order: keep the k most sensitive layers in BF16, k = 1, 2, 4, ... up to `max_layers`,
+       then bisect between the last k that missed and the first that met the target, checking each on the
+       check samples with everything else (and the FP8 KV cache) quantized.
+    Cost: (1 + L/2) * sensitivity_samples + (1 + #checks) * check_samples forward passes for L layers
+    (`forwards` in the result, counted in full-forward equivalents). The held-out measurement that follows is
+    the verification. Returns {"kept_bf16": [patterns], "layers", "sensitivity", "checks", "passed_on_calibration",
+    "forwards", "seconds"}."""
+    import torch
+
+    t0 = time.monotonic()
+    target = opts.headroom * max_ppl_increase
+    sm = _SearchModel(fq_model, target_dir, recipe, kv_cache, device or torch.device("cpu"), dtype or torch.float32)
+    n_layers = len(sm.layers)
+    trunc = [{"input_ids": s["input_ids"][:opts.seq_len], "loss_mask": s["loss_mask"][:opts.seq_len]} for s in calib]
+    # samples whose truncation leaves scored (loss_mask) tokens: the gate is on those, not on prompts
+    trunc = [s for s in trunc if int(s["loss_mask"][1:].sum()) >= 8] or trunc
+    # the ranking and the acceptance checks use different samples when there are enough (less selection bias)
+    sens_s = trunc[:opts.sensitivity_samples]
+    check_s = trunc[-opts.check_samples:] if len(trunc) >= opts.sensitivity_samples + opts.check_samples \
+        else trunc[:opts.check_samples]
+    all_layers = set(sm.units)
+    sm.set(set(), kv=False)
+    ref_check = sm.logprobs(check_s)
+    checks: list[dict] = []
+
+    def check(keep: set[int]) -> float:
+        sm.set(all_layers - keep, kv=True)
+        inc, kl = _compare(ref_check, sm.logprobs(check_s), check_s)
+        est = math.exp(kl) - 1
+        checks.append({"kept_layers": sorted(keep), "ppl_increase_estimate": round(est, 6),
+                       "ppl_increase": round(inc, 6), "mean_kl": round(kl, 6)})
+        if log:
+            log.info("auto_exclude: %d layer(s) in BF16 %s -> calibration perplexity increase %+.3f%% (exp(KL) - 1; "
+                     "measured %+.3f%%), target %+.3f%%", len(keep), sorted(keep), 100 * est, 100 * inc, 100 * target)
+        return est
+
+    result = {"target_ppl_increase": round(target, 6), "checks": checks, "layers": [], "kept_bf16": [],
+              "sensitivity": {}, "order": []}
+    if check(set()) <= target:
+        result.update(passed_on_calibration=True)
+    else:
+        # sensitivity, one partial forward per layer and sample
+        sm.set(set(), kv=False)
+        inputs = sm.layer_inputs(sens_s)
+        ref_sens = [lp for lp in sm.logprobs(sens_s)]
+        sens = {}
+        with (progress(total=len(all_layers), desc="layer sensitivity") if progress else _nullctx(None)) as bar:
+            for i in sorted(all_layers):
+                sm.set({i}, kv=False)
+                sens[i] = _compare(ref_sens, sm.logprobs(sens_s, start=i, inputs=inputs), sens_s)[1]
+                if progress:
+                    bar.update(1)
+        del inputs
+        order = sorted(sens, key=lambda i: -sens[i])
+        result.update(sensitivity={str(i): round(v, 6) for i, v in sens.items()}, order=order)
+        if log:
+            log.info("auto_exclude: layer sensitivity (KL, only that layer in FP8): %s", ", ".join(
+                f"{i}: {sens[i]:.2g}" for i in order[:8]) + (" ..." if len(order) > 8 else ""))
+        cap = min(opts.max_layers, len(order))
+        lo, hi, k = 0, None, 1   # lo: largest k known to miss; hi: smallest k known to meet
+        while k <= cap:
+            if check(set(order[:k])) <= target:
+                hi = k
+                break
+            lo = k
+            k = cap if k < cap and 2 * k > cap else 2 * k
+        if hi is not None:
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if check(set(order[:mid])) <= target:
+                    hi = mid
+                else:
+                    lo = mid
+        keep = order[:hi if hi is not None else cap]
+        result.update(passed_on_calibration=hi is not None, layers=sorted(keep),
+                      kept_bf16=[f"{sm.prefix}.{i}.*" for i in sorted(keep)])
+    result.update(forwards=round(sm.forwards, 1), seconds=round(time.monotonic() - t0, 1))
+    if log:
+        log.info("auto_exclude: %s in BF16 (%s on calibration), %.0f forward passes, %.0f s",
+                 result["kept_bf16"] or "nothing", "meets the target" if result["passed_on_calibration"] else
+                 f"misses the target even with {opts.max_layers} layers", result["forwards"], result["seconds"])
+    del sm
+    return result
 
 
 def export_target(model, out_dir: Path, source_dir: Path, dtype) -> None:
@@ -347,17 +796,23 @@ def _matches(name: str, patterns) -> bool:
                for p in patterns)
 
 
-def check_checkpoint(path: Path, *, kv_cache: bool, exclude: list[str] = ()) -> list[dict]:
+def check_checkpoint(path: Path, *, kv_cache: bool, exclude: list[str] = (), quant_algo: str = "FP8") -> list[dict]:
     """Named format checks of a ModelOpt FP8 unified checkpoint (target or draft), as TensorRT-LLM loads it.
 
+    `quant_algo`: the recipe's (RECIPES): "FP8" wants per FP8 linear a float32 scalar weight_scale and input_scale
+    (TensorRT-LLM FP8QDQLinearMethod); "FP8_PER_CHANNEL_PER_TOKEN" wants a float32 weight_scale with one entry per
+    output channel ([out] as ModelOpt writes it, or [out, 1]) and no static input_scale (FP8RowwiseLinearMethod
+    quantizes activations per token at run time).
     Returns [{"name", "passed", "message"}] for: hf_quant_config, config_agrees, fp8_linears_have_scales,
-    quantized_coverage, excluded_high_precision, kv_scales, finite_scales. Never raises on a bad checkpoint."""
+    quantized_coverage, excluded_high_precision, fused_groups_consistent, kv_scales, finite_scales. Never raises
+    on a bad checkpoint."""
     import torch
 
     from runtime.fp8 import FP8_DTYPE, read_safetensors
 
     path = Path(path)
     res: list[dict] = []
+    want = str(quant_algo).upper()
 
     def add(name, ok, msg_bad, msg_ok=""):
         res.append({"name": name, "passed": bool(ok), "message": msg_ok if ok else msg_bad})
@@ -369,8 +824,8 @@ def check_checkpoint(path: Path, *, kv_cache: bool, exclude: list[str] = ()) -> 
     else:
         try:
             q = _hf_quant(path)
-            ok = str(q.get("quant_algo")).upper() == "FP8"
-            add("hf_quant_config", ok, f"quant_algo is {q.get('quant_algo')!r}, expected 'FP8'", "quant_algo FP8")
+            ok = str(q.get("quant_algo")).upper() == want
+            add("hf_quant_config", ok, f"quant_algo is {q.get('quant_algo')!r}, expected {want!r}", f"quant_algo {want}")
         except (json.JSONDecodeError, AttributeError) as e:
             add("hf_quant_config", False, f"{hq_file} is not valid JSON ({e})")
     cfg = json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else {}
@@ -399,16 +854,28 @@ def check_checkpoint(path: Path, *, kv_cache: bool, exclude: list[str] = ()) -> 
         return res
     fp8_mods = sorted(k[:-7] for k, v in sd.items() if k.endswith(".weight") and v.dtype == FP8_DTYPE)
     missing = []
+    per_channel = want == "FP8_PER_CHANNEL_PER_TOKEN"
     for m in fp8_mods:
-        for s in ("weight_scale", "input_scale"):
-            t = sd.get(f"{m}.{s}")
-            if t is None:
-                missing.append(f"{m}.{s}")
-            elif t.dtype != torch.float32 or t.numel() != 1:
-                missing.append(f"{m}.{s} ({t.dtype}, shape {tuple(t.shape)}; expected a float32 scalar)")
+        out_features = sd[f"{m}.weight"].shape[0]
+        ws, xs = sd.get(f"{m}.weight_scale"), sd.get(f"{m}.input_scale")
+        if ws is None:
+            missing.append(f"{m}.weight_scale")
+        elif ws.dtype != torch.float32 or (tuple(ws.shape) not in ((out_features,), (out_features, 1)) if per_channel
+                                           else ws.numel() != 1):
+            missing.append(f"{m}.weight_scale ({ws.dtype}, shape {tuple(ws.shape)}; expected float32 "
+                           + (f"[{out_features}] (per output channel)" if per_channel else "scalar") + ")")
+        if per_channel:
+            if xs is not None and (xs.dtype != torch.float32 or xs.numel() != 1):
+                missing.append(f"{m}.input_scale ({xs.dtype}, shape {tuple(xs.shape)}; per-token recipes need none)")
+        elif xs is None:
+            missing.append(f"{m}.input_scale")
+        elif xs.dtype != torch.float32 or xs.numel() != 1:
+            missing.append(f"{m}.input_scale ({xs.dtype}, shape {tuple(xs.shape)}; expected a float32 scalar)")
+    what = ("float32 per-channel weight_scale, activations per token" if per_channel
+            else "float32 weight_scale and input_scale")
     add("fp8_linears_have_scales", fp8_mods and not missing,
         "no FP8 weights at all" if not fp8_mods else f"{len(missing)} scale(s) missing or malformed: {missing[:6]}",
-        f"{len(fp8_mods)} FP8 linears, each with float32 weight_scale and input_scale")
+        f"{len(fp8_mods)} FP8 linears, each with {what}")
 
     excl = list(q.get("exclude_modules") or []) + list(exclude)
     hp = sorted(k[:-7] for k, v in sd.items() if k.endswith(".weight") and v.ndim == 2 and v.dtype != FP8_DTYPE)
@@ -428,6 +895,12 @@ def check_checkpoint(path: Path, *, kv_cache: bool, exclude: list[str] = ()) -> 
         elif [m for m in hit if not _matches(m, listed)]:
             problems.append(f"'{p}' modules {[m for m in hit if not _matches(m, listed)][:4]} are missing from exclude_modules")
     add("excluded_high_precision", not problems, "; ".join(problems), "excluded modules are high precision and listed")
+
+    # TensorRT-LLM runs q/k/v and gate/up of a block as one GEMM with one quantization method: all FP8 or none
+    fp8_set = set(fp8_mods)
+    split = [g for g in _fused_groups(linears) if 0 < sum(m in fp8_set for m in g) < len(g)]
+    add("fused_groups_consistent", not split, f"fused groups with FP8 and high-precision members (TensorRT-LLM runs "
+        f"each as one GEMM, so exclude all or none of them): {split[:4]}", "q/k/v and gate/up groups are uniform")
 
     k_scales = {k[: -len(".k_proj.k_scale")] for k in sd if k.endswith("k_proj.k_scale")}
     v_scales = {k[: -len(".v_proj.v_scale")] for k in sd if k.endswith("v_proj.v_scale")}
@@ -461,22 +934,181 @@ def _positions(s: dict, device):
     return tgt, (mask if mask.any() else torch.ones_like(tgt, dtype=torch.bool))
 
 
-def fake_quant_reference(model, samples: list[dict], *, device=None, keep: int = 8) -> dict:
-    """Run ModelOpt's fake-quant model BEFORE export (export rewrites its weights to FP8 in place): its held-out
-    perplexity and the logits of the first `keep` samples, to compare the exported checkpoint against."""
+def _kl_top1(a, b) -> tuple[float, int, int]:
+    """(sum of KL(softmax a || softmax b), argmax agreements, positions) over the rows of two logit matrices."""
+    la, lb = a.float().log_softmax(-1), b.float().log_softmax(-1)
+    return (la.exp() * (la - lb)).sum().item(), int((a.argmax(-1) == b.argmax(-1)).sum()), a.shape[0]
+
+
+def fake_quant_reference(model, samples: list[dict], *, device=None, keep: int = 4, capture_tokens: int = 128,
+                         capture_rows: int = 32) -> dict:
+    """Run ModelOpt's fake-quant model BEFORE export (export rewrites its weights to FP8 in place) on the first
+    `keep` samples: their logits and perplexity. For the first sample (<= `capture_tokens` tokens) it also keeps,
+    to replay on the exported checkpoint with exactly the same inputs: the input, keyword arguments and output of
+    every decoder layer (`layerwise_agreement`), and the input and output rows (the first `capture_rows` tokens)
+    of every quantized linear (`modulewise_agreement`)."""
     import torch
 
     device = device or torch.device("cpu")
     nll, n, logits = 0.0, 0, []
+    _, layers = decoder_layers(model)
+    caught: dict[int, list] = {}
+    mods: dict[str, tuple] = {}
+
+    def pre(i):
+        def hook(mod, args, kwargs):
+            h = args[0] if args else kwargs["hidden_states"]
+            kw = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+            kw.update(past_key_values=None, use_cache=False)
+            caught[i] = [h.detach().clone(), kw, None]
+        return hook
+
+    def post(i):
+        def hook(mod, args, kwargs, out):
+            o = out[0] if isinstance(out, tuple) else out
+            caught[i][2] = o.detach().clone()
+        return hook
+
+    def lin_hook(name):
+        def hook(mod, args, out):
+            x = args[0]
+            iq = getattr(mod, "input_quantizer", None)
+            # the activation ModelOpt's GEMM saw, quantized in its own shape (per-token amax reduces the last dim)
+            xq = iq(x) if iq is not None and iq.is_enabled else x
+            mods[name] = tuple(t.reshape(-1, t.shape[-1])[:capture_rows].detach().clone() for t in (x, xq, out))
+        return hook
+
     with torch.no_grad():
-        for i, s in enumerate(samples):
-            lf = model(input_ids=s["input_ids"][None].to(device)).logits[0, :-1].float()
+        hooks = [l.register_forward_pre_hook(pre(i), with_kwargs=True) for i, l in enumerate(layers)]
+        hooks += [l.register_forward_hook(post(i), with_kwargs=True) for i, l in enumerate(layers)]
+        hooks += [m.register_forward_hook(lin_hook(nm)) for nm, m in quantized_linears(model).items()]
+        try:
+            if samples:
+                model(input_ids=samples[0]["input_ids"][:capture_tokens][None].to(device), use_cache=False)
+        finally:
+            for h in hooks:
+                h.remove()
+        for s in samples[:keep]:
+            lf = model(input_ids=s["input_ids"][None].to(device), use_cache=False).logits[0, :-1].float()
             tgt, mask = _positions(s, device)
             nll -= lf.log_softmax(-1)[mask].gather(1, tgt[mask][:, None]).sum().item()
             n += int(mask.sum())
-            if i < keep:
-                logits.append(lf.cpu())
-    return {"ppl": math.exp(nll / n), "logits": logits}
+            logits.append(lf.cpu())
+    return {"ppl": math.exp(nll / max(n, 1)), "logits": logits, "layers": [caught[i] for i in sorted(caught)],
+            "modules": mods}
+
+
+def _rel(a, b) -> float:
+    a, b = a.float(), b.float().to(a.device)
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _near_boundary(v, rel: float = 1e-5):
+    """True where E4M3 rounding of v (already divided by its scale) changes within +-rel: v sits on (or within
+    float32 noise of) a rounding boundary, where two correct arithmetics may pick different neighbours."""
+    import torch
+
+    from runtime.fp8 import FP8_DTYPE, FP8_MAX
+
+    lo = (v * (1 - rel)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float()
+    hi = (v * (1 + rel)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float()
+    return lo != hi
+
+
+def modulewise_agreement(test, captured: dict) -> dict[str, dict]:
+    """Every FP8 linear of `test` (the exported checkpoint in runtime.fp8) against ModelOpt's fake-quant module,
+    both fed the same input rows, without any amplification by later layers:
+
+    - `act_mismatch`: activation E4M3 codes that differ although the value is not at a rounding boundary (must be
+      0); `act_boundary`: codes that differ at a boundary, where ModelOpt's x * (448 / amax) and TensorRT-LLM's
+      x * (1 / scale) (static) or x / scale (per token) break an exact tie differently (activations that are
+      themselves FP8 values, e.g. the first token's attention output, hit such ties);
+    - `gemm_rel_err`: the module's output from ModelOpt's quantized activation and the checkpoint's weight and
+      scales, against ModelOpt's output (weights, scales and GEMM: float rounding only, ~1e-7);
+    - `out_rel_err`: the executor's own output against ModelOpt's (includes the boundary flips)."""
+    import torch
+    import torch.nn.functional as F
+
+    from runtime.fp8 import FP8_DTYPE, FP8_MAX, FP8_MIN_TOKEN_SCALE, FP8Linear
+
+    out = {}
+    mods = dict(test.named_modules())
+    with torch.no_grad():
+        for name, (x, xq_fq, y) in captured.items():
+            m = mods.get(name)
+            if not isinstance(m, FP8Linear):   # quantized in ModelOpt but not FP8 in the checkpoint
+                out[name] = {"act_mismatch": -1, "act_boundary": 0, "gemm_rel_err": float("inf"),
+                             "out_rel_err": float("inf")}
+                continue
+            dev = m.weight.device
+            x, xq_fq, y = x.to(dev).float(), xq_fq.to(dev).float(), y.to(dev).float()
+            if m.activation == "dynamic_per_token":
+                s = torch.clamp(x.abs().amax(-1, keepdim=True) / FP8_MAX, min=FP8_MIN_TOKEN_SCALE)
+                v = x / s
+            elif m.activation == "static":
+                s = m.input_scale.float()
+                v = x * (1.0 / s)
+            else:
+                s, v = None, None
+            if s is not None:
+                code_rt = v.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float()
+                code_fq = (xq_fq / s).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float()
+                diff = code_rt != code_fq
+                edge = _near_boundary(v)
+                mismatch, boundary = int((diff & ~edge).sum()), int((diff & edge).sum())
+            else:
+                mismatch = int((xq_fq != x).sum())
+                boundary = 0
+            bias = None if m.bias is None else m.bias.float()
+            gemm = F.linear(xq_fq, m.dequantized_weight().float(), bias)
+            out[name] = {"act_mismatch": mismatch, "act_boundary": boundary, "gemm_rel_err": _rel(gemm, y),
+                         "out_rel_err": _rel(m(x), y)}
+    return out
+
+
+def layerwise_agreement(test, captured: list) -> list[float]:
+    """Relative L2 error ||test_layer(x) - fq_layer(x)|| / ||fq_layer(x)|| of every decoder layer of `test` (the
+    exported checkpoint in runtime.fp8) fed exactly the input ModelOpt's fake-quant layer got: the GEMMs plus the
+    attention with its FP8 KV cache. A rounding flip that `modulewise_agreement` allows can be amplified inside a
+    sensitive layer (softmax, SwiGLU); a systematic error shows in every layer."""
+    import torch
+
+    _, layers = decoder_layers(test)
+    errs = []
+    with torch.no_grad():
+        for layer, (h, kw, ref) in zip(layers, captured):
+            dev = next(iter(list(layer.parameters()) + list(layer.buffers()))).device
+            kw = {k: (v.to(dev) if torch.is_tensor(v) else tuple(t.to(dev) for t in v) if isinstance(v, tuple) else v)
+                  for k, v in kw.items()}
+            out = layer(h.to(dev), **kw)
+            errs.append(_rel((out[0] if isinstance(out, tuple) else out), ref))
+    return errs
+
+
+NOISE_REL = 2.0 ** -20   # relative perturbation of the input embeddings for the FP8 noise floor (~1e-6)
+
+
+def noise_floor(test, samples: list[dict], base_logits: list, *, device=None) -> tuple[float, float]:
+    """(top-1 agreement, mean KL) between `test` and itself with its input embeddings scaled by 1 + 2^-20.
+    The unquantized model does not notice such a change (top-1 1.0, KL ~1e-10 on SmolLM2); an FP8 model turns it
+    into whole E4M3 rounding steps that grow over the layers. It is the level below which two FP8 executions of
+    the same checkpoint (a GPU kernel and an emulation, or two batch shapes) cannot be expected to agree."""
+    import torch
+
+    device = device or torch.device("cpu")
+    emb = test.get_input_embeddings()
+    h = emb.register_forward_hook(lambda mod, args, out: out * (1.0 + NOISE_REL))
+    kl = agree = n = 0.0
+    try:
+        with torch.no_grad():
+            for s, base in zip(samples, base_logits):
+                lp = test(input_ids=s["input_ids"][None].to(device), use_cache=False).logits[0, :-1].float().to(device)
+                _, mask = _positions(s, device)
+                a, g, k = _kl_top1(base.to(device)[mask], lp[mask])
+                kl, agree, n = kl + a, agree + g, n + k
+    finally:
+        h.remove()
+    return agree / max(n, 1), kl / max(n, 1)
 
 
 def measure_quality(ref, test, samples: list[dict], *, device=None, fake_quant: dict | None = None, progress=None) -> dict:
@@ -485,19 +1117,20 @@ def measure_quality(ref, test, samples: list[dict], *, device=None, fake_quant: 
     Scored positions: those whose target token has loss_mask 1 (all positions when a sample has none).
     ppl = exp(mean next-token NLL); top-1 agreement = share of positions where both argmaxes agree;
     mean KL = mean over positions of KL(p_ref || p_test), nats; max_abs_logit_diff = the largest |logit change|
-    FP8 causes. With `fake_quant` (`fake_quant_reference`): ModelOpt's fake-quant perplexity, the largest |logit
-    difference| and the top-1 agreement between it and `test`. They are not exactly equal: ModelOpt's export
-    computes weight / (amax/448) where fake-quant computes weight * (448/amax); with bfloat16-exact weights a few
-    elements sit exactly on an E4M3 rounding tie and the two float32 results round to neighbouring FP8 values."""
+    FP8 causes. With `fake_quant` (`fake_quant_reference`): export fidelity on its samples: ModelOpt's fake-quant
+    perplexity, top-1 agreement and mean KL(p_fakequant || p_test) at the scored positions, the largest |logit
+    difference|, next to the FP8 noise floor (`noise_floor`) and the layer-wise relative errors
+    (`layerwise_agreement`)."""
     import torch
 
     device = device or torch.device("cpu")
     nll_r = nll_t = kl = agree = 0.0
     n = 0
     max_diff = max_effect = 0.0
-    fq_agree = fq_n = 0
+    fq_kl = fq_agree = fq_n = 0.0
     per_sample = []
     fq_logits = (fake_quant or {}).get("logits", [])
+    kept_test = []
     ctxm = progress(total=len(samples), desc="quality") if progress else _nullctx(None)
     with torch.no_grad(), ctxm as bar:
         for i, s in enumerate(samples):
@@ -505,12 +1138,13 @@ def measure_quality(ref, test, samples: list[dict], *, device=None, fake_quant: 
             lr = ref(input_ids=ids).logits[0, :-1].float().to(device)    # a model spread over GPUs may
             lt = test(input_ids=ids).logits[0, :-1].float().to(device)   # return them on its last one
             max_effect = max(max_effect, (lr - lt).abs().max().item())
+            tgt, mask = _positions(s, device)
             if i < len(fq_logits):
                 lf = fq_logits[i].to(device)
                 max_diff = max(max_diff, (lf - lt).abs().max().item())
-                fq_agree += int((lf.argmax(-1) == lt.argmax(-1)).sum())
-                fq_n += lt.shape[0]
-            tgt, mask = _positions(s, device)
+                a, g, k = _kl_top1(lf[mask], lt[mask])
+                fq_kl, fq_agree, fq_n = fq_kl + a, fq_agree + g, fq_n + k
+                kept_test.append(lt.cpu())
             lpr, lpt = lr.log_softmax(-1)[mask], lt.log_softmax(-1)[mask]
             t = tgt[mask]
             a = -lpr.gather(1, t[:, None]).sum().item()
@@ -529,10 +1163,23 @@ def measure_quality(ref, test, samples: list[dict], *, device=None, fake_quant: 
            "top1_agreement": round(agree / n, 6), "mean_kl": round(kl / n, 8), "eval_tokens": n,
            "eval_samples": len(samples), "max_abs_logit_diff": round(max_effect, 6), "per_sample_ppl": per_sample}
     if fake_quant is not None:
-        out["ppl_fakequant"] = round(fake_quant["ppl"], 4)
-        out["export_vs_fakequant_max_abs_logit_diff"] = round(max_diff, 6)
-        out["export_vs_fakequant_top1_agreement"] = round(fq_agree / max(1, fq_n), 6)
-        out["export_vs_fakequant_samples"] = len(fq_logits)
+        floor_top1, floor_kl = noise_floor(test, samples[:len(kept_test)], kept_test, device=device)
+        errs = layerwise_agreement(test, fake_quant.get("layers") or [])
+        merrs = modulewise_agreement(test, fake_quant.get("modules") or {})
+        out.update({"ppl_fakequant": round(fake_quant["ppl"], 4),
+                    "export_vs_fakequant_max_abs_logit_diff": round(max_diff, 6),
+                    "export_vs_fakequant_top1_agreement": round(fq_agree / max(1, fq_n), 6),
+                    "export_vs_fakequant_kl": round(fq_kl / max(1, fq_n), 8),
+                    "export_vs_fakequant_samples": len(fq_logits),
+                    "noise_floor_top1_agreement": round(floor_top1, 6), "noise_floor_kl": round(floor_kl, 8),
+                    "layerwise_rel_err": [round(e, 8) for e in errs],
+                    "layerwise_max_rel_err": round(max(errs), 8) if errs else None,
+                    "layerwise_median_rel_err": round(sorted(errs)[len(errs) // 2], 8) if errs else None,
+                    "modulewise_checked": len(merrs),
+                    "modulewise_act_mismatch": sum(abs(v["act_mismatch"]) for v in merrs.values()),
+                    "modulewise_act_boundary": sum(v["act_boundary"] for v in merrs.values()),
+                    "modulewise_max_gemm_rel_err": max((v["gemm_rel_err"] for v in merrs.values()), default=None),
+                    "modulewise_max_out_rel_err": max((v["out_rel_err"] for v in merrs.values()), default=None)})
     return out
 
 
@@ -542,14 +1189,12 @@ def quality_gate(q: dict, max_ppl_increase: float, min_top1: float | None = None
     if q["ppl_increase"] > max_ppl_increase:
         out.append(f"held-out perplexity {q['ppl_bf16']:.4f} (unquantized) -> {q['ppl_fp8']:.4f} (FP8) is "
                    f"+{100 * q['ppl_increase']:.3f}%, more than quantize.max_ppl_increase {100 * max_ppl_increase:.3f}% "
-                   f"(top-1 agreement {q['top1_agreement']:.4f}, mean KL {q['mean_kl']:.4g}); exclude sensitive modules "
-                   "(quantize.exclude_modules), calibrate on more representative data, or raise the limit knowingly")
+                   f"(top-1 agreement {q['top1_agreement']:.4f}, mean KL {q['mean_kl']:.4g}); keep sensitive layers in "
+                   "BF16 (quantize.auto_exclude, quantize.exclude_modules), try another recipe "
+                   "(quantize.fallback_formats), calibrate on more representative data, or raise the limit knowingly")
     if min_top1 is not None and q["top1_agreement"] < min_top1:
         out.append(f"next-token top-1 agreement {q['top1_agreement']:.4f} < quantize.min_top1_agreement {min_top1}")
     return out
-
-
-# ---------------------------------------------------------------------------------------------- draft
 
 
 def quantize_eagle_draft(ctx: StageContext, sec: Config, target_dir: Path, calib, heldout, device, dtype, export_dtype) -> dict:
@@ -671,6 +1316,7 @@ def quantize_eagle_checkpoint(target_dir: Path, draft_dir: Path, out: Path, cali
 
     model = mtq.quantize(model, qcfg, forward_loop)
     model.eval()
+    align_with_deployment(model.eagle_module, log=log)  # one scale per fused q/k/v, gate/up; the export's codes
     acc_fp8, loss_fp8 = _draft_eval(model, heldout, device)
     export_speculative_decoding(model, dtype=torch.float32, export_dir=out)  # exact FP8 weights; see export_target
     exported = json.loads((out / "config.json").read_text())
@@ -701,24 +1347,42 @@ def quantize_eagle_checkpoint(target_dir: Path, draft_dir: Path, out: Path, cali
     return m
 
 
+
+
 def report(artifact) -> str:
     from pipeline.report import esc, figure, table
 
     q = artifact.read_json("quality.json")
     meta = artifact.read_json("quantize.json")
-    rows = [["format", meta["format"]], ["KV cache", meta["kv_cache"]], ["draft deployed", meta["draft_dir"]],
+    pct = lambda v: "" if v is None else f"{100 * v:+.3f}%"  # noqa: E731
+    rows = [["format (shipped)", f"{meta['format']} (quant_algo {meta.get('quant_algo')})"], ["KV cache", meta["kv_cache"]],
+            ["draft deployed", meta["draft_dir"]],
             ["excluded (high precision)", ", ".join(meta.get("exclude_modules") or [])],
+            ["kept in BF16 by auto_exclude", ", ".join(meta.get("auto_excluded") or []) or "none"],
             ["perplexity unquantized", q["ppl_bf16"]], ["perplexity FP8 (exported checkpoint)", q["ppl_fp8"]],
             ["perplexity increase", f"{100 * q['ppl_increase']:+.3f}% (limit {100 * q['max_ppl_increase']:.2f}%)"],
             ["next-token top-1 agreement", q["top1_agreement"]], ["mean KL (nats/token)", q["mean_kl"]],
-            ["perplexity ModelOpt fake-quant (before export)", q.get("ppl_fakequant")],
-            ["export vs ModelOpt fake-quant, max |Δlogit|", q.get("export_vs_fakequant_max_abs_logit_diff")],
+            ["perplexity ModelOpt fake-quant (fidelity samples)", q.get("ppl_fakequant")],
+            ["export vs ModelOpt fake-quant: top-1 / KL", f"{q.get('export_vs_fakequant_top1_agreement')} / "
+                                                         f"{q.get('export_vs_fakequant_kl')}"],
+            ["FP8 noise floor (self vs 1e-6 input perturbation): top-1 / KL",
+             f"{q.get('noise_floor_top1_agreement')} / {q.get('noise_floor_kl')}"],
+            ["layer-wise max relative error, export vs fake-quant (same inputs)", q.get("layerwise_max_rel_err")],
             ["held-out tokens", q["eval_tokens"]]]
     d = q.get("draft") or {}
     for k in ("draft_top1_bf16", "draft_top1_fp8", "draft_export_vs_fakequant_loss_diff"):
         if k in d:
             rows.append([k.replace("_", " "), d[k]])
     html = table(rows, ["", ""])
+    rec = q.get("recipes") or []
+    if rec:
+        html += "<p>Recipes tried, in order (the first meeting the gate ships):</p>" + table(
+            [[r["format"], r["ppl_fp8"], pct(r["ppl_increase"]), r["top1_agreement"], r["mean_kl"],
+              ", ".join(r.get("kept_bf16") or []) or "none",
+              f"{r['export_vs_fakequant_top1_agreement']} / {r['export_vs_fakequant_kl']}",
+              (r.get("search") or {}).get("forwards", ""), "pass" if r["gate_passed"] else "fail"] for r in rec],
+            ["recipe", "ppl FP8", "ppl increase", "top-1", "mean KL", "kept in BF16", "export vs fake-quant top-1 / KL",
+             "search forwards", "gate"])
     rows_html = "".join(
         f"<tr><td>{esc(c['name'])}</td><td class='{'pass' if c['passed'] else 'fail'}'>{'pass' if c['passed'] else 'fail'}"
         f"</td><td>{esc(c['message'])}</td></tr>" for c in meta.get("checks", []))
