@@ -219,21 +219,33 @@ _FP8_MAX = 448.0
 # What an FP8Linear (runtime.fp8) holds when it computes qdq(x, input_scale) @ (weight * weight_scale)^T + bias;
 # one with anything else (another recipe) runs through its own forward instead of a fused GEMM.
 _FP8_BUFFERS = {"weight", "weight_scale", "input_scale", "bias"}
-_FP8_ATTRS = {"out_features", "in_features", "compute_dtype", "use_scaled_mm", "_w_cache"}
+_FP8_ATTRS = {"out_features", "in_features", "compute_dtype", "use_scaled_mm", "dynamic_per_token", "_w_cache"}
 
 
 def qdq_e4m3_fast(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """`runtime.fp8.qdq_e4m3` (x / scale -> clamp +-448 -> E4M3 -> float32 * scale) in five ops instead of eight,
-    for float32 x and a float32 scale already on x's device; the same arithmetic, bit for bit (tested)."""
+    """`runtime.fp8.qdq_e4m3` (x * (1 / scale) -> clamp +-448 -> E4M3 -> float32 * scale, TensorRT-LLM's static
+    quantization) in fewer ops, for float32 x and a float32 scale already on x's device; the same arithmetic, bit
+    for bit (tests/test_runtime_speed.py)."""
     if x.dtype != torch.float32 or scale.dtype != torch.float32 or scale.device != x.device:
         from runtime.fp8 import qdq_e4m3
 
         return qdq_e4m3(x, scale)
-    return (x / scale).clamp_(-_FP8_MAX, _FP8_MAX).to(_FP8).float().mul_(scale)
+    return (x * (1.0 / scale)).clamp_(-_FP8_MAX, _FP8_MAX).to(_FP8).float().mul_(scale)
+
+
+def _e4m3_codes(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The E4M3 codes `qdq_e4m3` rounds x to (x * (1 / scale), saturated), as float8."""
+    return (x.float() * (1.0 / scale)).clamp_(-_FP8_MAX, _FP8_MAX).to(_FP8)
+
+
+def _onednn_bf16() -> bool:
+    """oneDNN can run bf16 matmuls here (natively or emulated); without it the bf16 mode uses torch's own kernels."""
+    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def _linear_kind(m: nn.Module) -> str | None:
-    """'dense' (nn.Linear), 'fp8' (a static per-tensor-input FP8Linear), or None (run the module itself)."""
+    """'dense' (nn.Linear), 'fp8' (an FP8Linear with a static per-tensor input scale, or weight-only), 'fp8_tok'
+    (an FP8Linear with dynamic per-token activations), or None (run the module itself)."""
     if type(m) is nn.Linear:
         return "dense"
     w = getattr(m, "weight", None)
@@ -241,6 +253,10 @@ def _linear_kind(m: nn.Module) -> str | None:
         own = {k for k in vars(m) if not k.startswith("_") or k == "_w_cache"} - {"training"}
         if set(m._buffers) <= _FP8_BUFFERS and own <= _FP8_ATTRS and not m._modules:
             ws, si = m.weight_scale, m.input_scale
+            if getattr(m, "use_scaled_mm", False) and w.is_cuda:
+                return None                      # the real FP8 GEMM (torch._scaled_mm) runs in the module
+            if ws.numel() in (1, w.shape[0]) and getattr(m, "dynamic_per_token", False):
+                return "fp8_tok"
             if ws.numel() in (1, w.shape[0]) and (si is None or si.numel() == 1):
                 return "fp8"
     return None
@@ -252,11 +268,13 @@ class Gemm:
     activation dtype (float32, or the loaded parameters' dtype in the fp32 mode).
 
     fp32 mode: dense weights as loaded (on CPU stored transposed, [in, out], which MKL runs faster at 2-20 rows);
-    FP8 linears as `runtime.fp8.FP8Linear` emulates them: qdq(x, input_scale) @ (weight * weight_scale)^T.
+    FP8 linears as `runtime.fp8.FP8Linear` emulates them: qdq(x) @ (weight * weight_scale)^T, qdq with the static
+    input scale or per token (FP8_PER_CHANNEL_PER_TOKEN; one row's scale is shared by the fused members).
     bf16 mode, on CPU through oneDNN with the weights reordered once for its kernels: dense weights in bf16,
     activations rounded to bf16; FP8 linears multiply the E4M3 codes of the quantized activation and of the weight
     (both exact in bf16, their products exact in the float32 accumulator) and scale the result by
-    input_scale * weight_scale, i.e. FP8Linear's arithmetic with the output rounded to bf16, as an FP8 GEMM with
+    input_scale (or the row's per-token scale) * weight_scale, i.e. FP8Linear's arithmetic with the output
+    rounded to bf16, as an FP8 GEMM with
     a bf16 output does on a GPU. A group whose members differ (kind, input scale) is not fused: each member runs
     through its own module and the outputs are concatenated."""
 
@@ -293,7 +311,7 @@ class Gemm:
             from runtime.fp8 import dequantize_weight
 
             self.act_dtype = mods[0].compute_dtype
-            s_in = mods[0].input_scale
+            s_in = mods[0].input_scale if kind == "fp8" else None
             self.in_scale = None if s_in is None else s_in.detach().float().reshape(()).to(self.device)
             if compute == "bf16":
                 w = torch.cat([m.weight for m in mods]).to(torch.bfloat16)            # E4M3 codes, exact in bf16
@@ -305,10 +323,10 @@ class Gemm:
                 self.scale = None
             if self.bias is not None and compute != "bf16":
                 self.bias = self.bias.to(self.act_dtype)
-        if compute == "bf16" and cpu:
+        if compute == "bf16" and cpu and _onednn_bf16():
             self.w = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None)
             self._op = "onednn"
-        elif cpu:
+        elif cpu and compute != "bf16":
             self.w = w.t().contiguous()
             self._op = "mm"
         else:
@@ -319,24 +337,35 @@ class Gemm:
     def out_features(self) -> int:
         return sum(self.splits)
 
-    def _quantize_input(self, x: torch.Tensor) -> torch.Tensor:
-        """The GEMM operand: bf16 mode the (E4M3 codes of the) activation in bf16; fp32 mode the activation
-        (through E4M3 with the input scale for an FP8 linear, as FP8Linear does)."""
+    def _quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the GEMM operand, a per-row scale or None). bf16 mode: the activation in bf16, or for an FP8 linear the
+        E4M3 codes of the quantized activation in bf16 (per-token: with each row's scale, applied after the GEMM);
+        fp32 mode: the activation as FP8Linear feeds its GEMM (through E4M3 with the input scale, or per-token
+        quantize-dequantize)."""
         if self.compute == "bf16":
+            if self.kind == "fp8_tok":
+                from runtime.fp8 import quantize_per_token
+
+                q, s = quantize_per_token(x)
+                return q.to(torch.bfloat16), s
             if self.kind == "fp8" and self.in_scale is not None:
-                return (x.float() / self.in_scale).clamp(-_FP8_MAX, _FP8_MAX).to(_FP8).to(torch.bfloat16)
-            return x.to(torch.bfloat16)
+                return _e4m3_codes(x, self.in_scale).to(torch.bfloat16), None
+            return x.to(torch.bfloat16), None
         if x.dtype != self.act_dtype:
             x = x.to(self.act_dtype)
+        if self.kind == "fp8_tok":
+            from runtime.fp8 import qdq_per_token
+
+            return qdq_per_token(x), None
         if self.kind == "fp8" and self.in_scale is not None:
             x = qdq_e4m3_fast(x, self.in_scale)
-        return x
+        return x, None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind is None:
             outs = [m(x) for m in self.mods]
             return outs[0] if len(outs) == 1 else torch.cat(outs, -1)
-        return self._gemm(self._quantize_input(x))
+        return self._gemm(*self._quantize_input(x))
 
     def promoting(self, x: torch.Tensor) -> torch.Tensor:
         """As `__call__`, but in the bf16 mode the output may stay bf16 (no scale or bias to apply): for a caller
@@ -344,9 +373,9 @@ class Gemm:
         conversion op."""
         if self.kind is None or self.compute != "bf16" or self.scale is not None or self.bias is not None:
             return self(x)
-        return self._gemm(self._quantize_input(x), promote=False)
+        return self._gemm(*self._quantize_input(x), promote=False)
 
-    def _gemm(self, xq: torch.Tensor, promote: bool = True) -> torch.Tensor:
+    def _gemm(self, xq: torch.Tensor, row_scale: torch.Tensor | None = None, promote: bool = True) -> torch.Tensor:
         if self._op == "mm":                              # fp32 on CPU: x @ W^T with W^T stored contiguous
             return torch.matmul(xq, self.w) if self.bias is None else torch.matmul(xq, self.w).add_(self.bias)
         if self._op == "linear":
@@ -356,6 +385,8 @@ class Gemm:
         if self.compute != "bf16" or not promote:
             return y
         y = y.float() if self.scale is None else y * self.scale      # bf16 * float32 -> float32
+        if row_scale is not None:
+            y = y.mul_(row_scale)
         return y if self.bias is None else y.add_(self.bias)
 
 
@@ -374,8 +405,8 @@ class LogitsHead(Gemm):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind is None:
             return self.mods[0](x).float()
-        xq = self._quantize_input(x)
-        y = self._gemm(xq)
+        xq, rs = self._quantize_input(x)
+        y = self._gemm(xq, rs)
         if not self.refine:
             return y.float()
         y2 = y.view(-1, y.shape[-1])
