@@ -240,3 +240,18 @@ def test_real_model_bf16_mode_contract(smol):
     assert max(diffs) < 1.0, diffs
     assert agree / n >= 0.97, (agree, n)
     assert max(diffs) > 0                                  # the bf16 mode did run in bf16
+
+
+def test_serving_engine_takes_the_exported_compute_mode():
+    """The CPU model's ServingEngine runs the runtime in the mode it is given (export.cpu_compute), fp32 unless
+    told otherwise; an unknown mode is refused naming the valid ones."""
+    from test_runtime import tiny_assets
+
+    from runtime.serving import ServingEngine
+
+    d = tiny_assets()["target_dir"]
+    assert ServingEngine(d, None, draft_len=0).engine.target.plan.compute == "fp32"
+    eng = ServingEngine(d, None, draft_len=0, compute="bf16").engine
+    assert eng.compute == "bf16" and eng.target.plan.layers[0].qkv.w.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="fp32.*bf16.*auto"):
+        ServingEngine(d, None, draft_len=0, compute="fast")
