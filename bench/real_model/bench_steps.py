@@ -161,7 +161,7 @@ def target_table(label: str, runners: dict, points: list[tuple[int, int]], conte
 
 
 def draft_table(model, draft_dirs: dict, modes: list[str], context: int, k: int, rounds: int, inner: int,
-                base=None) -> list[dict]:
+                base=None, batch: int = 1) -> list[dict]:
     import torch
 
     import runtime.speculative as S
@@ -175,25 +175,25 @@ def draft_table(model, draft_dirs: dict, modes: list[str], context: int, k: int,
             caps = draft.aux_layer_ids if draft.algorithm == "eagle3" else draft.target_layer_ids
             r = rt.TargetRunner(model, caps) if mode == "base" else rt.TargetRunner(model, caps, compute=mode)
             dr = rt.make_drafter(draft, r)
-            dr.reset(1, context + 64)
+            dr.reset(batch, context + 64)
             H = model.config.hidden_size
             g = torch.Generator().manual_seed(3)
-            hid = torch.randn(1, context, len(caps) * H, generator=g)
-            ids = torch.randint(0, 49152, (1, context), generator=g)
+            hid = torch.randn(batch, context, len(caps) * H, generator=g)
+            ids = torch.randint(0, 49152, (batch, context), generator=g)
             with torch.no_grad():
-                dr.observe(hid, ids, torch.tensor([context]))
+                dr.observe(hid, ids, torch.full((batch,), context))
                 if draft.algorithm == "eagle3":
                     dr.propose(ids[:, -1], 1, 0.0, None)      # the draft cache now holds the context
             base_len = dr.cache.lengths.clone()
 
             def step(dr=dr, base_len=base_len, hid=hid, ids=ids):
                 dr.cache.lengths = base_len.clone()
-                dr.observe(hid[:, :2], ids[:, :2], torch.tensor([2]))
+                dr.observe(hid[:, :2], ids[:, :2], torch.full((batch,), 2))
                 dr.propose(ids[:, -1], k, 0.0, None)
 
             fns[f"{mode}:step"] = step
             if draft.algorithm == "eagle3":
-                pre = torch.randn(1, 1, H, generator=g)
+                pre = torch.randn(batch, 1, H, generator=g)
                 emb = r.embed(ids[:, :1]).float()
                 extra = () if mode == "base" else (mode,)
 
@@ -205,7 +205,7 @@ def draft_table(model, draft_dirs: dict, modes: list[str], context: int, k: int,
             t = interleaved(fns, rounds, inner)
         for name, v in t.items():
             mode, what = name.split(":")
-            row = {"draft": algo, "mode": mode, "what": what, "k": k, "context": context,
+            row = {"draft": algo, "mode": mode, "what": what, "k": k, "context": context, "batch": batch,
                    "ms": 1e3 * statistics.median(v), "min": 1e3 * min(v), "max": 1e3 * max(v)}
             rows.append(row)
             print(json.dumps(row), flush=True)
