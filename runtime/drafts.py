@@ -67,12 +67,13 @@ class KVCache:
         `uniform` = common start position if all rows agree (plain slicing, no scatter)."""
         if uniform is not None:
             t = k.shape[2]
-            self.k[layer][:, :, uniform:uniform + t] = k
-            self.v[layer][:, :, uniform:uniform + t] = v
+            self.k[layer].narrow(2, uniform, t).copy_(k)
+            self.v[layer].narrow(2, uniform, t).copy_(v)
         else:
             b = torch.arange(k.shape[0], device=k.device)[:, None]
-            self.k[layer][b, :, pos] = k.transpose(1, 2)
-            self.v[layer][b, :, pos] = v.transpose(1, 2)
+            dt = self.k[layer].dtype
+            self.k[layer][b, :, pos] = k.transpose(1, 2).to(dt)
+            self.v[layer][b, :, pos] = v.transpose(1, 2).to(dt)
 
     def select_rows(self, idx: torch.Tensor) -> None:
         self.k = [t.index_select(0, idx) for t in self.k]
@@ -106,13 +107,23 @@ class RopeTable:
         self.rotary = rotary
         self.cos = self.sin = None
 
-    def __call__(self, x: torch.Tensor, pos: torch.Tensor):
+    def _ensure(self, x: torch.Tensor, pos: torch.Tensor) -> None:
         need = int(pos.max()) + 1
         if self.cos is None or self.cos.shape[0] < need or self.cos.device != x.device or self.cos.dtype != x.dtype:
             n = max(need, 256 if self.cos is None else 2 * self.cos.shape[0])
             c, s = self.rotary(x[:1, :1], torch.arange(n, device=x.device)[None])
             self.cos, self.sin = c[0], s[0]
+            half = self.sin.shape[-1] // 2
+            self.sin_signed = torch.cat((-self.sin[:, :half], self.sin[:, half:]), -1)
+
+    def __call__(self, x: torch.Tensor, pos: torch.Tensor):
+        self._ensure(x, pos)
         return self.cos[pos], self.sin[pos]
+
+    def signed(self, x: torch.Tensor, pos: torch.Tensor):
+        """(cos, sin with rotate_half's sign folded in), each [B, T, 1, D], for `rope_heads` on [B, T, heads, D]."""
+        self._ensure(x, pos)
+        return self.cos[pos][:, :, None], self.sin_signed[pos][:, :, None]
 
 
 def rotate_half(x):
@@ -165,6 +176,342 @@ def rope_module(cfg_dict: dict, family: str = "llama"):
     rot_cls = (transformers.models.qwen3.modeling_qwen3.Qwen3RotaryEmbedding if family == "qwen3"
                else transformers.models.llama.modeling_llama.LlamaRotaryEmbedding)
     return rot_cls(config=cfg)
+
+
+# ---------------------------------------------------------------------------------------------- compute modes
+
+
+COMPUTE_MODES = ("fp32", "bf16", "auto")
+
+
+def native_bf16_gemm(device="cpu") -> bool:
+    """Whether bf16 GEMMs run natively here (detected, not assumed): on CPU, oneDNN with AMX-BF16 or AVX512-BF16
+    dot-product instructions (without them oneDNN emulates bf16 and fp32 is faster); on CUDA, bf16 support."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    if dev.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    cpu = torch.cpu
+    isa = (getattr(cpu, "_is_amx_tile_supported", lambda: False)()
+           or getattr(cpu, "_is_avx512_bf16_supported", lambda: False)())
+    return bool(isa and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def resolve_compute(compute: str, device="cpu") -> str:
+    """`fp32` | `bf16` from a requested mode. `fp32`: the exact mode, every GEMM in the loaded parameters' dtype
+    (float32 as the loaders give it). `bf16`: GEMMs take bf16 weights and bf16-rounded activations (float32
+    accumulation), everything else (residual stream, norms, RoPE, attention, KV cache) stays float32. `auto`:
+    `bf16` on a CPU with native bf16 GEMMs (`native_bf16_gemm`), `fp32` otherwise (and on CUDA, where the exact
+    mode is what `validate` compares against)."""
+    if compute not in COMPUTE_MODES:
+        raise ValueError(f"compute must be one of {COMPUTE_MODES}, not {compute!r}")
+    if compute == "auto":
+        dev = torch.device(device)
+        return "bf16" if dev.type == "cpu" and native_bf16_gemm(dev) else "fp32"
+    return compute
+
+
+# ---------------------------------------------------------------------------------------------- fused GEMMs
+
+_FP8 = torch.float8_e4m3fn
+_FP8_MAX = 448.0
+# What an FP8Linear (runtime.fp8) holds when it computes qdq(x, input_scale) @ (weight * weight_scale)^T + bias;
+# one with anything else (another recipe) runs through its own forward instead of a fused GEMM.
+_FP8_BUFFERS = {"weight", "weight_scale", "input_scale", "bias"}
+_FP8_ATTRS = {"out_features", "in_features", "compute_dtype", "use_scaled_mm", "dynamic_per_token", "_w_cache"}
+
+
+def qdq_e4m3_fast(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`runtime.fp8.qdq_e4m3` (x * (1 / scale) -> clamp +-448 -> E4M3 -> float32 * scale, TensorRT-LLM's static
+    quantization) in fewer ops, for float32 x and a float32 scale already on x's device; the same arithmetic, bit
+    for bit (tests/test_runtime_speed.py)."""
+    if x.dtype != torch.float32 or scale.dtype != torch.float32 or scale.device != x.device:
+        from runtime.fp8 import qdq_e4m3
+
+        return qdq_e4m3(x, scale)
+    return (x * (1.0 / scale)).clamp_(-_FP8_MAX, _FP8_MAX).to(_FP8).float().mul_(scale)
+
+
+def _e4m3_codes(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The E4M3 codes `qdq_e4m3` rounds x to (x * (1 / scale), saturated), as float8."""
+    return (x.float() * (1.0 / scale)).clamp_(-_FP8_MAX, _FP8_MAX).to(_FP8)
+
+
+def _onednn_bf16() -> bool:
+    """oneDNN can run bf16 matmuls here (natively or emulated); without it the bf16 mode uses torch's own kernels."""
+    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def _linear_kind(m: nn.Module) -> str | None:
+    """'dense' (nn.Linear), 'fp8' (an FP8Linear with a static per-tensor input scale, or weight-only), 'fp8_tok'
+    (an FP8Linear with dynamic per-token activations), or None (run the module itself)."""
+    if type(m) is nn.Linear:
+        return "dense"
+    w = getattr(m, "weight", None)
+    if type(m).__name__ == "FP8Linear" and isinstance(w, torch.Tensor) and w.dtype == _FP8:
+        own = {k for k in vars(m) if not k.startswith("_") or k == "_w_cache"} - {"training"}
+        if set(m._buffers) <= _FP8_BUFFERS and own <= _FP8_ATTRS and not m._modules:
+            ws, si = m.weight_scale, m.input_scale
+            if getattr(m, "use_scaled_mm", False) and w.is_cuda:
+                return None                      # the real FP8 GEMM (torch._scaled_mm) runs in the module
+            if ws.numel() in (1, w.shape[0]) and getattr(m, "dynamic_per_token", False):
+                return "fp8_tok"
+            if ws.numel() in (1, w.shape[0]) and (si is None or si.numel() == 1):
+                return "fp8"
+    return None
+
+
+class Gemm:
+    """y = x @ W^T (+ b) of one or several linears that read the same input (q/k/v, gate/up), as ONE GEMM over
+    their weights concatenated along the output dimension at build time; returns the concatenated outputs in the
+    activation dtype (float32, or the loaded parameters' dtype in the fp32 mode).
+
+    fp32 mode: dense weights as loaded (on CPU stored transposed, [in, out], which MKL runs faster at 2-20 rows);
+    FP8 linears as `runtime.fp8.FP8Linear` emulates them: qdq(x) @ (weight * weight_scale)^T, qdq with the static
+    input scale or per token (FP8_PER_CHANNEL_PER_TOKEN; one row's scale is shared by the fused members).
+    bf16 mode, on CPU through oneDNN with the weights reordered once for its kernels: dense weights in bf16,
+    activations rounded to bf16; FP8 linears multiply the E4M3 codes of the quantized activation and of the weight
+    (both exact in bf16, their products exact in the float32 accumulator) and scale the result by
+    input_scale (or the row's per-token scale) * weight_scale, i.e. FP8Linear's arithmetic with the output
+    rounded to bf16, as an FP8 GEMM with
+    a bf16 output does on a GPU. A group whose members differ (kind, input scale) is not fused: each member runs
+    through its own module and the outputs are concatenated."""
+
+    def __init__(self, mods: list[nn.Module], compute: str, device):
+        self.splits = [int(m.out_features) for m in mods]
+        self.in_features = int(mods[0].in_features)
+        self.compute = compute
+        self.device = torch.device(device)
+        kinds = {_linear_kind(m) for m in mods}
+        kind = kinds.pop() if len(kinds) == 1 else None
+        if kind == "fp8":
+            si = [m.input_scale for m in mods]
+            if not (all(s is None for s in si) or (all(s is not None for s in si)
+                                                   and all(torch.equal(s, si[0]) for s in si))):
+                kind = None
+        self.kind = kind
+        self.mods = mods
+        if kind is None:
+            return
+        bias = [m.bias for m in mods]
+        self.bias = (torch.cat([b.detach().float() if b is not None else torch.zeros(n, device=self.device)
+                                for b, n in zip(bias, self.splits)]) if any(b is not None for b in bias) else None)
+        cpu = self.device.type == "cpu"
+        if kind == "dense":
+            w = torch.cat([m.weight.detach() for m in mods])
+            self.act_dtype = w.dtype if w.is_floating_point() else torch.float32
+            self.scale = self.in_scale = None
+            if self.bias is not None:
+                self.bias = self.bias.to(self.act_dtype)
+            if compute == "bf16":
+                self._w_exact = w            # for `LogitsHead` refinement (no copy: concatenation of one is a view)
+                w = w.to(torch.bfloat16)
+        else:
+            from runtime.fp8 import dequantize_weight
+
+            self.act_dtype = mods[0].compute_dtype
+            s_in = mods[0].input_scale if kind == "fp8" else None
+            self.in_scale = None if s_in is None else s_in.detach().float().reshape(()).to(self.device)
+            if compute == "bf16":
+                w = torch.cat([m.weight for m in mods]).to(torch.bfloat16)            # E4M3 codes, exact in bf16
+                ws = torch.cat([m.weight_scale.detach().float().reshape(-1).expand(n) for m, n in zip(mods, self.splits)])
+                self.scale = ws * (self.in_scale if self.in_scale is not None else 1.0)
+                self._w_exact = None
+            else:
+                w = torch.cat([dequantize_weight(m.weight, m.weight_scale, self.act_dtype) for m in mods])
+                self.scale = None
+            if self.bias is not None and compute != "bf16":
+                self.bias = self.bias.to(self.act_dtype)
+        if compute == "bf16" and cpu and _onednn_bf16():
+            self.w = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None)
+            self._op = "onednn"
+        elif cpu and compute != "bf16":
+            self.w = w.t().contiguous()
+            self._op = "mm"
+        else:
+            self.w = w.contiguous()
+            self._op = "linear"
+
+    @property
+    def out_features(self) -> int:
+        return sum(self.splits)
+
+    def _quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the GEMM operand, a per-row scale or None). bf16 mode: the activation in bf16, or for an FP8 linear the
+        E4M3 codes of the quantized activation in bf16 (per-token: with each row's scale, applied after the GEMM);
+        fp32 mode: the activation as FP8Linear feeds its GEMM (through E4M3 with the input scale, or per-token
+        quantize-dequantize)."""
+        if self.compute == "bf16":
+            if self.kind == "fp8_tok":
+                from runtime.fp8 import quantize_per_token
+
+                q, s = quantize_per_token(x)
+                return q.to(torch.bfloat16), s
+            if self.kind == "fp8" and self.in_scale is not None:
+                return _e4m3_codes(x, self.in_scale).to(torch.bfloat16), None
+            return x.to(torch.bfloat16), None
+        if x.dtype != self.act_dtype:
+            x = x.to(self.act_dtype)
+        if self.kind == "fp8_tok":
+            from runtime.fp8 import qdq_per_token
+
+            return qdq_per_token(x), None
+        if self.kind == "fp8" and self.in_scale is not None:
+            x = qdq_e4m3_fast(x, self.in_scale)
+        return x, None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind is None:
+            outs = [m(x) for m in self.mods]
+            return outs[0] if len(outs) == 1 else torch.cat(outs, -1)
+        return self._gemm(*self._quantize_input(x))
+
+    def promoting(self, x: torch.Tensor) -> torch.Tensor:
+        """As `__call__`, but in the bf16 mode the output may stay bf16 (no scale or bias to apply): for a caller
+        whose next op takes it together with a float32 tensor (type promotion converts it exactly), saving a
+        conversion op."""
+        if self.kind is None or self.compute != "bf16" or self.scale is not None or self.bias is not None:
+            return self(x)
+        return self._gemm(*self._quantize_input(x), promote=False)
+
+    def _gemm(self, xq: torch.Tensor, row_scale: torch.Tensor | None = None, promote: bool = True) -> torch.Tensor:
+        if self._op == "mm":                              # fp32 on CPU: x @ W^T with W^T stored contiguous
+            return torch.matmul(xq, self.w) if self.bias is None else torch.matmul(xq, self.w).add_(self.bias)
+        if self._op == "linear":
+            y = F.linear(xq, self.w, None if self.compute == "bf16" else self.bias)
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(xq, self.w, None, "none", [], "")
+        if self.compute != "bf16" or not promote:
+            return y
+        y = y.float() if self.scale is None else y * self.scale      # bf16 * float32 -> float32
+        if row_scale is not None:
+            y = y.mul_(row_scale)
+        return y if self.bias is None else y.add_(self.bias)
+
+
+class LogitsHead(Gemm):
+    """The lm_head as a `Gemm`. In the bf16 mode the GEMM's bf16 output carries 8 significant bits (a logit near
+    20 is rounded to a multiple of 0.125), so near-ties at the top would be decided by rounding: every logit
+    within the rounding bound of a row's maximum is recomputed exactly (float64 dot product of the bf16-rounded
+    input with the weight row, rounded to float32), so the argmax is the argmax of the exact logits of the bf16
+    input, whatever the GEMM's accumulation order; logits further down keep the bf16 value (they cannot be the
+    maximum; as probabilities they are within 2^-8 relative of exact)."""
+
+    def __init__(self, mod: nn.Module, compute: str, device, refine: bool = True):
+        super().__init__([mod], compute, device)
+        self.refine = refine and compute == "bf16" and self.kind == "dense"
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind is None:
+            return self.mods[0](x).float()
+        xq, rs = self._quantize_input(x)
+        y = self._gemm(xq, rs)
+        if not self.refine:
+            return y.float()
+        y2 = y.view(-1, y.shape[-1])
+        top = y2.max(-1, keepdim=True).values
+        # |bf16(v) - v| <= 2^-8 |v|, and every v within 2^-4 |top| of top has |v| <= (1 + 2^-4) |top|: a logit that
+        # is not a candidate cannot exceed the exact value of the row's bf16 maximum
+        cand = (y2 >= top - top.abs() * 0.0625 - 1e-6).nonzero()
+        r, c = cand[:, 0], cand[:, 1]
+        xr = xq.reshape(-1, self.in_features)[r].double()
+        exact = (xr * self._w_exact[c].to(torch.bfloat16).double()).sum(-1)
+        if self.bias is not None:
+            exact = exact + self.bias[c].double()
+        y2[r, c] = exact.float()
+        return y
+
+
+class Norm:
+    """An RMSNorm module computed by `torch.nn.functional.rms_norm` (fewer dispatched ops), used only where it
+    gives the module's own output bit for bit (checked on a probe at build time); otherwise the module runs."""
+
+    def __init__(self, mod: nn.Module):
+        self.mod = mod
+        w = getattr(mod, "weight", None)
+        self.eps = getattr(mod, "variance_epsilon", getattr(mod, "eps", None))
+        self.w = w.detach() if isinstance(w, torch.Tensor) else None
+        self.fast = False
+        if self.w is not None and self.w.ndim == 1 and self.w.dtype == torch.float32 and isinstance(self.eps, float):
+            g = torch.Generator(device="cpu").manual_seed(0)
+            probe = (torch.randn(3, self.w.shape[0], generator=g) * 3).to(self.w.device)
+            with torch.no_grad():
+                self.fast = bool(torch.equal(self._rms(probe), mod(probe)))
+
+    def _rms(self, x):
+        return F.rms_norm(x, (x.shape[-1],), self.w, self.eps)
+
+    def __call__(self, x):
+        return self._rms(x) if self.fast and x.dtype == torch.float32 else self.mod(x)
+
+
+_GATED_MLPS = {"LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP", "GatedMLP"}
+
+
+def _is_silu(mlp: nn.Module) -> bool:
+    act = getattr(mlp, "act_fn", None)
+    if act is None:
+        return type(mlp).__name__ == "GatedMLP"        # ours: F.silu
+    probe = torch.linspace(-6, 6, 97)
+    with torch.no_grad():
+        return isinstance(act, nn.Module) and torch.equal(act(probe), F.silu(probe))
+
+
+class FusedLayer:
+    """A Llama-style decoder layer prepared for the runtime's forward: one GEMM for q/k/v, one for gate/up,
+    norms with fewer ops. `proj` holds q/k/v/o_proj (a target layer's self_attn, or a draft layer itself).
+    Parts the plan does not recognise run through their modules (a non-gated MLP, a norm that differs)."""
+
+    def __init__(self, layer: nn.Module, proj: nn.Module, compute: str, device, *, n_heads: int, n_kv: int,
+                 head_dim: int, context_kv: bool = False):
+        self.nq, self.nkv, self.hd = n_heads, n_kv, head_dim
+        self.ln1 = Norm(layer.input_layernorm)
+        self.ln2 = Norm(layer.post_attention_layernorm)
+        self.qkv = Gemm([proj.q_proj, proj.k_proj, proj.v_proj], compute, device)
+        # DFlash projects the target's context through k/v alone: a second fused GEMM over those two
+        self.kv = Gemm([proj.k_proj, proj.v_proj], compute, device) if context_kv else None
+        self.o = Gemm([proj.o_proj], compute, device)
+        self.q_norm, self.k_norm = getattr(proj, "q_norm", None), getattr(proj, "k_norm", None)
+        mlp = layer.mlp
+        self.mlp = mlp
+        self.gate_up = self.down = None
+        if type(mlp).__name__ in _GATED_MLPS and _is_silu(mlp):
+            self.gate_up = Gemm([mlp.gate_proj, mlp.up_proj], compute, device)
+            self.down = Gemm([mlp.down_proj], compute, device)
+            self.inter = int(mlp.gate_proj.out_features)
+
+    def qkv_heads(self, x: torch.Tensor, cos, sin):
+        """x [B, T, in] (normed) -> q [B, nq, T, D], k, v [B, nkv, T, D] with RoPE applied to q and k (and the
+        per-head q/k norms first where the layer has them)."""
+        B, T = x.shape[:2]
+        nq, nkv = self.nq, self.nkv
+        # bf16 mode: q/k reach float32 in RoPE's products with the float32 tables, v in the cache write (or
+        # FP8 KV's qdq, which takes it as float32); only the per-head norms need float32 inputs
+        qkv = (self.qkv(x) if self.q_norm is not None else self.qkv.promoting(x)).view(B, T, nq + 2 * nkv, self.hd)
+        qk, v = qkv.split((nq + nkv, nkv), 2)
+        if self.q_norm is not None:
+            q, k = qk.split((nq, nkv), 2)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), 2)
+        q, k = rope_heads(qk, cos, sin).split((nq, nkv), 2)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def finish(self, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """Residual h [B, T, H] + o_proj(attention output o [B, nq, T, D]), then the MLP block."""
+        B, T = h.shape[:2]
+        h = h + self.o.promoting(o.transpose(1, 2).reshape(B, T, -1))
+        x = self.ln2(h)
+        if self.gate_up is None:
+            return h + self.mlp(x)
+        g, u = self.gate_up(x).split(self.inter, -1)
+        return h + self.down.promoting(F.silu(g) * u)
+
+
+def rope_heads(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """RoPE on x [B, T, heads, D] with `RopeTable.signed` tables [B, T, 1, D]: x * cos + rotate_half(x) * sin,
+    written as x * cos + roll(x, D/2) * sin_signed (the sign of rotate_half folded into the table), which is
+    bit for bit `apply_rope` (a sign flip is exact) in four ops instead of six, for q and k in one go."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
 
 
 # ---------------------------------------------------------------------------------------------- linear layers
@@ -300,33 +647,59 @@ class Eagle3Draft(nn.Module):
         out[..., ids] = logits
         return out
 
+    def plan(self, compute: str = "fp32") -> "DraftPlan":
+        """The fused weights for `compute` (`fp32` | `bf16`), built on first use and kept (see `TargetRunner`)."""
+        return _draft_plan(self, compute)
+
     def step(self, hidden: torch.Tensor, embeds: torch.Tensor, cache: KVCache, pos: torch.Tensor,
-             uniform: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+             uniform: int | None, compute: str = "fp32") -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [B, T, H]: fc(aux) for target-verified positions or the draft's own pre-norm output;
-        embeds [B, T, H]: target embeddings of the *next* token at each position. Returns (logits over the
-        draft vocabulary, pre-norm hidden) for every position. Writes K/V at `pos`; does not move lengths."""
+        embeds [B, T, H]: target embeddings of the *next* token at each position. Returns (float32 logits over
+        the draft vocabulary, pre-norm hidden) for every position. Writes K/V at `pos`; does not move lengths."""
+        P = self.plan(compute)
         kv_len = int(pos.max()) + 1
-        cos, sin = self.rope(hidden, pos)
+        cos, sin = self.rope.signed(hidden, pos)
         mask = causal_mask(pos, kv_len)
         h = hidden
-        B, T, _ = h.shape
-        for i, layer in enumerate(self.layers):
-            residual = h
+        for i, L in enumerate(P.layers):
             if i == 0:
-                hn = layer.input_layernorm(h) if self.first_layer_norm == "modelopt" else h
-                x = torch.cat((layer.input_layernorm(embeds), layer.hidden_norm(hn)), dim=-1)
+                hn = L.ln1(h) if self.first_layer_norm == "modelopt" else h
+                x = torch.cat((L.ln1(embeds), P.hidden_norm(hn)), dim=-1)
             else:
-                x = layer.input_layernorm(h)
-            q = layer.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-            k = layer.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-            v = layer.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+                x = L.ln1(h)
+            q, k, v = L.qkv_heads(x, cos, sin)
             cache.write(i, k, v, pos, uniform)
-            o = attention(q, cache.k[i][:, :, :kv_len], cache.v[i][:, :, :kv_len], mask, self.scale)
-            h = residual + layer.o_proj(o.transpose(1, 2).reshape(B, T, -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        post = self.norm(h) if self.norm is not None else h
-        return self.lm_head(post), h
+            o = attention(q, cache.k[i].narrow(2, 0, kv_len), cache.v[i].narrow(2, 0, kv_len), mask, self.scale)
+            h = L.finish(h, o)
+        post = P.norm(h) if P.norm is not None else h
+        return P.head(post), h
+
+
+@dataclass
+class DraftPlan:
+    """A draft's weights as the runtime runs them in one compute mode: fused layers, fc, norms, lm_head."""
+
+    compute: str
+    fc: Gemm
+    layers: list[FusedLayer]
+    norm: Norm | None
+    hidden_norm: Norm | None
+    head: LogitsHead | None
+
+
+def _draft_plan(draft: nn.Module, compute: str) -> DraftPlan:
+    dev = draft.fc.weight.device
+    plans = draft.__dict__.setdefault("_specpipe_plans", {})
+    key = (compute, str(dev))
+    if key not in plans:
+        eagle = draft.algorithm == "eagle3"
+        layers = [FusedLayer(layer, layer, compute, dev, n_heads=draft.n_heads, n_kv=draft.n_kv,
+                             head_dim=draft.head_dim, context_kv=not eagle) for layer in draft.layers]
+        hn = draft.layers[0].hidden_norm if eagle else draft.hidden_norm
+        plans[key] = DraftPlan(compute, Gemm([draft.fc], compute, dev), layers,
+                               Norm(draft.norm) if draft.norm is not None else None, Norm(hn),
+                               LogitsHead(draft.lm_head, compute, dev) if eagle else None)
+    return plans[key]
 
 
 def _check_eagle3(cfg: dict, sd: dict, path: Path, target: TargetShape | None, strict: bool) -> dict:
@@ -440,43 +813,44 @@ class DFlashDraft(nn.Module):
         dt = self.norm.weight.dtype
         return KVCache(self.num_layers, batch, self.n_kv, self.head_dim, capacity, dt, device)
 
-    def add_context(self, target_hidden: torch.Tensor, cache: KVCache, pos: torch.Tensor, uniform: int | None) -> None:
-        """Project target hidden states [B, T, n*H] of newly verified positions into every layer's context K/V."""
-        ctx = self.hidden_norm(self.fc(target_hidden))
-        B, T, _ = ctx.shape
-        cos, sin = self.rope(ctx, pos)
-        for i, layer in enumerate(self.layers):
-            k = layer.k_norm(layer.k_proj(ctx).view(B, T, -1, self.head_dim)).transpose(1, 2)
-            v = layer.v_proj(ctx).view(B, T, -1, self.head_dim).transpose(1, 2)
-            cache.write(i, apply_rope(k, cos, sin), v, pos, uniform)
+    def plan(self, compute: str = "fp32") -> DraftPlan:
+        """The fused weights for `compute` (`fp32` | `bf16`), built on first use and kept."""
+        return _draft_plan(self, compute)
 
-    def block(self, block_embeds: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def add_context(self, target_hidden: torch.Tensor, cache: KVCache, pos: torch.Tensor, uniform: int | None,
+                    compute: str = "fp32") -> None:
+        """Project target hidden states [B, T, n*H] of newly verified positions into every layer's context K/V."""
+        P = self.plan(compute)
+        ctx = P.hidden_norm(P.fc(target_hidden))
+        B, T, _ = ctx.shape
+        cos, sin = self.rope.signed(ctx, pos)
+        for i, L in enumerate(P.layers):
+            kv = L.kv(ctx).view(B, T, 2 * self.n_kv, self.head_dim)
+            k = rope_heads(L.k_norm(kv[:, :, :self.n_kv]), cos, sin).transpose(1, 2)
+            cache.write(i, k, kv[:, :, self.n_kv:].transpose(1, 2), pos, uniform)
+
+    def block(self, block_embeds: torch.Tensor, cache: KVCache, compute: str = "fp32") -> torch.Tensor:
         """block_embeds [B, S, H] of [anchor, mask, ...] at positions lengths[b] + j; returns the normed draft
         hidden [B, S, H]. Attends to the valid context of each row and to the whole block (bidirectional, or
         causal inside the block when the export says `causal: true`)."""
+        P = self.plan(compute)
         B, S, _ = block_embeds.shape
         lengths = cache.lengths
         ctx_len = int(lengths.max())
         pos = lengths[:, None] + torch.arange(S, device=lengths.device)[None, :]
-        cos, sin = self.rope(block_embeds, pos)
+        cos, sin = self.rope.signed(block_embeds, pos)
         ctx_ok = torch.arange(ctx_len, device=lengths.device)[None, :] < lengths[:, None]        # [B, Lc]
         blk_ok = (torch.tril(torch.ones(S, S, dtype=torch.bool, device=lengths.device)) if self.causal
                   else torch.ones(S, S, dtype=torch.bool, device=lengths.device))
         mask = torch.cat((ctx_ok[:, None, :].expand(B, S, ctx_len), blk_ok[None].expand(B, S, S)), dim=-1)[:, None]
         h = block_embeds
-        for i, layer in enumerate(self.layers):
-            residual = h
-            x = layer.input_layernorm(h)
-            q = layer.q_norm(layer.q_proj(x).view(B, S, -1, self.head_dim)).transpose(1, 2)
-            k = layer.k_norm(layer.k_proj(x).view(B, S, -1, self.head_dim)).transpose(1, 2)
-            v = layer.v_proj(x).view(B, S, -1, self.head_dim).transpose(1, 2)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        for i, L in enumerate(P.layers):
+            q, k, v = L.qkv_heads(L.ln1(h), cos, sin)
             K = torch.cat((cache.k[i][:, :, :ctx_len], k), dim=2)
             V = torch.cat((cache.v[i][:, :, :ctx_len], v), dim=2)
             o = attention(q, K, V, mask, self.scale)
-            h = residual + layer.o_proj(o.transpose(1, 2).reshape(B, S, -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.norm(h)
+            h = L.finish(h, o)
+        return P.norm(h)
 
 
 _UNSUPPORTED_DFLASH = ("attention_sink_bias", "use_swa", "projector_type")

@@ -80,7 +80,9 @@ class ServingEngine:
     in-process; `runtime.batching.Scheduler` serves many at once on the same engine."""
 
     def __init__(self, target_dir: str | Path, draft_dir: str | Path | None, *, draft_len: int, device: str = "cpu",
-                 eos_token_ids: list[int] | None = None):
+                 eos_token_ids: list[int] | None = None, compute: str = "fp32"):
+        """`compute`: the runtime's compute mode (`runtime.drafts.resolve_compute`: `fp32` exact, `bf16` faster on
+        CPUs with native bf16 GEMMs, `auto`; docs/serving.md "Compute modes" says what each guarantees)."""
         import torch
         from transformers import AutoTokenizer
 
@@ -91,7 +93,7 @@ class ServingEngine:
             model, draft = load_pair(str(target_dir), str(draft_dir), device=device)
         else:
             model, draft = load_target(str(target_dir), device=device), None
-        self.engine = SpeculativeEngine(model, draft)
+        self.engine = SpeculativeEngine(model, draft, compute=compute)
         self.draft_len = draft_len if draft is not None else 0
         # the pipeline's stop ids (target.json via validate: the end of turn, checked against the chat template) when
         # the repository carries them; else what the checkpoint's tokenizer and generation_config.json say

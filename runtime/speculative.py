@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 
 from runtime.draft_schedule import dflash_max_draft_len
-from runtime.drafts import (KVCache, RopeTable, TargetShape, apply_rope, attention, causal_mask, load_draft,
-                            positions_for)
+from runtime.drafts import (FusedLayer, KVCache, LogitsHead, Norm, RopeTable, TargetShape, attention, causal_mask,
+                            load_draft, positions_for, qdq_e4m3_fast, resolve_compute)
 
 # ---------------------------------------------------------------------------------------------- target
 
@@ -49,10 +49,17 @@ def target_shape(model) -> TargetShape:
 
 
 class TargetRunner:
-    """Runs a Hugging Face Llama-family causal LM (its modules, so FP8Linear layers and FP8 KV scales from
-    `runtime.fp8` apply) with a KV cache of per-row lengths, returning logits and the outputs of chosen layers."""
+    """Runs a Hugging Face Llama-family causal LM with a KV cache of per-row lengths, returning logits and the
+    outputs of chosen layers. The layers' weights are prepared once (`TargetPlan`): q/k/v and gate/up as one GEMM
+    each, norms and RoPE with fewer ops, the lm_head only where logits are asked for; FP8Linear layers and FP8 KV
+    scales from `runtime.fp8` compute as there.
 
-    def __init__(self, model, capture_layers: list[int] | tuple[int, ...] = ()):
+    `compute` (`runtime.drafts.resolve_compute`): `fp32` (default) is the exact mode, the arithmetic of the loaded
+    modules, which validate's exact check and every stage use; `bf16` runs the GEMMs on bf16 weights (half the
+    bytes streamed per token, native bf16 GEMMs where the CPU has them), the rest in float32; `auto` picks `bf16`
+    on a CPU with native bf16 GEMMs. docs/benchmarks.md has what each costs and how far apart their outputs are."""
+
+    def __init__(self, model, capture_layers: list[int] | tuple[int, ...] = (), *, compute: str = "fp32"):
         self.model = model
         inner = model.model
         self.embed = inner.embed_tokens
@@ -67,15 +74,24 @@ class TargetRunner:
         self.capture_layers = list(capture_layers)
         self.param_dtype = self.embed.weight.dtype if self.embed.weight.is_floating_point() else torch.float32
         self.device = self.embed.weight.device
+        self.compute = resolve_compute(compute, self.device)
+        self.plan = target_plan(model, self.compute)
+        self.act_dtype = self.param_dtype if self.compute == "fp32" else torch.float32
         self.cache: KVCache | None = None
-        try:
-            from runtime.fp8 import qdq_e4m3
-        except ImportError:  # FP8 KV needs the fp8 module; plain checkpoints do not
-            qdq_e4m3 = None
-        self._qdq = qdq_e4m3
+        self._qdq = qdq_e4m3_fast       # FP8 KV: runtime.fp8.qdq_e4m3's arithmetic in fewer ops
+        # the FP8 KV scales of each layer as float32 scalars on the device (None: not an FP8 KV cache)
+        self._kv_scales = [tuple(None if s is None else s.detach().float().reshape(()).to(self.device)
+                                 for s in (getattr(layer.self_attn, "fp8_k_scale", None),
+                                           getattr(layer.self_attn, "fp8_v_scale", None)))
+                           for layer in self.layers]
+
+    @property
+    def head(self):
+        """The lm_head as this runner computes it: hidden [.., H] (after the final norm) -> float32 logits."""
+        return self.plan.head
 
     def reset(self, batch: int, capacity: int) -> None:
-        self.cache = KVCache(len(self.layers), batch, self.n_kv, self.head_dim, capacity, self.param_dtype, self.device)
+        self.cache = KVCache(len(self.layers), batch, self.n_kv, self.head_dim, capacity, self.act_dtype, self.device)
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -91,38 +107,57 @@ class TargetRunner:
         B, T = tokens.shape
         pos, uniform = positions_for(cache.lengths, T, cache.capacity)
         kv_len = int(pos.max()) + 1
-        h = self.embed(tokens).to(self.param_dtype)
-        cos, sin = self.rotary(h, pos)
+        h = self.embed(tokens).to(self.act_dtype)
+        cos, sin = self.rotary.signed(h, pos)
         mask = causal_mask(pos, kv_len)
         captured = {}
-        for i, layer in enumerate(self.layers):
-            a = layer.self_attn
-            x = layer.input_layernorm(h)
-            q = a.q_proj(x).view(B, T, -1, self.head_dim)
-            k = a.k_proj(x).view(B, T, -1, self.head_dim)
-            v = a.v_proj(x).view(B, T, -1, self.head_dim)
-            if getattr(a, "q_norm", None) is not None:   # Qwen3-style QK norm
-                q, k = a.q_norm(q), a.k_norm(k)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            ks, vs = getattr(a, "fp8_k_scale", None), getattr(a, "fp8_v_scale", None)
+        for i, L in enumerate(self.plan.layers):
+            a = self.layers[i].self_attn
+            q, k, v = L.qkv_heads(L.ln1(h), cos, sin)
+            ks, vs = self._kv_scales[i]
             if ks is not None:       # FP8 KV cache: keys after RoPE and values pass through E4M3
                 k = self._qdq(k, ks)
             if vs is not None:
-                v = self._qdq(v, vs)
+                v = self._qdq(v.float(), vs)
             cache.write(i, k, v, pos, uniform)
-            o = attention(q, cache.k[i][:, :, :kv_len], cache.v[i][:, :, :kv_len], mask, a.scaling)
-            h = h + a.o_proj(o.transpose(1, 2).reshape(B, T, -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            o = attention(q, cache.k[i].narrow(2, 0, kv_len), cache.v[i].narrow(2, 0, kv_len), mask, a.scaling)
+            h = L.finish(h, o)
             if i in self.capture_layers:
                 captured[i] = h
         hid = torch.cat([captured[i] for i in self.capture_layers], dim=-1) if self.capture_layers else None
         if logits_at is not None:
             h = h[torch.arange(B, device=h.device), logits_at]
-        return self.lm_head(self.norm(h)).float(), hid
+        return self.plan.head(self.plan.norm(h)), hid
 
     def commit(self, n: torch.Tensor) -> None:
         self.cache.lengths = self.cache.lengths + n
+
+
+@dataclass
+class TargetPlan:
+    """A target's weights as `TargetRunner.forward` runs them in one compute mode (see `target_plan`)."""
+
+    compute: str
+    device: torch.device
+    layers: list[FusedLayer]
+    norm: Norm
+    head: LogitsHead
+
+
+def target_plan(model, compute: str) -> TargetPlan:
+    """The fused weights of `model` for `compute` (`fp32` | `bf16`), built once per model, mode and device and
+    kept on the model (`_specpipe_plans`), so every runner of one model shares them (the fp32 plan holds a
+    transposed copy of the projection weights, the bf16 plan a bf16 copy in oneDNN's layout)."""
+    dev = model.model.embed_tokens.weight.device
+    plans = model.__dict__.setdefault("_specpipe_plans", {})
+    key = (compute, str(dev))
+    if key not in plans:
+        c = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        layers = [FusedLayer(layer, layer.self_attn, compute, dev, n_heads=c.num_attention_heads,
+                             n_kv=c.num_key_value_heads, head_dim=hd) for layer in model.model.layers]
+        plans[key] = TargetPlan(compute, dev, layers, Norm(model.model.norm), LogitsHead(model.lm_head, compute, dev))
+    return plans[key]
 
 
 # ---------------------------------------------------------------------------------------------- drafters
@@ -177,6 +212,7 @@ class Eagle3Drafter(Drafter):
         self.draft = draft
         self.embed = target.embed
         self.vocab_size = target.vocab_size
+        self.compute = target.compute
         self.capture_layers = list(draft.aux_layer_ids)
         self.max_draft_len = None
         self.row_state = ("cache", "pending_h", "pending_t")
@@ -213,7 +249,8 @@ class Eagle3Drafter(Drafter):
         self.pending_t = [[] for _ in range(B)]
         cache = self.cache
         pos, uniform = positions_for(cache.lengths, T, cache.capacity)
-        logits, pre = d.step(d.fc(aux), self.embed(nxt).to(aux.dtype), cache, pos, uniform)
+        logits, pre = d.step(d.plan(self.compute).fc(aux), self.embed(nxt).to(aux.dtype), cache, pos, uniform,
+                             self.compute)
         if self.trace is not None:
             self.trace.append(logits[torch.arange(B), counts - 1])
         rows = torch.arange(B, device=last.device)
@@ -231,7 +268,7 @@ class Eagle3Drafter(Drafter):
                 break
             pos = (base + j)[:, None]
             logits, pre = d.step(pre[:, None], self.embed(tok[:, None]).to(pre.dtype), cache, pos,
-                                 int(base[0]) + j if bool((base == base[0]).all()) else None)
+                                 int(base[0]) + j if bool((base == base[0]).all()) else None, self.compute)
             logits, pre = logits[:, 0], pre[:, 0]
             if self.trace is not None:
                 self.trace.append(logits)
@@ -254,7 +291,8 @@ class DFlashDrafter(Drafter):
     def __init__(self, draft, target: TargetRunner):
         self.draft = draft
         self.embed = target.embed
-        self.lm_head = target.lm_head
+        self.lm_head = target.head          # the target's lm_head as the runner computes it (float32 logits)
+        self.compute = target.compute
         self.capture_layers = list(draft.target_layer_ids)
         self.max_draft_len = dflash_max_draft_len(draft.block_size)
         self.row_state = ("cache",)
@@ -268,7 +306,7 @@ class DFlashDrafter(Drafter):
     def observe(self, hidden, next_tokens, counts):
         cache = self.cache
         pos, uniform = positions_for(cache.lengths, hidden.shape[1], cache.capacity)
-        self.draft.add_context(hidden, cache, pos, uniform)
+        self.draft.add_context(hidden, cache, pos, uniform, self.compute)
         cache.lengths = cache.lengths + counts
 
     def propose(self, last, k, temperature, gen):
@@ -278,7 +316,7 @@ class DFlashDrafter(Drafter):
         B = last.shape[0]
         block = torch.full((B, d.block_size), d.mask_token_id, dtype=torch.long, device=last.device)
         block[:, 0] = last
-        h = d.block(self.embed(block).to(d.norm.weight.dtype), self.cache)
+        h = d.block(self.embed(block).to(d.norm.weight.dtype), self.cache, self.compute)
         logits = self.lm_head(h[:, 1:1 + k]).float()
         return _pick(logits, temperature, gen)
 
@@ -401,14 +439,17 @@ class SpeculativeEngine:
     step-wise core that `generate` loops over, for callers that add and remove requests while others decode
     (continuous batching in `runtime.batching`)."""
 
-    def __init__(self, target_model, draft=None, *, drafter: Drafter | None = None):
+    def __init__(self, target_model, draft=None, *, drafter: Drafter | None = None, compute: str = "fp32"):
+        """`compute`: `fp32` (the exact mode, default) | `bf16` | `auto`, for the target and the draft alike (see
+        `TargetRunner`)."""
         if drafter is None and draft is not None:
             self.target = TargetRunner(target_model, draft.aux_layer_ids if draft.algorithm == "eagle3"
-                                       else draft.target_layer_ids)
+                                       else draft.target_layer_ids, compute=compute)
             self.drafter = make_drafter(draft, self.target)
         else:
             self.drafter = drafter
-            self.target = TargetRunner(target_model, drafter.capture_layers if drafter else ())
+            self.target = TargetRunner(target_model, drafter.capture_layers if drafter else (), compute=compute)
+        self.compute = self.target.compute
 
     def batch(self, *, draft_len: int = 0, temperature: float = 0.0, seed: int = 0, speculative: bool = True,
               top_p: float = 1.0, on_tokens: Callable[[int, list[int]], None] | None = None,

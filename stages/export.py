@@ -47,6 +47,10 @@ class Config(StageSection):
                                 description="where launch.sh expects triton/ mounted inside the container")
     weights: Literal["link", "copy"] = Field("link", description="hard-link the checkpoints (copy across filesystems) or copy")
     cpu_repository: bool = Field(True, description="also write triton_cpu/ (served by `specpipe serve`)")
+    cpu_compute: Literal["fp32", "bf16", "auto"] = Field("fp32", description=(
+        "compute mode of the CPU repository's runtime: fp32 (exact, what validate measured), bf16 (bf16 GEMMs, "
+        "fp32 elsewhere: faster where the CPU has native bf16 GEMMs, greedy choices within docs/serving.md's "
+        "bounds of fp32), auto (bf16 on such a CPU, else fp32); config parameter specpipe_compute overrides it"))
     speculators: bool = Field(True, description=(
         "also write speculators/: the BF16 draft in the speculators 0.9 format with the tuned draft length and a "
         "`vllm serve` command, for vLLM"))
@@ -120,6 +124,7 @@ def run(ctx: StageContext) -> dict:
             "draft_len": runs[0][2],         # the CPU model batches continuously with one k: batch 1's
             "draft_schedule": dep.get("draft_schedule"),   # per batch size, as the TensorRT-LLM deployment runs it
             "eos_token_ids": acc.get("eos_token_ids"),     # the stop ids validate decoded with (target.json)
+            "compute": sec.cpu_compute,                    # runtime.drafts.resolve_compute on the serving machine
             "trtllm_version": version, "specpipe_src": str(Path(runtime.__file__).resolve().parents[1])}, indent=2))
         (cpu / sec.model_name / "config.pbtxt").write_text(
             config_pbtxt(sec.model_name, io, production=False, decoupled=sec.decoupled))

@@ -26,6 +26,8 @@ model sends. Bad requests get an INVALID_ARG error naming the input and the mode
 non-decoupled configuration (needed by Triton's HTTP `infer` endpoint, which refuses decoupled models) batches
 the same way: each request's single response goes through its response sender.
 `specpipe_draft_len` (config parameter) overrides the draft length; 0 serves the target autoregressively.
+`specpipe_compute` (config parameter) overrides the exported compute mode (`export.cpu_compute`: fp32 | bf16 |
+auto, docs/serving.md "Compute modes").
 
 Prometheus metrics on Triton's metrics port (Python-backend custom metrics, labels `model`, `version`,
 `instance` (the model instance and its stub's pid: a reloaded model starts new series)):
@@ -116,8 +118,9 @@ class TritonPythonModel:
         conf = {k: int(params.get(k) or spec.get(k) or d) for k, d in DEFAULTS.items()}
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(self.model_config)
         draft_len = int(params["specpipe_draft_len"]) if params.get("specpipe_draft_len") else int(spec["draft_len"])
+        compute = params.get("specpipe_compute") or spec.get("compute") or "fp32"
         self.engine = ServingEngine(here / spec["target"], here / spec["draft"] if spec.get("draft") and draft_len else None,
-                                    draft_len=draft_len, eos_token_ids=spec.get("eos_token_ids"))
+                                    draft_len=draft_len, eos_token_ids=spec.get("eos_token_ids"), compute=compute)
         # `instance` differs between the old and the new instance of a reloaded model: Triton 2.51's core counts
         # references per MetricFamily object, not per shared prometheus series, so with identical labels the old
         # instance's cleanup deletes the series the new instance writes to (core r24.10 src/metric_family.cc

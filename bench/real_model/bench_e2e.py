@@ -1,0 +1,257 @@
+"""End to end on a deployed pair: plain and speculative decoding in specpipe's runtime, Hugging Face `generate`
+of the same BF16 model, and the speedup limit from the measured step times, per domain, at batch 1 and 4.
+
+    OMP_NUM_THREADS=2 python bench/real_model/bench_e2e.py --workdir runs/smollm2_fp8_eagle3 \\
+        [--batch 1,4] [--prompts 4] [--max-new-tokens 64] [--draft-len K] [--compute fp32,bf16] [--rounds 2] \\
+        [--threads 2] [--json out.json]
+
+The workdir is one `specpipe build` wrote (at least through quantize): the deployed pair is what
+artifacts/quantize/quantize.json names (FP8 target + draft), the BF16 model is artifacts/target/model, the
+prompts are the first --prompts of each artifacts/data/eval/<domain>.jsonl (the ones validate measures). The
+draft length is --draft-len, else the deployed one (tune's deployment, batch 1), else validate.max_draft_len (4).
+
+Every arm decodes the same prompts for exactly --max-new-tokens tokens (no stop at end-of-turn, so each arm does
+the same work), greedy; batch B = the domain's prompts in groups of B. Arms, timed in turn within each round
+(`--rounds` rounds: a load change on the machine hits every arm alike; medians over rounds):
+  ar/<mode>    plain decoding of the deployed FP8 target in the runtime (`SpeculativeEngine`, draft_len 0)
+  spec/<mode>  speculative decoding of the deployed pair in the runtime, k = draft length
+  hf/bf16      `model.generate` of the BF16 checkpoint loaded in bfloat16 (its dtype), greedy, KV cache
+  hf/fp32      the same in float32
+for each runtime compute mode <mode> (`fp32` exact, default; `bf16` where the CPU has native bf16 GEMMs).
+
+Limit (anchors.md): S = AL x T(1) / (T(k+1) + k x T_draft), AL from the speculative arm of the same domain and
+batch, T(m) a target forward of m tokens per row at batch B and the domains' mean context, k x T_draft the
+draft's work per step (EAGLE-3: context update + k chain passes; DFlash: one block pass), measured by
+bench_steps.py's step timers in the same process. Prints Markdown with the machine load (`uptime`) before and
+after; absolute tokens/s on a shared machine are noisy, the ratios of arms measured side by side much less.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))
+sys.path.insert(0, str(HERE))
+
+
+def read_prompts(eval_dir: Path, n: int, domains: list[str] | None) -> dict[str, list[list[int]]]:
+    out = {}
+    for f in sorted(eval_dir.glob("*.jsonl")):
+        if domains and f.stem not in domains:
+            continue
+        rows = [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
+        ids = [r["prompt_ids"] for r in rows if r.get("prompt_ids")][:n]
+        if ids:
+            out[f.stem] = ids
+    if not out:
+        raise SystemExit(f"{eval_dir}: no evaluation prompts (prompt_ids) found; run the data stage first")
+    return out
+
+
+def deployed_draft_len(wd: Path) -> int | None:
+    dep = wd / "artifacts" / "build" / "deployment.json"
+    if dep.exists():
+        d = json.loads(dep.read_text())
+        runs = (d.get("draft_schedule") or {}).get("runs")
+        if runs:
+            return int(runs[0][2])
+        if d.get("max_draft_len"):
+            return int(d["max_draft_len"])
+    return None
+
+
+def uptime() -> str:
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return "load average: %.2f, %.2f, %.2f" % os.getloadavg()
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", type=Path, required=True)
+    ap.add_argument("--batch", default="1,4")
+    ap.add_argument("--prompts", type=int, default=4, help="prompts per domain")
+    ap.add_argument("--domains", help="comma-separated subset of the eval domains")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--draft-len", type=int)
+    ap.add_argument("--compute", help="runtime compute modes (default: fp32, and bf16 with native bf16 GEMMs)")
+    ap.add_argument("--no-hf-fp32", action="store_true", help="skip the float32 HF generate arm")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args(argv)
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from bench_steps import draft_table, fill_cache, interleaved
+    from runtime.drafts import native_bf16_gemm
+    from runtime.speculative import SpeculativeEngine, load_pair
+
+    torch.set_num_threads(a.threads)
+    wd = a.workdir
+    qpath = wd / "artifacts" / "quantize" / "quantize.json"
+    if not qpath.exists():
+        raise SystemExit(f"{wd}: no committed quantize artifact ({qpath}); run `specpipe build <config>` through quantize")
+    q = json.loads(qpath.read_text())
+    arts = wd / "artifacts"
+    target_dir, draft_dir, bf16_dir = arts / q["target_dir"], arts / q["draft_dir"], arts / "target" / "model"
+    k = a.draft_len or deployed_draft_len(wd) or 4
+    modes = a.compute.split(",") if a.compute else ["fp32"] + (["bf16"] if native_bf16_gemm() else [])
+    batches = [int(b) for b in a.batch.split(",")]
+    prompts = read_prompts(arts / "data" / "eval", a.prompts, a.domains.split(",") if a.domains else None)
+    N = a.max_new_tokens
+    meta = {"workdir": str(wd), "target_dir": str(target_dir), "draft_dir": str(draft_dir), "draft_len": k,
+            "modes": modes, "batches": batches, "max_new_tokens": N, "threads": a.threads, "rounds": a.rounds,
+            "prompts_per_domain": {d: len(p) for d, p in prompts.items()}, "uptime_before": uptime(),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "torch": torch.__version__,
+            "native_bf16_gemm": native_bf16_gemm()}
+    tj = wd / "artifacts" / "train_draft" / "draft.json"
+    if tj.exists():
+        meta["train_draft"] = {x: json.loads(tj.read_text()).get(x) for x in ("algorithm", "acceptance_length")}
+    print(json.dumps(meta), flush=True)
+
+    model, draft = load_pair(target_dir, draft_dir)
+    engines = {m: SpeculativeEngine(model, draft, compute=m) for m in modes}
+    hf = {"bf16": AutoModelForCausalLM.from_pretrained(bf16_dir, dtype=torch.bfloat16).eval()}
+    if not a.no_hf_fp32:
+        hf["fp32"] = AutoModelForCausalLM.from_pretrained(bf16_dir, dtype=torch.float32).eval()
+    pad = int(hf["bf16"].config.pad_token_id if hf["bf16"].config.pad_token_id is not None else 0)
+
+    def groups(ps, b):
+        return [ps[i:i + b] for i in range(0, len(ps), b)]
+
+    def runtime_arm(eng, ps, b, kk, stats):
+        def run():
+            toks = 0
+            for g in groups(ps, b):
+                out = eng.generate(g, max_new_tokens=N, draft_len=kk, eos_token_id=None)
+                toks += sum(map(len, out.tokens))
+                if kk:
+                    stats.append(out.stats)
+            return toks
+        return run
+
+    def hf_arm(m, ps, b):
+        def run():
+            toks = 0
+            for g in groups(ps, b):
+                L = max(map(len, g))
+                ids = torch.tensor([[pad] * (L - len(p)) + p for p in g])
+                att = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in g])
+                out = m.generate(ids, attention_mask=att, max_new_tokens=N, min_new_tokens=N, do_sample=False,
+                                 eos_token_id=None, pad_token_id=pad)
+                toks += (out.shape[1] - L) * len(g)
+            return toks
+        return run
+
+    rows = []
+    with torch.no_grad():
+        for dom, ps in prompts.items():
+            for b in batches:
+                arms, stats = {}, {m: [] for m in modes}
+                for m in modes:
+                    arms[f"ar/{m}"] = runtime_arm(engines[m], ps, b, 0, [])
+                    arms[f"spec/{m}"] = runtime_arm(engines[m], ps, b, k, stats[m])
+                for name, hm in hf.items():
+                    arms[f"hf/{name}"] = hf_arm(hm, ps, b)
+                times = {n: [] for n in arms}
+                ntok = {}
+                for _ in range(a.rounds):
+                    for n, f in arms.items():
+                        t0 = time.perf_counter()
+                        ntok[n] = f()
+                        times[n].append(time.perf_counter() - t0)
+                tps = {n: ntok[n] / statistics.median(t) for n, t in times.items()}
+                al = {}
+                for m in modes:
+                    acc = sum(s.accepted for s in stats[m])
+                    steps = sum(s.steps for s in stats[m])
+                    al[m] = 1 + acc / steps if steps else None
+                row = {"domain": dom, "batch": b, "tokens_per_s": tps, "al": al,
+                       "spread": {n: [min(t), max(t)] for n, t in times.items()},
+                       "context": int(statistics.mean(len(p) for p in ps) + N / 2)}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+
+        # step times for the limit, at each batch size, the mean context of the measured prompts
+        ctx_len = int(statistics.mean(r["context"] for r in rows))
+        steps = {}
+        for b in batches:
+            toks = {m: torch.randint(0, 1000, (b, m)) for m in (1, k + 1)}
+            fns = {}
+            for mode, eng in engines.items():
+                r = eng.target
+                for mm in (1, k + 1):
+                    def f(r=r, mm=mm, b=b, mode=mode):
+                        if r.cache is None or r.cache.k[0].shape[0] != b or int(r.cache.lengths[0]) != ctx_len:
+                            fill_cache(r, b, ctx_len, k + 2)
+                        r.forward(toks[mm])
+                    fns[f"{mode}:T({mm})"] = f
+            t = interleaved(fns, 5, 3)
+            steps[b] = {n: statistics.median(v) for n, v in t.items()}
+        tdraft = {}
+        for b in batches:
+            drows = draft_table(model, {draft.algorithm: draft_dir}, modes, ctx_len, k, 5, 5, batch=b)
+            tdraft |= {(r["mode"], b): r["ms"] / 1e3 for r in drows if r["what"] == "step"}
+    for r in rows:
+        r["limit"], r["ratio_to_limit"] = {}, {}
+        for m in modes:
+            st = steps[r["batch"]]
+            t1, tk = st[f"{m}:T(1)"], st[f"{m}:T({k + 1})"]
+            td = tdraft[(m, r["batch"])]
+            lim = r["al"][m] * t1 / (tk + td) if r["al"][m] else None
+            r["limit"][m] = lim
+            meas = r["tokens_per_s"][f"spec/{m}"] / r["tokens_per_s"][f"ar/{m}"]
+            r["ratio_to_limit"][m] = meas / lim if lim else None
+    meta["uptime_after"] = uptime()
+    meta["step_ms"] = {b: {n: 1e3 * v for n, v in s.items()} for b, s in steps.items()}
+    meta["draft_step_ms"] = {f"{m} B={b}": 1e3 * v for (m, b), v in tdraft.items()}
+    meta["context_for_steps"] = ctx_len
+    md = markdown(rows, meta, modes, list(hf))
+    print("\n" + md)
+    res = {"meta": meta, "rows": rows, "markdown": md}
+    if a.json:
+        a.json.write_text(json.dumps(res, indent=2, default=str))
+    return res
+
+
+def markdown(rows, meta, modes, hf_names) -> str:
+    out = [f"k = {meta['draft_len']}, {meta['max_new_tokens']} new tokens per prompt, prompts per domain "
+           f"{meta['prompts_per_domain']}, {meta['threads']} threads, {meta['rounds']} interleaved rounds (medians); "
+           f"started {meta['started']}", f"load before: `{meta['uptime_before']}`",
+           f"load after: `{meta['uptime_after']}`", ""]
+    head = ["domain", "B"]
+    for m in modes:
+        head += [f"ar/{m} tok/s", f"spec/{m} tok/s", f"AL ({m})", f"spec/ar ({m})", f"limit ({m})",
+                 f"measured/limit ({m})"]
+    head += [f"hf/{n} tok/s" for n in hf_names] + [f"spec/{modes[-1]} / hf/{n}" for n in hf_names]
+    out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        t = r["tokens_per_s"]
+        cells = [r["domain"], str(r["batch"])]
+        for m in modes:
+            al, lim = r["al"][m], r["limit"][m]
+            cells += [f"{t[f'ar/{m}']:.1f}", f"{t[f'spec/{m}']:.1f}", f"{al:.2f}" if al else "-",
+                      f"{t[f'spec/{m}'] / t[f'ar/{m}']:.2f}x", f"{lim:.2f}x" if lim else "-",
+                      f"{r['ratio_to_limit'][m]:.2f}" if r["ratio_to_limit"][m] else "-"]
+        cells += [f"{t[f'hf/{n}']:.1f}" for n in hf_names]
+        cells += [f"{t[f'spec/{modes[-1]}'] / t[f'hf/{n}']:.2f}x" for n in hf_names]
+        out.append("| " + " | ".join(cells) + " |")
+    out += ["", f"Step times at context {meta['context_for_steps']} (ms, medians): " + "; ".join(
+        f"B={b}: " + ", ".join(f"{n} {v:.1f}" for n, v in s.items()) for b, s in meta["step_ms"].items()) +
+        "; draft work per step (k x T_draft): " +
+        ", ".join(f"{m} {v:.1f}" for m, v in meta["draft_step_ms"].items())]
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    main()
