@@ -105,7 +105,18 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     # what every greedy response must be: the runtime's own generate() on each prompt alone
-    ref = ServingEngine(model_dir / spec["target"], model_dir / spec["draft"], draft_len=spec["draft_len"])
+    wanted = a.modes.split(",")
+    if not spec.get("draft") and "speculative" in wanted:
+        # tune found that no draft length pays for this pair and export deployed the target alone
+        if wanted == ["speculative"]:
+            sys.exit(f"{a.workdir}: the exported pair does not speculate (tune turned speculation off: "
+                     f"artifacts/tune/tuning.json); only --modes plain can be measured")
+        print(f"{a.workdir}: the exported pair does not speculate (tune turned it off): measuring plain only")
+        wanted = [m for m in wanted if m != "speculative"]
+    a.modes = ",".join(wanted)
+    ref = ServingEngine(model_dir / spec["target"], model_dir / spec["draft"] if spec.get("draft") else None,
+                        draft_len=spec["draft_len"], eos_token_ids=spec.get("eos_token_ids"),
+                        compute=spec.get("compute", "fp32"))
     modes = {"speculative": ref.draft_len, "plain": 0}
     expected: dict[int, dict[str, tuple[str, int]]] = {}
     for k in {modes[m] for m in a.modes.split(",")}:
