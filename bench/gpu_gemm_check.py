@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.hardware import GPUS  # noqa: E402
-from runtime import costmodel as cm  # noqa: E402
+from runtime.cost import costmodel as cm  # noqa: E402
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 2048)
 
@@ -55,7 +55,7 @@ def gemm_ops(shape: cm.ModelShape, rows: int, prec: cm.Precision) -> list[cm.Op]
 
 class GemmStack:
     def __init__(self, shape: cm.ModelShape, dtype: str, device):
-        from runtime.profile import Matmul
+        from runtime.cost.profile import Matmul
         import torch
 
         gen = torch.Generator().manual_seed(0)
@@ -130,7 +130,7 @@ def main() -> int:
 
     import torch
 
-    from runtime import profile as P
+    from runtime.cost import profile as P
 
     if args.smoke:
         device, dtype = torch.device("cpu"), "float32"

@@ -231,7 +231,7 @@ def serve(workdir, http_port, grpc_port, metrics_port, ready_timeout, max_batch,
     """Serve the exported CPU Triton repository (FP8 target + draft) on 127.0.0.1 until Ctrl-C."""
     import time
 
-    from runtime import triton_server
+    from runtime.serving import triton_server
 
     wd = Path(workdir) if workdir else None
     if wd is None:
@@ -370,7 +370,7 @@ def profile(config, workdir, overrides, out, rows, context, rounds, dtype):
     """Measure the target's (and draft's) step time on this machine, fit the cost model, write a profile
     that `hardware.profile` can use instead of datasheet numbers."""
     from pipeline.store import Store
-    from runtime import profile as P
+    from runtime.cost import profile as P
 
     try:
         cfg = _load(config, overrides)

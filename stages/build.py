@@ -3,7 +3,7 @@
 For EAGLE-3 and DFlash TensorRT-LLM has no engine build: they run in the PyTorch backend (LLM API), where
 the deployment is the checkpoint pair plus the LLM-API options (CUDA graphs are captured when `LLM(...)`
 starts). So this stage writes, for the TensorRT-LLM version it targets (`build.trtllm_version`, default the
-version the shipped Triton image pins, `runtime/compat.py`) and in that version's forms:
+version the shipped Triton image pins, `runtime/trtllm/compat.py`) and in that version's forms:
 
   deployment/llm_api_options.yaml   speculative_config (the tuned draft length per batch size, the capture layers,
                                     the acceptance guard), batch/token/sequence limits, KV, CUDA graphs
@@ -19,7 +19,7 @@ version the shipped Triton image pins, `runtime/compat.py`) and in that version'
 
 When `tune` found that speculation never pays, the deployment is the target alone (no speculative_config) and
 the README says why. Every key is checked against the version's field list, and the named consistency checks
-of `runtime.trtllm_options.consistency_checks` must pass (a failed check fails the stage with its message).
+of `runtime.trtllm.options.consistency_checks` must pass (a failed check fails the stage with its message).
 Where `tensorrt_llm` imports and a CUDA GPU exists, `LLM(...)` is instantiated from the written options and a
 short generation is run; elsewhere the stage records plainly that the deployment was written, not loaded.
 """
@@ -34,7 +34,7 @@ from pydantic import Field, field_validator
 
 from pipeline.errors import StageError
 from pipeline.stage import Artifact, StageContext, StageSection, Strict
-from runtime import compat
+from runtime.trtllm import compat
 
 NAME = "build"
 CONSUMES: tuple[str, ...] = ("target", "data", "train_draft", "quantize", "tune")
@@ -131,8 +131,8 @@ def check(cfg) -> list[tuple[str, str]]:
 
 
 def run(ctx: StageContext) -> dict:
-    from runtime import hf_config
-    from runtime import trtllm_options as T
+    from runtime.trtllm import hf_config
+    from runtime.trtllm import options as T
 
     sec: Config = ctx.section
     version = sec.trtllm_version
@@ -225,7 +225,7 @@ def run(ctx: StageContext) -> dict:
     loaded = _try_load(sec, target_dir, options, ctx) if sec.load == "auto" else {"loaded": False, "reason": "build.load: never"}
     ctx.log.info("load: %s", "loaded" if loaded["loaded"] else loaded["reason"])
     sc = options.get("speculative_config") or {}
-    from runtime import draft_schedule
+    from runtime.trtllm import draft_schedule
 
     runs = draft_schedule.decode(sc, rel, mode, mbs) if sc else draft_schedule.DraftSchedule.constant(0)
     tnote = (tuning.get("deployment") or {}).get("note")
@@ -271,7 +271,7 @@ def _theta(config_path: Path, hf_config) -> float | None:
 
 def _tuned_schedule(tuning: dict, version: str, mode: str):
     """tune's draft-length schedule, which it fitted to what `version` runs in `mode`."""
-    from runtime.draft_schedule import DraftSchedule
+    from runtime.trtllm.draft_schedule import DraftSchedule
 
     d = tuning.get("deployment") or {}
     if "draft_schedule" not in tuning or not d:
@@ -375,8 +375,8 @@ def _try_load(sec: Config, target_dir: Path, options: dict, ctx: StageContext) -
 
 
 def _readme(doc: dict, options: dict) -> str:
-    from runtime import trtllm_options as T
-    from runtime.draft_schedule import DraftSchedule
+    from runtime.trtllm import options as T
+    from runtime.trtllm.draft_schedule import DraftSchedule
 
     rows = "\n".join(f"| `{c['name']}` | {'ok' if c['ok'] else 'FAILED'} | {c['message']} |" for c in doc["checks"])
     mbs = doc["max_batch_size"]
@@ -455,7 +455,7 @@ def _schedule_support(doc: dict) -> str:
 
 def report(artifact: Artifact) -> str:
     from pipeline.report import esc, figure, table
-    from runtime.draft_schedule import DraftSchedule
+    from runtime.trtllm.draft_schedule import DraftSchedule
 
     doc = artifact.read_json("deployment.json")
     sched = DraftSchedule.from_json(doc["draft_schedule"])

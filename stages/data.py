@@ -8,7 +8,7 @@ Conversations are rendered with the target's chat template (or `data.chat_templa
 also renders the eval prompts) and trained on the assistant's tokens only: every assistant turn's content and its
 end-of-turn token, nothing of the system or user turns or the assistant header. Templates with `{% generation %}`
 tags are used as tagged; any other template's assistant spans are derived from its own renderings and checked
-for consistency (runtime/chat_template.py); a template that cannot give a trustworthy mask is refused, naming the
+for consistency (runtime/text/chat_template.py); a template that cannot give a trustworthy mask is refused, naming the
 sample, the message and the text that differs.
 
 Optionally the target regenerates the responses (what makes a draft match its target, the EAGLE recipe): from
@@ -137,7 +137,7 @@ def check(cfg) -> list[tuple[str, str]]:
         if not p.is_file():
             problems.append(("data.chat_template", f"file not found: {sec.chat_template}"))
         else:
-            from runtime.chat_template import check_template_syntax
+            from runtime.text.chat_template import check_template_syntax
 
             try:
                 text = p.read_text(encoding="utf-8")
@@ -345,7 +345,7 @@ def _bucket(key: str, seed: int) -> float:
 def _load_renderer(tok, sec: Config):
     """The chat template this run renders with (data.chat_template, else the target's own), checked to render a
     [user, assistant] conversation, and what the artifact records about it. (None, info) when there is none."""
-    from runtime.chat_template import ChatRenderer, ChatTemplateError
+    from runtime.text.chat_template import ChatRenderer, ChatTemplateError
 
     if sec.chat_template is not None:
         text: str | None = Path(sec.chat_template).expanduser().read_text(encoding="utf-8")
@@ -407,7 +407,7 @@ def _encode_train(r, tok, s: Sample, eos_id: int) -> tuple[list[int], list[int]]
 def _encode_samples(r, tok, samples: list[Sample], max_length: int, eos_id: int, bad: Malformed, info: dict) -> list:
     """Every sample's (ids, mask) truncated to max_length, or None. Checks every conversation's mask, not one: a
     template error stops the stage (naming the sample); a sample-level one is counted as malformed."""
-    from runtime.chat_template import ChatTemplateError
+    from runtime.text.chat_template import ChatTemplateError
 
     out, empty, full = [], [], []
     for s in samples:
@@ -501,7 +501,7 @@ def _select_jobs(r, tok, candidates: list[Sample], limit: int, budget: int, max_
     """Up to `limit` jobs from `candidates` in order; prompts longer than `budget` tokens are skipped (counted)."""
     import jinja2
 
-    from runtime.chat_template import ChatTemplateError
+    from runtime.text.chat_template import ChatTemplateError
 
     jobs, skipped = [], 0
     for s in candidates:
@@ -529,7 +529,7 @@ def _select_jobs(r, tok, candidates: list[Sample], limit: int, budget: int, max_
 def regenerate(model_dir: Path, prompts: list[list[int]], keys: list[str], *, batch_size: int, max_new_tokens: int,
                temperature: float, top_p: float, stop_ids: list[int], seed: int, scratch: Path | None, log,
                stage: str = NAME) -> tuple[list[list[int]], dict]:
-    """The target's continuation of every prompt, through specpipe's runtime (`runtime.speculative`: batched
+    """The target's continuation of every prompt, through specpipe's runtime (`runtime.engine.speculative`: batched
     KV-cache decoding, draft_len 0). Prompts are sorted by (length, key) into batches of `batch_size`; batch b is
     decoded with seed `seed + b`; each finished batch is written to `scratch` and reused on a rerun (an interrupted
     regeneration continues where it stopped). Returns (generated ids per prompt, cut after the first stop id, and
@@ -568,12 +568,12 @@ def regenerate(model_dir: Path, prompts: list[list[int]], keys: list[str], *, ba
             bar.update(resumed)
         for b, idx in todo:
             if engine is None:
-                from runtime.speculative import SpeculativeEngine, load_target
+                from runtime.engine.speculative import SpeculativeEngine, load_target
 
                 t0 = time.perf_counter()
                 engine = SpeculativeEngine(load_target(model_dir))
                 load_s = time.perf_counter() - t0
-                log.info("regeneration: target loaded through runtime.speculative in %.1fs", load_s)
+                log.info("regeneration: target loaded through runtime.engine.speculative in %.1fs", load_s)
             batch = [prompts[j] for j in idx]
             t0 = time.perf_counter()
             g = engine.generate(batch, max_new_tokens=max_new_tokens, draft_len=0, temperature=temperature, top_p=top_p,
@@ -596,7 +596,7 @@ def regenerate(model_dir: Path, prompts: list[list[int]], keys: list[str], *, ba
     outs = [t or [] for t in results]
     ended = sum(1 for t in outs if t and t[-1] in stop)
     stats = {
-        "engine": "runtime.speculative (autoregressive, KV cache, draft_len 0)",
+        "engine": "runtime.engine.speculative (autoregressive, KV cache, draft_len 0)",
         "prompts": n, "batches": len(batches), "batch_size": batch_size, "resumed_prompts": resumed,
         "resumed_batches": resumed_batches, "generated_prompts": generated, "max_new_tokens": max_new_tokens,
         "temperature": temperature, "top_p": top_p, "stop_ids": list(stop_ids),
@@ -620,7 +620,7 @@ def _template_consistency(r, tok, jobs: list[RegenJob], gens: list[list[int]], e
     """For responses that ended at the template's end of turn: does the template, rendering the conversation with
     the decoded response as the assistant turn, give exactly this sample (ids and mask, up to the end of turn)?
     A mismatch is not an error (a model may emit a non-canonical tokenization); it is counted and shown."""
-    from runtime.chat_template import ChatTemplateError
+    from runtime.text.chat_template import ChatTemplateError
 
     checked, same, first = 0, 0, None
     for j, g in zip(jobs, gens):

@@ -8,9 +8,9 @@
                  (`/app/all_models/llmapi/tensorrt_llm/1/{model.py,helpers.py}`); launch.sh assembles a
                  serving copy of the repository with it, so the mounted directory stays read-only.
   triton_cpu/    the same model name and request/response interface, served by a Python-backend model that runs
-                 the same FP8 pair through specpipe's speculative runtime (runtime/triton_model/model.py), so
+                 the same FP8 pair through specpipe's speculative runtime (runtime/serving/triton_model/model.py), so
                  `specpipe serve` answers on a CPU with the acceptance statistics TensorRT-LLM would report.
-  speculators/   the draft in the speculators format for vLLM (runtime/speculators_format.py), with the tuned
+  speculators/   the draft in the speculators format for vLLM (runtime/vllm/speculators_format.py), with the tuned
                  draft length, a README and `serve_vllm.sh` (`vllm serve <FP8 target> --speculative-config ...`).
   export.json    what was exported and checked.
 
@@ -55,8 +55,8 @@ class Config(StageSection):
 def run(ctx: StageContext) -> dict:
     import yaml
 
-    from runtime import compat
-    from runtime import trtllm_options as T
+    from runtime.trtllm import compat
+    from runtime.trtllm import options as T
 
     sec: Config = ctx.section
     acc = ctx.input("validate").read_json("acceptance.json")
@@ -113,7 +113,7 @@ def run(ctx: StageContext) -> dict:
 
         import runtime
 
-        (cdir / "model.py").write_text(resources.files("runtime").joinpath("triton_model", "model.py").read_text())
+        (cdir / "model.py").write_text(resources.files("runtime.serving").joinpath("triton_model", "model.py").read_text())
         runs = (dep.get("draft_schedule") or {}).get("runs") or [[1, 1, 0]]
         (cdir / "specpipe_model.json").write_text(json.dumps({
             "target": "target_fp8", "draft": "draft" if speculation else None, "algorithm": dep["algorithm"],
@@ -148,7 +148,7 @@ def run(ctx: StageContext) -> dict:
 
 def _speculators(ctx: StageContext, dep: dict, options: dict) -> dict:
     """speculators/: the trained (BF16) draft in the speculators format, its README and `serve_vllm.sh`."""
-    from runtime import speculators_format as S
+    from runtime.vllm import speculators_format as S
 
     src = ctx.input("train_draft").path / "draft"
     final = Path(ctx.workdir).resolve() / "artifacts" / NAME / "speculators"     # where it lives once committed
@@ -179,15 +179,15 @@ def _speculators(ctx: StageContext, dep: dict, options: dict) -> dict:
 
 
 def fingerprint_extra(section: Config) -> dict | None:
-    """The CPU repository carries a copy of runtime/triton_model/model.py: its content enters the fingerprint,
+    """The CPU repository carries a copy of runtime/serving/triton_model/model.py: its content enters the fingerprint,
     so a changed serving model is re-exported."""
     if not section.cpu_repository:
         return None
     import hashlib
     from importlib import resources
 
-    text = resources.files("runtime").joinpath("triton_model", "model.py").read_bytes()
-    return {"runtime/triton_model/model.py": hashlib.sha256(text).hexdigest()}
+    text = resources.files("runtime.serving").joinpath("triton_model", "model.py").read_bytes()
+    return {"runtime/serving/triton_model/model.py": hashlib.sha256(text).hexdigest()}
 
 
 def _require_gate(acc: dict) -> None:
@@ -298,7 +298,7 @@ docker run --gpus all --rm -it --ipc=host --shm-size=2g -p 8000:8000 -p 8001:800
   -v {here}:{sec.container_path}:ro \\
   {img} bash {sec.container_path}/launch.sh
 ```
-Container for this version (runtime/compat.py): `{img}`.
+Container for this version (runtime/trtllm/compat.py): `{img}`.
 
 ## Ask
 ```bash

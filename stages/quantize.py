@@ -14,7 +14,7 @@ What it does, for the recipe in `format` (then each of `fallback_formats` while 
 4. Exports a ModelOpt unified Hugging Face checkpoint (`export_hf_checkpoint`) with `hf_quant_config.json`
    (TensorRT-LLM 1.2 ignores the FP8 scales without it) and the target's tokenizer, and runs named format checks
    for the recipe (`check_checkpoint`).
-5. Measures quality by running the exported checkpoint itself through `runtime.fp8` (TensorRT-LLM's arithmetic:
+5. Measures quality by running the exported checkpoint itself through `runtime.engine.fp8` (TensorRT-LLM's arithmetic:
    E4M3 activations, fused-layer scales, FP8 KV with unit scales) against the unquantized target on
    `heldout.parquet`: perplexity before/after, next-token top-1 agreement, mean KL. The exported model is also
    compared with ModelOpt's own fake-quant model: layer by layer on the same inputs (the executor's exactness),
@@ -181,7 +181,7 @@ def run(ctx: StageContext) -> dict:
     quality = dict(chosen["quality"])
     quality.update(target_dir=str(target_dir), checkpoint="target_fp8", format=chosen["recipe"],
                    quant_algo=RECIPES[chosen["recipe"]]["quant_algo"],
-                   runtime="runtime.fp8 (emulated E4M3 on " + device.type + ", TensorRT-LLM 1.2 semantics: fused-layer "
+                   runtime="runtime.engine.fp8 (emulated E4M3 on " + device.type + ", TensorRT-LLM 1.2 semantics: fused-layer "
                    "scales, FP8 KV with unit scales)", kv_cache=sec.kv_cache, max_ppl_increase=sec.max_ppl_increase,
                    recipes=[_recipe_row(c) for c in tried])
     ctx.log.info("quality (%s): perplexity %.4f -> %.4f (%+.3f%%), top-1 agreement %.4f, mean KL %.3g nats; export vs "
@@ -247,7 +247,7 @@ def _try_recipe(ctx: StageContext, sec: Config, recipe: str, target_dir: Path, c
     """Calibrate, align, (search), export into scratch, check and measure one recipe. Returns the candidate."""
     import torch
 
-    from runtime.fp8 import load_causal_lm
+    from runtime.engine.fp8 import load_causal_lm
 
     t0 = time.monotonic()
     kv = sec.kv_cache
@@ -291,7 +291,7 @@ def _try_recipe(ctx: StageContext, sec: Config, recipe: str, target_dir: Path, c
 
 def _place(model, device):
     """On `device`, or spread over all visible GPUs when it does not fit one (a 70B target)."""
-    from runtime.placement import PlacementError, place
+    from runtime.engine.placement import PlacementError, place
 
     try:
         return place(model, device)
@@ -408,8 +408,8 @@ def quantized_linears(model) -> dict:
 
 
 def _fused_groups(names) -> list[list[str]]:
-    """TensorRT-LLM's fused GEMMs among `names`: q/k/v and gate/up of one block (runtime.fp8.FUSED_GROUPS)."""
-    from runtime.fp8 import FUSED_GROUPS
+    """TensorRT-LLM's fused GEMMs among `names`: q/k/v and gate/up of one block (runtime.engine.fp8.FUSED_GROUPS)."""
+    from runtime.engine.fp8 import FUSED_GROUPS
 
     names = set(names)
     groups = []
@@ -426,19 +426,19 @@ def align_with_deployment(model, log=None) -> dict:
 
     1. Per-tensor q/k/v and gate/up get one shared weight (and input) amax, with ModelOpt's own
        `preprocess_linear_fusion`. TensorRT-LLM runs each group as one GEMM with one weight scale: given separate
-       scales it re-quantizes the members onto the largest at load time (runtime.fp8.trtllm_fuse_scales), a second
+       scales it re-quantizes the members onto the largest at load time (runtime.engine.fp8.trtllm_fuse_scales), a second
        rounding the calibrated model never saw. ModelOpt 0.47's export skips this fusion for FP8
        (unified_export_hf.py `_fuse_shared_input_modules` excludes QUANTIZATION_FP8), so the stage does it.
        Per-channel scales are concatenated by TensorRT-LLM unchanged: nothing to do there.
     2. Every quantized weight is replaced by its exact E4M3 dequantization as the export computes it
-       (`weight / (amax / 448)` rounded to nearest even, runtime.fp8.quantize_weight), so the fake-quant model
+       (`weight / (amax / 448)` rounded to nearest even, runtime.engine.fp8.quantize_weight), so the fake-quant model
        holds the checkpoint's codes: its own `weight * (448 / amax)` breaks exact rounding ties the other way
        (about 1% of SmolLM2's weights, which sit on a 4-bit grid, lie exactly on a tie).
     Returns {"fused_groups": n, "snapped_weights": n}."""
     import torch
     from modelopt.torch.export.quant_utils import preprocess_linear_fusion
 
-    from runtime.fp8 import FP8_MAX, dequantize_weight, quantize_weight
+    from runtime.engine.fp8 import FP8_MAX, dequantize_weight, quantize_weight
 
     lin = quantized_linears(model)
     fused = 0
@@ -481,7 +481,7 @@ def disable_quantizers(model, patterns: list[str]) -> list[str]:
 @contextlib.contextmanager
 def kv_unit_scales(model):
     """Within the block, ModelOpt's KV quantizers use scale 1 (amax 448): TensorRT-LLM 1.2's PyTorch backend
-    quantizes the FP8 KV cache with unit scales whatever k_scale/v_scale say (see runtime.fp8.attach_kv_scales).
+    quantizes the FP8 KV cache with unit scales whatever k_scale/v_scale say (see runtime.engine.fp8.attach_kv_scales).
     The calibrated amax is restored afterwards, so the export still writes the calibrated k_scale/v_scale."""
     import torch
 
@@ -514,14 +514,14 @@ def decoder_layers(model) -> tuple[str, list]:
 
 class _SearchModel:
     """The unquantized target with, per decoder layer, its linears switchable between the original (BF16) modules
-    and `runtime.fp8.FP8Linear`s built from the calibrated ModelOpt model (the same codes and scales the export
+    and `runtime.engine.fp8.FP8Linear`s built from the calibrated ModelOpt model (the same codes and scales the export
     writes), plus the FP8 KV cache (unit scales, as TensorRT-LLM runs it) on every layer."""
 
     def __init__(self, fq_model, target_dir: Path, recipe: str, kv_cache: str, device, dtype):
         import torch
         from transformers import AutoModelForCausalLM
 
-        from runtime.fp8 import FP8_MAX, FP8Linear, quantize_weight
+        from runtime.engine.fp8 import FP8_MAX, FP8Linear, quantize_weight
 
         self.model = _place(AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype), device).eval()
         self.prefix, self.layers = decoder_layers(self.model)
@@ -547,7 +547,7 @@ class _SearchModel:
         """Quantize exactly the decoder layers in `quantized`; FP8 KV on every layer when `kv`."""
         import torch
 
-        from runtime.fp8 import KV_ATTN_IMPL, enable_fp8_kv
+        from runtime.engine.fp8 import KV_ATTN_IMPL, enable_fp8_kv
 
         for i, entries in self.units.items():
             for name, orig, lin in entries:
@@ -741,7 +741,7 @@ def export_target(model, out_dir: Path, source_dir: Path, dtype) -> None:
     cfg = json.loads((out_dir / "config.json").read_text())
     cfg["dtype"] = str(dtype).replace("torch.", "")
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
-    from runtime.hf_config import normalize_file  # RoPE in the form TensorRT-LLM 1.2 and 1.3 read
+    from runtime.trtllm.hf_config import normalize_file  # RoPE in the form TensorRT-LLM 1.2 and 1.3 read
     normalize_file(out_dir / "config.json")
     copy_tokenizer(source_dir, out_dir)
 
@@ -752,7 +752,7 @@ def cast_high_precision(out: Path, dtype_for) -> int:
     tensor)` (the deployment dtype). FP8 weights and float32 scales are left alone. Returns how many changed."""
     from safetensors.torch import save_file
 
-    from runtime.fp8 import FP8_DTYPE, SCALE_SUFFIXES, read_safetensors
+    from runtime.engine.fp8 import FP8_DTYPE, SCALE_SUFFIXES, read_safetensors
 
     sd = read_safetensors(out)
     n = 0
@@ -808,7 +808,7 @@ def check_checkpoint(path: Path, *, kv_cache: bool, exclude: list[str] = (), qua
     on a bad checkpoint."""
     import torch
 
-    from runtime.fp8 import FP8_DTYPE, read_safetensors
+    from runtime.engine.fp8 import FP8_DTYPE, read_safetensors
 
     path = Path(path)
     res: list[dict] = []
@@ -1008,7 +1008,7 @@ def _near_boundary(v, rel: float = 1e-5):
     float32 noise of) a rounding boundary, where two correct arithmetics may pick different neighbours."""
     import torch
 
-    from runtime.fp8 import FP8_DTYPE, FP8_MAX
+    from runtime.engine.fp8 import FP8_DTYPE, FP8_MAX
 
     lo = (v * (1 - rel)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float()
     hi = (v * (1 + rel)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float()
@@ -1016,7 +1016,7 @@ def _near_boundary(v, rel: float = 1e-5):
 
 
 def modulewise_agreement(test, captured: dict) -> dict[str, dict]:
-    """Every FP8 linear of `test` (the exported checkpoint in runtime.fp8) against ModelOpt's fake-quant module,
+    """Every FP8 linear of `test` (the exported checkpoint in runtime.engine.fp8) against ModelOpt's fake-quant module,
     both fed the same input rows, without any amplification by later layers:
 
     - `act_mismatch`: activation E4M3 codes that differ although the value is not at a rounding boundary (must be
@@ -1029,7 +1029,7 @@ def modulewise_agreement(test, captured: dict) -> dict[str, dict]:
     import torch
     import torch.nn.functional as F
 
-    from runtime.fp8 import FP8_DTYPE, FP8_MAX, FP8_MIN_TOKEN_SCALE, FP8Linear
+    from runtime.engine.fp8 import FP8_DTYPE, FP8_MAX, FP8_MIN_TOKEN_SCALE, FP8Linear
 
     out = {}
     mods = dict(test.named_modules())
@@ -1068,7 +1068,7 @@ def modulewise_agreement(test, captured: dict) -> dict[str, dict]:
 
 def layerwise_agreement(test, captured: list) -> list[float]:
     """Relative L2 error ||test_layer(x) - fq_layer(x)|| / ||fq_layer(x)|| of every decoder layer of `test` (the
-    exported checkpoint in runtime.fp8) fed exactly the input ModelOpt's fake-quant layer got: the GEMMs plus the
+    exported checkpoint in runtime.engine.fp8) fed exactly the input ModelOpt's fake-quant layer got: the GEMMs plus the
     attention with its FP8 KV cache. A rounding flip that `modulewise_agreement` allows can be amplified inside a
     sensitive layer (softmax, SwiGLU); a systematic error shows in every layer."""
     import torch
@@ -1242,7 +1242,7 @@ def _eagle_model(target_dir: Path, draft_dir: Path, device, dtype):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from runtime.fp8 import FP8_DTYPE, read_safetensors
+    from runtime.engine.fp8 import FP8_DTYPE, read_safetensors
 
     dcfg = json.loads((draft_dir / "config.json").read_text())
     if "LlamaForCausalLMEagle3" not in (dcfg.get("architectures") or []):
@@ -1288,13 +1288,13 @@ def quantize_eagle_checkpoint(target_dir: Path, draft_dir: Path, out: Path, cali
     """FP8-quantize an exported EAGLE-3 draft: rebuild ModelOpt's EAGLE model around the target, quantize only the
     draft (`eagle_module`), calibrate with the training-time forward (every TTT step runs the draft on its own
     outputs, as speculative decoding does), export with `export_speculative_decoding`, keep the original draft
-    config (plus `quantization_config`) and tokenizer. Then load the written draft back through `runtime.fp8`
+    config (plus `quantization_config`) and tokenizer. Then load the written draft back through `runtime.engine.fp8`
     and compare its EAGLE loss with the fake-quant model's: the export's consistency check."""
     import modelopt.torch.quantization as mtq
     import torch
     from modelopt.torch.export import export_speculative_decoding
 
-    from runtime.fp8 import enable_fp8_kv, load_fp8_state_dict, read_safetensors
+    from runtime.engine.fp8 import enable_fp8_kv, load_fp8_state_dict, read_safetensors
 
     device = device or torch.device("cpu")
     dtype = dtype or torch.float32
@@ -1326,7 +1326,7 @@ def quantize_eagle_checkpoint(target_dir: Path, draft_dir: Path, out: Path, cali
     cast_high_precision(out, lambda k, v: orig[k].dtype if k in orig else v.dtype)
     copy_tokenizer(draft_dir, out)
 
-    # consistency: the written FP8 draft, run through runtime.fp8, against ModelOpt's fake-quant draft
+    # consistency: the written FP8 draft, run through runtime.engine.fp8, against ModelOpt's fake-quant draft
     check_model, _, _ = _eagle_model(target_dir, draft_dir, device, dtype)
     sd = read_safetensors(out)
     if not has_lm_head:

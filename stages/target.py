@@ -127,7 +127,7 @@ def run(ctx: StageContext) -> dict:
 
 def _stop_ids(model_dir: Path, tok, log) -> dict:
     """Every id that ends a generation (see the module docstring), each source logged, disagreements warned."""
-    from runtime.chat_template import resolve_stop_ids
+    from runtime.text.chat_template import resolve_stop_ids
 
     raw = json.loads((model_dir / "config.json").read_text())
     text_cfg = raw.get("text_config") or {}

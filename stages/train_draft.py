@@ -217,7 +217,7 @@ def check(cfg) -> list[tuple[str, str]]:
     if a.kind == "dflash":
         if sec.seq_len % a.block_size:
             out.append((f"{p}.seq_len", f"{sec.seq_len} is not divisible by algorithm.block_size {a.block_size} (DFlash trains whole blocks)"))
-        from runtime.draft_schedule import dflash_max_draft_len
+        from runtime.trtllm.draft_schedule import dflash_max_draft_len
 
         if sec.eval.draft_len and sec.eval.draft_len > dflash_max_draft_len(a.block_size):
             out.append((f"{p}.eval.draft_len", f"{sec.eval.draft_len} exceeds block_size - 1 = {dflash_max_draft_len(a.block_size)}, what one DFlash block drafts"))
@@ -273,7 +273,7 @@ def _shape_problems(sec: Config, n_layers: int, vocab: int, layers_src: str, voc
 
 def _resolve(ctx: StageContext, summary: dict, tok) -> dict:
     """Algorithm options with the target's values filled in; raises StageError for impossible ones."""
-    from runtime.draft_schedule import dflash_max_draft_len
+    from runtime.trtllm.draft_schedule import dflash_max_draft_len
 
     sec: Config = ctx.section
     a = sec.algorithm
@@ -423,7 +423,7 @@ class _Bars:
 
 
 def _train_in_process(ctx: StageContext, job: dict, bars: _Bars) -> dict:
-    from runtime import draft_training as dt
+    from runtime.training import draft_training as dt
 
     try:
         return dt.train(job, emit=bars)
@@ -439,11 +439,11 @@ def _torchrun_cmd(sec: Config, job_path: Path, node_rank: int) -> list[str]:
     else:
         cmd += ["--nnodes", str(L.nnodes), "--node-rank", str(node_rank), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", L.rdzv_endpoint, "--rdzv-id", L.rdzv_id]
-    return cmd + ["-m", "runtime.draft_training", "--job", str(job_path)]
+    return cmd + ["-m", "runtime.training.draft_training", "--job", str(job_path)]
 
 
 def _train_torchrun(ctx: StageContext, job: dict, bars: _Bars) -> dict:
-    from runtime.draft_training import PROGRESS_PREFIX
+    from runtime.training.draft_training import PROGRESS_PREFIX
 
     sec: Config = ctx.section
     ctx.scratch_dir.mkdir(parents=True, exist_ok=True)
@@ -507,7 +507,7 @@ def _train_torchrun(ctx: StageContext, job: dict, bars: _Bars) -> dict:
 
 
 def run(ctx: StageContext) -> dict:
-    from runtime.draft_checks import Expect, as_dicts, check_draft, failures, TOKENIZER_FILES
+    from runtime.training.draft_checks import Expect, as_dicts, check_draft, failures, TOKENIZER_FILES
 
     sec: Config = ctx.section
     job = make_job(ctx)
@@ -529,7 +529,7 @@ def run(ctx: StageContext) -> dict:
         if (model_dir / name).exists():
             shutil.copy2(model_dir / name, draft_dir / name)
 
-    from runtime.hf_config import normalize_file  # RoPE in the form TensorRT-LLM 1.2 and 1.3 read
+    from runtime.trtllm.hf_config import normalize_file  # RoPE in the form TensorRT-LLM 1.2 and 1.3 read
     normalize_file(draft_dir / "config.json")
     cfg = json.loads((draft_dir / "config.json").read_text())
     capture = a["aux_layer_ids"] if a["name"] == "eagle3" else a["target_layer_ids"]

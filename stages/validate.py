@@ -1,7 +1,7 @@
 """Stage `validate`: acceptance of the deployed pair, per evaluation domain, against gates.
 
 Measured on what will be deployed: the target and draft directories named by `quantize.json` (the FP8 target,
-and the draft to deploy), read from their exported files by `runtime.speculative`. The unquantized pair
+and the draft to deploy), read from their exported files by `runtime.engine.speculative`. The unquantized pair
 (`target/model` + `train_draft/draft`) is measured the same way, so retention = AL(deployed) / AL(BF16) shows
 what quantization cost (reference trtllm-triton.md §8.1: a draft trained on BF16 hidden states can lose
 acceptance on an FP8 target).
@@ -10,7 +10,7 @@ Per domain and pair: acceptance length (TensorRT-LLM's definition), per-position
 `validate.max_draft_len` (the `tune` stage derives the deployed length from these curves), draft acceptance
 rate, drafted/accepted totals. Also tokens/s of speculative vs autoregressive decoding and the step costs.
 
-The lossless check has three parts (`runtime/lossless.py`, docs/stages/validate.md says what each proves):
+The lossless check has three parts (`runtime/engine/lossless.py`, docs/stages/validate.md says what each proves):
 exact on the unquantized pair (greedy speculative == autoregressive, token for token, fp32 ties excepted);
 the acceptance-rule invariant on every decoding run of both pairs (each emitted token is what the rule picks
 from the logits of the same verification forward; the stream and the cache length are continuous); and
@@ -263,10 +263,10 @@ def _device(ctx) -> str:
 def _run_reference(ctx, sec: Config, deployed: dict, bf16: dict | None, prompts: dict, eos, *, same: bool = False) -> dict:
     import torch
 
-    from runtime.draft_schedule import dflash_max_draft_len
-    from runtime.drafts import DraftFormatError, summarize
-    from runtime.lossless import InvariantTally
-    from runtime.speculative import SpeculativeEngine, load_pair
+    from runtime.trtllm.draft_schedule import dflash_max_draft_len
+    from runtime.engine.drafts import DraftFormatError, summarize
+    from runtime.engine.lossless import InvariantTally
+    from runtime.engine.speculative import SpeculativeEngine, load_pair
 
     dev = _device(ctx)
     pairs = [("fp8", deployed)] + ([("bf16", bf16)] if bf16 else [])
@@ -329,8 +329,8 @@ def _run_reference(ctx, sec: Config, deployed: dict, bf16: dict | None, prompts:
 def _other_norm(ctx, sec: Config, model, pair, expected, K, eos, prompts, res, dev, tally) -> None:
     """The deployed pair once more with the other EAGLE-3 first-layer norm: ModelOpt trains with
     hidden_norm(input_layernorm(h)), TensorRT-LLM/vLLM/SGLang serve hidden_norm(h) (docs/stages/validate.md)."""
-    from runtime.drafts import load_draft
-    from runtime.speculative import SpeculativeEngine, target_shape
+    from runtime.engine.drafts import load_draft
+    from runtime.engine.speculative import SpeculativeEngine, target_shape
 
     other = "serving" if sec.first_layer_norm == "modelopt" else "modelopt"
     draft = load_draft(pair["draft_dir"], target_shape(model), device=dev, first_layer_norm=other,
@@ -356,8 +356,8 @@ def _trained_layers(ctx) -> list[int] | None:
 def _measure(eng, prompts, sec: Config, K: int, eos, *, speculative: bool, temperature: float | None = None,
              batch_size: int | None = None, tally=None, run: str = ""):
     """Decode `prompts` in batches; every generate call is checked by the acceptance-rule invariant (`tally`)."""
-    from runtime.lossless import checked_generate
-    from runtime.speculative import RunStats
+    from runtime.engine.lossless import checked_generate
+    from runtime.engine.speculative import RunStats
 
     bs = batch_size or sec.batch_size
     total, outs = RunStats(K if speculative else 0), []
@@ -379,7 +379,7 @@ def _exact(ctx, eng, sec: Config, K: int, eos, sub, tally, label: str, spec_out=
     """Unquantized pair: greedy speculative (batch `batch_size`) == autoregressive (batch 1), token for token.
     The one tolerance: at a divergence, the two tokens' logits from one fresh forward over the reference prefix
     differ by less than `gates.tie_margin` (an fp32 accumulation-order tie; see docs/stages/validate.md)."""
-    from runtime.speculative import lossless_diff, tie_margins
+    from runtime.engine.speculative import lossless_diff, tie_margins
 
     if spec_out is None:
         spec_out = _measure(eng, sub, sec, K, eos, speculative=True, temperature=0.0, tally=tally, run=f"{label}/exact")[1]
@@ -406,8 +406,8 @@ def _lossless_and_speed(ctx, eng, sec: Config, K: int, eos, prompts: dict, bar, 
     """Deployed pair, greedy: speculative and autoregressive decoding (tokens/s, step costs), the batch-1
     autoregressive reference and the noise-floor arms, the statistical check; `exact` (the deployed pair is
     the unquantized one): the exact check too."""
-    from runtime.lossless import decode_chunked_prefill
-    from runtime.speculative import predicted_speedup
+    from runtime.engine.lossless import decode_chunked_prefill
+    from runtime.engine.speculative import predicted_speedup
 
     n = sec.lossless_prompts
     if n == 0:
@@ -461,8 +461,8 @@ def _statistical(ctx, model, sec: Config, K: int, sub, spec_out, ref, noise_arms
     """Deployed pair: the speculative arm's first-divergence rate against batch-1 autoregressive decoding,
     tested against the pooled rate of the noise arms (the same target and prompts, autoregressive, other
     forward shapes)."""
-    from runtime.lossless import divergence, rate_test
-    from runtime.speculative import lossless_diff, tie_margins
+    from runtime.engine.lossless import divergence, rate_test
+    from runtime.engine.speculative import lossless_diff, tie_margins
 
     g = sec.gates
     spec = divergence(spec_out, ref)
@@ -583,7 +583,7 @@ def trtllm_llm_kwargs(target_dir, draft_dir, *, algorithm: str, max_draft_len: i
         if aux_layer_ids is None:
             raise ValueError("the EAGLE-3 draft's config.json names no eagle_aux_hidden_state_layer_ids")
         # always: unset, TensorRT-LLM captures (1, L//2-1, L-4) and sizes fc for 3 layers, whatever the draft was
-        # trained on (runtime/compat.py SOURCES["layers_to_capture"])
+        # trained on (runtime/trtllm/compat.py SOURCES["layers_to_capture"])
         spec["eagle3_layers_to_capture"] = list(aux_layer_ids)
     return {
         "model": str(target_dir), "backend": "pytorch", "max_batch_size": batch_size,
@@ -614,10 +614,10 @@ def _run_trtllm(ctx, sec: Config, deployed: dict, bf16: dict | None, prompts: di
     from tensorrt_llm import LLM, SamplingParams
     from tensorrt_llm import llmapi
 
-    from runtime import compat
-    from runtime.draft_schedule import dflash_max_draft_len
-    from runtime.drafts import draft_algorithm
-    from runtime.trtllm_options import trtllm_draft_dir
+    from runtime.trtllm import compat
+    from runtime.trtllm.draft_schedule import dflash_max_draft_len
+    from runtime.engine.drafts import draft_algorithm
+    from runtime.trtllm.options import trtllm_draft_dir
 
     res: dict = {"domains": {d: {} for d in prompts}, "overall": {}, "trtllm_version": tensorrt_llm.__version__,
                  "lossless": {"checked_prompts": 0, "passed": None, "note": "not checked by the tensorrt_llm runtime"}}

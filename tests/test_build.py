@@ -1,8 +1,8 @@
 """Stage `build`: LLM-API options per TensorRT-LLM version and mode, named consistency checks, command files.
 
 TensorRT-LLM cannot be installed here, so these tests check what can be checked without it: every generated
-key exists in the targeted version's field list (runtime/schemas, extracted from llm_args.py), each version's
-behaviour as read from its source (runtime/compat.py SOURCES; each test that encodes one names it), each
+key exists in the targeted version's field list (runtime/trtllm/schemas, extracted from llm_args.py), each version's
+behaviour as read from its source (runtime/trtllm/compat.py SOURCES; each test that encodes one names it), each
 consistency check failing on a broken input with its message, and the generated shell scripts passing paths
 with spaces/quotes/dollars through bash unchanged. The stage itself runs on synthetic upstream artifacts (tiny
 checkpoint dirs written here: config.json, hf_quant_config.json, a draft with real safetensors files named as
@@ -24,9 +24,9 @@ import yaml
 
 from pipeline.errors import StageError
 from pipeline.stage import Artifact, StageContext
-from runtime import compat, draft_schedule, hf_config
-from runtime import trtllm_options as T
-from runtime.draft_schedule import DraftSchedule
+from runtime.trtllm import compat, draft_schedule, hf_config
+from runtime.trtllm import options as T
+from runtime.trtllm.draft_schedule import DraftSchedule
 from stages import build
 
 REF_SCHEMAS = Path(__file__).resolve().parents[2] / "shared" / "reference" / "schemas"
@@ -196,7 +196,7 @@ def test_packaged_schemas_match_the_reference():
 
 
 def test_schedule_is_written_in_each_versions_semantics_and_read_back():
-    """1.2 keys are lower bounds, 1.3 upper bounds (runtime/schemas rules, from llm_args.py); what is written
+    """1.2 keys are lower bounds, 1.3 upper bounds (runtime/trtllm/schemas rules, from llm_args.py); what is written
     decodes back to the same step function under the version's rules."""
     s12 = T.llm_api_options(spec(**TWO_MODEL_12))["speculative_config"]
     s13 = T.llm_api_options(spec(**ONE_ENGINE_13))["speculative_config"]

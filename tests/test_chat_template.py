@@ -1,4 +1,4 @@
-"""Assistant-only loss masks from real chat templates (runtime/chat_template.py), exact to the token.
+"""Assistant-only loss masks from real chat templates (runtime/text/chat_template.py), exact to the token.
 
 Templates: SmolLM2-135M-Instruct's own (the prepared model, `real_model`), and the shipped templates of
 Llama-3.3-70B-Instruct, Qwen3 and vLLM's ChatML example, stored verbatim under tests/data/chat_templates/ (see its
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.chat_template import ChatRenderer, ChatTemplateError, check_template_syntax, resolve_stop_ids
+from runtime.text.chat_template import ChatRenderer, ChatTemplateError, check_template_syntax, resolve_stop_ids
 
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
 

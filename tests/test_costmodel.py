@@ -1,4 +1,4 @@
-"""The roofline cost model (runtime.costmodel), the GPU table, and `specpipe profile` (runtime.profile).
+"""The roofline cost model (runtime.cost.costmodel), the GPU table, and `specpipe profile` (runtime.cost.profile).
 
 No timed assertions: measured numbers are only checked for shape and sanity; the accuracy of the fitted model
 is measured and reported in docs/benchmarks.md, not asserted here.
@@ -11,7 +11,7 @@ import math
 import pytest
 
 from pipeline.hardware import GPUS
-from runtime import costmodel as cm
+from runtime.cost import costmodel as cm
 
 from conftest import run_cli, tiny_overrides
 
@@ -131,10 +131,10 @@ def test_choose_k_prefers_shorter_within_tolerance_and_turns_off_below_min():
 
 def test_schedule_round_trip_for_every_step_function():
     """Every non-increasing step function tune can produce is written so that the targeted version runs exactly
-    it, or refused where the version cannot (runtime/draft_schedule.py; compat.SOURCES)."""
+    it, or refused where the version cannot (runtime/trtllm/draft_schedule.py; compat.SOURCES)."""
     import itertools
 
-    from runtime import compat, draft_schedule as D
+    from runtime.trtllm import compat, draft_schedule as D
 
     r12, r13 = compat.release("1.2.1"), compat.release("1.3.0rc27")
     for ks_runs in itertools.product([5, 3, 1], [3, 1, 0], [1, 0]):
@@ -200,7 +200,7 @@ def test_overlap_and_cache_terms():
 def tiny_profile():
     import torch
 
-    from runtime import profile as P
+    from runtime.cost import profile as P
 
     shape = cm.llama("t", num_layers=2, hidden=32, heads=2, kv_heads=1, intermediate=64, vocab=128)
     draft = cm.draft_shape({"algorithm": "eagle3", "num_layers": 1, "aux_layer_ids": [0, 1]},
@@ -211,7 +211,7 @@ def tiny_profile():
 
 
 def test_profile_document_is_usable_by_tune(tiny_profile):
-    from runtime import profile as P
+    from runtime.cost import profile as P
 
     doc = tiny_profile
     assert P.check_profile(doc) == []
@@ -259,7 +259,7 @@ def test_gpu_check_script_runs_in_smoke_mode(tmp_path):
     doc = json.loads((tmp_path / "gemm_check.json").read_text())
     assert [p["rows"] for p in doc["stacks"]["tiny"]["points"]] == [1, 8]
     assert "| M | measured ms | datasheet ms |" in r.stdout
-    from runtime import profile as P
+    from runtime.cost import profile as P
 
     assert P.check_profile(json.loads((tmp_path / "h200_profile.json").read_text())) == []
 
@@ -289,7 +289,7 @@ def test_measured_footprint_bandwidth_replaces_the_cache_blend():
 
 
 def test_attention_solve_reproduces_both_measurements():
-    from runtime.profile import _solve_attention
+    from runtime.cost.profile import _solve_attention
 
     bw, pk = 20e9, 50e9
     pts = [(b / bw + f / pk, f, b) for f, b in ((1.7e7, 1.7e7), (1.36e8, 1.76e7))]

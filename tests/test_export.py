@@ -21,8 +21,8 @@ from tritonclient.grpc import model_config_pb2
 
 from pipeline.errors import StageError
 from pipeline.stage import Artifact, StageContext
-from runtime import hf_config
-from runtime import trtllm_options as T
+from runtime.trtllm import hf_config
+from runtime.trtllm import options as T
 from stages import build, export
 from test_build import write_checkpoints
 
@@ -147,7 +147,7 @@ def test_cpu_repository_carries_the_model_and_its_spec(exported):
     mdir = out / "triton_cpu" / "tensorrt_llm" / "1"
     from importlib import resources
 
-    assert (mdir / "model.py").read_text() == resources.files("runtime").joinpath("triton_model", "model.py").read_text()
+    assert (mdir / "model.py").read_text() == resources.files("runtime.serving").joinpath("triton_model", "model.py").read_text()
     spec = json.loads((mdir / "specpipe_model.json").read_text())
     assert spec["target"] == "target_fp8" and spec["draft"] == "draft" and spec["draft_len"] == 4
     assert spec["draft_schedule"] == {"runs": [[1, 16, 4]]}
@@ -193,7 +193,7 @@ def test_export_without_speculation(tmp_path):
 
 def _assert_deployment_is_the_targeted_versions(arts: Path, version: str) -> dict:
     """What every EAGLE-3 deployment must satisfy, read from its committed files (defects 1-3 and RoPE)."""
-    from runtime import compat
+    from runtime.trtllm import compat
 
     rel = compat.release(version)
     draft = json.loads((arts / "train_draft" / "draft.json").read_text())
@@ -237,7 +237,7 @@ def test_real_model_deployment_is_the_targeted_versions(real_model, tmp_path):
 
     import modelopt.torch.speculative as mtsp
     from modelopt.torch.export import export_speculative_decoding
-    from runtime.draft_training import convert_config
+    from runtime.training.draft_training import convert_config
     from stages import quantize
 
     md = real_model["model_dir"]

@@ -102,7 +102,7 @@ def test_every_stage_commits_on_the_real_model(real_run):
 def test_the_served_real_pair_answers_like_the_runtime_in_process(real_run):
     from test_serve import cli_server, http_generate
 
-    from runtime.serving import ServingEngine
+    from runtime.serving.adapter import ServingEngine
 
     wd, r = real_run
     assert r.returncode == 0, r.stderr[-3000:]

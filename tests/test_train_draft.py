@@ -155,7 +155,7 @@ def test_eagle3_export_reloads_into_modelopt(eagle):
     import torch
     from safetensors.torch import load_file
 
-    from runtime import draft_training as dt
+    from runtime.training import draft_training as dt
 
     model = dt.build_model(json.loads(_job(eagle).read_text()), False, torch.device("cpu"))
     sd = load_file(str(_art(eagle) / "draft" / "model.safetensors"))
@@ -187,7 +187,7 @@ def _job(wd: Path) -> Path:
 
 
 def _checks(draft: Path, wd: Path, **kw):
-    from runtime.draft_checks import Expect, check_draft
+    from runtime.training.draft_checks import Expect, check_draft
 
     d = json.loads((_art(wd) / "draft.json").read_text())
     e = dict(algorithm="eagle3", num_layers=1, hidden_size=64, vocab_size=512, capture_layer_ids=d["aux_layer_ids"],
@@ -383,7 +383,7 @@ def test_offline_dump_refused_over_budget(inputs, tmp_path):
 
 
 def test_disk_preflight_refuses_when_free_space_is_short(tmp_path):
-    from runtime.draft_training import JobError, dump_preflight, estimate_dump_bytes
+    from runtime.training.draft_training import JobError, dump_preflight, estimate_dump_bytes
 
     free = shutil.disk_usage(tmp_path).free
     # a 70B-class dump: 1M samples x 4096 tokens x (1 + 3) x 8192 x bf16 is ~268 TB
@@ -403,7 +403,7 @@ def test_resume_reproduces_an_uninterrupted_run(inputs, tmp_path):
     import torch
     from safetensors.torch import load_file
 
-    from runtime import draft_training as dt
+    from runtime.training import draft_training as dt
 
     art_t, art_d = inputs / "artifacts" / "target", inputs / "artifacts" / "data"
     tj = json.loads((art_t / "target.json").read_text())
@@ -564,7 +564,7 @@ def test_fsdp_over_two_nodes_trains_the_draft_ddp_trains(inputs, tmp_path):
             time.sleep(0.5)
         assert cmds, "node 0 never wrote worker_commands.sh" + (node0.stderr.read()[-3000:] if node0.poll() is not None else "")
         lines = cmds[0].read_text().splitlines()
-        assert len(lines) == 1 and "--nnodes 2" in lines[0] and "runtime.draft_training" in lines[0]
+        assert len(lines) == 1 and "--nnodes 2" in lines[0] and "runtime.training.draft_training" in lines[0]
         node1 = subprocess.run(["bash", "-c", lines[0]], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
         _, err = node0.communicate(timeout=600)
     finally:
@@ -613,7 +613,7 @@ def test_fsdp_target_skeleton_reads_only_what_every_process_keeps(inputs, tmp_pa
     import torch
     from transformers import AutoModelForCausalLM
 
-    from runtime.draft_training import JobError, load_target_skeleton
+    from runtime.training.draft_training import JobError, load_target_skeleton
 
     model_dir = inputs / "artifacts" / "target" / "model"
     job = {"target_dir": str(model_dir), "trust_remote_code": False}
@@ -642,7 +642,7 @@ def test_fsdp_offline_dump_matches_the_targets_hidden_states(inputs, tmp_path):
     from transformers import AutoModelForCausalLM
 
     import stages.train_draft as td
-    from runtime.draft_training import read_samples
+    from runtime.training.draft_training import read_samples
 
     wd = _workdir(inputs, tmp_path)
     opts = ("train_draft.mode=offline", "train_draft.steps=2", "train_draft.max_samples=7", "train_draft.eval.estimator=modelopt",
@@ -726,7 +726,7 @@ def test_shipped_config_runs_within_its_own_budgets(path):
     `offline.max_dump_gb`, which an offline shipped config must state."""
     import stages.train_draft as td
     from pipeline.config import load_config
-    from runtime.draft_training import estimate_dump_bytes
+    from runtime.training.draft_training import estimate_dump_bytes
 
     cfg = load_config(path)
     sec = cfg.train_draft
@@ -869,7 +869,7 @@ def test_real_model_offline_with_tied_embeddings(real_inputs, tmp_path, monkeypa
     from transformers import AutoModelForCausalLM
 
     import stages.train_draft as td
-    from runtime import draft_training as dt
+    from runtime.training import draft_training as dt
 
     monkeypatch.chdir(REPO)
     ctx = _real_ctx(real_inputs, tmp_path, "train_draft.mode=offline", "train_draft.max_samples=4")
@@ -895,7 +895,7 @@ def test_real_model_fsdp_skeleton_ties_lm_head(real_inputs):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from runtime.draft_training import load_target_skeleton
+    from runtime.training.draft_training import load_target_skeleton
 
     model_dir = real_inputs / "artifacts" / "target" / "model"
     sk = load_target_skeleton({"target_dir": str(model_dir), "trust_remote_code": False}, torch.device("cpu"), torch.float32)

@@ -19,7 +19,7 @@ from pipeline.errors import StageError
 from pipeline.stage import Artifact, StageContext
 from stages import validate as V
 from stages.validate import STATISTIC
-from runtime.speculative import Drafter, SpeculativeEngine, TargetRunner, load_pair, load_target
+from runtime.engine.speculative import Drafter, SpeculativeEngine, TargetRunner, load_pair, load_target
 from test_runtime import _batches, tiny_assets
 
 # The reference schemas where the shared reference exists; elsewhere (CI) the project's extracted copies.
@@ -188,7 +188,7 @@ def test_config_checks():
 def _schema_file(name, shared: bool = True):
     p = SHARED / name
     if not (shared and p.exists()):
-        p = Path(__file__).resolve().parent.parent / "runtime" / "schemas" / LOCAL[name]
+        p = Path(__file__).resolve().parent.parent / "runtime" / "trtllm" / "schemas" / LOCAL[name]
     return json.loads(p.read_text())
 
 
@@ -196,7 +196,7 @@ def _schema_file(name, shared: bool = True):
 def test_trtllm_arguments_match_schema(shared):
     """The LLM(...) / speculative_config / SamplingParams arguments the tensorrt_llm runtime would pass, checked
     against the extracted TensorRT-LLM schemas (1.2 LLM API; DFlash against 1.3) without running anything:
-    the shared reference and the project's copies in runtime/schemas."""
+    the shared reference and the project's copies in runtime/trtllm/schemas."""
     _schema = functools.partial(_schema_file, shared=shared)
     s12 = _schema("trtllm-1.2-llmapi.json")
     llm_fields = set(s12["classes"]["TorchLlmArgs"]["fields"])
@@ -209,7 +209,7 @@ def test_trtllm_arguments_match_schema(shared):
     assert spec["max_draft_len"] > 0 and spec["speculative_model"]           # rules: both required for Eagle3
     assert kw["max_num_tokens"] >= kw["max_batch_size"] * (1 + spec["max_draft_len"])
     # always written, also when the ids equal the default: unset, TensorRT-LLM captures (1, L//2-1, L-4) and sizes the
-    # draft's fc for 3 layers, raising for L <= 5 (runtime/compat.py SOURCES["layers_to_capture"] names the
+    # draft's fc for 3 layers, raising for L <= 5 (runtime/trtllm/compat.py SOURCES["layers_to_capture"] names the
     # llm_args.py / modeling_speculative.py versions read)
     assert spec["eagle3_layers_to_capture"] == [0, 1]
     kw2 = V.trtllm_llm_kwargs("/t", "/d", algorithm="eagle3", max_draft_len=3, num_target_layers=32,
@@ -290,7 +290,7 @@ def test_lossless_gate_rows():
 #
 # Deliberately broken engines, built by subclassing our own SpeculativeEngine / TargetRunner (they run the real
 # tiny target and the real exported EAGLE-3 draft). They override `TargetRunner.commit`/`forward` and
-# `SpeculativeEngine._accept`; if a refactor of runtime/speculative.py stops calling these, the engines are no
+# `SpeculativeEngine._accept`; if a refactor of runtime/engine/speculative.py stops calling these, the engines are no
 # longer broken and the tests below fail (they assert that the bugs are caught), so they cannot pass vacuously.
 
 
@@ -365,7 +365,7 @@ class _CorrectionFromP(SpeculativeEngine):
 
     @staticmethod
     def _accept(logits, d, q, temperature, gen, top_p=1.0):
-        from runtime.speculative import _probs
+        from runtime.engine.speculative import _probs
 
         if d is None or temperature <= 0:
             return SpeculativeEngine._accept(logits, d, q, temperature, gen, top_p)
@@ -387,7 +387,7 @@ BROKEN = {
 
 
 def _check_runs(engine_cls, tiny, draft_key="eagle_dir", target_dir=None, n=20, repeat=1, **kw):
-    from runtime.lossless import InvariantTally, checked_generate
+    from runtime.engine.lossless import InvariantTally, checked_generate
 
     model, draft = load_pair(target_dir or tiny["target_dir"], tiny[draft_key])
     eng = engine_cls(model, draft)
@@ -431,7 +431,7 @@ def test_sampling_correction_from_p_is_caught(tiny):
 def test_checker_flags_a_wrong_output_and_steps_after_the_end(tiny):
     """finish() compares the engine's output with the stream its steps decided; steps after the end token are
     flagged (the engine must stop a request at every id of eos_token_ids)."""
-    from runtime.lossless import AcceptanceChecker
+    from runtime.engine.lossless import AcceptanceChecker
 
     model, draft = load_pair(tiny["target_dir"], tiny["eagle_dir"])
     eng = SpeculativeEngine(model, draft)
@@ -459,7 +459,7 @@ def test_checker_flags_a_wrong_output_and_steps_after_the_end(tiny):
 def test_self_consistent_cache_bug_passes_the_invariant_but_not_the_gate(tiny):
     """A verification forward one position off keeps self-consistent but wrong K/V: the invariant cannot see it
     (each token is the argmax of what was computed), the exact check on the unquantized pair does."""
-    from runtime.lossless import InvariantTally
+    from runtime.engine.lossless import InvariantTally
 
     engine_cls = _engine_with(_ShiftedVerifyRunner)
     g, inv = _check_runs(engine_cls, tiny)
@@ -480,9 +480,9 @@ class _LogCtx:
 @pytest.mark.parametrize("name,failing", [("rollback_commits_accepted_plus_2", {"acceptance_rule", "lossless_exact"}),
                                           ("shifted_verify", {"lossless_exact", "divergence_rate"})])
 def test_broken_engine_fails_the_stage_gate(arts, tmp_path, monkeypatch, name, failing):
-    """The stage itself with a broken engine (the stage builds `runtime.speculative.SpeculativeEngine`; the test
+    """The stage itself with a broken engine (the stage builds `runtime.engine.speculative.SpeculativeEngine`; the test
     swaps in the broken subclass): the build fails at the lossless rows, with the measurements kept."""
-    import runtime.speculative as S
+    import runtime.engine.speculative as S
 
     cls = _engine_with(_ShiftedVerifyRunner) if name == "shifted_verify" else BROKEN[name][0]
     monkeypatch.setattr(S, "SpeculativeEngine", cls)
@@ -500,7 +500,7 @@ def test_broken_engine_fails_the_stage_gate(arts, tmp_path, monkeypatch, name, f
 
 
 def test_divergence_and_rate_test_known_answers():
-    from runtime.lossless import binom_sf, divergence, rate_test
+    from runtime.engine.lossless import binom_sf, divergence, rate_test
 
     ref = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 9]]
     d = divergence([[1, 2, 0, 4], [5, 6, 7, 8], [0, 9, 9, 9]], ref)
@@ -523,7 +523,7 @@ def test_divergence_and_rate_test_known_answers():
 def test_chunked_prefill_decoder_equals_generate_on_an_exact_target(tiny):
     """The noise-floor arm decodes what the engine decodes where the arithmetic allows it (the unquantized tiny
     target, fp32), with end tokens."""
-    from runtime.lossless import decode_chunked_prefill
+    from runtime.engine.lossless import decode_chunked_prefill
 
     model = load_target(tiny["target_dir"])
     ref = SpeculativeEngine(model).generate(tiny["prompts"], max_new_tokens=16).tokens
@@ -657,7 +657,7 @@ def test_real_fp8_pair_passes_where_token_equality_fails(real_fp8):
     batch 1, at top-2 margins far above the fp32 tie margin, so a token-for-token rule rejects a correct
     pair. The new check passes the correct FP8 pair (invariant exact, divergence within the noise floor), and
     the unquantized SmolLM2 is exact, token for token, through the same stage code."""
-    from runtime.lossless import InvariantTally
+    from runtime.engine.lossless import InvariantTally
 
     fp8, bf16 = load_target(real_fp8["fp8_dir"]), load_target(real_fp8["bf16_dir"])
     assert fp8.fp8_info["fp8"] and fp8.fp8_info["kv_scales"] == 30

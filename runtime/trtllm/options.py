@@ -1,9 +1,9 @@
 """TensorRT-LLM LLM-API options for a speculative FP8 deployment: generate them for a version, check them.
 
 Pure functions (no TensorRT-LLM import; it cannot be installed here). The field names each version accepts
-come from `runtime/schemas/*.json`, extracted from TensorRT-LLM's `llm_args.py`; the behaviour that differs
-between versions and modes comes from `runtime/compat.py` (with the upstream source of each fact); the
-draft-length schedule and its encodings from `runtime/draft_schedule.py`. Everything the build stage writes
+come from `runtime/trtllm/schemas/*.json`, extracted from TensorRT-LLM's `llm_args.py`; the behaviour that differs
+between versions and modes comes from `runtime/trtllm/compat.py` (with the upstream source of each fact); the
+draft-length schedule and its encodings from `runtime/trtllm/draft_schedule.py`. Everything the build stage writes
 goes through `unknown_keys` (every key exists in the targeted version's schema) and `consistency_checks`
 (named checks for the mistakes that make a deployment load but run badly, or not load).
 """
@@ -17,8 +17,8 @@ from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
-from runtime import compat, draft_schedule, hf_config
-from runtime.draft_schedule import DraftSchedule
+from runtime.trtllm import compat, draft_schedule, hf_config
+from runtime.trtllm.draft_schedule import DraftSchedule
 
 
 # ------------------------------------------------------------------------------------------ schemas
@@ -27,7 +27,7 @@ from runtime.draft_schedule import DraftSchedule
 @lru_cache(maxsize=None)
 def load_schema(name: str) -> dict:
     """A packaged schema: 'trtllm-1.2', 'trtllm-1.3' or 'triton-llmapi-model'."""
-    return json.loads(resources.files("runtime").joinpath("schemas", f"{name}.json").read_text())
+    return json.loads(resources.files("runtime.trtllm").joinpath("schemas", f"{name}.json").read_text())
 
 
 def _class_fields(schema: dict, cls: str) -> set[str]:

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from runtime.draft_schedule import dflash_max_draft_len
-from runtime.drafts import (KVCache, RopeTable, TargetShape, apply_rope, attention, causal_mask, load_draft,
+from runtime.trtllm.draft_schedule import dflash_max_draft_len
+from runtime.engine.drafts import (KVCache, RopeTable, TargetShape, apply_rope, attention, causal_mask, load_draft,
                             positions_for)
 
 # ---------------------------------------------------------------------------------------------- target
@@ -38,7 +38,7 @@ from runtime.drafts import (KVCache, RopeTable, TargetShape, apply_rope, attenti
 
 def load_target(path: str | Path, *, device="cpu", compute_dtype=torch.float32):
     """The one place the runtime loads a target checkpoint: BF16 or ModelOpt FP8 through `runtime.fp8`."""
-    from runtime.fp8 import load_causal_lm
+    from runtime.engine.fp8 import load_causal_lm
 
     return load_causal_lm(path, device=device, compute_dtype=compute_dtype)
 
@@ -69,7 +69,7 @@ class TargetRunner:
         self.device = self.embed.weight.device
         self.cache: KVCache | None = None
         try:
-            from runtime.fp8 import qdq_e4m3
+            from runtime.engine.fp8 import qdq_e4m3
         except ImportError:  # FP8 KV needs the fp8 module; plain checkpoints do not
             qdq_e4m3 = None
         self._qdq = qdq_e4m3

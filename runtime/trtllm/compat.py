@@ -51,7 +51,7 @@ PYTORCH_QUANT_ALGOS = frozenset({
 @dataclass(frozen=True)
 class Release:
     line: str                      # "1.2" / "1.3"
-    schema: str                    # runtime/schemas/<schema>.json
+    schema: str                    # runtime/trtllm/schemas/<schema>.json
     algorithms: frozenset[str]     # specpipe draft algorithms this version's PyTorch backend serves
     decoding_types: dict           # specpipe algorithm -> speculative_config.decoding_type
     schedule_semantics: Semantics

@@ -500,9 +500,9 @@ def runtime_acceptance(target_dir: str | Path, draft_dir: str | Path, prompts: d
     verification steps over all its requests (`RunStats.acceptance_length`), overall the same over every domain."""
     import torch
 
-    from runtime.draft_schedule import dflash_max_draft_len
-    from runtime.drafts import load_draft
-    from runtime.speculative import RunStats, SpeculativeEngine, load_target, target_shape
+    from runtime.trtllm.draft_schedule import dflash_max_draft_len
+    from runtime.engine.drafts import load_draft
+    from runtime.engine.speculative import RunStats, SpeculativeEngine, load_target, target_shape
 
     t0 = time.monotonic()
     model = load_target(target_dir, device=device)

@@ -29,7 +29,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from runtime.costmodel import (Gemm, Machine, ModelShape, Precision, attention_cost, elementwise_bytes, forward_ops,
+from runtime.cost.costmodel import (Gemm, Machine, ModelShape, Precision, attention_cost, elementwise_bytes, forward_ops,
                                gemm_op, step_time)
 
 FORMAT = "specpipe.hardware-profile/1"
@@ -547,7 +547,7 @@ def shapes_from_workdir(cfg, artifacts_dir: Path) -> tuple[dict[str, ModelShape]
     """The target's (and, once trained, the draft's) shapes: from the committed artifacts, else, for the
     built-in tiny target, from its config section. UsageError when neither is available."""
     from pipeline.errors import UsageError
-    from runtime.costmodel import draft_shape, llama, target_shape
+    from runtime.cost.costmodel import draft_shape, llama, target_shape
 
     tj = artifacts_dir / "target" / "target.json"
     if (artifacts_dir / "target" / "manifest.json").is_file() and tj.is_file():

@@ -176,7 +176,7 @@ def make_linear(sd: dict, prefix: str, compute_dtype: torch.dtype) -> nn.Module:
     w = sd[f"{prefix}.weight"]
     b = sd.get(f"{prefix}.bias")
     if w.dtype == torch.float8_e4m3fn:
-        from runtime.fp8 import FP8Linear
+        from runtime.engine.fp8 import FP8Linear
 
         if f"{prefix}.weight_scale" not in sd:
             raise DraftFormatError(f"{prefix}.weight is float8 but {prefix}.weight_scale is missing")
