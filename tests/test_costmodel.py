@@ -134,7 +134,8 @@ def test_schedule_round_trip_for_every_step_function():
     it, or refused where the version cannot (runtime/trtllm/draft_schedule.py; compat.SOURCES)."""
     import itertools
 
-    from runtime.trtllm import compat, draft_schedule as D
+    from runtime.trtllm import compat
+    from runtime.trtllm import draft_schedule as D
 
     r12, r13 = compat.release("1.2.1"), compat.release("1.3.0rc27")
     for ks_runs in itertools.product([5, 3, 1], [3, 1, 0], [1, 0]):
@@ -245,6 +246,14 @@ def test_profile_cli_on_the_tiny_target(tmp_path):
     assert r.returncode == 2 and "--rows" in r.stderr
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="asks for FP8 GEMMs where no CUDA GPU exists")
+def test_profile_fp8_without_a_gpu_is_a_usage_error(tmp_path):
+    """runtime.cost.profile raises its own RuntimeUsageError; the CLI prints it without a traceback, exit code 2."""
+    r = run_cli("profile", "configs/tiny_fp8_eagle3.yaml", "--workdir", str(tmp_path / "wd"), "--dtype", "fp8",
+                *tiny_overrides("target"))
+    assert r.returncode == 2 and "--dtype fp8 needs a CUDA GPU" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_gpu_check_script_runs_in_smoke_mode(tmp_path):
     """bench/gpu_gemm_check.py is meant for an H200; its --smoke mode keeps the script itself tested here."""
     import subprocess
@@ -301,3 +310,22 @@ def test_attention_solve_reproduces_both_measurements():
     # noise that makes one term negative gives the other term the whole time, finite (plain JSON)
     bw2, pk2 = _solve_attention([(1.0, 1.0, 10.0), (1.0, 8.0, 10.0)])
     assert math.isfinite(bw2) and math.isfinite(pk2) and bw2 == pytest.approx(10.0)
+
+
+def test_profile_measures_the_committed_target_and_draft(tmp_path):
+    """With committed target and train_draft artifacts, `specpipe profile` takes their shapes (read through
+    pipeline.artifacts and handed to runtime.cost.profile), not the tiny config's."""
+    from pipeline.cli import _profile_shapes
+
+    from test_tune import LLAMA_8B, eagle3
+
+    arts = tmp_path / "artifacts"
+    draft, dcfg = eagle3(LLAMA_8B, 32000)
+    for rel, doc in {"target/target.json": LLAMA_8B, "target/manifest.json": {}, "train_draft/draft.json": draft,
+                     "train_draft/draft/config.json": dcfg, "train_draft/manifest.json": {}}.items():
+        (arts / rel).parent.mkdir(parents=True, exist_ok=True)
+        (arts / rel).write_text(json.dumps(doc))
+    shapes, src = _profile_shapes(None, arts)
+    assert shapes["target"] == cm.target_shape(LLAMA_8B) and shapes["target"].hidden == LLAMA_8B["hidden_size"]
+    assert shapes["draft"] == cm.draft_shape(draft, dcfg, LLAMA_8B["hidden_size"])
+    assert "target.json" in src and "draft.json" in src
