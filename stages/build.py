@@ -32,6 +32,9 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
+from pipeline.artifacts import data as data_artifact
+from pipeline.artifacts import quantize as quantize_artifact
+from pipeline.artifacts import train_draft as train_draft_artifact
 from pipeline.errors import StageError
 from pipeline.stage import Artifact, StageContext, StageSection, Strict
 from runtime.trtllm import compat
@@ -81,7 +84,8 @@ class Config(StageSection):
     max_seq_len: int | None = Field(None, ge=16, description="default: min(target, draft) positions")
     kv_cache: KvCache = Field(default_factory=KvCache)
     cuda_graphs: bool = Field(True, description="CUDA-graph batch sizes from tune (schedule boundaries included)")
-    pipeline_parallel_size: int = Field(1, ge=1, description="> 1 is refused: speculation is incompatible with pipeline parallelism")
+    pipeline_parallel_size: int = Field(1, ge=1, description="> 1 is refused: speculation is incompatible with pipeline "
+                                                             "parallelism")
     acceptance_guard: AcceptanceGuard | None = Field(None, description="switch speculation off when acceptance collapses")
     bench: Bench = Field(default_factory=Bench, description="trtllm-bench command and dataset")
     load: Literal["auto", "never"] = Field("auto", description="auto: instantiate LLM(...) where TensorRT-LLM and a GPU exist")
@@ -92,22 +96,9 @@ class Config(StageSection):
         return compat.normalize_version(v)  # ValueError names the supported lines
 
 
-def _algorithm(cfg) -> str | None:
-    """The draft algorithm the config trains (train_draft owns the field; read defensively)."""
-    td = getattr(cfg, "train_draft", None)
-    for obj in (td, getattr(td, "draft", None), getattr(td, "algorithm", None)):
-        for attr in ("algorithm", "kind"):
-            v = getattr(obj, attr, None)
-            if isinstance(v, str):
-                return v.lower()
-        if isinstance(obj, str):
-            return obj.lower()
-    return None
-
-
 def check(cfg) -> list[tuple[str, str]]:
     sec: Config = cfg.build
-    algo = _algorithm(cfg) or "eagle3"
+    algo = cfg.train_draft.algorithm.kind
     out: list[tuple[str, str]] = []
     if sec.backend == "tensorrt":
         out.append(("build.backend", (
@@ -138,10 +129,10 @@ def run(ctx: StageContext) -> dict:
     version = sec.trtllm_version
     rel = compat.release(version)
     arts = ctx.input("quantize").path.parent          # <workdir>/artifacts: quantize.json paths are relative to it
-    quant = ctx.input("quantize").read_json("quantize.json")
-    target_dir = (arts / quant["target_dir"]).resolve()
-    draft_src = (arts / quant["draft_dir"]).resolve()
-    draft = ctx.input("train_draft").read_json("draft.json")
+    quant = quantize_artifact.read_info(ctx.input("quantize").path)
+    target_dir = quant.target_dir(arts)
+    draft_src = quant.draft_dir(arts)
+    draft = train_draft_artifact.read_info(ctx.input("train_draft").path)
     tuning = ctx.input("tune").read_json("tuning.json")
     tcfg = json.loads((target_dir / "config.json").read_text())
     algo = str(draft.get("algorithm", "eagle3")).lower()
@@ -216,7 +207,7 @@ def run(ctx: StageContext) -> dict:
         f"# Use: trtllm-serve <target> --backend pytorch --extra_llm_api_options llm_api_options.yaml\n"
         + T.dump_yaml(options))
     concurrency = sec.bench.concurrency or mbs
-    n_prompts, n_requests = _bench_dataset(ctx.input("data").path / "eval", out / "bench_dataset.jsonl",
+    n_prompts, n_requests = _bench_dataset(ctx.input("data").path, out / "bench_dataset.jsonl",
                                            sec.bench.output_tokens, sec.bench.rounds * concurrency)
     image = compat.serving_image_for(version)
     bench_name = sec.bench.model_name or _model_name(tcfg, ctx.workdir)
@@ -294,23 +285,17 @@ def _model_name(tcfg: dict, workdir: Path) -> str:
     return name if name and not Path(name).exists() and "/" in name else f"specpipe/{Path(workdir).resolve().name}-target"
 
 
-def _bench_dataset(eval_dir: Path, path: Path, output_tokens: int, min_requests: int) -> tuple[int, int]:
+def _bench_dataset(data_art: Path, path: Path, output_tokens: int, min_requests: int) -> tuple[int, int]:
     """trtllm-bench's dataset format (tensorrt_llm/bench/dataclasses/general.py InferenceRequest): every eval
     prompt, then the prompts again in order until the dataset holds `min_requests` requests (bench.rounds x the
     concurrency measured: a run with fewer requests than its concurrency never reaches that batch size).
     Returns (distinct prompts, requests)."""
-    prompts = []
-    for domain_file in sorted(eval_dir.glob("*.jsonl")):
-        for line in domain_file.read_text().splitlines():
-            if line.strip():
-                prompts.append((json.loads(line), domain_file.stem))
-    if not prompts:
-        raise StageError(f"no evaluation prompts in {eval_dir} for the bench dataset")
+    prompts = [(p, domain) for domain, ps in data_artifact.read_eval(data_art).items() for p in ps]
     n = max(len(prompts), int(min_requests))
     with open(path, "w") as f:
         for i in range(n):
             p, cat = prompts[i % len(prompts)]
-            f.write(json.dumps({"task_id": i, "prompt": p["prompt"], "input_ids": p.get("prompt_ids"),
+            f.write(json.dumps({"task_id": i, "prompt": p.prompt, "input_ids": p.prompt_ids,
                                 "output_tokens": output_tokens, "category": cat}) + "\n")
     return len(prompts), n
 
@@ -383,10 +368,19 @@ def _readme(doc: dict, options: dict) -> str:
     sched = DraftSchedule.from_json(doc["draft_schedule"])
     if doc["speculation"]:
         table = "\n".join(f"| {lo}-{hi} | {k if k else '0 (speculation off)'} |" for lo, hi, k in sched.bounded(mbs))
-        spec = f"""- speculative decoding: `{doc['decoding_type']}` ({doc['mode'].replace('_', '-')}), max_draft_len {doc['max_draft_len']}
+        mode = doc['mode'].replace('_', '-')
+        copy = (' (a copy of `' + doc['draft_dir'] + '` with ' + str(doc['draft_weight_names']['renamed'])
+                + ' tensors renamed `layers.<i>.*` -> `midlayer.*`: TensorRT-LLM ' + doc['trtllm_version']
+                + "'s EAGLE-3 loader reads only the module's own names)") if doc['draft_weight_names'] else ''
+        capture = ('- `eagle3_layers_to_capture`: ' + str(doc['eagle3_layers_to_capture'])
+                   + " (the target layers the draft was trained on; TensorRT-LLM does not read them from the draft's "
+                   "config)") if doc['eagle3_layers_to_capture'] else ''
+        guard = ('Acceptance guard: `' + str(doc['acceptance_guard']) + '`.') if doc['acceptance_guard'] \
+            else (doc['acceptance_guard_note'] or '')
+        spec = f"""- speculative decoding: `{doc['decoding_type']}` ({mode}), max_draft_len {doc['max_draft_len']}
 - FP8 target: `{doc['target_dir']}`
-- draft TensorRT-LLM loads: `{doc['trtllm_draft_dir']}`{' (a copy of `' + doc['draft_dir'] + '` with ' + str(doc['draft_weight_names']['renamed']) + ' tensors renamed `layers.<i>.*` -> `midlayer.*`: TensorRT-LLM ' + doc['trtllm_version'] + "'s EAGLE-3 loader reads only the module's own names)" if doc['draft_weight_names'] else ''}
-{'- `eagle3_layers_to_capture`: ' + str(doc['eagle3_layers_to_capture']) + " (the target layers the draft was trained on; TensorRT-LLM does not read them from the draft's config)" if doc['eagle3_layers_to_capture'] else ''}
+- draft TensorRT-LLM loads: `{doc['trtllm_draft_dir']}`{copy}
+{capture}
 
 ### Draft length per batch size (what TensorRT-LLM {doc['trtllm_version']} runs with these options)
 {_schedule_support(doc)}
@@ -396,11 +390,13 @@ def _readme(doc: dict, options: dict) -> str:
 {table}
 
 {doc['schedule_note'] or ''}
-{('Acceptance guard: `' + str(doc['acceptance_guard']) + '`.') if doc['acceptance_guard'] else (doc['acceptance_guard_note'] or '')}"""
+{guard}"""
     else:
         spec = f"""- **no speculative decoding**: `tune` predicted no speedup from any draft length at any batch size
   ({doc['schedule_note'] or 'see tuning.json'}), so the FP8 target is deployed alone and no draft is loaded.
 - FP8 target: `{doc['target_dir']}`"""
+    bench = (f"{doc['bench_requests']} requests ({doc['bench_prompts']} eval prompts, repeated) at concurrency "
+             f"{doc['bench_concurrency']}")
     return f"""# TensorRT-LLM deployment (written by specpipe build)
 
 - TensorRT-LLM **{doc['trtllm_version']}**, PyTorch backend (LLM API); container: `{doc['serving_image']}`
@@ -413,7 +409,7 @@ captures CUDA graphs / autotunes kernels at startup.
 ## Run
 ```bash
 ./serve.sh                      # OpenAI-compatible server on ${{HOST:-127.0.0.1}}:${{PORT:-8000}}
-./bench.sh                      # trtllm-bench throughput: {doc['bench_requests']} requests ({doc['bench_prompts']} eval prompts, repeated) at concurrency {doc['bench_concurrency']}
+./bench.sh                      # trtllm-bench throughput: {bench}
 ```
 The bench dataset repeats the evaluation prompts so that it holds at least `build.bench.rounds` x the
 concurrency; with KV block reuse on, a repeated prompt's prefill is served from cached blocks (decode

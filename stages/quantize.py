@@ -42,6 +42,8 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
+from pipeline.artifacts import data as data_artifact
+from pipeline.artifacts import target as target_artifact
 from pipeline.errors import StageError
 from pipeline.stage import StageContext, StageSection, Strict
 
@@ -143,14 +145,14 @@ def run(ctx: StageContext) -> dict:
 
     sec: Config = ctx.section
     torch.manual_seed(sec.seed)
-    target_dir = ctx.input("target").path / "model"
+    target_dir = target_artifact.model_dir(ctx.input("target").path)
     data = ctx.input("data").path
-    tinfo = ctx.input("target").read_json("target.json")
+    tinfo = target_artifact.read_info(ctx.input("target").path)
     export_dtype = getattr(torch, tinfo.get("dtype") or "bfloat16")
     device = _device(ctx)
     calib_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    calib = read_samples(data / "calib.parquet", sec.calib_samples, sec.calib_seq_len)
-    heldout = read_samples(data / "heldout.parquet", sec.eval_samples, None)
+    calib = read_samples(data, "calib", sec.calib_samples, sec.calib_seq_len)
+    heldout = read_samples(data, "heldout", sec.eval_samples, None)
     if not heldout:
         raise StageError(f"quantize: {data / 'heldout.parquet'} has no samples; quality cannot be measured "
                          "(raise data.eval_fraction)")
@@ -317,20 +319,12 @@ def _raise_failed(checks: list[dict], what: str) -> None:
 # ---------------------------------------------------------------------------------------------- data
 
 
-def read_samples(path: Path, limit: int, max_len: int | None) -> list[dict]:
-    """First `limit` rows of a data-stage parquet file as {"input_ids": LongTensor, "loss_mask": LongTensor}."""
-    import pyarrow.parquet as pq
+def read_samples(data_art: Path, split: str, limit: int, max_len: int | None) -> list[dict]:
+    """First `limit` rows of a data split (`pipeline.artifacts.data`) as {"input_ids", "loss_mask"} LongTensors."""
     import torch
 
-    if not Path(path).exists():
-        raise StageError(f"quantize: {path} is missing; the data stage's artifact contract promises it")
-    rows = pq.read_table(str(path), columns=["input_ids", "loss_mask"]).slice(0, limit).to_pylist()
-    out = []
-    for r in rows:
-        ids, mask = r["input_ids"][:max_len], r["loss_mask"][:max_len]
-        if len(ids) >= 2:
-            out.append({"input_ids": torch.tensor(ids, dtype=torch.long), "loss_mask": torch.tensor(mask, dtype=torch.long)})
-    return out
+    return [{"input_ids": torch.tensor(ids, dtype=torch.long), "loss_mask": torch.tensor(mask, dtype=torch.long)}
+            for ids, mask in data_artifact.read_rows(data_art, split, limit=limit, max_len=max_len)]
 
 
 # ---------------------------------------------------------------------------------------------- quantization
@@ -375,7 +369,7 @@ def quantize_model(model_dir: Path, calib: list[dict], *, fmt="fp8", kv_cache="f
 
     def forward_loop(m):
         with torch.no_grad():
-            it = progress(calib, total=len(calib), desc="calibrate") if progress else _nullctx(calib)
+            it = progress(calib, total=len(calib), desc="calibrate") if progress else contextlib.nullcontext()
             with it as bar:
                 for s in calib:
                     m(input_ids=s["input_ids"][None].to(device))
@@ -387,17 +381,6 @@ def quantize_model(model_dir: Path, calib: list[dict], *, fmt="fp8", kv_cache="f
         n = sum(1 for n_, mod in model.named_modules() if n_.endswith("weight_quantizer") and mod.is_enabled)
         log.info("ModelOpt inserted and calibrated %d weight quantizers (%s, kv_cache %s)", n, fmt, kv_cache)
     return model
-
-
-class _nullctx:
-    def __init__(self, x):
-        self.x = x
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 def quantized_linears(model) -> dict:
@@ -654,7 +637,6 @@ def search_exclusions(fq_model, target_dir: Path, calib: list[dict], *, recipe: 
     t0 = time.monotonic()
     target = opts.headroom * max_ppl_increase
     sm = _SearchModel(fq_model, target_dir, recipe, kv_cache, device or torch.device("cpu"), dtype or torch.float32)
-    n_layers = len(sm.layers)
     trunc = [{"input_ids": s["input_ids"][:opts.seq_len], "loss_mask": s["loss_mask"][:opts.seq_len]} for s in calib]
     # samples whose truncation leaves scored (loss_mask) tokens: the gate is on those, not on prompts
     trunc = [s for s in trunc if int(s["loss_mask"][1:].sum()) >= 8] or trunc
@@ -688,7 +670,7 @@ def search_exclusions(fq_model, target_dir: Path, calib: list[dict], *, recipe: 
         inputs = sm.layer_inputs(sens_s)
         ref_sens = [lp for lp in sm.logprobs(sens_s)]
         sens = {}
-        with (progress(total=len(all_layers), desc="layer sensitivity") if progress else _nullctx(None)) as bar:
+        with (progress(total=len(all_layers), desc="layer sensitivity") if progress else contextlib.nullcontext()) as bar:
             for i in sorted(all_layers):
                 sm.set({i}, kv=False)
                 sens[i] = _compare(ref_sens, sm.logprobs(sens_s, start=i, inputs=inputs), sens_s)[1]
@@ -723,15 +705,13 @@ def search_exclusions(fq_model, target_dir: Path, calib: list[dict], *, recipe: 
         log.info("auto_exclude: %s in BF16 (%s on calibration), %.0f forward passes, %.0f s",
                  result["kept_bf16"] or "nothing", "meets the target" if result["passed_on_calibration"] else
                  f"misses the target even with {opts.max_layers} layers", result["forwards"], result["seconds"])
-    del sm
     return result
 
 
 def export_target(model, out_dir: Path, source_dir: Path, dtype) -> None:
     """`export_hf_checkpoint` + the source model's tokenizer files (the deployment loads them from here)."""
-    from modelopt.torch.export import export_hf_checkpoint
-
     import torch
+    from modelopt.torch.export import export_hf_checkpoint
 
     # FP8 weights are computed as weight.to(export dtype) / weight_scale: in bfloat16 that division rounds twice
     # (bf16, then E4M3) and ~2% of weights land one FP8 step away from what was calibrated. Export in float32
@@ -838,7 +818,8 @@ def check_checkpoint(path: Path, *, kv_cache: bool, exclude: list[str] = (), qua
         problems = []
         if str(qc.get("quant_algo")).upper() != str(q.get("quant_algo")).upper():
             problems.append(f"quant_algo {qc.get('quant_algo')!r} vs hf_quant_config {q.get('quant_algo')!r}")
-        kv_cfg = "FP8" if isinstance(qc.get("kv_cache_scheme"), dict) or str(qc.get("kv_cache_quant_algo")).upper() == "FP8" else None
+        kv_cfg = "FP8" if isinstance(qc.get("kv_cache_scheme"),
+                                     dict) or str(qc.get("kv_cache_quant_algo")).upper() == "FP8" else None
         if kv_cfg != (q.get("kv_cache_quant_algo") or None):
             problems.append(f"KV cache {kv_cfg} vs hf_quant_config {q.get('kv_cache_quant_algo')}")
         ign = qc.get("ignore", qc.get("exclude_modules"))
@@ -979,8 +960,8 @@ def fake_quant_reference(model, samples: list[dict], *, device=None, keep: int =
         return hook
 
     with torch.no_grad():
-        hooks = [l.register_forward_pre_hook(pre(i), with_kwargs=True) for i, l in enumerate(layers)]
-        hooks += [l.register_forward_hook(post(i), with_kwargs=True) for i, l in enumerate(layers)]
+        hooks = [layer.register_forward_pre_hook(pre(i), with_kwargs=True) for i, layer in enumerate(layers)]
+        hooks += [layer.register_forward_hook(post(i), with_kwargs=True) for i, layer in enumerate(layers)]
         hooks += [m.register_forward_hook(lin_hook(nm)) for nm, m in quantized_linears(model).items()]
         try:
             if samples:
@@ -1006,7 +987,6 @@ def _rel(a, b) -> float:
 def _near_boundary(v, rel: float = 1e-5):
     """True where E4M3 rounding of v (already divided by its scale) changes within +-rel: v sits on (or within
     float32 noise of) a rounding boundary, where two correct arithmetics may pick different neighbours."""
-    import torch
 
     from runtime.engine.fp8 import FP8_DTYPE, FP8_MAX
 
@@ -1131,7 +1111,7 @@ def measure_quality(ref, test, samples: list[dict], *, device=None, fake_quant: 
     per_sample = []
     fq_logits = (fake_quant or {}).get("logits", [])
     kept_test = []
-    ctxm = progress(total=len(samples), desc="quality") if progress else _nullctx(None)
+    ctxm = progress(total=len(samples), desc="quality") if progress else contextlib.nullcontext()
     with torch.no_grad(), ctxm as bar:
         for i, s in enumerate(samples):
             ids = s["input_ids"][None].to(device)
@@ -1254,7 +1234,8 @@ def _eagle_model(target_dir: Path, draft_dir: Path, device, dtype):
     base = _place(AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype), device)
     base_head = base.get_output_embeddings().weight
     lm = dsd.get("lm_head.weight")
-    has_lm_head = lm is not None and (lm.shape != base_head.shape or not torch.equal(lm.to(base_head.dtype).cpu(), base_head.detach().cpu()))
+    has_lm_head = lm is not None and (lm.shape != base_head.shape or not torch.equal(lm.to(base_head.dtype).cpu(),
+                                                                                     base_head.detach().cpu()))
     mtsp.convert(base, [("eagle", _eagle_cfg_from_export(dcfg, has_lm_head))])
     esd = {f"eagle_module.{k}": v for k, v in dsd.items() if k != "lm_head.weight" or has_lm_head}
     res = base.load_state_dict(esd, strict=False)
@@ -1263,7 +1244,8 @@ def _eagle_model(target_dir: Path, draft_dir: Path, device, dtype):
         raise StageError(f"quantize.draft: could not rebuild the EAGLE-3 module from {draft_dir}: missing {missing[:5]}, "
                          f"unexpected {res.unexpected_keys[:5]}")
     again = base.get_exporter()._extract_state_dict(base.state_dict())
-    diff = sorted(set(again) ^ set(dsd)) + [k for k in dsd if k in again and not torch.equal(again[k].to(dsd[k].dtype).cpu(), dsd[k])]
+    diff = sorted(set(again) ^ set(dsd)) + [k for k in dsd if k in again and not torch.equal(again[k].to(dsd[k].dtype).cpu(),
+                                                                                             dsd[k])]
     if diff:
         raise StageError(f"quantize.draft: the rebuilt EAGLE-3 module does not reproduce {draft_dir} (differs at {diff[:5]}); "
                          "the draft was exported with options this stage does not know")

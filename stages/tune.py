@@ -21,6 +21,10 @@ from pathlib import Path
 
 from pydantic import Field, field_validator, model_validator
 
+from pipeline.artifacts import quantize as quantize_artifact
+from pipeline.artifacts import target as target_artifact
+from pipeline.artifacts import train_draft as train_draft_artifact
+from pipeline.artifacts.quantize import QuantizeInfo
 from pipeline.errors import StageError
 from pipeline.stage import StageContext, StageSection, Strict
 
@@ -162,17 +166,17 @@ def check(cfg) -> list[tuple[str, str]]:
 
 
 def run(ctx: StageContext) -> dict:
-    from runtime.trtllm import compat
     from runtime.cost import costmodel as cm
+    from runtime.trtllm import compat
 
     sec: Config = ctx.section
     hw = ctx.config.hardware
-    target = ctx.input("target").read_json("target.json")
+    target = target_artifact.read_info(ctx.input("target").path)
     draft_art = ctx.input("train_draft")
-    draft = draft_art.read_json("draft.json")
+    draft = train_draft_artifact.read_info(draft_art.path)
     version = target_version(ctx.config, draft.get("algorithm"))
     rel = compat.release(version)
-    quant = ctx.input("quantize").read_json("quantize.json")
+    quant = quantize_artifact.read_info(ctx.input("quantize").path)
     acc = ctx.input("validate").read_json("acceptance.json")
 
     if (p := compat.algorithm_problem(version, str(draft.get("algorithm")))) is not None:
@@ -276,22 +280,19 @@ def choose_schedule(dep, curves, weights, max_batch: int, K: int, rel, mode: str
     return sched, {"name": "per_batch_min1", "per_batch_draft_len": True, "note": note}
 
 
-def deployment(ctx, sec: Config, hw, target: dict, draft: dict, draft_dir: Path, quant: dict):
+def deployment(ctx, sec: Config, hw, target: dict, draft: dict, draft_art: Path, quant: QuantizeInfo):
     """Shapes, precisions and machine of the deployment, and a description of them for tuning.json."""
     from pipeline.hardware import GPUS
     from runtime.cost import costmodel as cm
 
-    cfg_path = draft_dir / "draft" / "config.json"
-    if not cfg_path.is_file():
-        raise StageError(f"train_draft artifact has no draft/config.json at {cfg_path}; rerun train_draft")
-    draft_cfg = json.loads(cfg_path.read_text())
+    draft_cfg = train_draft_artifact.read_draft_config(draft_art)
     algo = draft.get("algorithm")
     if algo not in ("eagle3", "dflash"):
         raise StageError(f"draft.json algorithm is {algo!r}; tune prices eagle3 and dflash drafts")
     gpu = GPUS[hw.gpu]
-    weight_fmt = _weight_format(quant.get("format"))
-    kv_bytes = 1.0 if "fp8" in str(quant.get("kv_cache") or "").lower() else 2.0
-    draft_fp8 = str(quant.get("draft_dir") or "").startswith("quantize/")
+    weight_fmt = _weight_format(quant.format)
+    kv_bytes = 1.0 if quant.kv_cache_fp8 else 2.0
+    draft_fp8 = quant.draft_is_fp8
     if hw.profile is not None:
         profile = json.loads(Path(hw.profile).read_text())
         machine = cm.machine_from_profile(profile, memory_gb=float(profile.get("memory_gb") or gpu.memory_gb))
@@ -302,7 +303,7 @@ def deployment(ctx, sec: Config, hw, target: dict, draft: dict, draft_dir: Path,
         desc = f"profile {hw.profile} ({profile.get('device')})"
     else:
         if weight_fmt == "fp8" and not gpu.has_fp8:
-            raise StageError(f"{gpu.name} has no FP8 tensor cores but the target is FP8 ({quant.get('format')}); "
+            raise StageError(f"{gpu.name} has no FP8 tensor cores but the target is FP8 ({quant.format}); "
                              "choose an FP8-capable hardware.gpu or a BF16 quantize.format")
         e = sec.efficiency
         machine = cm.machine_from_gpu(gpu, compute_efficiency=e.compute, memory_efficiency=e.memory,
@@ -319,7 +320,7 @@ def deployment(ctx, sec: Config, hw, target: dict, draft: dict, draft_dir: Path,
     dmax = draft.get("max_position_embeddings") or draft_cfg.get("max_position_embeddings")
     if dmax and sec.context_length > dmax:
         ctx.log.warning("tune.context_length %d is beyond the draft's max_position_embeddings %s: acceptance may "
-                        "collapse past it in production (trtllm-triton.md §3)", sec.context_length, dmax)
+                        "collapse past it in production", sec.context_length, dmax)
     tp = hw.tensor_parallel_size
     for name, shape in (("target", tshape), ("draft", dshape)):
         if shape.heads % tp or (shape.kv_heads % tp and tp % shape.kv_heads):

@@ -3,8 +3,7 @@
 Measured on what will be deployed: the target and draft directories named by `quantize.json` (the FP8 target,
 and the draft to deploy), read from their exported files by `runtime.engine.speculative`. The unquantized pair
 (`target/model` + `train_draft/draft`) is measured the same way, so retention = AL(deployed) / AL(BF16) shows
-what quantization cost (reference trtllm-triton.md §8.1: a draft trained on BF16 hidden states can lose
-acceptance on an FP8 target).
+what quantization cost (a draft trained on BF16 hidden states can lose acceptance on an FP8 target).
 
 Per domain and pair: acceptance length (TensorRT-LLM's definition), per-position conditional acceptance up to
 `validate.max_draft_len` (the `tune` stage derives the deployed length from these curves), draft acceptance
@@ -36,6 +35,10 @@ from typing import Literal
 
 from pydantic import Field
 
+from pipeline.artifacts import data as data_artifact
+from pipeline.artifacts import quantize as quantize_artifact
+from pipeline.artifacts import target as target_artifact
+from pipeline.artifacts import train_draft as train_draft_artifact
 from pipeline.errors import StageError
 from pipeline.stage import StageContext, StageSection, Strict
 
@@ -67,7 +70,8 @@ class Gates(Strict):
 
 class Config(StageSection):
     runtime: Literal["auto", "reference", "tensorrt_llm"] = "auto"
-    max_draft_len: int = Field(4, ge=1, le=16, description="draft tokens per step while measuring (DFlash: capped at block_size-1)")
+    max_draft_len: int = Field(4, ge=1, le=16, description="draft tokens per step while measuring (DFlash: capped at "
+                                                           "block_size-1)")
     max_new_tokens: int = Field(48, ge=1)
     num_prompts: int = Field(16, ge=1, description="prompts per domain (at most what `data` wrote)")
     batch_size: int = Field(4, ge=1)
@@ -121,15 +125,16 @@ def run(ctx: StageContext) -> dict:
     runtime, why = _choose_runtime(sec.runtime)
     ctx.log.info("runtime: %s (%s)", runtime, why)
     arts = ctx.input("quantize").path.parent
-    q = ctx.input("quantize").read_json("quantize.json")
-    deployed = {"target_dir": arts / q["target_dir"], "draft_dir": arts / q["draft_dir"]}
-    bf16 = {"target_dir": ctx.input("target").path / "model", "draft_dir": ctx.input("train_draft").path / "draft"}
+    q = quantize_artifact.read_info(ctx.input("quantize").path)
+    deployed = {"target_dir": arts / q.target_rel, "draft_dir": arts / q.draft_rel}
+    bf16 = {"target_dir": target_artifact.model_dir(ctx.input("target").path),
+            "draft_dir": train_draft_artifact.draft_dir(ctx.input("train_draft").path)}
     for pair in (deployed, bf16):
         for k, p in pair.items():
             if not Path(p).is_dir():
                 raise StageError(f"validate: {k} {p} does not exist (quantize.json or the train_draft artifact is incomplete)")
     same = all(Path(deployed[k]).resolve() == Path(bf16[k]).resolve() for k in deployed)
-    eos = eos_ids(ctx.input("target").read_json("target.json"))
+    eos = target_artifact.stop_ids(target_artifact.read_info(ctx.input("target").path))
     ctx.log.info("generation stops at token ids %s (target.json)", eos)
     prompts = _read_prompts(ctx, sec)
 
@@ -174,16 +179,6 @@ def run(ctx: StageContext) -> dict:
                "retention": {d: v.get("retention") for d, v in res["domains"].items()},
                "speedup_measured": res.get("tokens_per_s", {}).get("speedup")}
     return metrics
-
-
-def eos_ids(tinfo: dict) -> list[int]:
-    """Every id that ends a generation: target.json's `eos_token_ids` (an instruct model's end-of-turn and its
-    eos), else its `eos_token_id` (one id, or a list as some HF configs write it)."""
-    ids = tinfo.get("eos_token_ids") or tinfo.get("eos_token_id")
-    if ids is None:
-        return []
-    ids = [ids] if isinstance(ids, int) else list(ids)
-    return sorted({int(i) for i in ids if i is not None})
 
 
 def lossless_summary(ll: dict) -> dict:
@@ -232,16 +227,8 @@ def trtllm_available() -> tuple[bool, str]:
 
 
 def _read_prompts(ctx: StageContext, sec: Config) -> dict[str, list[list[int]]]:
-    ev = ctx.input("data").path / "eval"
-    out = {}
-    for f in sorted(ev.glob("*.jsonl")):
-        rows = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
-        ids = [r["prompt_ids"] for r in rows if r.get("prompt_ids")][: sec.num_prompts]
-        if not ids:
-            raise StageError(f"validate: {f} has no prompts with prompt_ids")
-        out[f.stem] = ids
-    if not out:
-        raise StageError(f"validate: no evaluation domains in {ev}")
+    out = {d: [p.prompt_ids for p in ps]
+           for d, ps in data_artifact.read_eval(ctx.input("data").path, per_domain=sec.num_prompts).items()}
     g = sec.gates.min_acceptance_length
     if isinstance(g, dict) and (missing := sorted(set(g) - set(out))):
         raise StageError(f"validate.gates.min_acceptance_length names domains {missing} that data did not write")
@@ -263,10 +250,10 @@ def _device(ctx) -> str:
 def _run_reference(ctx, sec: Config, deployed: dict, bf16: dict | None, prompts: dict, eos, *, same: bool = False) -> dict:
     import torch
 
-    from runtime.trtllm.draft_schedule import dflash_max_draft_len
     from runtime.engine.drafts import DraftFormatError, summarize
     from runtime.engine.lossless import InvariantTally
     from runtime.engine.speculative import SpeculativeEngine, load_pair
+    from runtime.trtllm.draft_schedule import dflash_max_draft_len
 
     dev = _device(ctx)
     pairs = [("fp8", deployed)] + ([("bf16", bf16)] if bf16 else [])
@@ -475,7 +462,9 @@ def _statistical(ctx, model, sec: Config, K: int, sub, spec_out, ref, noise_arms
     t = rate_test(spec["diverging"], spec["exposure"], d_n, e_n, ratio=g.max_divergence_ratio, alpha=g.divergence_alpha)
     # the target's own top-2 margin where speculative decoding diverged (informative: FP8 noise flips tokens
     # far beyond fp32 ties)
-    margins = lambda outs: [round(b["margin"], 4) for b in tie_margins(model, sub, ref, lossless_diff(outs, ref)[:4])]  # noqa: E731
+    def margins(outs):
+        return [round(b["margin"], 4) for b in tie_margins(model, sub, ref, lossless_diff(outs, ref)[:4])]
+
     out = {"pair": "fp8", "statistic": STATISTIC, "reference": "autoregressive, batch 1, one prefill forward",
            "speculative_arm": f"speculative, batch {sec.batch_size}, k={K}", "speculative": spec, "noise": noise,
            "test": "one-sided exact conditional binomial test of two Poisson rates, H0: rate_speculative <= ratio x "
@@ -608,15 +597,15 @@ def trtllm_sampling_kwargs(*, max_new_tokens: int, temperature: float, seed: int
     return kw
 
 
-def _run_trtllm(ctx, sec: Config, deployed: dict, bf16: dict | None, prompts: dict, eos) -> dict:  # pragma: no cover - needs a GPU
+def _run_trtllm(ctx, sec: Config, deployed: dict, bf16: dict | None, prompts: dict,
+                eos) -> dict:  # pragma: no cover - needs a GPU
     """Runs only inside a TensorRT-LLM installation with a GPU; this machine never gets here."""
     import tensorrt_llm
-    from tensorrt_llm import LLM, SamplingParams
-    from tensorrt_llm import llmapi
+    from tensorrt_llm import LLM, SamplingParams, llmapi
 
+    from runtime.engine.drafts import draft_algorithm
     from runtime.trtllm import compat
     from runtime.trtllm.draft_schedule import dflash_max_draft_len
-    from runtime.engine.drafts import draft_algorithm
     from runtime.trtllm.options import trtllm_draft_dir
 
     res: dict = {"domains": {d: {} for d in prompts}, "overall": {}, "trtllm_version": tensorrt_llm.__version__,
@@ -696,7 +685,8 @@ def _render(a: dict) -> str:
     parts.append(table(rows, ["domain", "AL deployed (FP8)", "AL BF16", "retention", "acceptance rate", "accepted",
                               "drafted"] + ([f"AL FP8, {other} first-layer norm"] if other else [])))
     g = a["gates"]
-    parts.append(f"<p>gates: <span class='{'pass' if g['passed'] else 'fail'}'>{'passed' if g['passed'] else 'FAILED'}</span></p>")
+    parts.append("<p>gates: <span "
+                 f"class='{'pass' if g['passed'] else 'fail'}'>{'passed' if g['passed'] else 'FAILED'}</span></p>")
     if g["rows"]:
         parts.append(table([[r["domain"], r["metric"], r["measured"], r["required"], "pass" if r["passed"] else "FAIL"]
                             for r in g["rows"]], ["domain", "metric", "measured", "required", "result"]))

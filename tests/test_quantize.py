@@ -192,9 +192,12 @@ def test_fp8_draft(built):
 BREAKS = {
     "missing weight_scale": ("fp8_linears_have_scales", lambda sd, d: sd.pop("model.layers.0.mlp.up_proj.weight_scale")),
     "missing input_scale": ("fp8_linears_have_scales", lambda sd, d: sd.pop("model.layers.0.self_attn.o_proj.input_scale")),
-    "NaN scale": ("finite_scales", lambda sd, d: sd.__setitem__("model.layers.0.mlp.up_proj.input_scale", torch.tensor(float("nan")))),
+    "NaN scale": ("finite_scales", lambda sd, d: sd.__setitem__("model.layers.0.mlp.up_proj.input_scale",
+                                                                torch.tensor(float("nan")))),
     "missing hf_quant_config.json": ("hf_quant_config", lambda sd, d: (d / "hf_quant_config.json").unlink()),
-    "config.json disagrees": ("config_agrees", lambda sd, d: _edit_json(d / "config.json", lambda c: c["quantization_config"].update(quant_algo="INT8"))),
+    "config.json "
+    "disagrees": ("config_agrees", lambda sd, d: _edit_json(d / "config.json",
+                                                            lambda c: c["quantization_config"].update(quant_algo="INT8"))),
     "missing k_scale": ("kv_scales", lambda sd, d: sd.pop("model.layers.1.self_attn.k_proj.k_scale")),
     "excluded module stored as FP8": ("excluded_high_precision", lambda sd, d: _to_fp8(sd, "model.layers.1.mlp.down_proj")),
     "unlisted high-precision linear": ("quantized_coverage", lambda sd, d: sd.__setitem__(
@@ -247,7 +250,7 @@ def test_each_format_check_fails_on_a_broken_checkpoint(built, tmp_path, what):
 
 def test_kv_check_fails_when_fp8_kv_asked_but_absent(built, tmp_path):
     """A checkpoint quantized without FP8 KV: the kv_scales check passes when none was asked and fails otherwise."""
-    samples = Q.read_samples(built.root / "data" / "calib.parquet", 4, 32)
+    samples = Q.read_samples(built.root / "data", "calib", 4, 32)
     m = Q.quantize_model(built.model_dir, samples, kv_cache="none")
     Q.export_target(m, tmp_path / "nokv", built.model_dir, torch.bfloat16)
     assert not any(k.endswith(("k_scale", "v_scale")) for k in fp8.read_safetensors(tmp_path / "nokv"))
@@ -310,7 +313,7 @@ def test_report_section(built):
 
 
 def test_excluding_a_whole_layer_keeps_its_kv_scales(built, tmp_path):
-    samples = Q.read_samples(built.root / "data" / "calib.parquet", 4, 32)
+    samples = Q.read_samples(built.root / "data", "calib", 4, 32)
     m = Q.quantize_model(built.model_dir, samples, kv_cache="fp8", exclude=["model.layers.0.*"])
     Q.export_target(m, tmp_path / "ex", built.model_dir, torch.bfloat16)
     sd = fp8.read_safetensors(tmp_path / "ex")
