@@ -42,7 +42,8 @@ class Config(StageSection):
     model_name: str = Field("tensorrt_llm", pattern=r"^[A-Za-z0-9_.-]+$",
                             description="Triton model name in both repositories (the LLM-API template's name)")
     decoupled: bool = Field(True, description="decoupled transaction policy: needed for streaming")
-    cancellation_check_period_ms: int = Field(100, ge=1, description="model.yaml triton_config: how often cancellations are polled")
+    cancellation_check_period_ms: int = Field(100, ge=1, description="model.yaml triton_config: how often cancellations are "
+                                                                     "polled")
     container_path: str = Field("/opt/specpipe/triton", pattern=r"^/",
                                 description="where launch.sh expects triton/ mounted inside the container")
     weights: Literal["link", "copy"] = Field("link", description="hard-link the checkpoints (copy across filesystems) or copy")
@@ -94,7 +95,7 @@ def run(ctx: StageContext) -> dict:
         "# the same max_batch_size and decoupled policy: launch_triton_server.py disables auto-complete-config.\n"
         + T.dump_yaml(body))
     (prod / sec.model_name / "config.pbtxt").write_text(
-        config_pbtxt(sec.model_name, io, production=True, decoupled=sec.decoupled,
+        config_pbtxt(sec.model_name, io, decoupled=sec.decoupled,
                      max_batch_size=body["triton_config"]["max_batch_size"]))
     image = compat.triton_image_for(version)
     (prod / "launch.sh").write_text(_launch_sh(sec, dep))
@@ -122,7 +123,7 @@ def run(ctx: StageContext) -> dict:
             "eos_token_ids": acc.get("eos_token_ids"),     # the stop ids validate decoded with (target.json)
             "trtllm_version": version, "specpipe_src": str(Path(runtime.__file__).resolve().parents[1])}, indent=2))
         (cpu / sec.model_name / "config.pbtxt").write_text(
-            config_pbtxt(sec.model_name, io, production=False, decoupled=sec.decoupled))
+            config_pbtxt(sec.model_name, io, decoupled=sec.decoupled))
 
     vllm = None
     if sec.speculators and speculation:
@@ -219,7 +220,7 @@ def _place(src: Path, dst: Path, mode: str) -> None:
 # ---------------------------------------------------------------------------------------------- config.pbtxt
 
 
-def config_pbtxt(name: str, io: dict, *, production: bool, decoupled: bool = True, max_batch_size: int = 0) -> str:
+def config_pbtxt(name: str, io: dict, *, decoupled: bool = True, max_batch_size: int = 0) -> str:
     """The LLM-API model's config (inputs/outputs from the extracted schema), stating `max_batch_size` and the
     transaction policy itself: the container's launcher (`launch_triton_server.py`) always passes
     --disable-auto-complete-config, so the model's `auto_complete_config`, which would copy them from model.yaml's
@@ -280,11 +281,20 @@ exec python3 /app/scripts/launch_triton_server.py --model_repo="$SERVE" --world_
 def _readme(sec: Config, dep: dict, image: str | None, workdir: Path) -> str:
     here = shlex.quote(str(Path(workdir).resolve() / "artifacts" / "export" / "triton"))
     img = image or f"<a custom Triton image built on {dep['serving_image']}>"
+    spec = dep.get('speculation', True)
+    draft = (f" and the {dep['decoding_type']} draft (`1/draft/`, its layers named as TensorRT-LLM "
+             f"{dep['trtllm_version']} reads them)") if spec else " (no draft)"
+    ask = json.dumps({"text_input": "def add(a, b):", "sampling_param_max_tokens": 64,
+                      "sampling_param_return_perf_metrics": True})
+    no_draft = '' if spec else (chr(10) + "No draft: `tune` predicted no speedup from speculation at any batch size, so "
+                                "the target is served alone (see ../../build/deployment/README.md)." + chr(10))
+    vllm = ("For vLLM, `../speculators/` holds the same draft in the speculators format with its `vllm serve` command."
+            + chr(10)) if sec.speculators and spec else ""
     return f"""# Triton repository for TensorRT-LLM {dep['trtllm_version']} (LLM-API model)
 
 `{sec.model_name}/config.pbtxt` is the LLM-API model's interface; `{sec.model_name}/1/model.yaml` holds the
 LLM-API options specpipe built (every key but `triton_config` goes to `LLM(...)`), with the FP8 target
-(`1/target_fp8/`){f" and the {dep['decoding_type']} draft (`1/draft/`, its layers named as TensorRT-LLM {dep['trtllm_version']} reads them)" if dep.get('speculation', True) else " (no draft)"}
+(`1/target_fp8/`){draft}
 next to it, referenced by their paths inside the container ({sec.container_path}).
 
 The model code (`model.py`, `helpers.py`) is not copied here: it comes with the container, under
@@ -302,7 +312,7 @@ Container for this version (runtime/trtllm/compat.py): `{img}`.
 
 ## Ask
 ```bash
-curl -s localhost:8000/v2/models/{sec.model_name}/generate -d '{{"text_input": "def add(a, b):", "sampling_param_max_tokens": 64, "sampling_param_return_perf_metrics": true}}'
+curl -s localhost:8000/v2/models/{sec.model_name}/generate -d '{ask}'
 curl -s -N localhost:8000/v2/models/{sec.model_name}/generate_stream -d '{{"text_input": "def add(a, b):", "streaming": true}}'
 ```
 With `sampling_param_return_perf_metrics: true` the response carries `acceptance_rate`,
@@ -310,11 +320,11 @@ With `sampling_param_return_perf_metrics: true` the response carries `acceptance
 `model_transaction_policy {{ decoupled: {str(sec.decoupled).lower()} }}` itself (the same values as model.yaml's
 `triton_config`): `launch_triton_server.py` starts Triton with `--disable-auto-complete-config`, so the
 model's `auto_complete_config` does not copy them from model.yaml.
-{'' if dep.get('speculation', True) else chr(10) + "No draft: `tune` predicted no speedup from speculation at any batch size, so the target is served alone (see ../../build/deployment/README.md)." + chr(10)}
+{no_draft}
 
 The sibling repository `../triton_cpu/` serves the same FP8 pair with the same interface on a CPU
 (`specpipe serve --workdir <run>`), through specpipe's speculative runtime instead of TensorRT-LLM.
-{"For vLLM, `../speculators/` holds the same draft in the speculators format with its `vllm serve` command." + chr(10) if sec.speculators and dep.get('speculation', True) else ""}"""
+{vllm}"""
 
 
 def report(artifact: Artifact) -> str:
@@ -336,6 +346,7 @@ def _speculators_report(s: dict | None) -> str:
             f"{esc(s['format'])} format; <code>{esc(s['script'])}</code> runs <code>{esc(s['vllm_serve'])}</code></p>"
             + table([{"speculative tokens": s["speculative_tokens"],
                       "capture layers (speculators / ModelOpt)": f"{s['aux_hidden_state_layer_ids']} / {s['modelopt_layer_ids']}",
-                      "draft vocabulary": f"{s['draft_vocab_size']} of {s['vocab_size']}" + (" (d2t, t2d)" if s["has_d2t"] else ""),
+                      "draft vocabulary": f"{s['draft_vocab_size']} of "
+                                          f"{s['vocab_size']}" + (" (d2t, t2d)" if s["has_d2t"] else ""),
                       "verifier": s["verifier"]}])
             + "".join(f"<p>{esc(n)}</p>" for n in s.get("notes", [])))

@@ -30,7 +30,7 @@ does, reproducing TensorRT-LLM's arithmetic (sources named where each rule is im
   ModelOpt's fake-quant model computes).
 - `load_causal_lm` loads either a plain (BF16/FP16/FP32) checkpoint or an FP8 one behind one call; tied
   input/output embeddings (`tie_word_embeddings`) share one tensor, as in the deployment.
-- `swap_fp8_linears` / `load_fp8_state_dict` / `fp8_linears_from_safetensors` / `load_state_dict_dequantized`
+- `swap_fp8_linears` / `load_fp8_state_dict` / `load_state_dict_dequantized`
   do the same for any module tree (the EAGLE-3 draft `LlamaForCausalLMEagle3`, which transformers has no
   class for), keyed by the checkpoint's tensor names.
 
@@ -335,11 +335,6 @@ def fp8_linears_from_state_dict(state_dict: Mapping[str, torch.Tensor], *, compu
                            dynamic_per_token=dynamic_per_token, compute_dtype=compute_dtype,
                            use_scaled_mm=use_scaled_mm)
     return out
-
-
-def fp8_linears_from_safetensors(path: str | Path, **kw) -> dict[str, FP8Linear]:
-    """`fp8_linears_from_state_dict` of a checkpoint directory or safetensors file."""
-    return fp8_linears_from_state_dict(read_safetensors(path), **kw)
 
 
 def load_state_dict_dequantized(path_or_sd: str | Path | Mapping[str, torch.Tensor],

@@ -2,7 +2,8 @@
 
 `runtime.engine.speculative` works on token ids in batches. Serving needs a prompt string, the tokenizer, request
 validation with messages a client can act on, per-step streaming and the per-request statistics TensorRT-LLM
-reports (`acceptance_rate`, `total_accepted_draft_tokens`, `total_draft_tokens`, reference §4). This module
+reports (`acceptance_rate`, `total_accepted_draft_tokens`, `total_draft_tokens`: what the LLM-API Triton model
+returns with `sampling_param_return_perf_metrics`). This module
 and `runtime.serving.batching` are the only places that know the runtime's API, so the Triton model
 (runtime/serving/triton_model/model.py) and the tests that compare the server with the in-process runtime go through
 the same code: `ServingEngine.complete` runs one request through the same `batching` job logic the server's
@@ -81,7 +82,6 @@ class ServingEngine:
 
     def __init__(self, target_dir: str | Path, draft_dir: str | Path | None, *, draft_len: int, device: str = "cpu",
                  eos_token_ids: list[int] | None = None):
-        import torch
         from transformers import AutoTokenizer
 
         from runtime.engine.speculative import SpeculativeEngine, load_pair, load_target
@@ -99,7 +99,6 @@ class ServingEngine:
         self.eos_token_id = self.tokenizer.eos_token_id
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.context = int(cfg.max_position_embeddings)
-        self._torch = torch
 
     def encode(self, prompt: str) -> list[int]:
         return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]

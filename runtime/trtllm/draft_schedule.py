@@ -109,9 +109,6 @@ class DraftSchedule:
     def speculates(self, max_batch: int) -> bool:
         return self.max_draft_len(max_batch) > 0
 
-    def is_constant(self, max_batch: int) -> bool:
-        return len(self.bounded(max_batch)) == 1
-
     def describe(self, max_batch: int) -> str:
         return "; ".join(f"batch {a}-{b}: {'off' if k == 0 else f'k={k}'}" for a, b, k in self.bounded(max_batch))
 
