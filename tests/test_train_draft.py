@@ -79,6 +79,17 @@ def _art(wd: Path) -> Path:
     return wd / "artifacts" / "train_draft"
 
 
+def assert_al_is_the_counts(acc: dict) -> None:
+    """The runtime estimate's AL is (steps + accepted) / steps of its own counts, overall and per domain (not just
+    inside the definitional [1, 1 + k]); accepted tokens never exceed drafted ones."""
+    doms = acc["domains"].values()
+    steps, accepted = sum(d["steps"] for d in doms), sum(d["accepted"] for d in doms)
+    assert steps > 0 and acc["acceptance_length"] == pytest.approx((steps + accepted) / steps, abs=1e-6)
+    for d in doms:
+        assert 0 <= d["accepted"] <= d["drafted"] and d["acceptance_length"] == pytest.approx(
+            (d["steps"] + d["accepted"]) / d["steps"], abs=1e-6)
+
+
 # ------------------------------------------------------------------------------------------- EAGLE-3
 
 
@@ -101,7 +112,9 @@ def test_eagle3_exports_a_checked_deployable_draft(eagle):
     assert d["algorithm"] == "eagle3" and d["aux_layer_ids"] == [0, 1, 3] and d["has_d2t"] is True
     assert d["acceptance_estimator"] == "runtime"
     assert d["vocab_size"] == 512 and d["draft_vocab_size"] == 256 and d["trained_draft_len"] == 3
-    assert 1.0 <= d["acceptance_length"] <= 4.0
+    acc = json.loads((art / "curve.json").read_text())["acceptance"]
+    assert d["acceptance_length"] == acc["acceptance_length"] and 1.0 <= d["acceptance_length"] <= 4.0
+    assert_al_is_the_counts(acc)
 
 
 def test_eagle3_curve_metrics_and_report(eagle):
@@ -113,6 +126,7 @@ def test_eagle3_curve_metrics_and_report(eagle):
     st = {s["name"]: s for s in status_json(eagle)["stages"]}["train_draft"]
     m = st["metrics"]
     assert m["acceptance_draft_len"] == 3 and 1.0 <= m["acceptance_length"] <= 4.0
+    assert m["acceptance_length"] == json.loads((_art(eagle) / "curve.json").read_text())["acceptance"]["acceptance_length"]
     assert set(m["acceptance_by_domain"]) == {"code", "prose"}
     assert m["step_ms_mean"] > 0 and m["world_size"] == 1 and m["resumed_from_step"] == 0
     r = run_cli("report", "--workdir", str(eagle))
@@ -308,7 +322,9 @@ def test_dflash_two_process_training_exports_a_checked_draft(dflash):
     assert all(c["passed"] for c in json.loads((art / "checks.json").read_text()))
     d = json.loads((art / "draft.json").read_text())
     assert d["trained_draft_len"] == 3 and d["block_size"] == 4 and m["acceptance_draft_len"] == 3
-    assert 1.0 <= m["acceptance_length"] <= 4.0
+    acc = json.loads((art / "curve.json").read_text())["acceptance"]
+    assert m["acceptance_length"] == acc["acceptance_length"] and 1.0 <= m["acceptance_length"] <= 4.0
+    assert_al_is_the_counts(acc)
 
 
 def test_dflash_export_reloads_with_modelopt_warm_start(dflash):
@@ -856,7 +872,10 @@ def test_real_model_tied_embeddings_full_vocabulary(real_inputs, tmp_path, monke
     d = json.loads((ctx.out_dir / "draft.json").read_text())
     assert d["aux_layer_ids"] == [1, 14, 26] and d["has_d2t"] is False and d["draft_vocab_size"] == 49152
     assert all(c["passed"] for c in json.loads((ctx.out_dir / "checks.json").read_text()))
-    assert m["acceptance_estimator"] == "runtime" and 1.0 <= m["acceptance_length"] <= 4.0
+    assert m["acceptance_estimator"] == "runtime"
+    acc = json.loads((ctx.out_dir / "curve.json").read_text())["acceptance"]
+    assert m["acceptance_length"] == acc["acceptance_length"] and 1.0 <= m["acceptance_length"] <= 4.0
+    assert_al_is_the_counts(acc)
     assert set(m["acceptance_by_domain"]) == {"humaneval", "gsm8k"}
 
 
