@@ -108,8 +108,8 @@ def test_batches_of_different_sampling_share_one_engine(engine):
 
 
 def test_scheduler_bounds_cancels_and_stops_by_id(engine):
-    from runtime.serving.batching import Job, Scheduler
     from runtime.serving.adapter import Overloaded
+    from runtime.serving.batching import Job, Scheduler
 
     counts: dict[str, float] = {}
     s = Scheduler(engine, max_batch=2, max_queue=1, cancel_check_s=0.01,
@@ -161,8 +161,8 @@ def test_real_model_requests_joining_decode_what_they_decode_alone(real_model):
     after two steps decode exactly what they decode alone, up to the end-of-turn id."""
     from transformers import AutoTokenizer
 
-    from runtime.serving.adapter import eos_ids
     from runtime.engine.speculative import SpeculativeEngine, load_target
+    from runtime.serving.adapter import eos_ids
 
     md = real_model["model_dir"]
     tok = AutoTokenizer.from_pretrained(md)

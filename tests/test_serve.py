@@ -272,7 +272,8 @@ def test_a_broken_repository_fails_to_load_with_the_servers_message(tmp_path, mo
     cfg = (bad / "no_weights" / "config.pbtxt").read_text()
     (bad / "no_weights" / "config.pbtxt").write_text(cfg.replace('name: "tensorrt_llm"', 'name: "no_weights"'))
     (bad / "no_dims" / "1").mkdir(parents=True)
-    (bad / "no_dims" / "1" / "model.py").write_text("class TritonPythonModel:\n    def execute(self, requests):\n        return []\n")
+    (bad / "no_dims" / "1" / "model.py").write_text("class TritonPythonModel:\n    def execute(self, requests):\n        return "
+                                                    "[]\n")
     (bad / "no_dims" / "config.pbtxt").write_text('name: "no_dims"\nbackend: "python"\n'
                                                   'input { name: "x" data_type: TYPE_FP32 }\n')
     srv = triton_server.start(bad, models=[], ready_timeout=60)

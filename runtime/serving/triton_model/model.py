@@ -108,8 +108,8 @@ class TritonPythonModel:
         src = spec.get("specpipe_src")
         if src and (Path(src) / "runtime" / "serving" / "batching.py").is_file() and src not in sys.path:
             sys.path.insert(0, src)
-        from runtime.serving.batching import Scheduler
         from runtime.serving.adapter import ServingEngine
+        from runtime.serving.batching import Scheduler
 
         self.inputs = sorted(i["name"] for i in self.model_config.get("input", []))
         params = {k: v.get("string_value") for k, v in (self.model_config.get("parameters") or {}).items()}
@@ -188,8 +188,8 @@ class TritonPythonModel:
         return Overloaded
 
     def _job(self, request, sender):
-        from runtime.serving.batching import Job
         from runtime.serving.adapter import RequestError
+        from runtime.serving.batching import Job
 
         try:
             extra = json.loads(request.parameters() or "{}")
@@ -255,8 +255,8 @@ class TritonPythonModel:
         return self._response(job.result.text, job.result, want)
 
     def _error(self, job):
-        from runtime.serving.batching import Cancelled
         from runtime.serving.adapter import Overloaded
+        from runtime.serving.batching import Cancelled
 
         if job.cancelled or isinstance(job.error, Cancelled):
             return pb_utils.InferenceResponse(error=pb_utils.TritonError("Request cancelled by client",
@@ -281,7 +281,8 @@ class TritonPythonModel:
                 t.append(pb_utils.Tensor("stop_reason", np.asarray([str(out.stop_reason)], dtype=np.object_)))
             if want["perf"]:
                 t += [pb_utils.Tensor("acceptance_rate", np.asarray([out.acceptance_rate], dtype=np.float32)),
-                      pb_utils.Tensor("total_accepted_draft_tokens", np.asarray([out.total_accepted_draft_tokens], dtype=np.int32)),
+                      pb_utils.Tensor("total_accepted_draft_tokens", np.asarray([out.total_accepted_draft_tokens],
+                                                                                dtype=np.int32)),
                       pb_utils.Tensor("total_draft_tokens", np.asarray([out.total_draft_tokens], dtype=np.int32)),
                       pb_utils.Tensor("arrival_time_ns", np.asarray([out.arrival_time_ns], dtype=np.int64)),
                       pb_utils.Tensor("first_scheduled_time_ns", np.asarray([out.first_scheduled_time_ns], dtype=np.int64)),
