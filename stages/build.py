@@ -35,6 +35,7 @@ from pydantic import Field, field_validator
 from pipeline.artifacts import data as data_artifact
 from pipeline.artifacts import quantize as quantize_artifact
 from pipeline.artifacts import train_draft as train_draft_artifact
+from pipeline.artifacts import tune as tune_artifact
 from pipeline.errors import StageError
 from pipeline.stage import Artifact, StageContext, StageSection, Strict
 from runtime.trtllm import compat
@@ -133,7 +134,7 @@ def run(ctx: StageContext) -> dict:
     target_dir = quant.target_dir(arts)
     draft_src = quant.draft_dir(arts)
     draft = train_draft_artifact.read_info(ctx.input("train_draft").path)
-    tuning = ctx.input("tune").read_json("tuning.json")
+    tuning = tune_artifact.read_tuning(ctx.input("tune").path)
     tcfg = json.loads((target_dir / "config.json").read_text())
     algo = str(draft.get("algorithm", "eagle3")).lower()
     if (p := compat.algorithm_problem(version, algo)) is not None:

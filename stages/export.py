@@ -29,6 +29,8 @@ from typing import Literal
 
 from pydantic import Field
 
+from pipeline.artifacts import build as build_artifact
+from pipeline.artifacts import validate as validate_artifact
 from pipeline.errors import StageError
 from pipeline.stage import Artifact, StageContext, StageSection
 
@@ -54,17 +56,15 @@ class Config(StageSection):
 
 
 def run(ctx: StageContext) -> dict:
-    import yaml
-
     from runtime.trtllm import compat
     from runtime.trtllm import options as T
 
     sec: Config = ctx.section
-    acc = ctx.input("validate").read_json("acceptance.json")
+    acc = validate_artifact.read_acceptance(ctx.input("validate").path)
     _require_gate(acc)
     bpath = ctx.input("build").path
-    dep = json.loads((bpath / "deployment.json").read_text())
-    options = yaml.safe_load((bpath / dep["options_file"]).read_text())
+    dep = build_artifact.read_deployment(bpath)
+    options = build_artifact.read_options(bpath, dep)
     version = dep["trtllm_version"]
     io = T.load_schema("triton-llmapi-model")["config_pbtxt"]
 

@@ -24,6 +24,7 @@ from pydantic import Field, field_validator, model_validator
 from pipeline.artifacts import quantize as quantize_artifact
 from pipeline.artifacts import target as target_artifact
 from pipeline.artifacts import train_draft as train_draft_artifact
+from pipeline.artifacts import validate as validate_artifact
 from pipeline.artifacts.quantize import QuantizeInfo
 from pipeline.errors import StageError
 from pipeline.stage import StageContext, StageSection, Strict
@@ -177,7 +178,7 @@ def run(ctx: StageContext) -> dict:
     version = target_version(ctx.config, draft.get("algorithm"))
     rel = compat.release(version)
     quant = quantize_artifact.read_info(ctx.input("quantize").path)
-    acc = ctx.input("validate").read_json("acceptance.json")
+    acc = validate_artifact.read_acceptance(ctx.input("validate").path)
 
     if (p := compat.algorithm_problem(version, str(draft.get("algorithm")))) is not None:
         raise StageError(p)
