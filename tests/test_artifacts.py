@@ -56,6 +56,6 @@ def test_quantize_info_resolves_paths_against_the_artifacts_directory(tmp_path):
     assert q.draft_dir(tmp_path) == (tmp_path / "quantize" / "draft_fp8").resolve()
 
 
-def test_stop_ids_prefer_the_list_and_keep_its_order():
-    assert target.stop_ids({"eos_token_ids": [7, 2, 7], "eos_token_id": 7}) == [7, 2]
+def test_stop_ids_prefer_the_list():
+    assert target.stop_ids({"eos_token_ids": [7, 2, 7], "eos_token_id": 7}) == [2, 7]
     assert target.stop_ids({"eos_token_id": 5}) == [5]

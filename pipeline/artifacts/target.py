@@ -23,9 +23,9 @@ def read_info(art: Path) -> dict:
 
 def stop_ids(info: dict) -> list[int]:
     """Every id that ends a generation: `eos_token_ids` (an instruct model's end of turn first, then its eos), else
-    `eos_token_id` (one id, or a list as some HF configs write it); each id once, in that order."""
+    `eos_token_id` (one id, or a list as some HF configs write it); each id once, sorted (a set of stop ids)."""
     ids = info.get("eos_token_ids") or info.get("eos_token_id")
     if ids is None:
         return []
     ids = [ids] if isinstance(ids, int) else list(ids)
-    return list(dict.fromkeys(int(i) for i in ids if i is not None))
+    return sorted({int(i) for i in ids if i is not None})
