@@ -1,5 +1,5 @@
 """GPU check of the tune stage's cost model: FP8 GEMM stacks of an 8B-shaped and a 70B-layer-shaped Llama,
-step time vs M on the GPU, against the datasheet model (runtime.costmodel with pipeline.hardware's table).
+step time vs M on the GPU, against the datasheet model (runtime.cost.costmodel with pipeline.hardware's table).
 
 Prepared for one H200 and a few minutes of GPU time (about 2-4 min; peak memory ~25 GB). From the repository
 root, on a machine with CUDA torch:
@@ -7,7 +7,7 @@ root, on a machine with CUDA torch:
     python bench/gpu_gemm_check.py --gpu h200 --out "${OUT:-bench_out}"
 
 It writes `<out>/gemm_check.json` (every point: measured, datasheet prediction, prediction at the default
-efficiencies, and the model calibrated from `runtime.profile` microbenchmarks) and `<out>/h200_profile.json`
+efficiencies, and the model calibrated from `runtime.cost.profile` microbenchmarks) and `<out>/h200_profile.json`
 (a specpipe hardware profile: `hardware.profile: <out>/h200_profile.json` makes `tune` use measured rates),
 and prints a Markdown table for docs/benchmarks.md. `--smoke` runs tiny shapes on the CPU to check the
 script itself (no GPU needed).
@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.hardware import GPUS  # noqa: E402
-from runtime import costmodel as cm  # noqa: E402
+from runtime.cost import costmodel as cm  # noqa: E402
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 2048)
 
@@ -55,8 +55,9 @@ def gemm_ops(shape: cm.ModelShape, rows: int, prec: cm.Precision) -> list[cm.Op]
 
 class GemmStack:
     def __init__(self, shape: cm.ModelShape, dtype: str, device):
-        from runtime.profile import Matmul
         import torch
+
+        from runtime.cost.profile import Matmul
 
         gen = torch.Generator().manual_seed(0)
         self.layers = [[Matmul(g.k, g.n, dtype, device, gen) for g in shape.layer_gemms] for _ in range(shape.num_layers)]
@@ -124,13 +125,13 @@ def main() -> int:
     ap.add_argument("--rows", default=",".join(map(str, ROWS)))
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--no-graph", action="store_true", help="time eager launches instead of one CUDA graph")
-    ap.add_argument("--no-profile", action="store_true", help="skip the runtime.profile calibration")
+    ap.add_argument("--no-profile", action="store_true", help="skip the runtime.cost.profile calibration")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script, not a GPU)")
     args = ap.parse_args()
 
     import torch
 
-    from runtime import profile as P
+    from runtime.cost import profile as P
 
     if args.smoke:
         device, dtype = torch.device("cpu"), "float32"

@@ -87,8 +87,8 @@ def main() -> int:
     a = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-    from runtime import triton_server
-    from runtime.serving import ServingEngine
+    from runtime.serving import triton_server
+    from runtime.serving.adapter import ServingEngine
 
     conc = [int(c) for c in a.concurrency.split(",")]
     repo = a.workdir / "artifacts" / "export" / "triton_cpu"

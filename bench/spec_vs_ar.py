@@ -49,7 +49,7 @@ def isolated_costs(model, draft, k: int, ctx_len: int, reps: int = 50) -> dict:
     positions + one block pass)."""
     import torch
 
-    from runtime.speculative import TargetRunner, make_drafter
+    from runtime.engine.speculative import TargetRunner, make_drafter
 
     cap = draft.aux_layer_ids if draft.algorithm == "eagle3" else draft.target_layer_ids
     r = TargetRunner(model, cap)
@@ -101,8 +101,14 @@ def main(argv=None) -> dict:
 
     import torch
 
-    from runtime.speculative import (SpeculativeEngine, load_pair, load_target, lossless_diff, predicted_speedup,
-                                     tie_margins)
+    from runtime.engine.speculative import (
+        SpeculativeEngine,
+        load_pair,
+        load_target,
+        lossless_diff,
+        predicted_speedup,
+        tie_margins,
+    )
 
     torch.set_num_threads(a.threads)
     if a.workdir:

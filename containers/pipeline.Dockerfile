@@ -5,7 +5,7 @@
 #   docker run --gpus all --ipc=host -v $PWD/runs:/workspace/runs -e HF_TOKEN specpipe:trtllm-1.2.1 \
 #       build configs/llama70b_fp8_eagle3.yaml
 #
-# BASE_IMAGE must be a `tensorrt-llm/release` tag listed in runtime/compat.py (tests check it); use the 1.3
+# BASE_IMAGE must be a `tensorrt-llm/release` tag listed in runtime/trtllm/compat.py (tests check it); use the 1.3
 # line for DFlash drafts. The base image's torch, TensorRT-LLM and CUDA stack are kept as they are.
 ARG BASE_IMAGE=nvcr.io/nvidia/tensorrt-llm/release:1.2.1
 FROM ${BASE_IMAGE}

@@ -5,7 +5,7 @@
 #   docker run --gpus all --ipc=host -p 8000:8000 -p 8001:8001 -p 8002:8002 \
 #       -v $PWD/runs/llama70b_fp8_eagle3/artifacts/export/triton:/opt/specpipe/triton:ro specpipe-serve:26.07
 #
-# TRITON_IMAGE must be a `tritonserver:<yy.mm>-trtllm-python-py3` tag listed in runtime/compat.py whose
+# TRITON_IMAGE must be a `tritonserver:<yy.mm>-trtllm-python-py3` tag listed in runtime/trtllm/compat.py whose
 # TensorRT-LLM version is the one the repository was built for (`build.trtllm_version`); tests check it.
 # The image provides the LLM-API model code (/app/all_models/llmapi); the repository's launch.sh assembles
 # a serving copy with it and starts Triton.

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import click
 
-from pipeline.errors import ConfigError, LockedError, SpecpipeError, StageError, UsageError
+from pipeline.errors import ConfigError, SpecpipeError, UsageError
+from runtime.errors import RuntimeFailure, RuntimeUsageError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -49,13 +50,13 @@ def _load(config: str, overrides: tuple[str, ...]):
     return load_config(config, list(overrides))
 
 
-def _fail(e: SpecpipeError) -> None:
+def _fail(e: SpecpipeError | RuntimeFailure) -> None:
     if isinstance(e, ConfigError):
         click.echo(f"config error{' in ' + e.source if e.source else ''}:", err=True)
         for line in e.lines():
             click.echo(f"  {line}", err=True)
         sys.exit(EXIT_USAGE)
-    if isinstance(e, UsageError):
+    if isinstance(e, (UsageError, RuntimeUsageError)):
         click.echo(f"error: {e}", err=True)
         sys.exit(EXIT_USAGE)
     click.echo(f"error: {e}", err=True)
@@ -116,7 +117,8 @@ def _print_outcomes(outcomes, store) -> None:
         t.add_column(c)
     colors = {"ran": "green", "skip": "dim", "failed": "red", "blocked": "yellow", "disabled": "dim", "excluded": "dim"}
     for o in outcomes:
-        t.add_row(o.name, f"[{colors.get(o.action, '')}]{o.action}[/]", o.reason, f"{o.wall_s:.1f}s" if o.action in ("ran", "failed") else "")
+        t.add_row(o.name, f"[{colors.get(o.action, '')}]{o.action}[/]", o.reason,
+                  f"{o.wall_s:.1f}s" if o.action in ("ran", "failed") else "")
     Console(stderr=True, width=160).print(t)
 
 
@@ -141,7 +143,8 @@ def plan(config, workdir, overrides, only, from_, force, as_json):
         _fail(e)
         return
     if as_json:
-        click.echo(json.dumps([{"stage": i.name, "action": i.action, "reason": i.reason, "fingerprint": i.fingerprint} for i in items], indent=2))
+        click.echo(json.dumps([{"stage": i.name, "action": i.action, "reason": i.reason,
+                                "fingerprint": i.fingerprint} for i in items], indent=2))
         return
     for i in items:
         click.echo(f"{i.name:12s} {i.action:9s} {i.reason}")
@@ -231,7 +234,7 @@ def serve(workdir, http_port, grpc_port, metrics_port, ready_timeout, max_batch,
     """Serve the exported CPU Triton repository (FP8 target + draft) on 127.0.0.1 until Ctrl-C."""
     import time
 
-    from runtime import triton_server
+    from runtime.serving import triton_server
 
     wd = Path(workdir) if workdir else None
     if wd is None:
@@ -248,7 +251,7 @@ def serve(workdir, http_port, grpc_port, metrics_port, ready_timeout, max_batch,
                                          ("specpipe_draft_len", draft_len)) if v is not None}
         srv = triton_server.start(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
                                   load_timeout=ready_timeout, model_parameters=params or None, decoupled=decoupled)
-    except SpecpipeError as e:
+    except (SpecpipeError, RuntimeFailure) as e:
         _fail(e)
         return
     name = srv.loaded[0] if srv.loaded else "tensorrt_llm"
@@ -356,6 +359,32 @@ def monitor(workdir, url, model, passive, metrics_url, once, interval, probes, d
     sys.exit(EXIT_FAILED if raised else EXIT_OK)
 
 
+def _profile_shapes(cfg, artifacts: Path):
+    """The shapes `specpipe profile` measures: the committed target's (and draft's, once trained), else, for the
+    built-in tiny target, its config section's. UsageError when neither is available."""
+    from pipeline.artifacts import target as target_artifact
+    from pipeline.artifacts import train_draft as train_draft_artifact
+    from runtime.cost import profile as P
+    from runtime.cost.costmodel import llama
+
+    tart, dart = artifacts / "target", artifacts / "train_draft"
+    if (tart / "manifest.json").is_file() and (tart / target_artifact.INFO).is_file():
+        tinfo, src = target_artifact.read_info(tart), str(tart / target_artifact.INFO)
+        draft = dcfg = None
+        if (dart / "manifest.json").is_file() and (dart / train_draft_artifact.INFO).is_file() \
+                and (train_draft_artifact.draft_dir(dart) / "config.json").is_file():
+            draft, dcfg = train_draft_artifact.read_info(dart), train_draft_artifact.read_draft_config(dart)
+            src += f", {dart / train_draft_artifact.INFO}"
+        return P.shapes_from_artifacts(tinfo, draft, dcfg), src
+    if cfg.target.bootstrap == "tiny":
+        t = cfg.target.tiny
+        return {"target": llama("target", num_layers=t.num_layers, hidden=t.hidden_size, heads=t.num_heads,
+                                kv_heads=t.num_kv_heads, intermediate=t.intermediate_size, vocab=t.vocab_size)}, \
+            "target.tiny (no target artifact yet)"
+    raise UsageError(f"no committed target artifact in {artifacts}: run `specpipe build CONFIG --only target` "
+                     "first (the profile measures the target's layer shapes)")
+
+
 @cli.command()
 @config_arg
 @workdir_opt
@@ -370,7 +399,7 @@ def profile(config, workdir, overrides, out, rows, context, rounds, dtype):
     """Measure the target's (and draft's) step time on this machine, fit the cost model, write a profile
     that `hardware.profile` can use instead of datasheet numbers."""
     from pipeline.store import Store
-    from runtime import profile as P
+    from runtime.cost import profile as P
 
     try:
         cfg = _load(config, overrides)
@@ -381,7 +410,7 @@ def profile(config, workdir, overrides, out, rows, context, rounds, dtype):
         if not ms or ms[0] < 1:
             raise UsageError(f"--rows {rows}: expected positive integers")
         store = Store(Path(workdir) if workdir else _default_workdir(config))
-        shapes, source = P.shapes_from_workdir(cfg, store.root / "artifacts")
+        shapes, source = _profile_shapes(cfg, store.root / "artifacts")
         device, gemm_dtype = P.resolve_device_dtype(cfg.run.device, dtype)
         import torch
 
@@ -392,7 +421,7 @@ def profile(config, workdir, overrides, out, rows, context, rounds, dtype):
         doc = P.profile(shapes, device=device, gemm_dtype=gemm_dtype, rows=ms, context=context, rounds=rounds,
                         progress=lambda r, key, q, m, t: click.echo(
                             f"  round {r + 1} {key} M={m:<5d} q={q} {t * 1e3:9.3f} ms", err=True))
-    except SpecpipeError as e:
+    except (SpecpipeError, RuntimeFailure) as e:
         _fail(e)
         return
     path = Path(out) if out else store.root / "hardware_profile.json"
@@ -419,13 +448,16 @@ def profile(config, workdir, overrides, out, rows, context, rounds, dtype):
 @config_arg
 @workdir_opt
 @override_opt
-@click.option("--image", default=None, help="container image for srun --container-image (pyxis/enroot), e.g. the pipeline image; without it, srun runs this environment's specpipe")
+@click.option("--image", default=None, help="container image for srun --container-image (pyxis/enroot), e.g. the pipeline image; "
+                                            "without it, srun runs this environment's specpipe")
 @click.option("--nodes", type=click.IntRange(1), default=1, show_default=True)
-@click.option("--gpus-per-node", type=click.IntRange(0), default=8, show_default=True, help="0 for a CPU allocation (the config's launcher is kept)")
+@click.option("--gpus-per-node", type=click.IntRange(0), default=8, show_default=True, help="0 for a CPU allocation (the "
+                                                                                            "config's launcher is kept)")
 @click.option("--time", "time_", default="24:00:00", show_default=True, help="wall-clock limit")
 @click.option("--partition", default=None)
 @click.option("--account", default=None)
-@click.option("--mount", "mounts", multiple=True, metavar="SRC:DST", help="container mount (repeatable); the workdir must be visible on every node")
+@click.option("--mount", "mounts", multiple=True, metavar="SRC:DST", help="container mount (repeatable); the workdir must be "
+                                                                          "visible on every node")
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="default: <workdir>/slurm/specpipe.sbatch")
 @click.option("--submit", is_flag=True, help="submit the script with sbatch")
 def slurm(config, workdir, overrides, image, nodes, gpus_per_node, time_, partition, account, mounts, out, submit):
@@ -443,7 +475,8 @@ def slurm(config, workdir, overrides, image, nodes, gpus_per_node, time_, partit
     wd = str(Path(workdir) if workdir else _default_workdir(config))
     if any(c in wd for c in '"\n'):
         _fail(UsageError(f"--workdir {wd!r}: a path with quotes or newlines cannot go into an #SBATCH line"))
-    job = SlurmJob(config=str(Path(config).resolve()), workdir=str(Path(wd).resolve()), image=image, nodes=nodes, gpus_per_node=gpus_per_node, time=time_,
+    job = SlurmJob(config=str(Path(config).resolve()), workdir=str(Path(wd).resolve()), image=image, nodes=nodes,
+                   gpus_per_node=gpus_per_node, time=time_,
                    partition=partition, account=account, mounts=list(mounts), overrides=list(overrides))
     path = Path(out) if out else Path(wd) / "slurm" / "specpipe.sbatch"
     path.parent.mkdir(parents=True, exist_ok=True)

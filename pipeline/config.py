@@ -21,7 +21,8 @@ class RunConfig(Strict):
 
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where stages run models; auto = cuda when available")
     threads: int | None = Field(default=None, ge=1, description="torch intra-op threads; default: all cores")
-    log_level: Literal["debug", "info", "warning"] = Field("info", description="console log level (stage logs in <workdir>/logs always keep info)")
+    log_level: Literal["debug", "info", "warning"] = Field("info", description="console log level (stage logs in <workdir>/logs "
+                                                                               "always keep info)")
 
 
 class HardwareConfig(Strict):
@@ -170,7 +171,8 @@ def apply_overrides(data: dict, overrides: list[str]) -> set[str]:
                 nxt = {}
                 node[p] = nxt
             elif not isinstance(nxt, dict):
-                raise ConfigError([(".".join(parts[: i + 1]), f"is a {type(nxt).__name__}, cannot set '{parts[i + 1]}' in it (-o {item})")])
+                raise ConfigError([(".".join(parts[: i + 1]), f"is a {type(nxt).__name__}, cannot set '{parts[i + 1]}' in it (-o "
+                                                              f"{item})")])
             node = nxt
         node[parts[-1]] = value
         applied.add(".".join(parts))
@@ -205,7 +207,6 @@ def _tag_values(node: dict) -> set:
 
 def _known_fields(model, parts: list[str], raw: Any) -> list[str] | None:
     """Field names of the model at `parts` (best effort, following discriminated unions through raw data)."""
-    import typing
 
     from pydantic import BaseModel
 
@@ -306,11 +307,13 @@ def validate(data: dict, source: str | None = None, lines: dict[str, int] | None
             continue
         for dep in st.consumes:
             if dep not in enabled:
-                problems.append((f"{dep}.enabled", f"stage '{st.name}' consumes '{dep}', which is disabled; enable it or disable '{st.name}'"))
+                problems.append((f"{dep}.enabled", f"stage '{st.name}' consumes '{dep}', which is disabled; enable it or disable "
+                                                   f"'{st.name}'"))
         if st.check is not None:
             problems.extend(st.check(cfg))
     if problems:
-        raise ConfigError([(p, m + (f" ({source}, line {lines[p]})" if lines and p in lines and source else "")) for p, m in problems], source)
+        raise ConfigError([(p, m + (f" ({source}, line "
+                                    f"{lines[p]})" if lines and p in lines and source else "")) for p, m in problems], source)
     return cfg
 
 

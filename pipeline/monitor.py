@@ -44,7 +44,8 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from pipeline.errors import SpecpipeError, UsageError
+from pipeline.artifacts import data as data_artifact
+from pipeline.errors import SpecpipeError, StageError, UsageError
 
 
 class ProbeError(SpecpipeError):
@@ -186,20 +187,18 @@ def read_run(workdir: Path, draft_len: int | None = None, prompts_per_probe: int
     acc = json.loads(acc_f.read_text())
     params = json.loads((arts / "validate" / "manifest.json").read_text()).get("fingerprint_inputs", {}).get("params", {})
     n = prompts_per_probe or params.get("num_prompts")
-    prompts = {}
-    for f in sorted((arts / "data" / "eval").glob("*.jsonl")):
-        if f.stem not in acc.get("domains", {}):
-            continue
-        rows = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
-        ps = [r["prompt"] for r in rows if r.get("prompt_ids")]       # the prompts validate measured
-        prompts[f.stem] = ps[:n] if n else ps
+    try:   # the prompts validate measured
+        prompts = {d: [p.prompt for p in ps]
+                   for d, ps in data_artifact.read_eval(arts / "data", domains=acc.get("domains", {}), per_domain=n).items()}
+    except StageError as e:
+        raise UsageError(f"{workdir}: {e}") from None
     missing = sorted(set(acc.get("domains", {})) - set(prompts))
     if missing:
         raise UsageError(f"{workdir}: validated domains {missing} have no prompts under artifacts/data/eval")
     if draft_len is None:
         dep = arts / "build" / "deployment.json"
         if dep.exists():
-            from runtime.draft_schedule import DraftSchedule
+            from runtime.trtllm.draft_schedule import DraftSchedule
 
             # the probe runs one request at a time: the deployed k at batch 1
             draft_len = DraftSchedule.from_json(json.loads(dep.read_text())["draft_schedule"]).k_at(1)

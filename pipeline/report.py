@@ -20,7 +20,8 @@ esc = html.escape
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2rem auto;max-width:1100px;color:#222}
 h1{font-size:1.6rem} h2{font-size:1.25rem;border-bottom:1px solid #ddd;padding-bottom:.2rem;margin-top:2rem}
-table{border-collapse:collapse;margin:.5rem 0 1rem} td,th{border:1px solid #ddd;padding:.25rem .6rem;text-align:left;font-size:.9rem}
+table{border-collapse:collapse;margin:.5rem 0 1rem}
+td,th{border:1px solid #ddd;padding:.25rem .6rem;text-align:left;font-size:.9rem}
 th{background:#f5f5f5} .committed,.ran{color:#137333;font-weight:600} .failed{color:#c5221f;font-weight:600}
 .muted{color:#777} code{background:#f5f5f5;padding:0 .2rem} img{max-width:100%}
 .pass{color:#137333;font-weight:600} .fail{color:#c5221f;font-weight:600}
@@ -72,11 +73,13 @@ def write_report(store: Store, out: Path | None = None) -> Path:
                      f"{st['peak_rss_mb']:.0f} MB" if st["peak_rss_mb"] is not None else "",
                      esc(st.get("error") or "")])
     head = "".join(f"<th>{h}</th>" for h in ("stage", "state", "last build", "fingerprint", "wall time", "peak RSS", "error"))
-    parts.append(f"<table><tr>{head}</tr>" + "".join("<tr>" + "".join(f"<td>{c}</td>" for c in r) + "</tr>" for r in rows) + "</table>")
+    body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in r) + "</tr>" for r in rows)
+    parts.append(f"<table><tr>{head}</tr>{body}</table>")
     for spec, st in zip(registry.stages(), doc["stages"]):
         art = store.artifact(spec.name)
         if st.get("failed_metrics") and st.get("last_build") == "failed":
-            parts.append(f"<h2>{esc(spec.name)} <span class='fail'>failed</span></h2><p class='fail'>{esc(st.get('error') or '')}</p>")
+            parts.append(f"<h2>{esc(spec.name)} <span class='fail'>failed</span></h2><p "
+                         f"class='fail'>{esc(st.get('error') or '')}</p>")
             fm = st["failed_metrics"]
             if spec.report is not None and hasattr(spec.module, "report_failed"):
                 parts.append(spec.module.report_failed(fm))
@@ -95,9 +98,11 @@ def write_report(store: Store, out: Path | None = None) -> Path:
             parts.append(section)
         flat = {k: v for k, v in art.metrics.items() if not isinstance(v, (dict, list))}
         if flat:
-            parts.append("<details><summary>all metrics</summary>" + table([[k, v] for k, v in flat.items()], ["metric", "value"]) + "</details>")
+            parts.append("<details><summary>all "
+                         "metrics</summary>" + table([[k, v] for k, v in flat.items()], ["metric", "value"]) + "</details>")
         prov = art.manifest.get("provenance", {})
-        parts.append(f"<p class='muted'>command <code>{esc(str(prov.get('command')))}</code> · git {esc(str(prov.get('git_commit')))} · "
+        parts.append(f"<p class='muted'>command <code>{esc(str(prov.get('command')))}</code> · git "
+                     f"{esc(str(prov.get('git_commit')))} · "
                      f"{esc(str(prov.get('started')))}</p>")
     parts.append("</body></html>")
     path = out or store.root / "report.html"

@@ -24,6 +24,7 @@ from pipeline.config import section_dict
 from pipeline.errors import StageError, UsageError
 from pipeline.stage import StageContext
 from pipeline.store import Store, atomic_write_text, fault_point
+from runtime.errors import RuntimeFailure
 
 log = logging.getLogger("specpipe")
 
@@ -304,10 +305,10 @@ def run_stage(item: PlanItem, cfg, store: Store, argv: list[str]) -> Outcome:
             lg.error("interrupted after %.1fs; nothing committed", wall)
             raise
         failed_metrics = None
-        if isinstance(e, StageError):
+        if isinstance(e, (StageError, RuntimeFailure)):   # the runtime's own expected failures read like a stage's
             lg.error("%s", e)
             msg = str(e)
-            failed_metrics = e.metrics or None
+            failed_metrics = getattr(e, "metrics", None) or None
         else:
             lg.error("unexpected error:\n%s", traceback.format_exc())
             msg = f"{type(e).__name__}: {e}"

@@ -9,32 +9,50 @@ A stage module is plain Python with these module-level names (checked by `pipeli
     Config: type[StageSection]     # pydantic model of its config section (extra="forbid")
     def run(ctx: StageContext) -> dict:   # writes only into ctx.out_dir, returns JSON-able metrics
 
-and optionally
+and optionally (every hook the pipeline reads; `pipeline.registry` picks them up by name)
 
+    USES: tuple[str, ...]          # shared sections (e.g. "hardware", "build") that enter its fingerprint; with
+                                   # "hardware", a `hardware.profile` file's content enters it too
+    EXECUTION_ONLY: tuple[str, ...]  # dotted fields of its own section that say where it runs, not what it
+                                   # produces (a rendezvous host, a node rank): kept out of its fingerprint
+    REQUIRED: bool                 # its config section must be given (it has required fields; `target`)
     def check(cfg) -> list[tuple[str, str]]   # cross-section checks before anything runs: (dotted path, message)
+    def fingerprint_extra(section) -> dict | None   # local inputs the section points at (a model directory, a
+                                   # JSONL file): their sizes and mtimes enter the fingerprint
     def report(artifact: Artifact) -> str     # an HTML fragment for `specpipe report`
+    def report_failed(metrics: dict) -> str   # the fragment for a failed run's metrics (`StageError.metrics`);
+                                   # used only by a stage that also has `report`
+
+Config reads across sections: a stage reads `ctx.config.<section>` only for its own section, `run` (never
+fingerprinted), a section in USES, or the section of a stage it consumes (directly or not: that stage's
+fingerprint holds it). tests/test_architecture.py checks this.
 
 Rules that keep the pipeline honest:
 - Import heavy libraries (torch, transformers, modelopt, datasets) inside `run`, never at module top:
   `plan`, `status` and a fully-skipped `build` must not pay for them.
 - Stages never import each other. Shared code lives in `runtime/` (executing models and artifacts) or in
   `pipeline/` (infrastructure).
-- Read inputs only through `ctx.inputs[name]` (an `Artifact`: its directory, manifest and metrics).
+- Read inputs only through `ctx.inputs[name]` (an `Artifact`: its directory, manifest and metrics), and their
+  files through the contract's reader in `pipeline.artifacts` where it has one.
 - Write only into `ctx.out_dir`. It becomes the committed artifact after `run` returns; on any exception
   it is thrown away. Long work that must survive an interruption (checkpoints, hidden-state dumps)
   goes into `ctx.scratch_dir`, which is keyed by the stage's fingerprint and kept until commit.
 - Raise `pipeline.errors.StageError` for expected failures (a gate, a check) with a message that says
-  what was expected, what was found and what to do; the runner logs it and exits 1.
+  what was expected, what was found and what to do; the runner logs it and exits 1. `runtime/` raises its own
+  `runtime.errors.RuntimeFailure` (it never imports `pipeline`); the runner reports those the same way.
 """
 from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 from pydantic import BaseModel, ConfigDict
+
+if TYPE_CHECKING:
+    from pipeline.progress import Progress
 
 
 class Strict(BaseModel):
@@ -80,7 +98,6 @@ class StageContext:
     workdir: Path
     fingerprint: str
     log: logging.Logger
-    progress_factory: Any = field(default=None, repr=False)
 
     def progress(self, iterable: Iterable | None = None, *, total: int | None = None, desc: str = "") -> "Progress":
         """A progress bar on a terminal, periodic log lines otherwise. Use as a context manager:

@@ -3,7 +3,7 @@
 For EAGLE-3 and DFlash TensorRT-LLM has no engine build: they run in the PyTorch backend (LLM API), where
 the deployment is the checkpoint pair plus the LLM-API options (CUDA graphs are captured when `LLM(...)`
 starts). So this stage writes, for the TensorRT-LLM version it targets (`build.trtllm_version`, default the
-version the shipped Triton image pins, `runtime/compat.py`) and in that version's forms:
+version the shipped Triton image pins, `runtime/trtllm/compat.py`) and in that version's forms:
 
   deployment/llm_api_options.yaml   speculative_config (the tuned draft length per batch size, the capture layers,
                                     the acceptance guard), batch/token/sequence limits, KV, CUDA graphs
@@ -19,7 +19,7 @@ version the shipped Triton image pins, `runtime/compat.py`) and in that version'
 
 When `tune` found that speculation never pays, the deployment is the target alone (no speculative_config) and
 the README says why. Every key is checked against the version's field list, and the named consistency checks
-of `runtime.trtllm_options.consistency_checks` must pass (a failed check fails the stage with its message).
+of `runtime.trtllm.options.consistency_checks` must pass (a failed check fails the stage with its message).
 Where `tensorrt_llm` imports and a CUDA GPU exists, `LLM(...)` is instantiated from the written options and a
 short generation is run; elsewhere the stage records plainly that the deployment was written, not loaded.
 """
@@ -32,9 +32,13 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
+from pipeline.artifacts import data as data_artifact
+from pipeline.artifacts import quantize as quantize_artifact
+from pipeline.artifacts import train_draft as train_draft_artifact
+from pipeline.artifacts import tune as tune_artifact
 from pipeline.errors import StageError
 from pipeline.stage import Artifact, StageContext, StageSection, Strict
-from runtime import compat
+from runtime.trtllm import compat
 
 NAME = "build"
 CONSUMES: tuple[str, ...] = ("target", "data", "train_draft", "quantize", "tune")
@@ -81,7 +85,8 @@ class Config(StageSection):
     max_seq_len: int | None = Field(None, ge=16, description="default: min(target, draft) positions")
     kv_cache: KvCache = Field(default_factory=KvCache)
     cuda_graphs: bool = Field(True, description="CUDA-graph batch sizes from tune (schedule boundaries included)")
-    pipeline_parallel_size: int = Field(1, ge=1, description="> 1 is refused: speculation is incompatible with pipeline parallelism")
+    pipeline_parallel_size: int = Field(1, ge=1, description="> 1 is refused: speculation is incompatible with pipeline "
+                                                             "parallelism")
     acceptance_guard: AcceptanceGuard | None = Field(None, description="switch speculation off when acceptance collapses")
     bench: Bench = Field(default_factory=Bench, description="trtllm-bench command and dataset")
     load: Literal["auto", "never"] = Field("auto", description="auto: instantiate LLM(...) where TensorRT-LLM and a GPU exist")
@@ -92,22 +97,9 @@ class Config(StageSection):
         return compat.normalize_version(v)  # ValueError names the supported lines
 
 
-def _algorithm(cfg) -> str | None:
-    """The draft algorithm the config trains (train_draft owns the field; read defensively)."""
-    td = getattr(cfg, "train_draft", None)
-    for obj in (td, getattr(td, "draft", None), getattr(td, "algorithm", None)):
-        for attr in ("algorithm", "kind"):
-            v = getattr(obj, attr, None)
-            if isinstance(v, str):
-                return v.lower()
-        if isinstance(obj, str):
-            return obj.lower()
-    return None
-
-
 def check(cfg) -> list[tuple[str, str]]:
     sec: Config = cfg.build
-    algo = _algorithm(cfg) or "eagle3"
+    algo = cfg.train_draft.algorithm.kind
     out: list[tuple[str, str]] = []
     if sec.backend == "tensorrt":
         out.append(("build.backend", (
@@ -131,18 +123,18 @@ def check(cfg) -> list[tuple[str, str]]:
 
 
 def run(ctx: StageContext) -> dict:
-    from runtime import hf_config
-    from runtime import trtllm_options as T
+    from runtime.trtllm import hf_config
+    from runtime.trtllm import options as T
 
     sec: Config = ctx.section
     version = sec.trtllm_version
     rel = compat.release(version)
     arts = ctx.input("quantize").path.parent          # <workdir>/artifacts: quantize.json paths are relative to it
-    quant = ctx.input("quantize").read_json("quantize.json")
-    target_dir = (arts / quant["target_dir"]).resolve()
-    draft_src = (arts / quant["draft_dir"]).resolve()
-    draft = ctx.input("train_draft").read_json("draft.json")
-    tuning = ctx.input("tune").read_json("tuning.json")
+    quant = quantize_artifact.read_info(ctx.input("quantize").path)
+    target_dir = quant.target_dir(arts)
+    draft_src = quant.draft_dir(arts)
+    draft = train_draft_artifact.read_info(ctx.input("train_draft").path)
+    tuning = tune_artifact.read_tuning(ctx.input("tune").path)
     tcfg = json.loads((target_dir / "config.json").read_text())
     algo = str(draft.get("algorithm", "eagle3")).lower()
     if (p := compat.algorithm_problem(version, algo)) is not None:
@@ -216,7 +208,7 @@ def run(ctx: StageContext) -> dict:
         f"# Use: trtllm-serve <target> --backend pytorch --extra_llm_api_options llm_api_options.yaml\n"
         + T.dump_yaml(options))
     concurrency = sec.bench.concurrency or mbs
-    n_prompts, n_requests = _bench_dataset(ctx.input("data").path / "eval", out / "bench_dataset.jsonl",
+    n_prompts, n_requests = _bench_dataset(ctx.input("data").path, out / "bench_dataset.jsonl",
                                            sec.bench.output_tokens, sec.bench.rounds * concurrency)
     image = compat.serving_image_for(version)
     bench_name = sec.bench.model_name or _model_name(tcfg, ctx.workdir)
@@ -225,7 +217,7 @@ def run(ctx: StageContext) -> dict:
     loaded = _try_load(sec, target_dir, options, ctx) if sec.load == "auto" else {"loaded": False, "reason": "build.load: never"}
     ctx.log.info("load: %s", "loaded" if loaded["loaded"] else loaded["reason"])
     sc = options.get("speculative_config") or {}
-    from runtime import draft_schedule
+    from runtime.trtllm import draft_schedule
 
     runs = draft_schedule.decode(sc, rel, mode, mbs) if sc else draft_schedule.DraftSchedule.constant(0)
     tnote = (tuning.get("deployment") or {}).get("note")
@@ -271,7 +263,7 @@ def _theta(config_path: Path, hf_config) -> float | None:
 
 def _tuned_schedule(tuning: dict, version: str, mode: str):
     """tune's draft-length schedule, which it fitted to what `version` runs in `mode`."""
-    from runtime.draft_schedule import DraftSchedule
+    from runtime.trtllm.draft_schedule import DraftSchedule
 
     d = tuning.get("deployment") or {}
     if "draft_schedule" not in tuning or not d:
@@ -294,23 +286,17 @@ def _model_name(tcfg: dict, workdir: Path) -> str:
     return name if name and not Path(name).exists() and "/" in name else f"specpipe/{Path(workdir).resolve().name}-target"
 
 
-def _bench_dataset(eval_dir: Path, path: Path, output_tokens: int, min_requests: int) -> tuple[int, int]:
+def _bench_dataset(data_art: Path, path: Path, output_tokens: int, min_requests: int) -> tuple[int, int]:
     """trtllm-bench's dataset format (tensorrt_llm/bench/dataclasses/general.py InferenceRequest): every eval
     prompt, then the prompts again in order until the dataset holds `min_requests` requests (bench.rounds x the
     concurrency measured: a run with fewer requests than its concurrency never reaches that batch size).
     Returns (distinct prompts, requests)."""
-    prompts = []
-    for domain_file in sorted(eval_dir.glob("*.jsonl")):
-        for line in domain_file.read_text().splitlines():
-            if line.strip():
-                prompts.append((json.loads(line), domain_file.stem))
-    if not prompts:
-        raise StageError(f"no evaluation prompts in {eval_dir} for the bench dataset")
+    prompts = [(p, domain) for domain, ps in data_artifact.read_eval(data_art).items() for p in ps]
     n = max(len(prompts), int(min_requests))
     with open(path, "w") as f:
         for i in range(n):
             p, cat = prompts[i % len(prompts)]
-            f.write(json.dumps({"task_id": i, "prompt": p["prompt"], "input_ids": p.get("prompt_ids"),
+            f.write(json.dumps({"task_id": i, "prompt": p.prompt, "input_ids": p.prompt_ids,
                                 "output_tokens": output_tokens, "category": cat}) + "\n")
     return len(prompts), n
 
@@ -375,18 +361,27 @@ def _try_load(sec: Config, target_dir: Path, options: dict, ctx: StageContext) -
 
 
 def _readme(doc: dict, options: dict) -> str:
-    from runtime import trtllm_options as T
-    from runtime.draft_schedule import DraftSchedule
+    from runtime.trtllm import options as T
+    from runtime.trtllm.draft_schedule import DraftSchedule
 
     rows = "\n".join(f"| `{c['name']}` | {'ok' if c['ok'] else 'FAILED'} | {c['message']} |" for c in doc["checks"])
     mbs = doc["max_batch_size"]
     sched = DraftSchedule.from_json(doc["draft_schedule"])
     if doc["speculation"]:
         table = "\n".join(f"| {lo}-{hi} | {k if k else '0 (speculation off)'} |" for lo, hi, k in sched.bounded(mbs))
-        spec = f"""- speculative decoding: `{doc['decoding_type']}` ({doc['mode'].replace('_', '-')}), max_draft_len {doc['max_draft_len']}
+        mode = doc['mode'].replace('_', '-')
+        copy = (' (a copy of `' + doc['draft_dir'] + '` with ' + str(doc['draft_weight_names']['renamed'])
+                + ' tensors renamed `layers.<i>.*` -> `midlayer.*`: TensorRT-LLM ' + doc['trtllm_version']
+                + "'s EAGLE-3 loader reads only the module's own names)") if doc['draft_weight_names'] else ''
+        capture = ('- `eagle3_layers_to_capture`: ' + str(doc['eagle3_layers_to_capture'])
+                   + " (the target layers the draft was trained on; TensorRT-LLM does not read them from the draft's "
+                   "config)") if doc['eagle3_layers_to_capture'] else ''
+        guard = ('Acceptance guard: `' + str(doc['acceptance_guard']) + '`.') if doc['acceptance_guard'] \
+            else (doc['acceptance_guard_note'] or '')
+        spec = f"""- speculative decoding: `{doc['decoding_type']}` ({mode}), max_draft_len {doc['max_draft_len']}
 - FP8 target: `{doc['target_dir']}`
-- draft TensorRT-LLM loads: `{doc['trtllm_draft_dir']}`{' (a copy of `' + doc['draft_dir'] + '` with ' + str(doc['draft_weight_names']['renamed']) + ' tensors renamed `layers.<i>.*` -> `midlayer.*`: TensorRT-LLM ' + doc['trtllm_version'] + "'s EAGLE-3 loader reads only the module's own names)" if doc['draft_weight_names'] else ''}
-{'- `eagle3_layers_to_capture`: ' + str(doc['eagle3_layers_to_capture']) + " (the target layers the draft was trained on; TensorRT-LLM does not read them from the draft's config)" if doc['eagle3_layers_to_capture'] else ''}
+- draft TensorRT-LLM loads: `{doc['trtllm_draft_dir']}`{copy}
+{capture}
 
 ### Draft length per batch size (what TensorRT-LLM {doc['trtllm_version']} runs with these options)
 {_schedule_support(doc)}
@@ -396,11 +391,13 @@ def _readme(doc: dict, options: dict) -> str:
 {table}
 
 {doc['schedule_note'] or ''}
-{('Acceptance guard: `' + str(doc['acceptance_guard']) + '`.') if doc['acceptance_guard'] else (doc['acceptance_guard_note'] or '')}"""
+{guard}"""
     else:
         spec = f"""- **no speculative decoding**: `tune` predicted no speedup from any draft length at any batch size
   ({doc['schedule_note'] or 'see tuning.json'}), so the FP8 target is deployed alone and no draft is loaded.
 - FP8 target: `{doc['target_dir']}`"""
+    bench = (f"{doc['bench_requests']} requests ({doc['bench_prompts']} eval prompts, repeated) at concurrency "
+             f"{doc['bench_concurrency']}")
     return f"""# TensorRT-LLM deployment (written by specpipe build)
 
 - TensorRT-LLM **{doc['trtllm_version']}**, PyTorch backend (LLM API); container: `{doc['serving_image']}`
@@ -413,7 +410,7 @@ captures CUDA graphs / autotunes kernels at startup.
 ## Run
 ```bash
 ./serve.sh                      # OpenAI-compatible server on ${{HOST:-127.0.0.1}}:${{PORT:-8000}}
-./bench.sh                      # trtllm-bench throughput: {doc['bench_requests']} requests ({doc['bench_prompts']} eval prompts, repeated) at concurrency {doc['bench_concurrency']}
+./bench.sh                      # trtllm-bench throughput: {bench}
 ```
 The bench dataset repeats the evaluation prompts so that it holds at least `build.bench.rounds` x the
 concurrency; with KV block reuse on, a repeated prompt's prefill is served from cached blocks (decode
@@ -455,7 +452,7 @@ def _schedule_support(doc: dict) -> str:
 
 def report(artifact: Artifact) -> str:
     from pipeline.report import esc, figure, table
-    from runtime.draft_schedule import DraftSchedule
+    from runtime.trtllm.draft_schedule import DraftSchedule
 
     doc = artifact.read_json("deployment.json")
     sched = DraftSchedule.from_json(doc["draft_schedule"])

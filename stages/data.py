@@ -8,7 +8,7 @@ Conversations are rendered with the target's chat template (or `data.chat_templa
 also renders the eval prompts) and trained on the assistant's tokens only: every assistant turn's content and its
 end-of-turn token, nothing of the system or user turns or the assistant header. Templates with `{% generation %}`
 tags are used as tagged; any other template's assistant spans are derived from its own renderings and checked
-for consistency (runtime/chat_template.py); a template that cannot give a trustworthy mask is refused, naming the
+for consistency (runtime/text/chat_template.py); a template that cannot give a trustworthy mask is refused, naming the
 sample, the message and the text that differs.
 
 Optionally the target regenerates the responses (what makes a draft match its target, the EAGLE recipe): from
@@ -30,6 +30,8 @@ from typing import Annotated, Literal, Union
 
 from pydantic import Field, field_validator
 
+from pipeline.artifacts import data as data_artifact
+from pipeline.artifacts import target as target_artifact
 from pipeline.errors import StageError
 from pipeline.stage import StageContext, StageSection, Strict
 
@@ -45,7 +47,8 @@ class BootstrapSource(Strict):
     """Code from the tiny target's corpus: its training files for `sources`, held-out files for `eval_domains`."""
 
     kind: Literal["bootstrap"]
-    style: Literal["code", "prose", "any"] = Field("any", description="eval prompts ending inside code, or inside docstrings/comments")
+    style: Literal["code", "prose", "any"] = Field("any", description="eval prompts ending inside code, or inside "
+                                                                      "docstrings/comments")
     domain: str | None = None
 
 
@@ -53,7 +56,8 @@ class JsonlSource(Strict):
     kind: Literal["jsonl"]
     path: Path
     format: Format = "auto"
-    chat: bool | None = Field(None, description="render prompt/text samples as a user turn (default: for prompt samples when a chat template exists)")
+    chat: bool | None = Field(None, description="render prompt/text samples as a user turn (default: for prompt samples when a "
+                                                "chat template exists)")
     domain: str | None = None
     max_samples: int | None = Field(None, ge=1)
 
@@ -64,8 +68,10 @@ class HFSource(Strict):
     subset: str | None = None
     split: str = "train"
     revision: str | None = None
-    columns: dict[Literal["messages", "prompt", "text"], str] = Field(default_factory=dict, description="our field -> dataset column")
-    where: dict[str, str | int | bool] = Field(default_factory=dict, description="keep rows whose columns equal these values, e.g. {category: coding}")
+    columns: dict[Literal["messages", "prompt", "text"], str] = Field(default_factory=dict, description="our field -> dataset "
+                                                                                                        "column")
+    where: dict[str, str | int | bool] = Field(default_factory=dict, description="keep rows whose columns equal these values, "
+                                                                                 "e.g. {category: coding}")
     format: Format = "auto"
     chat: bool | None = None
     domain: str | None = None
@@ -77,12 +83,16 @@ Source = Annotated[Union[BootstrapSource, JsonlSource, HFSource], Field(discrimi
 
 
 class RegenerateConfig(Strict):
-    enabled: bool = Field(False, description="replace responses by the target's own: prompt-only chats get one, a chat's last assistant turn is rewritten")
-    mode: Literal["greedy", "sample"] = Field("greedy", description="greedy decoding, or sampling with temperature/top_p (seeded by data.seed)")
+    enabled: bool = Field(False, description="replace responses by the target's own: prompt-only chats get one, a chat's last "
+                                             "assistant turn is rewritten")
+    mode: Literal["greedy", "sample"] = Field("greedy", description="greedy decoding, or sampling with temperature/top_p (seeded "
+                                                                    "by data.seed)")
     temperature: float = Field(0.8, gt=0, description="sampling temperature (mode: sample)")
     top_p: float = Field(0.95, gt=0, le=1, description="nucleus sampling mass (mode: sample)")
-    max_new_tokens: int = Field(128, ge=1, description="tokens generated per response at most; prompts longer than data.max_length minus this are skipped")
-    batch_size: int = Field(16, ge=1, description="prompts decoded together (sorted by length to limit padding); 16 suits a CPU, larger suits a GPU")
+    max_new_tokens: int = Field(128, ge=1, description="tokens generated per response at most; prompts longer than "
+                                                       "data.max_length minus this are skipped")
+    batch_size: int = Field(16, ge=1, description="prompts decoded together (sorted by length to limit padding); 16 suits a CPU, "
+                                                  "larger suits a GPU")
 
 
 def _default_sources():
@@ -94,8 +104,12 @@ def _default_domains():
 
 
 class Config(StageSection):
-    sources: list[Source] = Field(default_factory=_default_sources, min_length=1, description="training data sources (kind: bootstrap | jsonl | hf)")
-    eval_domains: dict[str, Source] = Field(default_factory=_default_domains, min_length=1, description="domain name -> prompt source; acceptance is measured and gated per domain")
+    sources: list[Source] = Field(default_factory=_default_sources, min_length=1, description="training data sources (kind: "
+                                                                                              "bootstrap | jsonl | hf)")
+    eval_domains: dict[str, Source] = Field(default_factory=_default_domains, min_length=1, description="domain name -> prompt "
+                                                                                                        "source; acceptance is "
+                                                                                                        "measured and gated per "
+                                                                                                        "domain")
     max_samples: int = Field(2000, ge=1, description="training samples kept after dedup (a deterministic subset)")
     max_length: int = Field(256, ge=16, description="tokens per training sample (longer ones are truncated)")
     min_length: int = Field(16, ge=1, description="shorter samples are dropped")
@@ -105,8 +119,10 @@ class Config(StageSection):
     max_prompt_tokens: int = Field(128, ge=8, description="eval prompts keep their last N tokens")
     dedup: bool = Field(True, description="drop exact duplicate samples")
     max_malformed: int = Field(0, ge=0, description="malformed input lines tolerated before the stage fails")
-    regenerate: RegenerateConfig = Field(default_factory=RegenerateConfig, description="replace responses by the target's own generations")
-    chat_template: Path | None = Field(None, description="a Jinja chat template file used instead of the target's own for training samples and eval prompts; deploy with the same template")
+    regenerate: RegenerateConfig = Field(default_factory=RegenerateConfig, description="replace responses by the target's own "
+                                                                                       "generations")
+    chat_template: Path | None = Field(None, description="a Jinja chat template file used instead of the target's own for "
+                                                         "training samples and eval prompts; deploy with the same template")
     seed: int = Field(0, description="split and subsample seed")
 
     @field_validator("eval_domains")
@@ -137,7 +153,7 @@ def check(cfg) -> list[tuple[str, str]]:
         if not p.is_file():
             problems.append(("data.chat_template", f"file not found: {sec.chat_template}"))
         else:
-            from runtime.chat_template import check_template_syntax
+            from runtime.text.chat_template import check_template_syntax
 
             try:
                 text = p.read_text(encoding="utf-8")
@@ -256,7 +272,8 @@ def _read_hf(src: HFSource, domain: str, bad: Malformed) -> list[Sample]:
                          "check the name, split and network, or use a local JSONL source") from None
     missing = [c for c in [*src.columns.values(), *src.where] if c not in ds.column_names]
     if missing:
-        raise StageError(f"data: dataset '{src.name}' has no column(s) {missing}; it has {ds.column_names} (set data.sources.*.columns)")
+        raise StageError(f"data: dataset '{src.name}' has no column(s) {missing}; it has {ds.column_names} (set "
+                         "data.sources.*.columns)")
     if src.where:
         ds = ds.filter(lambda row: all(row[k] == v for k, v in src.where.items()))
         if len(ds) == 0:
@@ -345,7 +362,7 @@ def _bucket(key: str, seed: int) -> float:
 def _load_renderer(tok, sec: Config):
     """The chat template this run renders with (data.chat_template, else the target's own), checked to render a
     [user, assistant] conversation, and what the artifact records about it. (None, info) when there is none."""
-    from runtime.chat_template import ChatRenderer, ChatTemplateError
+    from runtime.text.chat_template import ChatRenderer, ChatTemplateError
 
     if sec.chat_template is not None:
         text: str | None = Path(sec.chat_template).expanduser().read_text(encoding="utf-8")
@@ -361,7 +378,8 @@ def _load_renderer(tok, sec: Config):
         end = r.end_of_turn()
     except Exception as e:  # jinja raises many types
         raise StageError(f"data: {field_name} ({source}) does not render a [user, assistant] conversation "
-                         f"({type(e).__name__}: {str(e)[:300]}); fix it, or set data.chat_template to a template that renders") from None
+                         f"({type(e).__name__}: {str(e)[:300]}); fix it, or set data.chat_template to a template that "
+                         "renders") from None
     try:
         header = r.generation_prompt()
     except ChatTemplateError:
@@ -407,7 +425,7 @@ def _encode_train(r, tok, s: Sample, eos_id: int) -> tuple[list[int], list[int]]
 def _encode_samples(r, tok, samples: list[Sample], max_length: int, eos_id: int, bad: Malformed, info: dict) -> list:
     """Every sample's (ids, mask) truncated to max_length, or None. Checks every conversation's mask, not one: a
     template error stops the stage (naming the sample); a sample-level one is counted as malformed."""
-    from runtime.chat_template import ChatTemplateError
+    from runtime.text.chat_template import ChatTemplateError
 
     out, empty, full = [], [], []
     for s in samples:
@@ -501,7 +519,7 @@ def _select_jobs(r, tok, candidates: list[Sample], limit: int, budget: int, max_
     """Up to `limit` jobs from `candidates` in order; prompts longer than `budget` tokens are skipped (counted)."""
     import jinja2
 
-    from runtime.chat_template import ChatTemplateError
+    from runtime.text.chat_template import ChatTemplateError
 
     jobs, skipped = [], 0
     for s in candidates:
@@ -529,7 +547,7 @@ def _select_jobs(r, tok, candidates: list[Sample], limit: int, budget: int, max_
 def regenerate(model_dir: Path, prompts: list[list[int]], keys: list[str], *, batch_size: int, max_new_tokens: int,
                temperature: float, top_p: float, stop_ids: list[int], seed: int, scratch: Path | None, log,
                stage: str = NAME) -> tuple[list[list[int]], dict]:
-    """The target's continuation of every prompt, through specpipe's runtime (`runtime.speculative`: batched
+    """The target's continuation of every prompt, through specpipe's runtime (`runtime.engine.speculative`: batched
     KV-cache decoding, draft_len 0). Prompts are sorted by (length, key) into batches of `batch_size`; batch b is
     decoded with seed `seed + b`; each finished batch is written to `scratch` and reused on a rerun (an interrupted
     regeneration continues where it stopped). Returns (generated ids per prompt, cut after the first stop id, and
@@ -568,12 +586,12 @@ def regenerate(model_dir: Path, prompts: list[list[int]], keys: list[str], *, ba
             bar.update(resumed)
         for b, idx in todo:
             if engine is None:
-                from runtime.speculative import SpeculativeEngine, load_target
+                from runtime.engine.speculative import SpeculativeEngine, load_target
 
                 t0 = time.perf_counter()
                 engine = SpeculativeEngine(load_target(model_dir))
                 load_s = time.perf_counter() - t0
-                log.info("regeneration: target loaded through runtime.speculative in %.1fs", load_s)
+                log.info("regeneration: target loaded through runtime.engine.speculative in %.1fs", load_s)
             batch = [prompts[j] for j in idx]
             t0 = time.perf_counter()
             g = engine.generate(batch, max_new_tokens=max_new_tokens, draft_len=0, temperature=temperature, top_p=top_p,
@@ -596,7 +614,7 @@ def regenerate(model_dir: Path, prompts: list[list[int]], keys: list[str], *, ba
     outs = [t or [] for t in results]
     ended = sum(1 for t in outs if t and t[-1] in stop)
     stats = {
-        "engine": "runtime.speculative (autoregressive, KV cache, draft_len 0)",
+        "engine": "runtime.engine.speculative (autoregressive, KV cache, draft_len 0)",
         "prompts": n, "batches": len(batches), "batch_size": batch_size, "resumed_prompts": resumed,
         "resumed_batches": resumed_batches, "generated_prompts": generated, "max_new_tokens": max_new_tokens,
         "temperature": temperature, "top_p": top_p, "stop_ids": list(stop_ids),
@@ -605,7 +623,8 @@ def regenerate(model_dir: Path, prompts: list[list[int]], keys: list[str], *, ba
         "prompts_per_s": round(generated / gen_s, 4) if gen_s else None,
         "new_tokens_per_s": round(new_tokens / gen_s, 3) if gen_s else None,
         "mean_new_tokens": round(sum(len(t) for t in outs) / n, 2) if n else 0.0,
-        "ended_at_stop": ended, "hit_max_new_tokens": sum(1 for t in outs if len(t) >= max_new_tokens and not (t and t[-1] in stop)),
+        "ended_at_stop": ended,
+             "hit_max_new_tokens": sum(1 for t in outs if len(t) >= max_new_tokens and not (t and t[-1] in stop)),
         "prefill_padding_fraction": round(padded / max(1, padded + sum(len(prompts[j]) for _, idx in todo for j in idx)), 4),
     }
     return outs, stats
@@ -620,7 +639,7 @@ def _template_consistency(r, tok, jobs: list[RegenJob], gens: list[list[int]], e
     """For responses that ended at the template's end of turn: does the template, rendering the conversation with
     the decoded response as the assistant turn, give exactly this sample (ids and mask, up to the end of turn)?
     A mismatch is not an error (a model may emit a non-canonical tokenization); it is counted and shown."""
-    from runtime.chat_template import ChatTemplateError
+    from runtime.text.chat_template import ChatTemplateError
 
     checked, same, first = 0, 0, None
     for j, g in zip(jobs, gens):
@@ -654,30 +673,66 @@ def _check_malformed(bad: Malformed, sec: Config, log, shown: int) -> int:
 
 def run(ctx: StageContext) -> dict:
     import datasets
-    from datasets import Dataset
     from transformers import AutoTokenizer
 
     datasets.disable_progress_bars()
 
     sec: Config = ctx.section
     target = ctx.input("target")
-    model_dir = target.path / "model"
-    tinfo = target.read_json("target.json")
+    model_dir = target_artifact.model_dir(target.path)
+    tinfo = target_artifact.read_info(target.path)
     tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=ctx.config.target.trust_remote_code)
     renderer, tmpl_info = _load_renderer(tok, sec)
     if renderer is not None:
         ctx.log.info("chat template: %s; loss masks by %s; end of turn %s; assistant header %r", tmpl_info["source"],
                      tmpl_info["mask_method"], tmpl_info["end_of_turn"], tmpl_info["generation_prompt"])
-    eos_id = tinfo.get("eos_token_id", tok.eos_token_id)
-    max_chars = sec.max_length * 4
     bad = Malformed(sec.max_malformed)
 
-    # load -----------------------------------------------------------------------------------
+    train, evals = _load_sources(ctx, sec, target.path, bad)
+    shown = _check_malformed(bad, sec, ctx.log, 0)
+    domain_stats, chosen_keys = _write_eval_prompts(ctx, sec, renderer, tok, evals)
+    train, heldout, split_counts = _split(sec, train, chosen_keys)
+    if sec.regenerate.enabled:
+        train, encoded, heldout, held_enc, regen_stats, shown = _regenerate_splits(
+            ctx, sec, renderer, tok, tinfo, tmpl_info, model_dir, train, heldout, bad, shown)
+    else:
+        train = train[: sec.max_samples]
+        regen_stats = None
+        no_response = [s for s in train if s.fmt == "prompt" or (s.fmt == "messages" and not _has_assistant(s))]
+        if no_response:
+            raise StageError(f"data: {len(no_response)} training samples have no response to train on (prompts, or conversations "
+                             f"without an assistant turn; e.g. {no_response[0].origin}); enable data.regenerate to let the "
+                             "target "
+                             "write the responses, or give text/messages samples with responses")
+        eos_id = tinfo.get("eos_token_id", tok.eos_token_id)
+        encoded = _encode_samples(renderer, tok, train, sec.max_length, eos_id, bad, tmpl_info)
+        held_enc = _encode_samples(renderer, tok, heldout, sec.max_length, eos_id, bad, tmpl_info)
+        shown = _check_malformed(bad, sec, ctx.log, shown)
+
+    splits = _write_splits(ctx, sec, renderer, _rows(train, encoded, sec.min_length), _rows(heldout, held_enc, sec.min_length))
+    stats = {
+        "splits": {name: _split_stats(r) for name, r in splits.items()},
+        "domains": domain_stats,
+        **split_counts, "subsampled_to": sec.max_samples,
+        "malformed": len(bad.items), "malformed_examples": bad.items[:20],
+        "regenerated": sec.regenerate.enabled, "regeneration": regen_stats, "chat_template": tmpl_info,
+    }
+    (ctx.out_dir / "stats.json").write_text(json.dumps(stats, indent=2))
+    ctx.log.info("train %d samples / %d tokens (%d trained on), heldout %d, calib %d; eval domains: %s",
+                 stats["splits"]["train"]["samples"], stats["splits"]["train"]["tokens"], stats["splits"]["train"]["loss_tokens"],
+                 stats["splits"]["heldout"]["samples"], stats["splits"]["calib"]["samples"],
+                 ", ".join(f"{k} ({v['prompts']})" for k, v in domain_stats.items()))
+    return _metrics(stats, tmpl_info)
+
+
+def _load_sources(ctx: StageContext, sec: Config, target_path: Path, bad: Malformed):
+    """The training samples of every source (in order) and the candidate prompts of every eval domain."""
+    max_chars = sec.max_length * 4
     train: list[Sample] = []
     for i, src in enumerate(sec.sources):
         domain = src.domain or ("code" if src.kind == "bootstrap" else f"source{i}")
         if src.kind == "bootstrap":
-            got = _read_bootstrap(target.path, src, domain, "train", max_chars)
+            got = _read_bootstrap(target_path, src, domain, "train", max_chars)
         elif src.kind == "jsonl":
             got = _read_jsonl(src, domain, bad)
         else:
@@ -687,21 +742,24 @@ def run(ctx: StageContext) -> dict:
     evals: dict[str, list[Sample]] = {}
     for name, src in sec.eval_domains.items():
         if src.kind == "bootstrap":
-            evals[name] = _read_bootstrap(target.path, src, name, "heldout", min(max_chars, sec.max_prompt_tokens * 4))
+            evals[name] = _read_bootstrap(target_path, src, name, "heldout", min(max_chars, sec.max_prompt_tokens * 4))
         elif src.kind == "jsonl":
             evals[name] = _read_jsonl(src, name, bad)
         else:
             evals[name] = _read_hf(src, name, bad)
         ctx.log.info("eval domain %s (%s): %d candidate prompts", name, src.kind, len(evals[name]))
-    shown = _check_malformed(bad, sec, ctx.log, 0)
+    return train, evals
 
-    # eval prompts -------------------------------------------------------------------------------
-    (ctx.out_dir / "eval").mkdir()
+
+def _write_eval_prompts(ctx: StageContext, sec: Config, renderer, tok, evals: dict[str, list[Sample]]):
+    """eval/<domain>.jsonl (rendered, cut to the last max_prompt_tokens, at least 4 tokens each). Returns the
+    per-domain stats and the keys of every sample looked at, which never train the draft."""
+    (ctx.out_dir / data_artifact.EVAL_DIR).mkdir()
     domain_stats = {}
-    chosen_keys: set[str] = set()   # eval prompts (or the samples they were cut from) never train the draft
+    chosen_keys: set[str] = set()
     for name, samples in evals.items():
         samples = sorted({s.key: s for s in samples}.values(), key=lambda s: _bucket(s.key, sec.seed))
-        lines = []
+        prompts: list[data_artifact.EvalPrompt] = []
         for s in samples:
             chosen_keys.add(s.key)
             prompt = _render_prompt(renderer, tok, s)
@@ -709,19 +767,21 @@ def run(ctx: StageContext) -> dict:
             if len(ids) < 4:
                 continue
             ref = s.content[-1]["content"] if s.fmt == "messages" and s.content[-1]["role"] == "assistant" else None
-            lines.append({"id": f"{name}-{len(lines)}", "prompt": tok.decode(ids), "prompt_ids": ids, "reference": ref})
-            if len(lines) >= sec.eval_prompts:
+            prompts.append(data_artifact.EvalPrompt(id=f"{name}-{len(prompts)}", prompt=tok.decode(ids), prompt_ids=ids,
+                                                    reference=ref))
+            if len(prompts) >= sec.eval_prompts:
                 break
-        if not lines:
+        if not prompts:
             raise StageError(f"data.eval_domains.{name}: no usable prompts (need at least 4 tokens each)")
-        with open(ctx.out_dir / "eval" / f"{name}.jsonl", "w") as f:
-            for line in lines:
-                f.write(json.dumps(line) + "\n")
-        domain_stats[name] = {"prompts": len(lines), "mean_prompt_tokens": round(sum(len(x["prompt_ids"]) for x in lines) / len(lines), 1)}
+        data_artifact.write_eval(ctx.out_dir, name, prompts)
+        domain_stats[name] = {"prompts": len(prompts),
+                              "mean_prompt_tokens": round(sum(len(p.prompt_ids) for p in prompts) / len(prompts), 1)}
+    return domain_stats, chosen_keys
 
-    # dedup, split -------------------------------------------------------------------------------
-    n_raw = len(train)
-    n_dup = 0
+
+def _split(sec: Config, train: list[Sample], chosen_keys: set[str]):
+    """Dedup, drop what the eval prompts came from, and split into train / held-out by a seeded hash."""
+    n_raw, n_dup = len(train), 0
     if sec.dedup:
         seen, uniq = set(), []
         for s in train:
@@ -737,108 +797,99 @@ def run(ctx: StageContext) -> dict:
     train = [s for s in train if _bucket("heldout:" + s.key, sec.seed) >= sec.eval_fraction]
     if not train:
         raise StageError("data: no training samples left after dedup and split; add sources or lower data.eval_fraction")
+    return train, heldout, {"raw_samples": n_raw, "dedup_removed": n_dup, "eval_overlap_removed": len(overlap)}
 
-    # tokenize (or regenerate) ------------------------------------------------------------------
-    regen_stats = None
+
+def _regenerate_splits(ctx: StageContext, sec: Config, renderer, tok, tinfo: dict, tmpl_info: dict, model_dir: Path,
+                       train: list[Sample], heldout: list[Sample], bad: Malformed, shown: int):
+    """The target writes the responses (data.regenerate): (train, its rows, heldout, its rows, stats, shown)."""
     rc = sec.regenerate
-    if rc.enabled:
-        budget = sec.max_length - rc.max_new_tokens
-        train_jobs, skip_t = _select_jobs(renderer, tok, train, sec.max_samples, budget, sec.max_length, bad, tmpl_info)
-        n_held = math.ceil(len(train_jobs) * sec.eval_fraction / (1 - sec.eval_fraction)) if sec.eval_fraction else 0
-        held_jobs, skip_h = _select_jobs(renderer, tok, heldout, n_held, budget, sec.max_length, bad, tmpl_info)
-        shown = _check_malformed(bad, sec, ctx.log, shown)
-        if not train_jobs:
-            raise StageError(f"data: no training prompt fits data.max_length - data.regenerate.max_new_tokens = {budget} tokens "
-                             f"({skip_t} were longer); raise data.max_length or lower data.regenerate.max_new_tokens")
-        if skip_t or skip_h:
-            ctx.log.info("regeneration: %d prompts longer than %d tokens (data.max_length %d - max_new_tokens %d) skipped",
-                         skip_t + skip_h, budget, sec.max_length, rc.max_new_tokens)
-        stop_ids = list(tinfo.get("eos_token_ids") or [tinfo["eos_token_id"]])
-        if renderer is not None and tmpl_info["end_of_turn_id"] is not None and tmpl_info["end_of_turn_id"] not in stop_ids:
-            stop_ids.append(tmpl_info["end_of_turn_id"])      # data.chat_template's end of turn
-        greedy = rc.mode == "greedy"
-        ctx.log.info("regeneration: %d train + %d held-out prompts, batches of %d sorted by length, up to %d new tokens, %s, "
-                     "stop ids %s", len(train_jobs), len(held_jobs), rc.batch_size, rc.max_new_tokens,
-                     "greedy" if greedy else f"sampling T={rc.temperature} top_p={rc.top_p} seed={sec.seed}",
-                     [f"{i} ({tok.convert_ids_to_tokens(i)})" for i in stop_ids])
-        jobs = train_jobs + held_jobs
-        gens, regen_stats = regenerate(
-            model_dir, [j.prompt for j in jobs], [j.sample.key for j in jobs], batch_size=rc.batch_size,
-            max_new_tokens=rc.max_new_tokens, temperature=0.0 if greedy else rc.temperature, top_p=1.0 if greedy else rc.top_p,
-            stop_ids=stop_ids, seed=sec.seed, scratch=ctx.scratch_dir / "regenerate", log=ctx.log)
-        regen_stats.update(skipped_long_prompts=skip_t + skip_h, prompt_budget=budget, mode=rc.mode)
-        regen_stats["template"] = (_template_consistency(renderer, tok, jobs, gens, tmpl_info.get("end_of_turn_id"))
-                                   if renderer is not None else None)
-        rs = regen_stats
-        ctx.log.info("regeneration: %d prompts, %d resumed from scratch, %d generated in %.1fs: %s prompts/s, %s new tokens/s; "
-                     "mean %.1f new tokens per response; %d ended at a stop id, %d hit max_new_tokens=%d; prefill padding %.1f%%",
-                     rs["prompts"], rs["resumed_prompts"], rs["generated_prompts"], rs["seconds"], rs["prompts_per_s"],
-                     rs["new_tokens_per_s"], rs["mean_new_tokens"], rs["ended_at_stop"], rs["hit_max_new_tokens"],
-                     rc.max_new_tokens, 100 * rs["prefill_padding_fraction"])
-        if rs["template"] and rs["template"]["checked"]:
-            t = rs["template"]
-            (ctx.log.info if t["consistent"] == t["checked"] else ctx.log.warning)(
-                "regeneration: %d of %d responses that ended at the end of turn are exactly what the chat template renders for "
-                "that assistant turn%s", t["consistent"], t["checked"],
-                "" if t["consistent"] == t["checked"] else f" (first that is not: {t['first_inconsistent']}; the sample keeps the target's own tokens)")
-        rows_all = _regenerated_rows(jobs, gens)
-        train, encoded = [j.sample for j in train_jobs], rows_all[: len(train_jobs)]
-        heldout, held_enc = [j.sample for j in held_jobs], rows_all[len(train_jobs):]
-    else:
-        train = train[: sec.max_samples]
-        no_response = [s for s in train if s.fmt == "prompt" or (s.fmt == "messages" and not _has_assistant(s))]
-        if no_response:
-            raise StageError(f"data: {len(no_response)} training samples have no response to train on (prompts, or conversations "
-                             f"without an assistant turn; e.g. {no_response[0].origin}); enable data.regenerate to let the target "
-                             "write the responses, or give text/messages samples with responses")
-        encoded = _encode_samples(renderer, tok, train, sec.max_length, eos_id, bad, tmpl_info)
-        held_enc = _encode_samples(renderer, tok, heldout, sec.max_length, eos_id, bad, tmpl_info)
-        shown = _check_malformed(bad, sec, ctx.log, shown)
+    budget = sec.max_length - rc.max_new_tokens
+    train_jobs, skip_t = _select_jobs(renderer, tok, train, sec.max_samples, budget, sec.max_length, bad, tmpl_info)
+    n_held = math.ceil(len(train_jobs) * sec.eval_fraction / (1 - sec.eval_fraction)) if sec.eval_fraction else 0
+    held_jobs, skip_h = _select_jobs(renderer, tok, heldout, n_held, budget, sec.max_length, bad, tmpl_info)
+    shown = _check_malformed(bad, sec, ctx.log, shown)
+    if not train_jobs:
+        raise StageError(f"data: no training prompt fits data.max_length - data.regenerate.max_new_tokens = {budget} tokens "
+                         f"({skip_t} were longer); raise data.max_length or lower data.regenerate.max_new_tokens")
+    if skip_t or skip_h:
+        ctx.log.info("regeneration: %d prompts longer than %d tokens (data.max_length %d - max_new_tokens %d) skipped",
+                     skip_t + skip_h, budget, sec.max_length, rc.max_new_tokens)
+    stop_ids = target_artifact.stop_ids(tinfo)
+    if renderer is not None and tmpl_info["end_of_turn_id"] is not None and tmpl_info["end_of_turn_id"] not in stop_ids:
+        stop_ids.append(tmpl_info["end_of_turn_id"])      # data.chat_template's end of turn
+    greedy = rc.mode == "greedy"
+    ctx.log.info("regeneration: %d train + %d held-out prompts, batches of %d sorted by length, up to %d new tokens, %s, "
+                 "stop ids %s", len(train_jobs), len(held_jobs), rc.batch_size, rc.max_new_tokens,
+                 "greedy" if greedy else f"sampling T={rc.temperature} top_p={rc.top_p} seed={sec.seed}",
+                 [f"{i} ({tok.convert_ids_to_tokens(i)})" for i in stop_ids])
+    jobs = train_jobs + held_jobs
+    gens, rs = regenerate(
+        model_dir, [j.prompt for j in jobs], [j.sample.key for j in jobs], batch_size=rc.batch_size,
+        max_new_tokens=rc.max_new_tokens, temperature=0.0 if greedy else rc.temperature, top_p=1.0 if greedy else rc.top_p,
+        stop_ids=stop_ids, seed=sec.seed, scratch=ctx.scratch_dir / "regenerate", log=ctx.log)
+    rs.update(skipped_long_prompts=skip_t + skip_h, prompt_budget=budget, mode=rc.mode)
+    rs["template"] = (_template_consistency(renderer, tok, jobs, gens, tmpl_info.get("end_of_turn_id"))
+                      if renderer is not None else None)
+    ctx.log.info("regeneration: %d prompts, %d resumed from scratch, %d generated in %.1fs: %s prompts/s, %s new tokens/s; "
+                 "mean %.1f new tokens per response; %d ended at a stop id, %d hit max_new_tokens=%d; prefill padding %.1f%%",
+                 rs["prompts"], rs["resumed_prompts"], rs["generated_prompts"], rs["seconds"], rs["prompts_per_s"],
+                 rs["new_tokens_per_s"], rs["mean_new_tokens"], rs["ended_at_stop"], rs["hit_max_new_tokens"],
+                 rc.max_new_tokens, 100 * rs["prefill_padding_fraction"])
+    if rs["template"] and rs["template"]["checked"]:
+        t = rs["template"]
+        (ctx.log.info if t["consistent"] == t["checked"] else ctx.log.warning)(
+            "regeneration: %d of %d responses that ended at the end of turn are exactly what the chat template renders for "
+            "that assistant turn%s", t["consistent"], t["checked"],
+            "" if t["consistent"] == t["checked"] else
+            f" (first that is not: {t['first_inconsistent']}; the sample keeps the target's own tokens)")
+    rows_all = _regenerated_rows(jobs, gens)
+    return ([j.sample for j in train_jobs], rows_all[: len(train_jobs)], [j.sample for j in held_jobs],
+            rows_all[len(train_jobs):], rs, shown)
 
-    def rows(samples, enc):
-        keep = [(s, e) for s, e in zip(samples, enc) if e and len(e[0]) >= sec.min_length and sum(e[1]) > 0]
-        return {"input_ids": [e[0] for _, e in keep], "loss_mask": [e[1] for _, e in keep],
-                "domain": [s.domain for s, _ in keep], "source": [s.origin for s, _ in keep]}
 
-    train_rows = rows(train, encoded)
-    held_rows = rows(heldout, held_enc)
+def _rows(samples: list[Sample], enc: list, min_length: int) -> dict:
+    """Parquet columns of the encoded samples that meet the data contract's row rule (>= min_length tokens, at
+    least one trained on)."""
+    keep = [(s, e) for s, e in zip(samples, enc) if e and len(e[0]) >= min_length and sum(e[1]) > 0]
+    return {"input_ids": [e[0] for _, e in keep], "loss_mask": [e[1] for _, e in keep],
+            "domain": [s.domain for s, _ in keep], "source": [s.origin for s, _ in keep]}
+
+
+def _write_splits(ctx: StageContext, sec: Config, renderer, train_rows: dict, held_rows: dict) -> dict[str, dict]:
+    from datasets import Dataset
+
     if not train_rows["input_ids"]:
         raise StageError(f"data: every training sample is shorter than data.min_length={sec.min_length} tokens or has no "
                          "token to train on (a conversation whose assistant turns lie beyond data.max_length)")
-    calib_rows = {k: v[: sec.calib_samples] for k, v in train_rows.items()}
-    for name, r in (("train", train_rows), ("heldout", held_rows), ("calib", calib_rows)):
-        Dataset.from_dict(r).to_parquet(str(ctx.out_dir / f"{name}.parquet"))
+    splits = {"train": train_rows, "heldout": held_rows,
+              "calib": {k: v[: sec.calib_samples] for k, v in train_rows.items()}}
+    for name, r in splits.items():
+        Dataset.from_dict(r).to_parquet(str(data_artifact.split_path(ctx.out_dir, name)))
     if renderer is not None:
-        (ctx.out_dir / "chat_template.jinja").write_text(renderer.template)
+        (ctx.out_dir / data_artifact.CHAT_TEMPLATE).write_text(renderer.template)
+    return splits
 
-    def split_stats(r):
-        lens = [len(x) for x in r["input_ids"]]
-        return {"samples": len(lens), "tokens": sum(lens), "loss_tokens": sum(sum(m) for m in r["loss_mask"]),
-                "min_len": min(lens, default=0), "mean_len": round(sum(lens) / max(1, len(lens)), 1), "max_len": max(lens, default=0)}
 
-    stats = {
-        "splits": {"train": split_stats(train_rows), "heldout": split_stats(held_rows), "calib": split_stats(calib_rows)},
-        "domains": domain_stats,
-        "raw_samples": n_raw, "dedup_removed": n_dup, "subsampled_to": sec.max_samples,
-        "eval_overlap_removed": len(overlap), "malformed": len(bad.items), "malformed_examples": bad.items[:20],
-        "regenerated": rc.enabled, "regeneration": regen_stats, "chat_template": tmpl_info,
-    }
-    (ctx.out_dir / "stats.json").write_text(json.dumps(stats, indent=2))
-    ctx.log.info("train %d samples / %d tokens (%d trained on), heldout %d, calib %d; eval domains: %s",
-                 stats["splits"]["train"]["samples"], stats["splits"]["train"]["tokens"], stats["splits"]["train"]["loss_tokens"],
-                 stats["splits"]["heldout"]["samples"], stats["splits"]["calib"]["samples"],
-                 ", ".join(f"{k} ({v['prompts']})" for k, v in domain_stats.items()))
+def _split_stats(r: dict) -> dict:
+    lens = [len(x) for x in r["input_ids"]]
+    return {"samples": len(lens), "tokens": sum(lens), "loss_tokens": sum(sum(m) for m in r["loss_mask"]),
+            "min_len": min(lens, default=0), "mean_len": round(sum(lens) / max(1, len(lens)), 1), "max_len": max(lens, default=0)}
+
+
+def _metrics(stats: dict, tmpl_info: dict) -> dict:
+    sp, regen = stats["splits"], stats["regeneration"]
     metrics = {
-        "train_samples": stats["splits"]["train"]["samples"], "train_tokens": stats["splits"]["train"]["tokens"],
-        "train_loss_tokens": stats["splits"]["train"]["loss_tokens"], "heldout_samples": stats["splits"]["heldout"]["samples"],
-        "calib_samples": stats["splits"]["calib"]["samples"], "malformed": len(bad.items),
-        "eval_domains": {k: v["prompts"] for k, v in domain_stats.items()}, "regenerated": rc.enabled,
+        "train_samples": sp["train"]["samples"], "train_tokens": sp["train"]["tokens"],
+        "train_loss_tokens": sp["train"]["loss_tokens"], "heldout_samples": sp["heldout"]["samples"],
+        "calib_samples": sp["calib"]["samples"], "malformed": stats["malformed"],
+        "eval_domains": {k: v["prompts"] for k, v in stats["domains"].items()}, "regenerated": stats["regenerated"],
         "mask_method": tmpl_info.get("mask_method"),
     }
-    if regen_stats:
-        metrics["regeneration"] = {k: regen_stats[k] for k in ("prompts", "resumed_prompts", "seconds", "prompts_per_s",
-                                                               "new_tokens_per_s", "mean_new_tokens", "ended_at_stop",
-                                                               "hit_max_new_tokens")}
+    if regen:
+        metrics["regeneration"] = {k: regen[k] for k in ("prompts", "resumed_prompts", "seconds", "prompts_per_s",
+                                                         "new_tokens_per_s", "mean_new_tokens", "ended_at_stop",
+                                                         "hit_max_new_tokens")}
     return metrics
 
 
@@ -848,7 +899,8 @@ def report(artifact) -> str:
     s = artifact.read_json("stats.json")
     rows = [[k, v["samples"], v["tokens"], v["loss_tokens"], v["mean_len"], v["max_len"]] for k, v in s["splits"].items()]
     out = table(rows, ["split", "samples", "tokens", "loss tokens", "mean length", "max length"])
-    out += table([[k, v["prompts"], v["mean_prompt_tokens"]] for k, v in s["domains"].items()], ["eval domain", "prompts", "mean prompt tokens"])
+    out += table([[k, v["prompts"], v["mean_prompt_tokens"]] for k, v in s["domains"].items()], ["eval domain", "prompts",
+                                                                                                 "mean prompt tokens"])
     t = s.get("chat_template") or {}
     if t.get("source"):
         out += table([["template", t["source"]], ["loss masks", t["mask_method"]], ["end of turn", t["end_of_turn"]],

@@ -8,9 +8,9 @@
                  (`/app/all_models/llmapi/tensorrt_llm/1/{model.py,helpers.py}`); launch.sh assembles a
                  serving copy of the repository with it, so the mounted directory stays read-only.
   triton_cpu/    the same model name and request/response interface, served by a Python-backend model that runs
-                 the same FP8 pair through specpipe's speculative runtime (runtime/triton_model/model.py), so
+                 the same FP8 pair through specpipe's speculative runtime (runtime/serving/triton_model/model.py), so
                  `specpipe serve` answers on a CPU with the acceptance statistics TensorRT-LLM would report.
-  speculators/   the draft in the speculators format for vLLM (runtime/speculators_format.py), with the tuned
+  speculators/   the draft in the speculators format for vLLM (runtime/vllm/speculators_format.py), with the tuned
                  draft length, a README and `serve_vllm.sh` (`vllm serve <FP8 target> --speculative-config ...`).
   export.json    what was exported and checked.
 
@@ -29,6 +29,8 @@ from typing import Literal
 
 from pydantic import Field
 
+from pipeline.artifacts import build as build_artifact
+from pipeline.artifacts import validate as validate_artifact
 from pipeline.errors import StageError
 from pipeline.stage import Artifact, StageContext, StageSection
 
@@ -42,7 +44,8 @@ class Config(StageSection):
     model_name: str = Field("tensorrt_llm", pattern=r"^[A-Za-z0-9_.-]+$",
                             description="Triton model name in both repositories (the LLM-API template's name)")
     decoupled: bool = Field(True, description="decoupled transaction policy: needed for streaming")
-    cancellation_check_period_ms: int = Field(100, ge=1, description="model.yaml triton_config: how often cancellations are polled")
+    cancellation_check_period_ms: int = Field(100, ge=1, description="model.yaml triton_config: how often cancellations are "
+                                                                     "polled")
     container_path: str = Field("/opt/specpipe/triton", pattern=r"^/",
                                 description="where launch.sh expects triton/ mounted inside the container")
     weights: Literal["link", "copy"] = Field("link", description="hard-link the checkpoints (copy across filesystems) or copy")
@@ -57,17 +60,15 @@ class Config(StageSection):
 
 
 def run(ctx: StageContext) -> dict:
-    import yaml
-
-    from runtime import compat
-    from runtime import trtllm_options as T
+    from runtime.trtllm import compat
+    from runtime.trtllm import options as T
 
     sec: Config = ctx.section
-    acc = ctx.input("validate").read_json("acceptance.json")
+    acc = validate_artifact.read_acceptance(ctx.input("validate").path)
     _require_gate(acc)
     bpath = ctx.input("build").path
-    dep = json.loads((bpath / "deployment.json").read_text())
-    options = yaml.safe_load((bpath / dep["options_file"]).read_text())
+    dep = build_artifact.read_deployment(bpath)
+    options = build_artifact.read_options(bpath, dep)
     version = dep["trtllm_version"]
     io = T.load_schema("triton-llmapi-model")["config_pbtxt"]
 
@@ -98,7 +99,7 @@ def run(ctx: StageContext) -> dict:
         "# the same max_batch_size and decoupled policy: launch_triton_server.py disables auto-complete-config.\n"
         + T.dump_yaml(body))
     (prod / sec.model_name / "config.pbtxt").write_text(
-        config_pbtxt(sec.model_name, io, production=True, decoupled=sec.decoupled,
+        config_pbtxt(sec.model_name, io, decoupled=sec.decoupled,
                      max_batch_size=body["triton_config"]["max_batch_size"]))
     image = compat.triton_image_for(version)
     (prod / "launch.sh").write_text(_launch_sh(sec, dep))
@@ -117,17 +118,17 @@ def run(ctx: StageContext) -> dict:
 
         import runtime
 
-        (cdir / "model.py").write_text(resources.files("runtime").joinpath("triton_model", "model.py").read_text())
+        (cdir / "model.py").write_text(resources.files("runtime.serving").joinpath("triton_model", "model.py").read_text())
         runs = (dep.get("draft_schedule") or {}).get("runs") or [[1, 1, 0]]
         (cdir / "specpipe_model.json").write_text(json.dumps({
             "target": "target_fp8", "draft": "draft" if speculation else None, "algorithm": dep["algorithm"],
             "draft_len": runs[0][2],         # the CPU model batches continuously with one k: batch 1's
             "draft_schedule": dep.get("draft_schedule"),   # per batch size, as the TensorRT-LLM deployment runs it
             "eos_token_ids": acc.get("eos_token_ids"),     # the stop ids validate decoded with (target.json)
-            "compute": sec.cpu_compute,                    # runtime.drafts.resolve_compute on the serving machine
+            "compute": sec.cpu_compute,                    # runtime.engine.drafts.resolve_compute on the serving machine
             "trtllm_version": version, "specpipe_src": str(Path(runtime.__file__).resolve().parents[1])}, indent=2))
         (cpu / sec.model_name / "config.pbtxt").write_text(
-            config_pbtxt(sec.model_name, io, production=False, decoupled=sec.decoupled))
+            config_pbtxt(sec.model_name, io, decoupled=sec.decoupled))
 
     vllm = None
     if sec.speculators and speculation:
@@ -153,7 +154,7 @@ def run(ctx: StageContext) -> dict:
 
 def _speculators(ctx: StageContext, dep: dict, options: dict) -> dict:
     """speculators/: the trained (BF16) draft in the speculators format, its README and `serve_vllm.sh`."""
-    from runtime import speculators_format as S
+    from runtime.vllm import speculators_format as S
 
     src = ctx.input("train_draft").path / "draft"
     final = Path(ctx.workdir).resolve() / "artifacts" / NAME / "speculators"     # where it lives once committed
@@ -184,15 +185,15 @@ def _speculators(ctx: StageContext, dep: dict, options: dict) -> dict:
 
 
 def fingerprint_extra(section: Config) -> dict | None:
-    """The CPU repository carries a copy of runtime/triton_model/model.py: its content enters the fingerprint,
+    """The CPU repository carries a copy of runtime/serving/triton_model/model.py: its content enters the fingerprint,
     so a changed serving model is re-exported."""
     if not section.cpu_repository:
         return None
     import hashlib
     from importlib import resources
 
-    text = resources.files("runtime").joinpath("triton_model", "model.py").read_bytes()
-    return {"runtime/triton_model/model.py": hashlib.sha256(text).hexdigest()}
+    text = resources.files("runtime.serving").joinpath("triton_model", "model.py").read_bytes()
+    return {"runtime/serving/triton_model/model.py": hashlib.sha256(text).hexdigest()}
 
 
 def _require_gate(acc: dict) -> None:
@@ -224,7 +225,7 @@ def _place(src: Path, dst: Path, mode: str) -> None:
 # ---------------------------------------------------------------------------------------------- config.pbtxt
 
 
-def config_pbtxt(name: str, io: dict, *, production: bool, decoupled: bool = True, max_batch_size: int = 0) -> str:
+def config_pbtxt(name: str, io: dict, *, decoupled: bool = True, max_batch_size: int = 0) -> str:
     """The LLM-API model's config (inputs/outputs from the extracted schema), stating `max_batch_size` and the
     transaction policy itself: the container's launcher (`launch_triton_server.py`) always passes
     --disable-auto-complete-config, so the model's `auto_complete_config`, which would copy them from model.yaml's
@@ -285,11 +286,20 @@ exec python3 /app/scripts/launch_triton_server.py --model_repo="$SERVE" --world_
 def _readme(sec: Config, dep: dict, image: str | None, workdir: Path) -> str:
     here = shlex.quote(str(Path(workdir).resolve() / "artifacts" / "export" / "triton"))
     img = image or f"<a custom Triton image built on {dep['serving_image']}>"
+    spec = dep.get('speculation', True)
+    draft = (f" and the {dep['decoding_type']} draft (`1/draft/`, its layers named as TensorRT-LLM "
+             f"{dep['trtllm_version']} reads them)") if spec else " (no draft)"
+    ask = json.dumps({"text_input": "def add(a, b):", "sampling_param_max_tokens": 64,
+                      "sampling_param_return_perf_metrics": True})
+    no_draft = '' if spec else (chr(10) + "No draft: `tune` predicted no speedup from speculation at any batch size, so "
+                                "the target is served alone (see ../../build/deployment/README.md)." + chr(10))
+    vllm = ("For vLLM, `../speculators/` holds the same draft in the speculators format with its `vllm serve` command."
+            + chr(10)) if sec.speculators and spec else ""
     return f"""# Triton repository for TensorRT-LLM {dep['trtllm_version']} (LLM-API model)
 
 `{sec.model_name}/config.pbtxt` is the LLM-API model's interface; `{sec.model_name}/1/model.yaml` holds the
 LLM-API options specpipe built (every key but `triton_config` goes to `LLM(...)`), with the FP8 target
-(`1/target_fp8/`){f" and the {dep['decoding_type']} draft (`1/draft/`, its layers named as TensorRT-LLM {dep['trtllm_version']} reads them)" if dep.get('speculation', True) else " (no draft)"}
+(`1/target_fp8/`){draft}
 next to it, referenced by their paths inside the container ({sec.container_path}).
 
 The model code (`model.py`, `helpers.py`) is not copied here: it comes with the container, under
@@ -303,11 +313,11 @@ docker run --gpus all --rm -it --ipc=host --shm-size=2g -p 8000:8000 -p 8001:800
   -v {here}:{sec.container_path}:ro \\
   {img} bash {sec.container_path}/launch.sh
 ```
-Container for this version (runtime/compat.py): `{img}`.
+Container for this version (runtime/trtllm/compat.py): `{img}`.
 
 ## Ask
 ```bash
-curl -s localhost:8000/v2/models/{sec.model_name}/generate -d '{{"text_input": "def add(a, b):", "sampling_param_max_tokens": 64, "sampling_param_return_perf_metrics": true}}'
+curl -s localhost:8000/v2/models/{sec.model_name}/generate -d '{ask}'
 curl -s -N localhost:8000/v2/models/{sec.model_name}/generate_stream -d '{{"text_input": "def add(a, b):", "streaming": true}}'
 ```
 With `sampling_param_return_perf_metrics: true` the response carries `acceptance_rate`,
@@ -315,11 +325,11 @@ With `sampling_param_return_perf_metrics: true` the response carries `acceptance
 `model_transaction_policy {{ decoupled: {str(sec.decoupled).lower()} }}` itself (the same values as model.yaml's
 `triton_config`): `launch_triton_server.py` starts Triton with `--disable-auto-complete-config`, so the
 model's `auto_complete_config` does not copy them from model.yaml.
-{'' if dep.get('speculation', True) else chr(10) + "No draft: `tune` predicted no speedup from speculation at any batch size, so the target is served alone (see ../../build/deployment/README.md)." + chr(10)}
+{no_draft}
 
 The sibling repository `../triton_cpu/` serves the same FP8 pair with the same interface on a CPU
 (`specpipe serve --workdir <run>`), through specpipe's speculative runtime instead of TensorRT-LLM.
-{"For vLLM, `../speculators/` holds the same draft in the speculators format with its `vllm serve` command." + chr(10) if sec.speculators and dep.get('speculation', True) else ""}"""
+{vllm}"""
 
 
 def report(artifact: Artifact) -> str:
@@ -341,6 +351,7 @@ def _speculators_report(s: dict | None) -> str:
             f"{esc(s['format'])} format; <code>{esc(s['script'])}</code> runs <code>{esc(s['vllm_serve'])}</code></p>"
             + table([{"speculative tokens": s["speculative_tokens"],
                       "capture layers (speculators / ModelOpt)": f"{s['aux_hidden_state_layer_ids']} / {s['modelopt_layer_ids']}",
-                      "draft vocabulary": f"{s['draft_vocab_size']} of {s['vocab_size']}" + (" (d2t, t2d)" if s["has_d2t"] else ""),
+                      "draft vocabulary": f"{s['draft_vocab_size']} of "
+                                          f"{s['vocab_size']}" + (" (d2t, t2d)" if s["has_d2t"] else ""),
                       "verifier": s["verifier"]}])
             + "".join(f"<p>{esc(n)}</p>" for n in s.get("notes", [])))

@@ -14,7 +14,7 @@ What it does, for the recipe in `format` (then each of `fallback_formats` while 
 4. Exports a ModelOpt unified Hugging Face checkpoint (`export_hf_checkpoint`) with `hf_quant_config.json`
    (TensorRT-LLM 1.2 ignores the FP8 scales without it) and the target's tokenizer, and runs named format checks
    for the recipe (`check_checkpoint`).
-5. Measures quality by running the exported checkpoint itself through `runtime.fp8` (TensorRT-LLM's arithmetic:
+5. Measures quality by running the exported checkpoint itself through `runtime.engine.fp8` (TensorRT-LLM's arithmetic:
    E4M3 activations, fused-layer scales, FP8 KV with unit scales) against the unquantized target on
    `heldout.parquet`: perplexity before/after, next-token top-1 agreement, mean KL. The exported model is also
    compared with ModelOpt's own fake-quant model: layer by layer on the same inputs (the executor's exactness),
@@ -42,6 +42,8 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
+from pipeline.artifacts import data as data_artifact
+from pipeline.artifacts import target as target_artifact
 from pipeline.errors import StageError
 from pipeline.stage import StageContext, StageSection, Strict
 
@@ -143,14 +145,14 @@ def run(ctx: StageContext) -> dict:
 
     sec: Config = ctx.section
     torch.manual_seed(sec.seed)
-    target_dir = ctx.input("target").path / "model"
+    target_dir = target_artifact.model_dir(ctx.input("target").path)
     data = ctx.input("data").path
-    tinfo = ctx.input("target").read_json("target.json")
+    tinfo = target_artifact.read_info(ctx.input("target").path)
     export_dtype = getattr(torch, tinfo.get("dtype") or "bfloat16")
     device = _device(ctx)
     calib_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    calib = read_samples(data / "calib.parquet", sec.calib_samples, sec.calib_seq_len)
-    heldout = read_samples(data / "heldout.parquet", sec.eval_samples, None)
+    calib = read_samples(data, "calib", sec.calib_samples, sec.calib_seq_len)
+    heldout = read_samples(data, "heldout", sec.eval_samples, None)
     if not heldout:
         raise StageError(f"quantize: {data / 'heldout.parquet'} has no samples; quality cannot be measured "
                          "(raise data.eval_fraction)")
@@ -181,7 +183,7 @@ def run(ctx: StageContext) -> dict:
     quality = dict(chosen["quality"])
     quality.update(target_dir=str(target_dir), checkpoint="target_fp8", format=chosen["recipe"],
                    quant_algo=RECIPES[chosen["recipe"]]["quant_algo"],
-                   runtime="runtime.fp8 (emulated E4M3 on " + device.type + ", TensorRT-LLM 1.2 semantics: fused-layer "
+                   runtime="runtime.engine.fp8 (emulated E4M3 on " + device.type + ", TensorRT-LLM 1.2 semantics: fused-layer "
                    "scales, FP8 KV with unit scales)", kv_cache=sec.kv_cache, max_ppl_increase=sec.max_ppl_increase,
                    recipes=[_recipe_row(c) for c in tried])
     ctx.log.info("quality (%s): perplexity %.4f -> %.4f (%+.3f%%), top-1 agreement %.4f, mean KL %.3g nats; export vs "
@@ -247,7 +249,7 @@ def _try_recipe(ctx: StageContext, sec: Config, recipe: str, target_dir: Path, c
     """Calibrate, align, (search), export into scratch, check and measure one recipe. Returns the candidate."""
     import torch
 
-    from runtime.fp8 import load_causal_lm
+    from runtime.engine.fp8 import load_causal_lm
 
     t0 = time.monotonic()
     kv = sec.kv_cache
@@ -291,7 +293,7 @@ def _try_recipe(ctx: StageContext, sec: Config, recipe: str, target_dir: Path, c
 
 def _place(model, device):
     """On `device`, or spread over all visible GPUs when it does not fit one (a 70B target)."""
-    from runtime.placement import PlacementError, place
+    from runtime.engine.placement import PlacementError, place
 
     try:
         return place(model, device)
@@ -317,20 +319,12 @@ def _raise_failed(checks: list[dict], what: str) -> None:
 # ---------------------------------------------------------------------------------------------- data
 
 
-def read_samples(path: Path, limit: int, max_len: int | None) -> list[dict]:
-    """First `limit` rows of a data-stage parquet file as {"input_ids": LongTensor, "loss_mask": LongTensor}."""
-    import pyarrow.parquet as pq
+def read_samples(data_art: Path, split: str, limit: int, max_len: int | None) -> list[dict]:
+    """First `limit` rows of a data split (`pipeline.artifacts.data`) as {"input_ids", "loss_mask"} LongTensors."""
     import torch
 
-    if not Path(path).exists():
-        raise StageError(f"quantize: {path} is missing; the data stage's artifact contract promises it")
-    rows = pq.read_table(str(path), columns=["input_ids", "loss_mask"]).slice(0, limit).to_pylist()
-    out = []
-    for r in rows:
-        ids, mask = r["input_ids"][:max_len], r["loss_mask"][:max_len]
-        if len(ids) >= 2:
-            out.append({"input_ids": torch.tensor(ids, dtype=torch.long), "loss_mask": torch.tensor(mask, dtype=torch.long)})
-    return out
+    return [{"input_ids": torch.tensor(ids, dtype=torch.long), "loss_mask": torch.tensor(mask, dtype=torch.long)}
+            for ids, mask in data_artifact.read_rows(data_art, split, limit=limit, max_len=max_len)]
 
 
 # ---------------------------------------------------------------------------------------------- quantization
@@ -375,7 +369,7 @@ def quantize_model(model_dir: Path, calib: list[dict], *, fmt="fp8", kv_cache="f
 
     def forward_loop(m):
         with torch.no_grad():
-            it = progress(calib, total=len(calib), desc="calibrate") if progress else _nullctx(calib)
+            it = progress(calib, total=len(calib), desc="calibrate") if progress else contextlib.nullcontext()
             with it as bar:
                 for s in calib:
                     m(input_ids=s["input_ids"][None].to(device))
@@ -389,17 +383,6 @@ def quantize_model(model_dir: Path, calib: list[dict], *, fmt="fp8", kv_cache="f
     return model
 
 
-class _nullctx:
-    def __init__(self, x):
-        self.x = x
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
-
-
 def quantized_linears(model) -> dict:
     """{name: module} of every module whose ModelOpt weight quantizer is enabled."""
     return {n: m for n, m in model.named_modules()
@@ -408,8 +391,8 @@ def quantized_linears(model) -> dict:
 
 
 def _fused_groups(names) -> list[list[str]]:
-    """TensorRT-LLM's fused GEMMs among `names`: q/k/v and gate/up of one block (runtime.fp8.FUSED_GROUPS)."""
-    from runtime.fp8 import FUSED_GROUPS
+    """TensorRT-LLM's fused GEMMs among `names`: q/k/v and gate/up of one block (runtime.engine.fp8.FUSED_GROUPS)."""
+    from runtime.engine.fp8 import FUSED_GROUPS
 
     names = set(names)
     groups = []
@@ -426,19 +409,19 @@ def align_with_deployment(model, log=None) -> dict:
 
     1. Per-tensor q/k/v and gate/up get one shared weight (and input) amax, with ModelOpt's own
        `preprocess_linear_fusion`. TensorRT-LLM runs each group as one GEMM with one weight scale: given separate
-       scales it re-quantizes the members onto the largest at load time (runtime.fp8.trtllm_fuse_scales), a second
+       scales it re-quantizes the members onto the largest at load time (runtime.engine.fp8.trtllm_fuse_scales), a second
        rounding the calibrated model never saw. ModelOpt 0.47's export skips this fusion for FP8
        (unified_export_hf.py `_fuse_shared_input_modules` excludes QUANTIZATION_FP8), so the stage does it.
        Per-channel scales are concatenated by TensorRT-LLM unchanged: nothing to do there.
     2. Every quantized weight is replaced by its exact E4M3 dequantization as the export computes it
-       (`weight / (amax / 448)` rounded to nearest even, runtime.fp8.quantize_weight), so the fake-quant model
+       (`weight / (amax / 448)` rounded to nearest even, runtime.engine.fp8.quantize_weight), so the fake-quant model
        holds the checkpoint's codes: its own `weight * (448 / amax)` breaks exact rounding ties the other way
        (about 1% of SmolLM2's weights, which sit on a 4-bit grid, lie exactly on a tie).
     Returns {"fused_groups": n, "snapped_weights": n}."""
     import torch
     from modelopt.torch.export.quant_utils import preprocess_linear_fusion
 
-    from runtime.fp8 import FP8_MAX, dequantize_weight, quantize_weight
+    from runtime.engine.fp8 import FP8_MAX, dequantize_weight, quantize_weight
 
     lin = quantized_linears(model)
     fused = 0
@@ -481,7 +464,7 @@ def disable_quantizers(model, patterns: list[str]) -> list[str]:
 @contextlib.contextmanager
 def kv_unit_scales(model):
     """Within the block, ModelOpt's KV quantizers use scale 1 (amax 448): TensorRT-LLM 1.2's PyTorch backend
-    quantizes the FP8 KV cache with unit scales whatever k_scale/v_scale say (see runtime.fp8.attach_kv_scales).
+    quantizes the FP8 KV cache with unit scales whatever k_scale/v_scale say (see runtime.engine.fp8.attach_kv_scales).
     The calibrated amax is restored afterwards, so the export still writes the calibrated k_scale/v_scale."""
     import torch
 
@@ -514,14 +497,14 @@ def decoder_layers(model) -> tuple[str, list]:
 
 class _SearchModel:
     """The unquantized target with, per decoder layer, its linears switchable between the original (BF16) modules
-    and `runtime.fp8.FP8Linear`s built from the calibrated ModelOpt model (the same codes and scales the export
+    and `runtime.engine.fp8.FP8Linear`s built from the calibrated ModelOpt model (the same codes and scales the export
     writes), plus the FP8 KV cache (unit scales, as TensorRT-LLM runs it) on every layer."""
 
     def __init__(self, fq_model, target_dir: Path, recipe: str, kv_cache: str, device, dtype):
         import torch
         from transformers import AutoModelForCausalLM
 
-        from runtime.fp8 import FP8_MAX, FP8Linear, quantize_weight
+        from runtime.engine.fp8 import FP8_MAX, FP8Linear, quantize_weight
 
         self.model = _place(AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype), device).eval()
         self.prefix, self.layers = decoder_layers(self.model)
@@ -547,7 +530,7 @@ class _SearchModel:
         """Quantize exactly the decoder layers in `quantized`; FP8 KV on every layer when `kv`."""
         import torch
 
-        from runtime.fp8 import KV_ATTN_IMPL, enable_fp8_kv
+        from runtime.engine.fp8 import KV_ATTN_IMPL, enable_fp8_kv
 
         for i, entries in self.units.items():
             for name, orig, lin in entries:
@@ -654,7 +637,6 @@ def search_exclusions(fq_model, target_dir: Path, calib: list[dict], *, recipe: 
     t0 = time.monotonic()
     target = opts.headroom * max_ppl_increase
     sm = _SearchModel(fq_model, target_dir, recipe, kv_cache, device or torch.device("cpu"), dtype or torch.float32)
-    n_layers = len(sm.layers)
     trunc = [{"input_ids": s["input_ids"][:opts.seq_len], "loss_mask": s["loss_mask"][:opts.seq_len]} for s in calib]
     # samples whose truncation leaves scored (loss_mask) tokens: the gate is on those, not on prompts
     trunc = [s for s in trunc if int(s["loss_mask"][1:].sum()) >= 8] or trunc
@@ -688,7 +670,7 @@ def search_exclusions(fq_model, target_dir: Path, calib: list[dict], *, recipe: 
         inputs = sm.layer_inputs(sens_s)
         ref_sens = [lp for lp in sm.logprobs(sens_s)]
         sens = {}
-        with (progress(total=len(all_layers), desc="layer sensitivity") if progress else _nullctx(None)) as bar:
+        with (progress(total=len(all_layers), desc="layer sensitivity") if progress else contextlib.nullcontext()) as bar:
             for i in sorted(all_layers):
                 sm.set({i}, kv=False)
                 sens[i] = _compare(ref_sens, sm.logprobs(sens_s, start=i, inputs=inputs), sens_s)[1]
@@ -723,15 +705,13 @@ def search_exclusions(fq_model, target_dir: Path, calib: list[dict], *, recipe: 
         log.info("auto_exclude: %s in BF16 (%s on calibration), %.0f forward passes, %.0f s",
                  result["kept_bf16"] or "nothing", "meets the target" if result["passed_on_calibration"] else
                  f"misses the target even with {opts.max_layers} layers", result["forwards"], result["seconds"])
-    del sm
     return result
 
 
 def export_target(model, out_dir: Path, source_dir: Path, dtype) -> None:
     """`export_hf_checkpoint` + the source model's tokenizer files (the deployment loads them from here)."""
-    from modelopt.torch.export import export_hf_checkpoint
-
     import torch
+    from modelopt.torch.export import export_hf_checkpoint
 
     # FP8 weights are computed as weight.to(export dtype) / weight_scale: in bfloat16 that division rounds twice
     # (bf16, then E4M3) and ~2% of weights land one FP8 step away from what was calibrated. Export in float32
@@ -741,7 +721,7 @@ def export_target(model, out_dir: Path, source_dir: Path, dtype) -> None:
     cfg = json.loads((out_dir / "config.json").read_text())
     cfg["dtype"] = str(dtype).replace("torch.", "")
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
-    from runtime.hf_config import normalize_file  # RoPE in the form TensorRT-LLM 1.2 and 1.3 read
+    from runtime.trtllm.hf_config import normalize_file  # RoPE in the form TensorRT-LLM 1.2 and 1.3 read
     normalize_file(out_dir / "config.json")
     copy_tokenizer(source_dir, out_dir)
 
@@ -752,7 +732,7 @@ def cast_high_precision(out: Path, dtype_for) -> int:
     tensor)` (the deployment dtype). FP8 weights and float32 scales are left alone. Returns how many changed."""
     from safetensors.torch import save_file
 
-    from runtime.fp8 import FP8_DTYPE, SCALE_SUFFIXES, read_safetensors
+    from runtime.engine.fp8 import FP8_DTYPE, SCALE_SUFFIXES, read_safetensors
 
     sd = read_safetensors(out)
     n = 0
@@ -808,7 +788,7 @@ def check_checkpoint(path: Path, *, kv_cache: bool, exclude: list[str] = (), qua
     on a bad checkpoint."""
     import torch
 
-    from runtime.fp8 import FP8_DTYPE, read_safetensors
+    from runtime.engine.fp8 import FP8_DTYPE, read_safetensors
 
     path = Path(path)
     res: list[dict] = []
@@ -838,7 +818,8 @@ def check_checkpoint(path: Path, *, kv_cache: bool, exclude: list[str] = (), qua
         problems = []
         if str(qc.get("quant_algo")).upper() != str(q.get("quant_algo")).upper():
             problems.append(f"quant_algo {qc.get('quant_algo')!r} vs hf_quant_config {q.get('quant_algo')!r}")
-        kv_cfg = "FP8" if isinstance(qc.get("kv_cache_scheme"), dict) or str(qc.get("kv_cache_quant_algo")).upper() == "FP8" else None
+        kv_cfg = "FP8" if isinstance(qc.get("kv_cache_scheme"),
+                                     dict) or str(qc.get("kv_cache_quant_algo")).upper() == "FP8" else None
         if kv_cfg != (q.get("kv_cache_quant_algo") or None):
             problems.append(f"KV cache {kv_cfg} vs hf_quant_config {q.get('kv_cache_quant_algo')}")
         ign = qc.get("ignore", qc.get("exclude_modules"))
@@ -979,8 +960,8 @@ def fake_quant_reference(model, samples: list[dict], *, device=None, keep: int =
         return hook
 
     with torch.no_grad():
-        hooks = [l.register_forward_pre_hook(pre(i), with_kwargs=True) for i, l in enumerate(layers)]
-        hooks += [l.register_forward_hook(post(i), with_kwargs=True) for i, l in enumerate(layers)]
+        hooks = [layer.register_forward_pre_hook(pre(i), with_kwargs=True) for i, layer in enumerate(layers)]
+        hooks += [layer.register_forward_hook(post(i), with_kwargs=True) for i, layer in enumerate(layers)]
         hooks += [m.register_forward_hook(lin_hook(nm)) for nm, m in quantized_linears(model).items()]
         try:
             if samples:
@@ -1006,9 +987,8 @@ def _rel(a, b) -> float:
 def _near_boundary(v, rel: float = 1e-5):
     """True where E4M3 rounding of v (already divided by its scale) changes within +-rel: v sits on (or within
     float32 noise of) a rounding boundary, where two correct arithmetics may pick different neighbours."""
-    import torch
 
-    from runtime.fp8 import FP8_DTYPE, FP8_MAX
+    from runtime.engine.fp8 import FP8_DTYPE, FP8_MAX
 
     lo = (v * (1 - rel)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float()
     hi = (v * (1 + rel)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float()
@@ -1016,7 +996,7 @@ def _near_boundary(v, rel: float = 1e-5):
 
 
 def modulewise_agreement(test, captured: dict) -> dict[str, dict]:
-    """Every FP8 linear of `test` (the exported checkpoint in runtime.fp8) against ModelOpt's fake-quant module,
+    """Every FP8 linear of `test` (the exported checkpoint in runtime.engine.fp8) against ModelOpt's fake-quant module,
     both fed the same input rows, without any amplification by later layers:
 
     - `act_mismatch`: activation E4M3 codes that differ although the value is not at a rounding boundary (must be
@@ -1029,7 +1009,7 @@ def modulewise_agreement(test, captured: dict) -> dict[str, dict]:
     import torch
     import torch.nn.functional as F
 
-    from runtime.fp8 import FP8_DTYPE, FP8_MAX, FP8_MIN_TOKEN_SCALE, FP8Linear
+    from runtime.engine.fp8 import FP8_DTYPE, FP8_MAX, FP8_MIN_TOKEN_SCALE, FP8Linear
 
     out = {}
     mods = dict(test.named_modules())
@@ -1068,7 +1048,7 @@ def modulewise_agreement(test, captured: dict) -> dict[str, dict]:
 
 def layerwise_agreement(test, captured: list) -> list[float]:
     """Relative L2 error ||test_layer(x) - fq_layer(x)|| / ||fq_layer(x)|| of every decoder layer of `test` (the
-    exported checkpoint in runtime.fp8) fed exactly the input ModelOpt's fake-quant layer got: the GEMMs plus the
+    exported checkpoint in runtime.engine.fp8) fed exactly the input ModelOpt's fake-quant layer got: the GEMMs plus the
     attention with its FP8 KV cache. A rounding flip that `modulewise_agreement` allows can be amplified inside a
     sensitive layer (softmax, SwiGLU); a systematic error shows in every layer."""
     import torch
@@ -1131,7 +1111,7 @@ def measure_quality(ref, test, samples: list[dict], *, device=None, fake_quant: 
     per_sample = []
     fq_logits = (fake_quant or {}).get("logits", [])
     kept_test = []
-    ctxm = progress(total=len(samples), desc="quality") if progress else _nullctx(None)
+    ctxm = progress(total=len(samples), desc="quality") if progress else contextlib.nullcontext()
     with torch.no_grad(), ctxm as bar:
         for i, s in enumerate(samples):
             ids = s["input_ids"][None].to(device)
@@ -1242,7 +1222,7 @@ def _eagle_model(target_dir: Path, draft_dir: Path, device, dtype):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from runtime.fp8 import FP8_DTYPE, read_safetensors
+    from runtime.engine.fp8 import FP8_DTYPE, read_safetensors
 
     dcfg = json.loads((draft_dir / "config.json").read_text())
     if "LlamaForCausalLMEagle3" not in (dcfg.get("architectures") or []):
@@ -1254,7 +1234,8 @@ def _eagle_model(target_dir: Path, draft_dir: Path, device, dtype):
     base = _place(AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype), device)
     base_head = base.get_output_embeddings().weight
     lm = dsd.get("lm_head.weight")
-    has_lm_head = lm is not None and (lm.shape != base_head.shape or not torch.equal(lm.to(base_head.dtype).cpu(), base_head.detach().cpu()))
+    has_lm_head = lm is not None and (lm.shape != base_head.shape or not torch.equal(lm.to(base_head.dtype).cpu(),
+                                                                                     base_head.detach().cpu()))
     mtsp.convert(base, [("eagle", _eagle_cfg_from_export(dcfg, has_lm_head))])
     esd = {f"eagle_module.{k}": v for k, v in dsd.items() if k != "lm_head.weight" or has_lm_head}
     res = base.load_state_dict(esd, strict=False)
@@ -1263,7 +1244,8 @@ def _eagle_model(target_dir: Path, draft_dir: Path, device, dtype):
         raise StageError(f"quantize.draft: could not rebuild the EAGLE-3 module from {draft_dir}: missing {missing[:5]}, "
                          f"unexpected {res.unexpected_keys[:5]}")
     again = base.get_exporter()._extract_state_dict(base.state_dict())
-    diff = sorted(set(again) ^ set(dsd)) + [k for k in dsd if k in again and not torch.equal(again[k].to(dsd[k].dtype).cpu(), dsd[k])]
+    diff = sorted(set(again) ^ set(dsd)) + [k for k in dsd if k in again and not torch.equal(again[k].to(dsd[k].dtype).cpu(),
+                                                                                             dsd[k])]
     if diff:
         raise StageError(f"quantize.draft: the rebuilt EAGLE-3 module does not reproduce {draft_dir} (differs at {diff[:5]}); "
                          "the draft was exported with options this stage does not know")
@@ -1288,13 +1270,13 @@ def quantize_eagle_checkpoint(target_dir: Path, draft_dir: Path, out: Path, cali
     """FP8-quantize an exported EAGLE-3 draft: rebuild ModelOpt's EAGLE model around the target, quantize only the
     draft (`eagle_module`), calibrate with the training-time forward (every TTT step runs the draft on its own
     outputs, as speculative decoding does), export with `export_speculative_decoding`, keep the original draft
-    config (plus `quantization_config`) and tokenizer. Then load the written draft back through `runtime.fp8`
+    config (plus `quantization_config`) and tokenizer. Then load the written draft back through `runtime.engine.fp8`
     and compare its EAGLE loss with the fake-quant model's: the export's consistency check."""
     import modelopt.torch.quantization as mtq
     import torch
     from modelopt.torch.export import export_speculative_decoding
 
-    from runtime.fp8 import enable_fp8_kv, load_fp8_state_dict, read_safetensors
+    from runtime.engine.fp8 import enable_fp8_kv, load_fp8_state_dict, read_safetensors
 
     device = device or torch.device("cpu")
     dtype = dtype or torch.float32
@@ -1326,7 +1308,7 @@ def quantize_eagle_checkpoint(target_dir: Path, draft_dir: Path, out: Path, cali
     cast_high_precision(out, lambda k, v: orig[k].dtype if k in orig else v.dtype)
     copy_tokenizer(draft_dir, out)
 
-    # consistency: the written FP8 draft, run through runtime.fp8, against ModelOpt's fake-quant draft
+    # consistency: the written FP8 draft, run through runtime.engine.fp8, against ModelOpt's fake-quant draft
     check_model, _, _ = _eagle_model(target_dir, draft_dir, device, dtype)
     sd = read_safetensors(out)
     if not has_lm_head:

@@ -66,7 +66,8 @@ class TinyConfig(Strict):
     lr: float = Field(1e-3, gt=0)
     warmup_steps: int = Field(20, ge=0)
     corpus_mb: float = Field(8.0, gt=0, description="MB of stdlib sources to read")
-    heldout_fraction: float = Field(0.1, gt=0, lt=0.5, description="share of corpus files never pretrained on (feed eval domains)")
+    heldout_fraction: float = Field(0.1, gt=0, lt=0.5, description="share of corpus files never pretrained on (feed eval "
+                                                                   "domains)")
     checkpoint_every: int = Field(100, ge=1, description="steps between resumable checkpoints")
     seed: int = 0
 
@@ -86,7 +87,8 @@ class Config(StageSection):
     tiny: TinyConfig = Field(default_factory=TinyConfig)
     trust_remote_code: bool = Field(False, description="allow model code from the checkpoint; off unless you trust it")
     dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="dtype of the committed target weights")
-    materialize: Literal["link", "copy"] = Field("link", description="local models: hard-link files (copy across filesystems) or copy")
+    materialize: Literal["link", "copy"] = Field("link", description="local models: hard-link files (copy across filesystems) or "
+                                                                     "copy")
 
     @model_validator(mode="after")
     def _one_source(self):
@@ -127,7 +129,7 @@ def run(ctx: StageContext) -> dict:
 
 def _stop_ids(model_dir: Path, tok, log) -> dict:
     """Every id that ends a generation (see the module docstring), each source logged, disagreements warned."""
-    from runtime.chat_template import resolve_stop_ids
+    from runtime.text.chat_template import resolve_stop_ids
 
     raw = json.loads((model_dir / "config.json").read_text())
     text_cfg = raw.get("text_config") or {}
@@ -137,7 +139,8 @@ def _stop_ids(model_dir: Path, tok, log) -> dict:
     res = resolve_stop_ids(tok, config_eos=config_eos, generation_eos=gen_eos)
     name = lambda ids: ", ".join(f"{i} ({tok.convert_ids_to_tokens(i) if 0 <= i < len(tok) else '?'})" for i in ids) or "none"  # noqa: E731
     src = res["sources"]
-    log.info("eos sources: config.json eos_token_id %s; generation_config.json %s; tokenizer eos %s; chat template end of turn %s",
+    log.info("eos sources: config.json eos_token_id %s; generation_config.json %s; tokenizer eos %s; chat template end of turn "
+             "%s",
              name(src["config"]), name(src["generation_config"]) if gen_path.exists() else "(no file)",
              name(src["tokenizer"]), name(src["chat_template"]) if tok.chat_template else "(no template)")
     for w in res["warnings"]:
@@ -203,7 +206,8 @@ def _resolve_model(ctx: StageContext, sec: Config, model_dir: Path) -> dict:
         model_dir.mkdir(parents=True)
         n = 0
         for p in sorted(src.iterdir()):
-            if p.is_file() and (p.suffix in (".json", ".safetensors", ".model", ".txt", ".jinja", ".py") or p.name.startswith("tokenizer")):
+            if p.is_file() and (p.suffix in (".json", ".safetensors", ".model", ".txt", ".jinja",
+                                             ".py") or p.name.startswith("tokenizer")):
                 _place(p, model_dir / p.name, sec.materialize)
                 n += 1
         ctx.log.info("placed %d files from %s (%s)", n, src, sec.materialize)
@@ -400,7 +404,8 @@ def _bootstrap_tiny(ctx: StageContext, sec: Config, model_dir: Path) -> dict:
     held_loss = _eval_loss(model, held_t, t.seq_len)
     dtype = getattr(torch, sec.dtype)
     model.to(dtype).save_pretrained(model_dir, safe_serialization=True)
-    ctx.log.info("pretrained %d steps in %.0fs: loss %.3f, held-out perplexity %.1f", t.steps, train_s, loss_v, math.exp(held_loss))
+    ctx.log.info("pretrained %d steps in %.0fs: loss %.3f, held-out perplexity "
+                 "%.1f", t.steps, train_s, loss_v, math.exp(held_loss))
     return {
         "pretrain_steps": t.steps,
         "pretrain_first_loss": round(first_loss, 4) if first_loss is not None else None,

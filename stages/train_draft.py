@@ -10,9 +10,9 @@
 - Training checkpoints go to the stage's scratch directory (keyed by its fingerprint): a build that is
   interrupted resumes from the last checkpoint.
 - Export: `draft/` exactly as ModelOpt's `export_speculative_decoding` writes it plus the target's tokenizer
-  files, then named checks (`runtime.draft_checks`); any failing check fails the stage.
+  files, then named checks (`runtime.training.draft_checks`); any failing check fails the stage.
 
-The loop itself lives in `runtime/draft_training.py` (it also runs under torchrun). Options and the GPU /
+The loop itself lives in `runtime/training/draft_training.py` (it also runs under torchrun). Options and the GPU /
 multi-node settings: docs/stages/train_draft.md. Artifact: see docs/architecture.md (train_draft).
 """
 from __future__ import annotations
@@ -221,7 +221,7 @@ def check(cfg) -> list[tuple[str, str]]:
     if a.kind == "dflash":
         if sec.seq_len % a.block_size:
             out.append((f"{p}.seq_len", f"{sec.seq_len} is not divisible by algorithm.block_size {a.block_size} (DFlash trains whole blocks)"))
-        from runtime.draft_schedule import dflash_max_draft_len
+        from runtime.trtllm.draft_schedule import dflash_max_draft_len
 
         if sec.eval.draft_len and sec.eval.draft_len > dflash_max_draft_len(a.block_size):
             out.append((f"{p}.eval.draft_len", f"{sec.eval.draft_len} exceeds block_size - 1 = {dflash_max_draft_len(a.block_size)}, what one DFlash block drafts"))
@@ -280,7 +280,7 @@ def _shape_problems(sec: Config, n_layers: int, vocab: int, layers_src: str, voc
 
 def _resolve(ctx: StageContext, summary: dict, tok) -> dict:
     """Algorithm options with the target's values filled in; raises StageError for impossible ones."""
-    from runtime.draft_schedule import dflash_max_draft_len
+    from runtime.trtllm.draft_schedule import dflash_max_draft_len
 
     sec: Config = ctx.section
     a = sec.algorithm
@@ -435,7 +435,7 @@ class _Bars:
 
 
 def _train_in_process(ctx: StageContext, job: dict, bars: _Bars) -> dict:
-    from runtime import draft_training as dt
+    from runtime.training import draft_training as dt
 
     try:
         return dt.train(job, emit=bars)
@@ -451,11 +451,11 @@ def _torchrun_cmd(sec: Config, job_path: Path, node_rank: int) -> list[str]:
     else:
         cmd += ["--nnodes", str(L.nnodes), "--node-rank", str(node_rank), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", L.rdzv_endpoint, "--rdzv-id", L.rdzv_id]
-    return cmd + ["-m", "runtime.draft_training", "--job", str(job_path)]
+    return cmd + ["-m", "runtime.training.draft_training", "--job", str(job_path)]
 
 
 def _train_torchrun(ctx: StageContext, job: dict, bars: _Bars) -> dict:
-    from runtime.draft_training import PROGRESS_PREFIX
+    from runtime.training.draft_training import PROGRESS_PREFIX
 
     sec: Config = ctx.section
     ctx.scratch_dir.mkdir(parents=True, exist_ok=True)
@@ -465,7 +465,7 @@ def _train_torchrun(ctx: StageContext, job: dict, bars: _Bars) -> dict:
     cmd = _torchrun_cmd(sec, job_path, sec.launcher.node_rank)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.setdefault("OMP_NUM_THREADS", str(ctx.config.run.threads or 1))
-    # the repository root on the path, so `-m runtime.draft_training` resolves without an install
+    # the repository root on the path, so `-m runtime.training.draft_training` resolves without an install
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     if sec.launcher.nnodes > 1:
         # one self-contained shell line per other node (what the Slurm script runs there)
@@ -519,7 +519,7 @@ def _train_torchrun(ctx: StageContext, job: dict, bars: _Bars) -> dict:
 
 
 def run(ctx: StageContext) -> dict:
-    from runtime.draft_checks import Expect, as_dicts, check_draft, failures, TOKENIZER_FILES
+    from runtime.training.draft_checks import TOKENIZER_FILES, Expect, as_dicts, check_draft, failures
 
     sec: Config = ctx.section
     job = make_job(ctx)
@@ -543,7 +543,7 @@ def run(ctx: StageContext) -> dict:
         if (model_dir / name).exists():
             shutil.copy2(model_dir / name, draft_dir / name)
 
-    from runtime.hf_config import normalize_file  # RoPE in the form TensorRT-LLM 1.2 and 1.3 read
+    from runtime.trtllm.hf_config import normalize_file  # RoPE in the form TensorRT-LLM 1.2 and 1.3 read
     normalize_file(draft_dir / "config.json")
     cfg = json.loads((draft_dir / "config.json").read_text())
     capture = a["aux_layer_ids"] if a["name"] == "eagle3" else a["target_layer_ids"]

@@ -3,10 +3,10 @@
 Verification runs the target on B x (1+k) rows. Below the GPU's ridge point (peak FLOP/s / HBM bytes/s) the
 extra rows are nearly free; past it every rejected draft token costs compute, so the best k falls as the batch
 grows and speculation stops paying at high batch. This stage prices one step of the target and the draft with
-the roofline cost model (`runtime.costmodel`) for the deployment GPU (`hardware.gpu`, or a measured
+the roofline cost model (`runtime.cost.costmodel`) for the deployment GPU (`hardware.gpu`, or a measured
 `hardware.profile`), combines it with the per-position acceptance that `validate` measured on the FP8 pair,
 and picks k for every batch size. The draft length the deployment runs is then fitted to what the targeted
-TensorRT-LLM version does in the deployment's mode (`build.trtllm_version`, `build.eagle3_mode`; runtime/compat.py):
+TensorRT-LLM version does in the deployment's mode (`build.trtllm_version`, `build.eagle3_mode`; runtime/trtllm/compat.py):
 1.2 one-model applies one draft length at every batch size, 1.2 two-model a per-batch schedule that may switch
 speculation off, 1.3 one-engine a per-batch schedule that must never reach 0 (TensorRT-LLM PR #16888). From that:
 `max_batch_size`, `max_num_tokens` and CUDA-graph batch sizes. Because the decision depends on the build section,
@@ -21,6 +21,11 @@ from pathlib import Path
 
 from pydantic import Field, field_validator, model_validator
 
+from pipeline.artifacts import quantize as quantize_artifact
+from pipeline.artifacts import target as target_artifact
+from pipeline.artifacts import train_draft as train_draft_artifact
+from pipeline.artifacts import validate as validate_artifact
+from pipeline.artifacts.quantize import QuantizeInfo
 from pipeline.errors import StageError
 from pipeline.stage import StageContext, StageSection, Strict
 
@@ -57,7 +62,7 @@ class Config(StageSection):
     @field_validator("trtllm_version", mode="before")
     @classmethod
     def _version(cls, v):
-        from runtime import compat
+        from runtime.trtllm import compat
 
         if v is None:
             return v
@@ -98,7 +103,7 @@ def target_version(cfg, algorithm: str | None = None) -> str:
     """The TensorRT-LLM version the schedule is tuned for: the one build deploys (tune's own only when build is
     disabled or absent), else the default version, or, when that cannot serve the draft (DFlash needs 1.3), the
     newest one that can."""
-    from runtime import compat
+    from runtime.trtllm import compat
 
     b = getattr(cfg, "build", None)
     v = (getattr(b, "trtllm_version", None) if getattr(b, "enabled", True) else None) or cfg.tune.trtllm_version \
@@ -120,7 +125,7 @@ def eagle3_one_model(cfg) -> bool:
 def check(cfg) -> list[tuple[str, str]]:
     """Cross-section checks: the profile file, FP8 on the GPU, a version that can serve the draft."""
     from pipeline.hardware import GPUS
-    from runtime import compat
+    from runtime.trtllm import compat
 
     out: list[tuple[str, str]] = []
     prof = cfg.hardware.profile
@@ -129,7 +134,7 @@ def check(cfg) -> list[tuple[str, str]]:
         if not p.is_file():
             out.append(("hardware.profile", f"{p}: no such file; write one with `specpipe profile CONFIG`"))
         else:
-            from runtime.profile import check_profile
+            from runtime.cost.profile import check_profile
 
             try:
                 doc = json.loads(p.read_text())
@@ -162,18 +167,18 @@ def check(cfg) -> list[tuple[str, str]]:
 
 
 def run(ctx: StageContext) -> dict:
-    from runtime import compat
-    from runtime import costmodel as cm
+    from runtime.cost import costmodel as cm
+    from runtime.trtllm import compat
 
     sec: Config = ctx.section
     hw = ctx.config.hardware
-    target = ctx.input("target").read_json("target.json")
+    target = target_artifact.read_info(ctx.input("target").path)
     draft_art = ctx.input("train_draft")
-    draft = draft_art.read_json("draft.json")
+    draft = train_draft_artifact.read_info(draft_art.path)
     version = target_version(ctx.config, draft.get("algorithm"))
     rel = compat.release(version)
-    quant = ctx.input("quantize").read_json("quantize.json")
-    acc = ctx.input("validate").read_json("acceptance.json")
+    quant = quantize_artifact.read_info(ctx.input("quantize").path)
+    acc = validate_artifact.read_acceptance(ctx.input("validate").path)
 
     if (p := compat.algorithm_problem(version, str(draft.get("algorithm")))) is not None:
         raise StageError(p)
@@ -245,9 +250,9 @@ def run(ctx: StageContext) -> dict:
 
 def choose_schedule(dep, curves, weights, max_batch: int, K: int, rel, mode: str, sec: Config, kw: dict):
     """The draft length per batch size the deployment runs, fitted to what `rel` does in `mode`
-    (runtime/compat.py, SOURCES per_batch_draft_len_1_2 and zero_draft_len_one_engine), and a description."""
-    from runtime import costmodel as cm
-    from runtime.draft_schedule import DraftSchedule
+    (runtime/trtllm/compat.py, SOURCES per_batch_draft_len_1_2 and zero_draft_len_one_engine), and a description."""
+    from runtime.cost import costmodel as cm
+    from runtime.trtllm.draft_schedule import DraftSchedule
 
     line = f"TensorRT-LLM {rel.line}"
     if mode not in rel.per_batch_draft_len:
@@ -276,22 +281,19 @@ def choose_schedule(dep, curves, weights, max_batch: int, K: int, rel, mode: str
     return sched, {"name": "per_batch_min1", "per_batch_draft_len": True, "note": note}
 
 
-def deployment(ctx, sec: Config, hw, target: dict, draft: dict, draft_dir: Path, quant: dict):
+def deployment(ctx, sec: Config, hw, target: dict, draft: dict, draft_art: Path, quant: QuantizeInfo):
     """Shapes, precisions and machine of the deployment, and a description of them for tuning.json."""
     from pipeline.hardware import GPUS
-    from runtime import costmodel as cm
+    from runtime.cost import costmodel as cm
 
-    cfg_path = draft_dir / "draft" / "config.json"
-    if not cfg_path.is_file():
-        raise StageError(f"train_draft artifact has no draft/config.json at {cfg_path}; rerun train_draft")
-    draft_cfg = json.loads(cfg_path.read_text())
+    draft_cfg = train_draft_artifact.read_draft_config(draft_art)
     algo = draft.get("algorithm")
     if algo not in ("eagle3", "dflash"):
         raise StageError(f"draft.json algorithm is {algo!r}; tune prices eagle3 and dflash drafts")
     gpu = GPUS[hw.gpu]
-    weight_fmt = _weight_format(quant.get("format"))
-    kv_bytes = 1.0 if "fp8" in str(quant.get("kv_cache") or "").lower() else 2.0
-    draft_fp8 = str(quant.get("draft_dir") or "").startswith("quantize/")
+    weight_fmt = _weight_format(quant.format)
+    kv_bytes = 1.0 if quant.kv_cache_fp8 else 2.0
+    draft_fp8 = quant.draft_is_fp8
     if hw.profile is not None:
         profile = json.loads(Path(hw.profile).read_text())
         machine = cm.machine_from_profile(profile, memory_gb=float(profile.get("memory_gb") or gpu.memory_gb))
@@ -302,7 +304,7 @@ def deployment(ctx, sec: Config, hw, target: dict, draft: dict, draft_dir: Path,
         desc = f"profile {hw.profile} ({profile.get('device')})"
     else:
         if weight_fmt == "fp8" and not gpu.has_fp8:
-            raise StageError(f"{gpu.name} has no FP8 tensor cores but the target is FP8 ({quant.get('format')}); "
+            raise StageError(f"{gpu.name} has no FP8 tensor cores but the target is FP8 ({quant.format}); "
                              "choose an FP8-capable hardware.gpu or a BF16 quantize.format")
         e = sec.efficiency
         machine = cm.machine_from_gpu(gpu, compute_efficiency=e.compute, memory_efficiency=e.memory,
@@ -319,7 +321,7 @@ def deployment(ctx, sec: Config, hw, target: dict, draft: dict, draft_dir: Path,
     dmax = draft.get("max_position_embeddings") or draft_cfg.get("max_position_embeddings")
     if dmax and sec.context_length > dmax:
         ctx.log.warning("tune.context_length %d is beyond the draft's max_position_embeddings %s: acceptance may "
-                        "collapse past it in production (trtllm-triton.md §3)", sec.context_length, dmax)
+                        "collapse past it in production", sec.context_length, dmax)
     tp = hw.tensor_parallel_size
     for name, shape in (("target", tshape), ("draft", dshape)):
         if shape.heads % tp or (shape.kv_heads % tp and tp % shape.kv_heads):
@@ -353,7 +355,7 @@ def acceptance_curves(acc: dict, sec: Config, draft: dict, log=None):
     A position no step reached (None) counts as 0: it adds nothing to the expected tokens either way. Where
     validate measured only acceptance lengths (its TensorRT-LLM runtime reports no per-position rates), the
     curve is the flat rate a with (1 - a^(K+1)) / (1 - a) = AL at the measured K."""
-    from runtime.costmodel import flat_acceptance
+    from runtime.cost.costmodel import flat_acceptance
 
     domains = acc.get("domains") or {}
     curves: dict[str, list[float]] = {}
@@ -387,7 +389,7 @@ def acceptance_curves(acc: dict, sec: Config, draft: dict, log=None):
     if sec.max_draft_len:
         K = min(K, sec.max_draft_len)
     if draft.get("algorithm") == "dflash" and draft.get("block_size"):
-        from runtime.draft_schedule import dflash_max_draft_len
+        from runtime.trtllm.draft_schedule import dflash_max_draft_len
 
         K = min(K, dflash_max_draft_len(int(draft["block_size"])))
     return curves, weights, K
@@ -415,7 +417,7 @@ def batch_limit(dep, sec: Config, hw) -> tuple[int, int | None]:
 
 
 def _row(dep, choice, curves, weights, max_batch: int) -> dict:
-    from runtime import costmodel as cm
+    from runtime.cost import costmodel as cm
 
     b, k = choice.batch, choice.k
     t1 = dep.target_time(b, 1)
@@ -464,7 +466,7 @@ def report(artifact) -> str:
     ax.legend(fontsize=8, ncol=2)
     ax.grid(alpha=0.3)
     html = [figure(fig)]
-    from runtime import compat, draft_schedule
+    from runtime.trtllm import compat, draft_schedule
 
     d = t["deployment"]
     sched = draft_schedule.DraftSchedule.from_json(t["draft_schedule"])

@@ -1,16 +1,15 @@
 """Stage `validate`: acceptance of the deployed pair, per evaluation domain, against gates.
 
 Measured on what will be deployed: the target and draft directories named by `quantize.json` (the FP8 target,
-and the draft to deploy), read from their exported files by `runtime.speculative`. The unquantized pair
+and the draft to deploy), read from their exported files by `runtime.engine.speculative`. The unquantized pair
 (`target/model` + `train_draft/draft`) is measured the same way, so retention = AL(deployed) / AL(BF16) shows
-what quantization cost (reference trtllm-triton.md §8.1: a draft trained on BF16 hidden states can lose
-acceptance on an FP8 target).
+what quantization cost (a draft trained on BF16 hidden states can lose acceptance on an FP8 target).
 
 Per domain and pair: acceptance length (TensorRT-LLM's definition), per-position conditional acceptance up to
 `validate.max_draft_len` (the `tune` stage derives the deployed length from these curves), draft acceptance
 rate, drafted/accepted totals. Also tokens/s of speculative vs autoregressive decoding and the step costs.
 
-The lossless check has three parts (`runtime/lossless.py`, docs/stages/validate.md says what each proves):
+The lossless check has three parts (`runtime/engine/lossless.py`, docs/stages/validate.md says what each proves):
 exact on the unquantized pair (greedy speculative == autoregressive, token for token, fp32 ties excepted);
 the acceptance-rule invariant on every decoding run of both pairs (each emitted token is what the rule picks
 from the logits of the same verification forward; the stream and the cache length are continuous); and
@@ -36,6 +35,10 @@ from typing import Literal
 
 from pydantic import Field
 
+from pipeline.artifacts import data as data_artifact
+from pipeline.artifacts import quantize as quantize_artifact
+from pipeline.artifacts import target as target_artifact
+from pipeline.artifacts import train_draft as train_draft_artifact
 from pipeline.errors import StageError
 from pipeline.stage import StageContext, StageSection, Strict
 
@@ -67,7 +70,8 @@ class Gates(Strict):
 
 class Config(StageSection):
     runtime: Literal["auto", "reference", "tensorrt_llm"] = "auto"
-    max_draft_len: int = Field(4, ge=1, le=16, description="draft tokens per step while measuring (DFlash: capped at block_size-1)")
+    max_draft_len: int = Field(4, ge=1, le=16, description="draft tokens per step while measuring (DFlash: capped at "
+                                                           "block_size-1)")
     max_new_tokens: int = Field(48, ge=1)
     num_prompts: int = Field(16, ge=1, description="prompts per domain (at most what `data` wrote)")
     batch_size: int = Field(4, ge=1)
@@ -121,15 +125,16 @@ def run(ctx: StageContext) -> dict:
     runtime, why = _choose_runtime(sec.runtime)
     ctx.log.info("runtime: %s (%s)", runtime, why)
     arts = ctx.input("quantize").path.parent
-    q = ctx.input("quantize").read_json("quantize.json")
-    deployed = {"target_dir": arts / q["target_dir"], "draft_dir": arts / q["draft_dir"]}
-    bf16 = {"target_dir": ctx.input("target").path / "model", "draft_dir": ctx.input("train_draft").path / "draft"}
+    q = quantize_artifact.read_info(ctx.input("quantize").path)
+    deployed = {"target_dir": arts / q.target_rel, "draft_dir": arts / q.draft_rel}
+    bf16 = {"target_dir": target_artifact.model_dir(ctx.input("target").path),
+            "draft_dir": train_draft_artifact.draft_dir(ctx.input("train_draft").path)}
     for pair in (deployed, bf16):
         for k, p in pair.items():
             if not Path(p).is_dir():
                 raise StageError(f"validate: {k} {p} does not exist (quantize.json or the train_draft artifact is incomplete)")
     same = all(Path(deployed[k]).resolve() == Path(bf16[k]).resolve() for k in deployed)
-    eos = eos_ids(ctx.input("target").read_json("target.json"))
+    eos = target_artifact.stop_ids(target_artifact.read_info(ctx.input("target").path))
     ctx.log.info("generation stops at token ids %s (target.json)", eos)
     prompts = _read_prompts(ctx, sec)
 
@@ -174,16 +179,6 @@ def run(ctx: StageContext) -> dict:
                "retention": {d: v.get("retention") for d, v in res["domains"].items()},
                "speedup_measured": res.get("tokens_per_s", {}).get("speedup")}
     return metrics
-
-
-def eos_ids(tinfo: dict) -> list[int]:
-    """Every id that ends a generation: target.json's `eos_token_ids` (an instruct model's end-of-turn and its
-    eos), else its `eos_token_id` (one id, or a list as some HF configs write it)."""
-    ids = tinfo.get("eos_token_ids") or tinfo.get("eos_token_id")
-    if ids is None:
-        return []
-    ids = [ids] if isinstance(ids, int) else list(ids)
-    return sorted({int(i) for i in ids if i is not None})
 
 
 def lossless_summary(ll: dict) -> dict:
@@ -232,16 +227,8 @@ def trtllm_available() -> tuple[bool, str]:
 
 
 def _read_prompts(ctx: StageContext, sec: Config) -> dict[str, list[list[int]]]:
-    ev = ctx.input("data").path / "eval"
-    out = {}
-    for f in sorted(ev.glob("*.jsonl")):
-        rows = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
-        ids = [r["prompt_ids"] for r in rows if r.get("prompt_ids")][: sec.num_prompts]
-        if not ids:
-            raise StageError(f"validate: {f} has no prompts with prompt_ids")
-        out[f.stem] = ids
-    if not out:
-        raise StageError(f"validate: no evaluation domains in {ev}")
+    out = {d: [p.prompt_ids for p in ps]
+           for d, ps in data_artifact.read_eval(ctx.input("data").path, per_domain=sec.num_prompts).items()}
     g = sec.gates.min_acceptance_length
     if isinstance(g, dict) and (missing := sorted(set(g) - set(out))):
         raise StageError(f"validate.gates.min_acceptance_length names domains {missing} that data did not write")
@@ -263,10 +250,10 @@ def _device(ctx) -> str:
 def _run_reference(ctx, sec: Config, deployed: dict, bf16: dict | None, prompts: dict, eos, *, same: bool = False) -> dict:
     import torch
 
-    from runtime.draft_schedule import dflash_max_draft_len
-    from runtime.drafts import DraftFormatError, summarize
-    from runtime.lossless import InvariantTally
-    from runtime.speculative import SpeculativeEngine, load_pair
+    from runtime.engine.drafts import DraftFormatError, summarize
+    from runtime.engine.lossless import InvariantTally
+    from runtime.engine.speculative import SpeculativeEngine, load_pair
+    from runtime.trtllm.draft_schedule import dflash_max_draft_len
 
     dev = _device(ctx)
     pairs = [("fp8", deployed)] + ([("bf16", bf16)] if bf16 else [])
@@ -329,8 +316,8 @@ def _run_reference(ctx, sec: Config, deployed: dict, bf16: dict | None, prompts:
 def _other_norm(ctx, sec: Config, model, pair, expected, K, eos, prompts, res, dev, tally) -> None:
     """The deployed pair once more with the other EAGLE-3 first-layer norm: ModelOpt trains with
     hidden_norm(input_layernorm(h)), TensorRT-LLM/vLLM/SGLang serve hidden_norm(h) (docs/stages/validate.md)."""
-    from runtime.drafts import load_draft
-    from runtime.speculative import SpeculativeEngine, target_shape
+    from runtime.engine.drafts import load_draft
+    from runtime.engine.speculative import SpeculativeEngine, target_shape
 
     other = "serving" if sec.first_layer_norm == "modelopt" else "modelopt"
     draft = load_draft(pair["draft_dir"], target_shape(model), device=dev, first_layer_norm=other,
@@ -356,8 +343,8 @@ def _trained_layers(ctx) -> list[int] | None:
 def _measure(eng, prompts, sec: Config, K: int, eos, *, speculative: bool, temperature: float | None = None,
              batch_size: int | None = None, tally=None, run: str = ""):
     """Decode `prompts` in batches; every generate call is checked by the acceptance-rule invariant (`tally`)."""
-    from runtime.lossless import checked_generate
-    from runtime.speculative import RunStats
+    from runtime.engine.lossless import checked_generate
+    from runtime.engine.speculative import RunStats
 
     bs = batch_size or sec.batch_size
     total, outs = RunStats(K if speculative else 0), []
@@ -379,7 +366,7 @@ def _exact(ctx, eng, sec: Config, K: int, eos, sub, tally, label: str, spec_out=
     """Unquantized pair: greedy speculative (batch `batch_size`) == autoregressive (batch 1), token for token.
     The one tolerance: at a divergence, the two tokens' logits from one fresh forward over the reference prefix
     differ by less than `gates.tie_margin` (an fp32 accumulation-order tie; see docs/stages/validate.md)."""
-    from runtime.speculative import lossless_diff, tie_margins
+    from runtime.engine.speculative import lossless_diff, tie_margins
 
     if spec_out is None:
         spec_out = _measure(eng, sub, sec, K, eos, speculative=True, temperature=0.0, tally=tally, run=f"{label}/exact")[1]
@@ -406,8 +393,8 @@ def _lossless_and_speed(ctx, eng, sec: Config, K: int, eos, prompts: dict, bar, 
     """Deployed pair, greedy: speculative and autoregressive decoding (tokens/s, step costs), the batch-1
     autoregressive reference and the noise-floor arms, the statistical check; `exact` (the deployed pair is
     the unquantized one): the exact check too."""
-    from runtime.lossless import decode_chunked_prefill
-    from runtime.speculative import predicted_speedup
+    from runtime.engine.lossless import decode_chunked_prefill
+    from runtime.engine.speculative import predicted_speedup
 
     n = sec.lossless_prompts
     if n == 0:
@@ -461,8 +448,8 @@ def _statistical(ctx, model, sec: Config, K: int, sub, spec_out, ref, noise_arms
     """Deployed pair: the speculative arm's first-divergence rate against batch-1 autoregressive decoding,
     tested against the pooled rate of the noise arms (the same target and prompts, autoregressive, other
     forward shapes)."""
-    from runtime.lossless import divergence, rate_test
-    from runtime.speculative import lossless_diff, tie_margins
+    from runtime.engine.lossless import divergence, rate_test
+    from runtime.engine.speculative import lossless_diff, tie_margins
 
     g = sec.gates
     spec = divergence(spec_out, ref)
@@ -475,7 +462,9 @@ def _statistical(ctx, model, sec: Config, K: int, sub, spec_out, ref, noise_arms
     t = rate_test(spec["diverging"], spec["exposure"], d_n, e_n, ratio=g.max_divergence_ratio, alpha=g.divergence_alpha)
     # the target's own top-2 margin where speculative decoding diverged (informative: FP8 noise flips tokens
     # far beyond fp32 ties)
-    margins = lambda outs: [round(b["margin"], 4) for b in tie_margins(model, sub, ref, lossless_diff(outs, ref)[:4])]  # noqa: E731
+    def margins(outs):
+        return [round(b["margin"], 4) for b in tie_margins(model, sub, ref, lossless_diff(outs, ref)[:4])]
+
     out = {"pair": "fp8", "statistic": STATISTIC, "reference": "autoregressive, batch 1, one prefill forward",
            "speculative_arm": f"speculative, batch {sec.batch_size}, k={K}", "speculative": spec, "noise": noise,
            "test": "one-sided exact conditional binomial test of two Poisson rates, H0: rate_speculative <= ratio x "
@@ -583,7 +572,7 @@ def trtllm_llm_kwargs(target_dir, draft_dir, *, algorithm: str, max_draft_len: i
         if aux_layer_ids is None:
             raise ValueError("the EAGLE-3 draft's config.json names no eagle_aux_hidden_state_layer_ids")
         # always: unset, TensorRT-LLM captures (1, L//2-1, L-4) and sizes fc for 3 layers, whatever the draft was
-        # trained on (runtime/compat.py SOURCES["layers_to_capture"])
+        # trained on (runtime/trtllm/compat.py SOURCES["layers_to_capture"])
         spec["eagle3_layers_to_capture"] = list(aux_layer_ids)
     return {
         "model": str(target_dir), "backend": "pytorch", "max_batch_size": batch_size,
@@ -608,16 +597,16 @@ def trtllm_sampling_kwargs(*, max_new_tokens: int, temperature: float, seed: int
     return kw
 
 
-def _run_trtllm(ctx, sec: Config, deployed: dict, bf16: dict | None, prompts: dict, eos) -> dict:  # pragma: no cover - needs a GPU
+def _run_trtllm(ctx, sec: Config, deployed: dict, bf16: dict | None, prompts: dict,
+                eos) -> dict:  # pragma: no cover - needs a GPU
     """Runs only inside a TensorRT-LLM installation with a GPU; this machine never gets here."""
     import tensorrt_llm
-    from tensorrt_llm import LLM, SamplingParams
-    from tensorrt_llm import llmapi
+    from tensorrt_llm import LLM, SamplingParams, llmapi
 
-    from runtime import compat
-    from runtime.draft_schedule import dflash_max_draft_len
-    from runtime.drafts import draft_algorithm
-    from runtime.trtllm_options import trtllm_draft_dir
+    from runtime.engine.drafts import draft_algorithm
+    from runtime.trtllm import compat
+    from runtime.trtllm.draft_schedule import dflash_max_draft_len
+    from runtime.trtllm.options import trtllm_draft_dir
 
     res: dict = {"domains": {d: {} for d in prompts}, "overall": {}, "trtllm_version": tensorrt_llm.__version__,
                  "lossless": {"checked_prompts": 0, "passed": None, "note": "not checked by the tensorrt_llm runtime"}}
@@ -696,7 +685,8 @@ def _render(a: dict) -> str:
     parts.append(table(rows, ["domain", "AL deployed (FP8)", "AL BF16", "retention", "acceptance rate", "accepted",
                               "drafted"] + ([f"AL FP8, {other} first-layer norm"] if other else [])))
     g = a["gates"]
-    parts.append(f"<p>gates: <span class='{'pass' if g['passed'] else 'fail'}'>{'passed' if g['passed'] else 'FAILED'}</span></p>")
+    parts.append("<p>gates: <span "
+                 f"class='{'pass' if g['passed'] else 'fail'}'>{'passed' if g['passed'] else 'FAILED'}</span></p>")
     if g["rows"]:
         parts.append(table([[r["domain"], r["metric"], r["measured"], r["required"], "pass" if r["passed"] else "FAIL"]
                             for r in g["rows"]], ["domain", "metric", "measured", "required", "result"]))

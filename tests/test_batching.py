@@ -1,5 +1,5 @@
-"""Continuous batching in-process: the step-wise core (`runtime.speculative.DecodeBatch`) and the scheduler
-(`runtime.batching.Scheduler`) on the tiny pipeline's deployed FP8 pair, without a server.
+"""Continuous batching in-process: the step-wise core (`runtime.engine.speculative.DecodeBatch`) and the scheduler
+(`runtime.serving.batching.Scheduler`) on the tiny pipeline's deployed FP8 pair, without a server.
 
 The serving tests (test_serve.py) show the same behaviour through a real Triton; these pin the core down:
 a request joining a running batch decodes exactly what it decodes alone, cancelled rows leave without
@@ -23,7 +23,7 @@ N = 24
 
 @pytest.fixture(scope="module")
 def engine(request):
-    from runtime.serving import ServingEngine
+    from runtime.serving.adapter import ServingEngine
 
     if os.environ.get("SPECPIPE_TEST_RUN"):
         wd = Path(os.environ["SPECPIPE_TEST_RUN"])
@@ -108,8 +108,8 @@ def test_batches_of_different_sampling_share_one_engine(engine):
 
 
 def test_scheduler_bounds_cancels_and_stops_by_id(engine):
-    from runtime.batching import Job, Scheduler
-    from runtime.serving import Overloaded
+    from runtime.serving.adapter import Overloaded
+    from runtime.serving.batching import Job, Scheduler
 
     counts: dict[str, float] = {}
     s = Scheduler(engine, max_batch=2, max_queue=1, cancel_check_s=0.01,
@@ -143,7 +143,7 @@ def test_scheduler_bounds_cancels_and_stops_by_id(engine):
 
 
 def test_request_validation_names_the_input(engine):
-    from runtime.serving import RequestError
+    from runtime.serving.adapter import RequestError
 
     for kw, msg in [(dict(prompt=""), "text_input is empty"), (dict(prompt=b"\xc3("), "not valid UTF-8"),
                     (dict(prompt="x", max_tokens=0), "must be >= 1"),
@@ -161,8 +161,8 @@ def test_real_model_requests_joining_decode_what_they_decode_alone(real_model):
     after two steps decode exactly what they decode alone, up to the end-of-turn id."""
     from transformers import AutoTokenizer
 
-    from runtime.serving import eos_ids
-    from runtime.speculative import SpeculativeEngine, load_target
+    from runtime.engine.speculative import SpeculativeEngine, load_target
+    from runtime.serving.adapter import eos_ids
 
     md = real_model["model_dir"]
     tok = AutoTokenizer.from_pretrained(md)

@@ -1,8 +1,8 @@
 """Stage `build`: LLM-API options per TensorRT-LLM version and mode, named consistency checks, command files.
 
 TensorRT-LLM cannot be installed here, so these tests check what can be checked without it: every generated
-key exists in the targeted version's field list (runtime/schemas, extracted from llm_args.py), each version's
-behaviour as read from its source (runtime/compat.py SOURCES; each test that encodes one names it), each
+key exists in the targeted version's field list (runtime/trtllm/schemas, extracted from llm_args.py), each version's
+behaviour as read from its source (runtime/trtllm/compat.py SOURCES; each test that encodes one names it), each
 consistency check failing on a broken input with its message, and the generated shell scripts passing paths
 with spaces/quotes/dollars through bash unchanged. The stage itself runs on synthetic upstream artifacts (tiny
 checkpoint dirs written here: config.json, hf_quant_config.json, a draft with real safetensors files named as
@@ -24,12 +24,12 @@ import yaml
 
 from pipeline.errors import StageError
 from pipeline.stage import Artifact, StageContext
-from runtime import compat, draft_schedule, hf_config
-from runtime import trtllm_options as T
-from runtime.draft_schedule import DraftSchedule
+from runtime.trtllm import compat, draft_schedule, hf_config
+from runtime.trtllm import options as T
+from runtime.trtllm.draft_schedule import DraftSchedule
 from stages import build
 
-REF_SCHEMAS = Path(__file__).resolve().parents[2] / "shared" / "reference" / "schemas"
+REF_SCHEMAS = Path(__file__).resolve().parent / "data" / "trtllm_reference"   # upstream extractions, see its README
 H = 8   # hidden size of the synthetic target and draft
 
 
@@ -97,12 +97,14 @@ def write_checkpoints(root: Path, *, layers: int = 8, vocab: int = 512, draft_vo
         dcfg = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": 8, "num_target_layers": layers,
                 "max_position_embeddings": 2048, "dflash_config": {"mask_token_id": 2, "target_layer_ids": [1, 5]},
                 **rope_cfg(theta, draft_rope)}
-        tensors = {"fc.weight": np.zeros((H, 2 * H), np.float32), "layers.0.self_attn.q_proj.weight": np.zeros((H, H), np.float32)}
+        tensors = {"fc.weight": np.zeros((H, 2 * H), np.float32),
+                   "layers.0.self_attn.q_proj.weight": np.zeros((H, H), np.float32)}
     (draft / "config.json").write_text(json.dumps(dcfg))
     (draft / "tokenizer_config.json").write_text("{}")
     save_file(tensors, str(draft / "model.safetensors"))
-    (arts / "quantize" / "quantize.json").write_text(json.dumps({"format": "fp8", "target_dir": "quantize/target_fp8",
-                                                                 "draft_dir": "train_draft/draft"}))
+    (arts / "quantize" / "quantize.json").write_text(json.dumps({
+        "format": "fp8", "kv_cache": "fp8", "target_dir": "quantize/target_fp8", "draft_dir": "train_draft/draft",
+        "draft_format": "bf16"}))
     (arts / "train_draft" / "draft.json").write_text(json.dumps({
         "algorithm": algorithm, "num_layers": draft_layers, "aux_layer_ids": aux if algorithm == "eagle3" else None,
         "block_size": 8 if algorithm == "dflash" else None, "vocab_size": vocab,
@@ -134,7 +136,8 @@ def run_build(root: Path, **section) -> tuple[dict, dict, Path]:
     ctx = make_ctx(root, build.Config(**section))
     build.run(ctx)
     dep = ctx.out_dir / "deployment"
-    return yaml.safe_load((dep / "llm_api_options.yaml").read_text()), json.loads((ctx.out_dir / "deployment.json").read_text()), dep
+    opts = yaml.safe_load((dep / "llm_api_options.yaml").read_text())
+    return opts, json.loads((ctx.out_dir / "deployment.json").read_text()), dep
 
 
 def spec(**kw) -> T.DeploymentSpec:
@@ -182,8 +185,6 @@ def test_unknown_and_renamed_keys_are_reported_per_version():
 
 
 def test_packaged_schemas_match_the_reference():
-    if not REF_SCHEMAS.exists():
-        pytest.skip("reference schemas not present (outside a development checkout)")
     ref = json.loads((REF_SCHEMAS / "trtllm-1.2-llmapi.json").read_text())
     mine = T.load_schema("trtllm-1.2")
     for cls in mine["classes"]:
@@ -196,7 +197,7 @@ def test_packaged_schemas_match_the_reference():
 
 
 def test_schedule_is_written_in_each_versions_semantics_and_read_back():
-    """1.2 keys are lower bounds, 1.3 upper bounds (runtime/schemas rules, from llm_args.py); what is written
+    """1.2 keys are lower bounds, 1.3 upper bounds (runtime/trtllm/schemas rules, from llm_args.py); what is written
     decodes back to the same step function under the version's rules."""
     s12 = T.llm_api_options(spec(**TWO_MODEL_12))["speculative_config"]
     s13 = T.llm_api_options(spec(**ONE_ENGINE_13))["speculative_config"]
@@ -208,7 +209,8 @@ def test_schedule_is_written_in_each_versions_semantics_and_read_back():
     assert draft_schedule.decode(s12, r12, "two_model", 16) == TWO_MODEL_12["schedule"]
     assert draft_schedule.decode(s13, r13, "one_model", 16) == ONE_ENGINE_13["schedule"]
     # a 1.2 schedule read with 1.3's rules means something else, and 1.2's rules catch a 1.3 one
-    assert draft_schedule.decode({"max_draft_len": 4, "draft_len_schedule": {1: 4, 5: 2, 9: 0}}, r13, "one_model", 16).k_at(2) == 2
+    assert draft_schedule.decode({"max_draft_len": 4, "draft_len_schedule": {1: 4, 5: 2, 9: 0}}, r13, "one_model",
+                                 16).k_at(2) == 2
     assert draft_schedule.schedule_problems({2: 4}, 4, r12)                    # 1.2 needs key 1
     # one draft length then off: max_concurrency alone in 1.2 two-model
     off = T.llm_api_options(spec(eagle3_one_model=False,
@@ -275,7 +277,9 @@ def test_layers_to_capture_are_always_written_from_the_draft():
 
 
 def _cfg(algorithm: str, **build_kw):
-    return SimpleNamespace(build=build.Config(**build_kw), train_draft=SimpleNamespace(algorithm=algorithm))
+    from stages import train_draft
+
+    return SimpleNamespace(build=build.Config(**build_kw), train_draft=train_draft.Config(algorithm=algorithm))
 
 
 def test_dflash_on_1_2_is_a_config_error_naming_the_version_that_supports_it():
@@ -364,10 +368,12 @@ def _edit(path: Path, **kv):
     # the 1.2-era Eagle3ForCausalLM.load_weights only prefixes model.: layers.0.* match no module (PR #11010 adds the remap)
     ("draft_weight_names", lambda o, ck: _resave(ck, add={"layers.0.mlp.up_proj.weight": np.zeros((H, H), np.float32)}),
      "skipped silently"),
-    ("target_rope", lambda o, ck: _edit(ck["target"] / "config.json", rope_theta=None, rope_scaling=None), "no top-level rope_theta"),
+    ("target_rope", lambda o, ck: _edit(ck["target"] / "config.json", rope_theta=None, rope_scaling=None), "no top-level "
+                                                                                                           "rope_theta"),
     ("draft_rope", lambda o, ck: _edit(ck["draft"] / "config.json", rope_scaling={"rope_type": "default", "rope_theta": 1e4}),
      "RotaryScalingType rejects"),
-    ("two_model_overlap_scheduler", lambda o, ck: o["speculative_config"].update(eagle3_one_model=False), "disable_overlap_scheduler: true"),
+    ("two_model_overlap_scheduler", lambda o, ck: o["speculative_config"].update(eagle3_one_model=False),
+     "disable_overlap_scheduler: true"),
     ("no_pipeline_parallel", lambda o, ck: o.update(pipeline_parallel_size=2), "pipeline parallelism"),
     ("draft_positions", lambda o, ck: o.update(max_seq_len=8192), "acceptance collapses"),
     ("schema_keys", lambda o, ck: o["speculative_config"].update(acceptance_rate_threshold=0.5), "acceptance_rate_threshold"),
@@ -399,14 +405,15 @@ def test_schedule_as_tuned_fails_when_options_would_run_something_else(tmp_path)
 # ------------------------------------------------------------------------------------------ the stage
 
 
-def test_build_stage_writes_a_checked_deployment(tmp_path):
+def test_build_stage_writes_a_checked_deployment(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorrt_llm", None)   # `import tensorrt_llm` fails, whatever is installed
     ck = write_checkpoints(tmp_path)
     opts, doc, dep = run_build(tmp_path)
     assert T.unknown_keys(opts, "1.2.1") == []
     sc = opts["speculative_config"]
     assert sc["decoding_type"] == "Eagle3" and sc["max_draft_len"] == 4 and sc["eagle3_one_model"] is True
     assert opts["max_num_tokens"] >= opts["max_batch_size"] * 5
-    assert doc["load"] == {"loaded": False, "reason": build.NOT_LOADED}
+    assert doc["load"] == {"loaded": False, "reason": build.NOT_LOADED}       # load: auto, no TensorRT-LLM
     assert doc["draft_schedule"] == {"runs": [[1, 16, 4]]} and doc["speculation"] is True
     assert doc["serving_image"] == compat.SHIPPED_TRITON_IMAGE
     assert doc["draft_dir"] == str(ck["draft"].resolve())
@@ -457,7 +464,8 @@ def test_build_names_draft_weights_as_the_targeted_loader_reads_them(tmp_path):
     assert (ck["draft"] / "model.safetensors").read_bytes() == before
     assert doc["draft_dir"] == str(ck["draft"].resolve()) and doc["draft_weight_names"]["renamed"] == 5
     ck1 = write_checkpoints(tmp_path / "one")
-    one = load_file(str(T.trtllm_draft_dir(ck1["draft"], tmp_path / "one" / "x", compat.release("1.2.1"), 1)[0] / "model.safetensors"))
+    one = load_file(str(T.trtllm_draft_dir(ck1["draft"], tmp_path / "one" / "x", compat.release("1.2.1"),
+                                           1)[0] / "model.safetensors"))
     assert "midlayer.self_attn.q_proj.weight" in one                    # one layer: midlayer is the layer itself
     with pytest.raises(ValueError, match="merge"):                      # 2 layers named as 1: refused, not merged
         T.trtllm_draft_dir(ck["draft"], tmp_path / "two-as-one", compat.release("1.2.1"), 1)
@@ -484,7 +492,8 @@ def test_build_on_1_2_and_1_3_writes_each_versions_forms(tmp_path):
     assert s12["speculative_model"].endswith("/deployment/draft") and not s13["speculative_model"].endswith("/deployment/draft")
     assert d12["draft_schedule"] == {"runs": runs12} and d13["draft_schedule"] == {"runs": [[1, 4, 4], [5, 8, 2], [9, 16, 1]]}
     assert T.unknown_keys(o12, "1.2.1") == [] and T.unknown_keys(o13, "1.3.0rc27") == []
-    assert json.loads((tmp_path / "b" / ".tmp" / "build" / "deployment.json").read_text())["serving_image"].endswith("release:1.3.0rc27")
+    doc = json.loads((tmp_path / "b" / ".tmp" / "build" / "deployment.json").read_text())
+    assert doc["serving_image"].endswith("release:1.3.0rc27")
 
 
 def test_build_refuses_a_tuning_made_for_another_version_or_mode(tmp_path):
@@ -583,7 +592,8 @@ def test_rope_is_written_in_the_form_each_version_reads(real_model):
     norm = hf_config.normalize(raw)
     assert norm["rope_theta"] == 1e5 and norm["rope_scaling"] is None
     assert norm["rope_parameters"] == {"rope_type": "default", "rope_theta": 1e5}
-    assert hf_config.problems(norm, "legacy", expected_theta=1e5) == hf_config.problems(norm, "rope_parameters", expected_theta=1e5) == []
+    assert hf_config.problems(norm, "legacy", expected_theta=1e5) == hf_config.problems(norm, "rope_parameters",
+                                                                                        expected_theta=1e5) == []
     # the transformers 4.57 reading (an attribute per key, defaults for the rest) gets 1e5 and no scaling
     assert norm.get("rope_theta", 10000.0) == 1e5 and norm.get("rope_scaling") is None
     d = Path(os.environ.get("TMPDIR", "/tmp")) / f"rope-{os.getpid()}"

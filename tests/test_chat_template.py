@@ -1,4 +1,4 @@
-"""Assistant-only loss masks from real chat templates (runtime/chat_template.py), exact to the token.
+"""Assistant-only loss masks from real chat templates (runtime/text/chat_template.py), exact to the token.
 
 Templates: SmolLM2-135M-Instruct's own (the prepared model, `real_model`), and the shipped templates of
 Llama-3.3-70B-Instruct, Qwen3 and vLLM's ChatML example, stored verbatim under tests/data/chat_templates/ (see its
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.chat_template import ChatRenderer, ChatTemplateError, check_template_syntax, resolve_stop_ids
+from runtime.text.chat_template import ChatRenderer, ChatTemplateError, check_template_syntax, resolve_stop_ids
 
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
 
@@ -57,7 +57,8 @@ def _smol_tok(smol_dir):
 # `convert_slow_tokenizer.TikTokenConverter`'s default pattern (what its tiktoken model converts with), Qwen3's is
 # `models/qwen2/tokenization_qwen2.py` PRETOKENIZE_REGEX. They keep a run of newlines together ("\n\n" is one
 # piece whatever follows); SmolLM2's GPT-2 pattern does not, which matters at a header ending in "\n\n".
-LLAMA3_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+LLAMA3_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+                r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
 QWEN_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 
 
@@ -218,7 +219,8 @@ def test_token_across_the_header_boundary_is_a_sample_error(smol_dir):
     assert e.value.kind == "sample" and e.value.turn == 1 and "falls inside a token" in str(e.value)
     msg = str(e.value)
     assert "('stant<|end_header_id|>\\n\\n' | '7 times 6 is 42.<|eot_id')" in msg
-    assert "ends in tokens ['istant', '<|end_header_id|>', 'ĊĊ']" in msg and "has ['istant', '<|end_header_id|>', 'Ċ', 'Ċ']" in msg
+    assert "ends in tokens ['istant', '<|end_header_id|>', 'ĊĊ']" in msg
+    assert "has ['istant', '<|end_header_id|>', 'Ċ', 'Ċ']" in msg
 
 
 def test_generation_tags_are_used_exactly_and_agree_with_the_derivation(tmp_path):

@@ -6,9 +6,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, run_cli
 from pipeline.config import load_config
 from pipeline.errors import ConfigError
+
+from conftest import REPO, run_cli
 
 BASE = {"target": {"bootstrap": "tiny"}}
 
@@ -152,7 +153,8 @@ def test_cli_check_exit_codes_and_no_traceback(tmp_path):
     assert r.returncode == 2 and "not found" in r.stderr and "Traceback" not in r.stderr
     r = run_cli("check", str(bad), "-o", "nonsense")
     assert r.returncode == 2 and "Traceback" not in r.stderr
-    r = run_cli("build", str(REPO / "configs" / "tiny_fp8_eagle3.yaml"), "--workdir", str(tmp_path / "w"), "--only", "nosuchstage")
+    r = run_cli("build", str(REPO / "configs" / "tiny_fp8_eagle3.yaml"), "--workdir", str(tmp_path / "w"), "--only",
+                "nosuchstage")
     assert r.returncode == 2 and "unknown stage" in r.stderr and "target" in r.stderr
     assert not (tmp_path / "w" / "artifacts").exists()
 

@@ -8,12 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from runtime.trtllm import compat
+
 from conftest import REPO
-from runtime import compat
 
 INSTRUCTIONS = {"FROM", "ARG", "ENV", "RUN", "COPY", "ADD", "WORKDIR", "ENTRYPOINT", "CMD", "EXPOSE", "LABEL",
                 "USER", "VOLUME", "HEALTHCHECK", "SHELL", "STOPSIGNAL", "ONBUILD"}
-SHARED_SCHEMAS = REPO.parent / "shared" / "reference" / "schemas"
+SHARED_SCHEMAS = REPO / "tests" / "data" / "trtllm_reference"   # upstream extractions, see its README
 
 
 def parse_dockerfile(path: Path) -> list[tuple[str, str]]:
@@ -91,11 +92,9 @@ def test_dflash_on_a_12_image_is_refused_naming_one_that_works():
 @pytest.mark.parametrize("line", sorted(compat.RELEASES))
 def test_table_agrees_with_the_schemas(line):
     rel = compat.RELEASES[line]
-    packaged = json.loads((REPO / "runtime" / "schemas" / f"{rel.schema}.json").read_text())
+    packaged = json.loads((REPO / "runtime" / "trtllm" / "schemas" / f"{rel.schema}.json").read_text())
     shared_name = {"1.2": "trtllm-1.2-llmapi.json", "1.3": "trtllm-1.3-specdec.json"}[line]
-    sources = [packaged]
-    if (SHARED_SCHEMAS / shared_name).exists():
-        sources.append(json.loads((SHARED_SCHEMAS / shared_name).read_text()))
+    sources = [packaged, json.loads((SHARED_SCHEMAS / shared_name).read_text())]
     for schema in sources:
         types = schema["decoding_types"]
         for algo, dtype in rel.decoding_types.items():

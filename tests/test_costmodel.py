@@ -1,4 +1,4 @@
-"""The roofline cost model (runtime.costmodel), the GPU table, and `specpipe profile` (runtime.profile).
+"""The roofline cost model (runtime.cost.costmodel), the GPU table, and `specpipe profile` (runtime.cost.profile).
 
 No timed assertions: measured numbers are only checked for shape and sanity; the accuracy of the fitted model
 is measured and reported in docs/benchmarks.md, not asserted here.
@@ -11,7 +11,7 @@ import math
 import pytest
 
 from pipeline.hardware import GPUS
-from runtime import costmodel as cm
+from runtime.cost import costmodel as cm
 
 from conftest import run_cli, tiny_overrides
 
@@ -131,10 +131,11 @@ def test_choose_k_prefers_shorter_within_tolerance_and_turns_off_below_min():
 
 def test_schedule_round_trip_for_every_step_function():
     """Every non-increasing step function tune can produce is written so that the targeted version runs exactly
-    it, or refused where the version cannot (runtime/draft_schedule.py; compat.SOURCES)."""
+    it, or refused where the version cannot (runtime/trtllm/draft_schedule.py; compat.SOURCES)."""
     import itertools
 
-    from runtime import compat, draft_schedule as D
+    from runtime.trtllm import compat
+    from runtime.trtllm import draft_schedule as D
 
     r12, r13 = compat.release("1.2.1"), compat.release("1.3.0rc27")
     for ks_runs in itertools.product([5, 3, 1], [3, 1, 0], [1, 0]):
@@ -200,7 +201,7 @@ def test_overlap_and_cache_terms():
 def tiny_profile():
     import torch
 
-    from runtime import profile as P
+    from runtime.cost import profile as P
 
     shape = cm.llama("t", num_layers=2, hidden=32, heads=2, kv_heads=1, intermediate=64, vocab=128)
     draft = cm.draft_shape({"algorithm": "eagle3", "num_layers": 1, "aux_layer_ids": [0, 1]},
@@ -211,7 +212,7 @@ def tiny_profile():
 
 
 def test_profile_document_is_usable_by_tune(tiny_profile):
-    from runtime import profile as P
+    from runtime.cost import profile as P
 
     doc = tiny_profile
     assert P.check_profile(doc) == []
@@ -245,6 +246,14 @@ def test_profile_cli_on_the_tiny_target(tmp_path):
     assert r.returncode == 2 and "--rows" in r.stderr
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="asks for FP8 GEMMs where no CUDA GPU exists")
+def test_profile_fp8_without_a_gpu_is_a_usage_error(tmp_path):
+    """runtime.cost.profile raises its own RuntimeUsageError; the CLI prints it without a traceback, exit code 2."""
+    r = run_cli("profile", "configs/tiny_fp8_eagle3.yaml", "--workdir", str(tmp_path / "wd"), "--dtype", "fp8",
+                *tiny_overrides("target"))
+    assert r.returncode == 2 and "--dtype fp8 needs a CUDA GPU" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_gpu_check_script_runs_in_smoke_mode(tmp_path):
     """bench/gpu_gemm_check.py is meant for an H200; its --smoke mode keeps the script itself tested here."""
     import subprocess
@@ -259,7 +268,7 @@ def test_gpu_check_script_runs_in_smoke_mode(tmp_path):
     doc = json.loads((tmp_path / "gemm_check.json").read_text())
     assert [p["rows"] for p in doc["stacks"]["tiny"]["points"]] == [1, 8]
     assert "| M | measured ms | datasheet ms |" in r.stdout
-    from runtime import profile as P
+    from runtime.cost import profile as P
 
     assert P.check_profile(json.loads((tmp_path / "h200_profile.json").read_text())) == []
 
@@ -289,7 +298,7 @@ def test_measured_footprint_bandwidth_replaces_the_cache_blend():
 
 
 def test_attention_solve_reproduces_both_measurements():
-    from runtime.profile import _solve_attention
+    from runtime.cost.profile import _solve_attention
 
     bw, pk = 20e9, 50e9
     pts = [(b / bw + f / pk, f, b) for f, b in ((1.7e7, 1.7e7), (1.36e8, 1.76e7))]
@@ -301,3 +310,22 @@ def test_attention_solve_reproduces_both_measurements():
     # noise that makes one term negative gives the other term the whole time, finite (plain JSON)
     bw2, pk2 = _solve_attention([(1.0, 1.0, 10.0), (1.0, 8.0, 10.0)])
     assert math.isfinite(bw2) and math.isfinite(pk2) and bw2 == pytest.approx(10.0)
+
+
+def test_profile_measures_the_committed_target_and_draft(tmp_path):
+    """With committed target and train_draft artifacts, `specpipe profile` takes their shapes (read through
+    pipeline.artifacts and handed to runtime.cost.profile), not the tiny config's."""
+    from pipeline.cli import _profile_shapes
+
+    from test_tune import LLAMA_8B, eagle3
+
+    arts = tmp_path / "artifacts"
+    draft, dcfg = eagle3(LLAMA_8B, 32000)
+    for rel, doc in {"target/target.json": LLAMA_8B, "target/manifest.json": {}, "train_draft/draft.json": draft,
+                     "train_draft/draft/config.json": dcfg, "train_draft/manifest.json": {}}.items():
+        (arts / rel).parent.mkdir(parents=True, exist_ok=True)
+        (arts / rel).write_text(json.dumps(doc))
+    shapes, src = _profile_shapes(None, arts)
+    assert shapes["target"] == cm.target_shape(LLAMA_8B) and shapes["target"].hidden == LLAMA_8B["hidden_size"]
+    assert shapes["draft"] == cm.draft_shape(draft, dcfg, LLAMA_8B["hidden_size"])
+    assert "target.json" in src and "draft.json" in src

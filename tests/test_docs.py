@@ -1,8 +1,9 @@
 """The README stays true: its config reference matches the code, its first commands are the ones CI runs."""
 from __future__ import annotations
 
-from conftest import REPO
 from pipeline.docs import BEGIN, END, generate
+
+from conftest import REPO
 
 
 def test_readme_config_reference_is_current():

@@ -6,8 +6,9 @@ import json
 import re
 import shutil
 
-from conftest import TINY_CONFIG, run_cli, status_json, tiny_overrides
 from pipeline import registry
+
+from conftest import TINY_CONFIG, run_cli, status_json, tiny_overrides
 
 
 def _downstream(of: str) -> set[str]:
@@ -33,7 +34,8 @@ def test_build_skip_rerun_status_report(tiny_run, tmp_path):
         assert re.fullmatch(r"[0-9a-f]{64}", s["fingerprint"])
         assert s["wall_time_s"] > 0 and s["peak_rss_mb"] > 0
     target = next(s for s in st["stages"] if s["name"] == "target")
-    assert target["metrics"]["num_layers"] == 4 and target["metrics"]["pretrain_final_loss"] < target["metrics"]["pretrain_first_loss"]
+    tm = target["metrics"]
+    assert tm["num_layers"] == 4 and tm["pretrain_final_loss"] < tm["pretrain_first_loss"]
     data = next(s for s in st["stages"] if s["name"] == "data")
     assert data["metrics"]["train_samples"] > 0 and set(data["metrics"]["eval_domains"]) == {"code", "prose"}
 

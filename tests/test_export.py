@@ -17,14 +17,14 @@ from types import SimpleNamespace
 import pytest
 import yaml
 from google.protobuf import text_format
+from test_build import write_checkpoints
 from tritonclient.grpc import model_config_pb2
 
 from pipeline.errors import StageError
 from pipeline.stage import Artifact, StageContext
-from runtime import hf_config
-from runtime import trtllm_options as T
+from runtime.trtllm import hf_config
+from runtime.trtllm import options as T
 from stages import build, export
-from test_build import write_checkpoints
 
 
 def run_stage(root: Path, module, section) -> Path:
@@ -147,7 +147,7 @@ def test_cpu_repository_carries_the_model_and_its_spec(exported):
     mdir = out / "triton_cpu" / "tensorrt_llm" / "1"
     from importlib import resources
 
-    assert (mdir / "model.py").read_text() == resources.files("runtime").joinpath("triton_model", "model.py").read_text()
+    assert (mdir / "model.py").read_text() == resources.files("runtime.serving").joinpath("triton_model", "model.py").read_text()
     spec = json.loads((mdir / "specpipe_model.json").read_text())
     assert spec["target"] == "target_fp8" and spec["draft"] == "draft" and spec["draft_len"] == 4
     assert spec["draft_schedule"] == {"runs": [[1, 16, 4]]}
@@ -168,7 +168,8 @@ def test_dflash_exports_for_1_3_with_a_custom_image_note(tmp_path):
     sc = body["speculative_config"]
     assert sc["decoding_type"] == "DFlash" and "eagle3_one_model" not in sc and "eagle3_layers_to_capture" not in sc
     assert T.unknown_keys(body, "1.3.0rc27", model_yaml=True) == []
-    assert "custom Triton image built on nvcr.io/nvidia/tensorrt-llm/release:1.3.0rc27" in (out / "triton" / "README.md").read_text()
+    readme = (out / "triton" / "README.md").read_text()
+    assert "custom Triton image built on nvcr.io/nvidia/tensorrt-llm/release:1.3.0rc27" in readme
     assert json.loads((out / "export.json").read_text())["triton_image"] is None
 
 
@@ -193,7 +194,7 @@ def test_export_without_speculation(tmp_path):
 
 def _assert_deployment_is_the_targeted_versions(arts: Path, version: str) -> dict:
     """What every EAGLE-3 deployment must satisfy, read from its committed files (defects 1-3 and RoPE)."""
-    from runtime import compat
+    from runtime.trtllm import compat
 
     rel = compat.release(version)
     draft = json.loads((arts / "train_draft" / "draft.json").read_text())
@@ -232,12 +233,12 @@ def test_real_model_deployment_is_the_targeted_versions(real_model, tmp_path):
     """SmolLM2-135M-Instruct: FP8 target exported through quantize's export_target (its RoPE hook), an EAGLE-3
     draft on 3 capture layers exported by ModelOpt 0.47 (untrained: only its format matters here) and normalized
     as train_draft does; build + export for 1.2.1 and 1.3.0rc27. Theta must stay 1e5 in the target."""
+    import modelopt.torch.speculative as mtsp
     import torch
+    from modelopt.torch.export import export_speculative_decoding
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import modelopt.torch.speculative as mtsp
-    from modelopt.torch.export import export_speculative_decoding
-    from runtime.draft_training import convert_config
+    from runtime.training.draft_training import convert_config
     from stages import quantize
 
     md = real_model["model_dir"]
@@ -268,8 +269,9 @@ def test_real_model_deployment_is_the_targeted_versions(real_model, tmp_path):
     (arts / "train_draft" / "draft.json").write_text(json.dumps({
         "algorithm": "eagle3", "num_layers": 1, "aux_layer_ids": aux, "vocab_size": cfg["vocab_size"],
         "draft_vocab_size": cfg["vocab_size"], "trained_draft_len": 3, "max_position_embeddings": 8192}))
-    (arts / "quantize" / "quantize.json").write_text(json.dumps({"format": "fp8", "target_dir": "quantize/target_fp8",
-                                                                 "draft_dir": "train_draft/draft"}))
+    (arts / "quantize" / "quantize.json").write_text(json.dumps({"format": "fp8", "kv_cache": "fp8",
+                                                                 "target_dir": "quantize/target_fp8",
+                                                                 "draft_dir": "train_draft/draft", "draft_format": "bf16"}))
     (arts / "data" / "eval").mkdir(parents=True)
     (arts / "data" / "eval" / "gsm8k.jsonl").write_text(json.dumps({"prompt": "2 + 2 =", "prompt_ids": [1, 2]}) + "\n")
     tcfg = json.loads((arts / "quantize" / "target_fp8" / "config.json").read_text())

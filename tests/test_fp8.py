@@ -1,4 +1,4 @@
-"""runtime.fp8: running ModelOpt FP8 unified checkpoints on CPU with TensorRT-LLM's arithmetic.
+"""runtime.engine.fp8: running ModelOpt FP8 unified checkpoints on CPU with TensorRT-LLM's arithmetic.
 
 One module-scoped fixture builds a tiny random Llama (hidden 64, 2 layers), quantizes it with ModelOpt (FP8 per-tensor
 weights/activations + FP8 KV) and exports it: with float32 and with bfloat16 high-precision tensors (the latter is what
@@ -20,7 +20,7 @@ import json
 import pytest
 import torch
 
-from runtime import fp8
+from runtime.engine import fp8
 from stages.quantize import align_with_deployment, cast_high_precision, export_target, kv_unit_scales
 
 VOCAB = 512

@@ -131,7 +131,7 @@ def monitor(run_dir, *args) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_monitor_quiet_on_the_validated_pair_alarms_on_a_degraded_draft(run_dir, degraded_draft, tmp_path):
-    from runtime import triton_server
+    from runtime.serving import triton_server
 
     repo = tmp_path / "repo"
     shutil.copytree(run_dir / "artifacts" / "export" / "triton_cpu", repo)
@@ -186,6 +186,6 @@ def test_monitor_errors_are_clear(run_dir, tmp_path):
     assert r.returncode == 2 and "--metrics-url" in r.stderr
     r = monitor(tmp_path, "--url", "http://127.0.0.1:1")
     assert r.returncode == 2 and "no committed validate artifact" in r.stderr
-    dead = f"http://127.0.0.1:{__import__('runtime.triton_server', fromlist=['free_port']).free_port()}"
+    dead = f"http://127.0.0.1:{__import__('runtime.serving.triton_server', fromlist=['free_port']).free_port()}"
     r = monitor(run_dir, "--url", dead, "--once", "--state", str(tmp_path / "s.json"), "--prom-file", str(tmp_path / "p"))
     assert r.returncode == 1 and "probe failed" in r.stderr and "no answer" in r.stderr

@@ -18,7 +18,7 @@ import torch
 
 from pipeline.errors import StageError
 from pipeline.stage import Artifact, StageContext
-from runtime import fp8
+from runtime.engine import fp8
 from stages import quantize as Q
 
 SEQ = 64
@@ -160,7 +160,7 @@ def test_quality_measured_on_the_exported_checkpoint(built):
     assert m["ppl_bf16"] > 1 and m["ppl_fp8"] > 1
     assert abs(m["ppl_increase"]) < 0.05          # FP8 per-tensor costs little, even on a tiny model
     assert 0.8 < m["top1_agreement"] <= 1 and 0 <= m["mean_kl"] < 0.05
-    # The exported checkpoint run by runtime.fp8 (TensorRT-LLM's arithmetic) reproduces ModelOpt's fake-quant model
+    # The exported checkpoint run by runtime.engine.fp8 (TensorRT-LLM's arithmetic) reproduces ModelOpt's fake-quant model
     # (aligned with the deployment): module by module every activation code is the same away from exact rounding
     # ties and the GEMMs agree to float rounding; end to end the two agree as well as the FP8 model agrees with
     # itself under a 1e-6 input perturbation (the noise floor), within 2x on this small sample.
@@ -186,15 +186,18 @@ def test_fp8_draft(built):
     assert (d / "tokenizer.json").exists()
     m = built.metrics
     assert 0 <= m["draft_top1_fp8"] <= 1 and 0 <= m["draft_top1_bf16"] <= 1
-    assert m["draft_export_vs_fakequant_loss_diff"] < 1e-3   # the written draft, run via runtime.fp8
+    assert m["draft_export_vs_fakequant_loss_diff"] < 1e-3   # the written draft, run via runtime.engine.fp8
 
 
 BREAKS = {
     "missing weight_scale": ("fp8_linears_have_scales", lambda sd, d: sd.pop("model.layers.0.mlp.up_proj.weight_scale")),
     "missing input_scale": ("fp8_linears_have_scales", lambda sd, d: sd.pop("model.layers.0.self_attn.o_proj.input_scale")),
-    "NaN scale": ("finite_scales", lambda sd, d: sd.__setitem__("model.layers.0.mlp.up_proj.input_scale", torch.tensor(float("nan")))),
+    "NaN scale": ("finite_scales", lambda sd, d: sd.__setitem__("model.layers.0.mlp.up_proj.input_scale",
+                                                                torch.tensor(float("nan")))),
     "missing hf_quant_config.json": ("hf_quant_config", lambda sd, d: (d / "hf_quant_config.json").unlink()),
-    "config.json disagrees": ("config_agrees", lambda sd, d: _edit_json(d / "config.json", lambda c: c["quantization_config"].update(quant_algo="INT8"))),
+    "config.json "
+    "disagrees": ("config_agrees", lambda sd, d: _edit_json(d / "config.json",
+                                                            lambda c: c["quantization_config"].update(quant_algo="INT8"))),
     "missing k_scale": ("kv_scales", lambda sd, d: sd.pop("model.layers.1.self_attn.k_proj.k_scale")),
     "excluded module stored as FP8": ("excluded_high_precision", lambda sd, d: _to_fp8(sd, "model.layers.1.mlp.down_proj")),
     "unlisted high-precision linear": ("quantized_coverage", lambda sd, d: sd.__setitem__(
@@ -247,7 +250,7 @@ def test_each_format_check_fails_on_a_broken_checkpoint(built, tmp_path, what):
 
 def test_kv_check_fails_when_fp8_kv_asked_but_absent(built, tmp_path):
     """A checkpoint quantized without FP8 KV: the kv_scales check passes when none was asked and fails otherwise."""
-    samples = Q.read_samples(built.root / "data" / "calib.parquet", 4, 32)
+    samples = Q.read_samples(built.root / "data", "calib", 4, 32)
     m = Q.quantize_model(built.model_dir, samples, kv_cache="none")
     Q.export_target(m, tmp_path / "nokv", built.model_dir, torch.bfloat16)
     assert not any(k.endswith(("k_scale", "v_scale")) for k in fp8.read_safetensors(tmp_path / "nokv"))
@@ -310,7 +313,7 @@ def test_report_section(built):
 
 
 def test_excluding_a_whole_layer_keeps_its_kv_scales(built, tmp_path):
-    samples = Q.read_samples(built.root / "data" / "calib.parquet", 4, 32)
+    samples = Q.read_samples(built.root / "data", "calib", 4, 32)
     m = Q.quantize_model(built.model_dir, samples, kv_cache="fp8", exclude=["model.layers.0.*"])
     Q.export_target(m, tmp_path / "ex", built.model_dir, torch.bfloat16)
     sd = fp8.read_safetensors(tmp_path / "ex")
@@ -326,7 +329,7 @@ def test_excluding_a_whole_layer_keeps_its_kv_scales(built, tmp_path):
 def test_placement_spreads_a_model_larger_than_one_gpu():
     """The decision behind quantize's model placement on GPUs (the dispatch itself needs several GPUs):
     Llama-3.3-70B in bf16 on 8 x H200 is spread, an 8B stays on one, 1.1 TB of weights on one node is refused."""
-    from runtime.placement import PlacementError, plan
+    from runtime.engine.placement import PlacementError, plan
 
     h200 = [140 * 2**30] * 8
     assert plan(16 * 10**9, h200) == "one"
@@ -341,7 +344,7 @@ def test_placement_spreads_a_model_larger_than_one_gpu():
 def test_placement_on_cpu_is_a_plain_move():
     import torch
 
-    from runtime.placement import model_bytes, place
+    from runtime.engine.placement import model_bytes, place
 
     m = torch.nn.Linear(8, 4)
     assert place(m, "cpu") is m and model_bytes(m) == (8 * 4 + 4) * 4
@@ -415,7 +418,7 @@ def smol(real_model, tmp_path_factory):
 
 @pytest.mark.slow
 def test_real_model_export_executes_what_fake_quant_computes(smol):
-    """Per-tensor FP8 on SmolLM2: the exported checkpoint, run by runtime.fp8 with TensorRT-LLM's arithmetic, computes
+    """Per-tensor FP8 on SmolLM2: the exported checkpoint, run by runtime.engine.fp8 with TensorRT-LLM's arithmetic, computes
     what ModelOpt's (deployment-aligned) fake-quant model computes.
 
     Thresholds, and why: module by module on the same inputs, no activation E4M3 code may differ away from an exact
@@ -451,8 +454,8 @@ def test_real_model_per_channel_per_token_recipe_exported_and_executed_exactly(s
     weight_scale [out] per linear and no input_scale; TensorRT-LLM 1.2 maps that quant_algo to
     FP8RowwiseLinearMethod (tensorrt_llm/_torch/modules/linear.py @ ed53795b: weight_scale [out_features], activations
     by quantize_e4m3_activation per token; tensorrt_llm/quantization/mode.py QuantMode.from_quant_algo:
-    FP8_PER_CHANNEL_PER_TOKEN -> use_fp8_rowwise). The format checks follow the recipe, and runtime.fp8 executes it
-    exactly (same thresholds as the per-tensor test). Before the fix runtime.fp8 refused the checkpoint
+    FP8_PER_CHANNEL_PER_TOKEN -> use_fp8_rowwise). The format checks follow the recipe, and runtime.engine.fp8 executes it
+    exactly (same thresholds as the per-tensor test). Before the fix runtime.engine.fp8 refused the checkpoint
     ('quant_algo ... is not supported') and check_checkpoint demanded per-tensor scales."""
     d = smol["fp8_per_channel_per_token"]["path"]
     hq = json.loads((d / "hf_quant_config.json").read_text())["quantization"]
@@ -477,9 +480,9 @@ def test_real_model_per_channel_per_token_recipe_exported_and_executed_exactly(s
 @pytest.mark.slow
 def test_real_model_tied_embeddings_survive_export_and_execution(smol):
     """SmolLM2 ties lm_head to embed_tokens. ModelOpt's export writes no lm_head.weight (the alias is dropped) and
-    keeps tie_word_embeddings; runtime.fp8 and the speculative runtime's TargetRunner both use the embedding matrix as
+    keeps tie_word_embeddings; runtime.engine.fp8 and the speculative runtime's TargetRunner both use the embedding matrix as
     the head, and TargetRunner's logits are the model's own."""
-    from runtime.speculative import TargetRunner
+    from runtime.engine.speculative import TargetRunner
 
     d = smol["fp8"]["path"]
     assert "lm_head.weight" not in fp8.read_safetensors(d)

@@ -23,7 +23,8 @@ SMOKE = [
     # data: a few prompts, short regenerations (the shipped config trains on ShareGPT's own answers, regeneration off:
     # the smoke keeps the regeneration path of the chain covered)
     "data.sources=[{kind: jsonl, path: bench/real_model/prepared/data/sharegpt_prompts.jsonl, domain: chat}]",
-    "data.regenerate.enabled=true", "data.max_samples=24", "data.eval_prompts=3", "data.max_length=192", "data.max_prompt_tokens=96",
+    "data.regenerate.enabled=true", "data.max_samples=24", "data.eval_prompts=3", "data.max_length=192",
+    "data.max_prompt_tokens=96",
     "data.regenerate.max_new_tokens=24", "data.regenerate.batch_size=8", "data.calib_samples=8",
     # train_draft: a few steps; the in-training estimate through the runtime on 2 prompts per domain
     "train_draft.steps=6", "train_draft.batch_size=2", "train_draft.seq_len=192", "train_draft.warmup_steps=2",
@@ -109,7 +110,7 @@ def test_every_stage_commits_on_the_real_model(real_run):
 def test_the_served_real_pair_answers_like_the_runtime_in_process(real_run):
     from test_serve import cli_server, http_generate
 
-    from runtime.serving import ServingEngine
+    from runtime.serving.adapter import ServingEngine
 
     wd, r = real_run
     assert r.returncode == 0, r.stderr[-3000:]

@@ -5,17 +5,16 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from conftest import REPO, SPECPIPE, TINY_CONFIG, run_cli, status_json, tiny_overrides
 from pipeline import registry, runner
 from pipeline.config import load_config
 from pipeline.errors import LockedError, UsageError
 from pipeline.store import MANIFEST, Store
+
+from conftest import REPO, SPECPIPE, TINY_CONFIG, run_cli, status_json, tiny_overrides
 
 
 def _cfg(*overrides: str):

@@ -3,7 +3,7 @@
 One module-level builder (`tiny_assets`, shared with test_validate.py) pretrains a tiny Llama on standard-library
 code with the project's tokenizer, trains an EAGLE-3 draft (full and reduced vocabulary) and a DFlash draft with
 ModelOpt for a few dozen steps, and exports them with `export_speculative_decoding`. Tests then load the exported
-directories through `runtime.drafts` and compare against ModelOpt's own in-memory draft.
+directories through `runtime.engine.drafts` and compare against ModelOpt's own in-memory draft.
 """
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.drafts import DraftFormatError, load_draft
-from runtime.speculative import Drafter, SpeculativeEngine, TargetRunner, load_pair, load_target, lossless_diff
+from runtime.engine.drafts import DraftFormatError, load_draft
+from runtime.engine.speculative import Drafter, SpeculativeEngine, TargetRunner, load_pair, load_target, lossless_diff
 
 H, LAYERS, VOCAB = 64, 4, 512
 
@@ -490,7 +490,7 @@ def test_al_comparable_to_modelopt_validation(tiny):
 
 
 def test_fp8_target_pair_is_lossless(tiny, tmp_path):
-    """ModelOpt FP8 target (export_hf_checkpoint) + exported draft: loads through runtime.fp8, speculative
+    """ModelOpt FP8 target (export_hf_checkpoint) + exported draft: loads through runtime.engine.fp8, speculative
     greedy output equals the FP8 target's own autoregressive output."""
     import modelopt.torch.quantization as mtq
     from modelopt.torch.export import export_hf_checkpoint
@@ -533,7 +533,7 @@ def test_fp8_eagle3_draft_loads_through_fp8_linears(tiny, tmp_path):
     import modelopt.torch.quantization as mtq
     from modelopt.torch.export import export_speculative_decoding
 
-    from runtime.fp8 import FP8Linear
+    from runtime.engine.fp8 import FP8Linear
 
     m = copy.deepcopy(tiny["eagle_model"])
     cfg = copy.deepcopy(mtq.FP8_DEFAULT_CFG)
@@ -553,7 +553,7 @@ def test_fp8_eagle3_draft_loads_through_fp8_linears(tiny, tmp_path):
 
 def test_tie_margins_point_at_the_target_choice(tiny):
     """tie_margins recomputes the target's top-2 at a divergence: its best token is the target-only output."""
-    from runtime.speculative import tie_margins
+    from runtime.engine.speculative import tie_margins
 
     model = load_target(tiny["target_dir"])
     ref = _ar(tiny, tiny["prompts"][:2], 12)

@@ -1,9 +1,9 @@
-"""The runtime's fast paths compute what they claim (runtime/drafts.py `Gemm`, `LogitsHead`, `FusedLayer`,
-`qdq_e4m3_fast`; runtime/speculative.py `TargetRunner(compute=...)`).
+"""The runtime's fast paths compute what they claim (runtime/engine/drafts.py `Gemm`, `LogitsHead`, `FusedLayer`,
+`qdq_e4m3_fast`; runtime/engine/speculative.py `TargetRunner(compute=...)`).
 
 - `fp32` (the default, the exact mode every stage uses): the fused forward is the Hugging Face forward of the same
   modules, on the tiny target and on SmolLM2 (logits, greedy tokens), with FP8Linear layers of both recipes it is
-  `runtime.fp8`'s executor; speculative decoding with k + 1 rows per verification gives autoregressive decoding's
+  `runtime.engine.fp8`'s executor; speculative decoding with k + 1 rows per verification gives autoregressive decoding's
   tokens on the real model (validate's exact lossless check rests on this).
 - `bf16` (opt-in, serving on CPU): its documented contract (docs/serving.md "Compute modes"): the lm_head's argmax is
   the exact argmax of the bf16 input's logits; on SmolLM2, logits within 1.0 of the exact mode's and >= 97 % of
@@ -12,22 +12,21 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
-from runtime.drafts import LogitsHead, qdq_e4m3_fast
-from runtime.speculative import Drafter, SpeculativeEngine, TargetRunner, load_target, lossless_diff
+from runtime.engine.drafts import LogitsHead, qdq_e4m3_fast
+from runtime.engine.speculative import Drafter, SpeculativeEngine, TargetRunner, load_target, lossless_diff
 
 # ---------------------------------------------------------------------------------------------- FP8 arithmetic
 
 
 def test_fast_qdq_is_the_reference_qdq_bit_for_bit():
-    """qdq_e4m3_fast == runtime.fp8.qdq_e4m3 (TensorRT-LLM's x * (1/scale)), including the value where x / scale
+    """qdq_e4m3_fast == runtime.engine.fp8.qdq_e4m3 (TensorRT-LLM's x * (1/scale)), including the value where x / scale
     and x * (1/scale) round to different E4M3 codes (tests/test_fp8.py, -9.75 at scale 13/448), saturation and
     subnormals."""
-    from runtime.fp8 import qdq_e4m3
+    from runtime.engine.fp8 import qdq_e4m3
 
     s = torch.tensor(13.0) / 448
     g = torch.Generator().manual_seed(0)
@@ -38,10 +37,10 @@ def test_fast_qdq_is_the_reference_qdq_bit_for_bit():
 
 
 def _fp8_model(model, recipe: str):
-    """`model` (a float32 HF Llama) with every projection of its layers replaced by a `runtime.fp8.FP8Linear`
+    """`model` (a float32 HF Llama) with every projection of its layers replaced by a `runtime.engine.fp8.FP8Linear`
     holding the E4M3 codes of its weight: `static` per-tensor weight and input scales (the FP8 recipe), or
-    per-channel weight scales with per-token activations (FP8_PER_CHANNEL_PER_TOKEN), as runtime.fp8 loads them."""
-    from runtime.fp8 import FP8_MAX, FP8Linear, quantize_weight
+    per-channel weight scales with per-token activations (FP8_PER_CHANNEL_PER_TOKEN), as runtime.engine.fp8 loads them."""
+    from runtime.engine.fp8 import FP8_MAX, FP8Linear, quantize_weight
 
     names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     for layer in model.model.layers:
@@ -64,7 +63,7 @@ def _fp8_model(model, recipe: str):
 @pytest.mark.parametrize("recipe", ["static", "per_token"])
 def test_fp8_fused_forward_is_the_fp8_executor(recipe):
     """FP8Linear layers (both recipes) run as fused GEMMs (not module by module) and the fp32-mode forward gives
-    the Hugging Face forward through runtime.fp8's FP8Linear modules: same logits (float32 rounding), same greedy
+    the Hugging Face forward through runtime.engine.fp8's FP8Linear modules: same logits (float32 rounding), same greedy
     tokens; the bf16 mode's FP8 GEMMs are FP8Linear's output to bf16 rounding."""
     from test_runtime import tiny_assets
 
@@ -245,9 +244,9 @@ def test_real_model_bf16_mode_contract(smol):
 def test_serving_engine_takes_the_exported_compute_mode():
     """The CPU model's ServingEngine runs the runtime in the mode it is given (export.cpu_compute), fp32 unless
     told otherwise; an unknown mode is refused naming the valid ones."""
-    from test_runtime import tiny_assets
+    from runtime.serving.adapter import ServingEngine
 
-    from runtime.serving import ServingEngine
+    from test_runtime import tiny_assets
 
     d = tiny_assets()["target_dir"]
     assert ServingEngine(d, None, draft_len=0).engine.target.plan.compute == "fp32"

@@ -3,7 +3,7 @@
 One server for the module, started through the real CLI (`specpipe serve --workdir ... --max-batch 4
 --max-queue 4`, free ports on 127.0.0.1, readiness bounded) and stopped with SIGINT as a user's Ctrl-C would.
 The requests go through tritonclient (gRPC) and plain HTTP, and are compared with the same FP8 pair run
-in-process through `runtime.serving` (specpipe's speculative runtime). Under load: concurrent clients (at most
+in-process through `runtime.serving.adapter` (specpipe's speculative runtime). Under load: concurrent clients (at most
 12, loopback only, each bounded by a timeout), requests joining a running batch, the overloaded error,
 cancellation and disconnection freeing a slot, every class of bad request, and the Prometheus metrics.
 
@@ -96,7 +96,7 @@ def model_dir(run_dir) -> Path:
 @pytest.fixture(scope="module")
 def reference(model_dir):
     """The same FP8 pair in-process, through the adapter the Triton model uses."""
-    from runtime.serving import ServingEngine
+    from runtime.serving.adapter import ServingEngine
 
     spec = json.loads((model_dir / "specpipe_model.json").read_text())
     return ServingEngine(model_dir / spec["target"], model_dir / spec["draft"], draft_len=spec["draft_len"])
@@ -265,14 +265,15 @@ def test_a_broken_repository_fails_to_load_with_the_servers_message(tmp_path, mo
     (valid protobuf, rejected by the server): loading each raises with Triton's own message."""
     import shutil
 
-    from runtime import triton_server
+    from runtime.serving import triton_server
 
     bad = tmp_path / "repo"
     shutil.copytree(model_dir.parent, bad / "no_weights", ignore=shutil.ignore_patterns("*.safetensors"))
     cfg = (bad / "no_weights" / "config.pbtxt").read_text()
     (bad / "no_weights" / "config.pbtxt").write_text(cfg.replace('name: "tensorrt_llm"', 'name: "no_weights"'))
     (bad / "no_dims" / "1").mkdir(parents=True)
-    (bad / "no_dims" / "1" / "model.py").write_text("class TritonPythonModel:\n    def execute(self, requests):\n        return []\n")
+    (bad / "no_dims" / "1" / "model.py").write_text("class TritonPythonModel:\n    def execute(self, requests):\n        return "
+                                                    "[]\n")
     (bad / "no_dims" / "config.pbtxt").write_text('name: "no_dims"\nbackend: "python"\n'
                                                   'input { name: "x" data_type: TYPE_FP32 }\n')
     srv = triton_server.start(bad, models=[], ready_timeout=60)

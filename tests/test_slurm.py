@@ -127,7 +127,8 @@ def slurm_cluster(tmp_path_factory):
     paths = {b: shutil.which(b) or shutil.which(b, path="/usr/sbin:/usr/bin") for b in SLURM_BINS}
     missing = [b for b, p in paths.items() if not p]
     if missing:
-        pytest.skip(f"Slurm daemons not installed ({', '.join(missing)}); .ci/run installs Debian's slurmctld, slurmd, slurm-client, munge")
+        pytest.skip(f"Slurm daemons not installed ({', '.join(missing)}); .ci/run installs Debian's slurmctld, slurmd, "
+                    "slurm-client, munge")
     d = tmp_path_factory.mktemp("slurm")
     for sub in ("state", "spool", "log", "munge/run"):
         (d / sub).mkdir(parents=True)
@@ -191,8 +192,9 @@ def test_real_slurm_submission_runs_the_pipeline(tmp_path, slurm_cluster):
     committed fingerprints equal those of `specpipe plan` with the same config."""
     import json
 
-    from conftest import TINY_CONFIG, status_json, tiny_overrides
     from pipeline import registry
+
+    from conftest import TINY_CONFIG, status_json, tiny_overrides
 
     wd = tmp_path / "w"
     ov = tiny_overrides("target", "data")

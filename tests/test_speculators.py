@@ -3,11 +3,11 @@
 speculators cannot share the project's environment (it needs numpy >= 2; Triton's Python-backend stub needs
 numpy < 2), so it lives in its own venv (`.ci/run` creates `.venv-speculators/`; elsewhere point
 SPECPIPE_SPECULATORS_PYTHON at its python). Each check computes, in this process, the target's hidden states and
-what specpipe's runtime drafts from them (runtime/drafts.py `load_draft`, runtime/speculative.py), saves inputs
+what specpipe's runtime drafts from them (runtime/engine/drafts.py `load_draft`, runtime/engine/speculative.py), saves inputs
 and expectations, then runs tests/speculators_check.py with the speculators venv's python, which loads the
 speculators export with the library's own classes, runs the library's forward on the same hidden states and
 returns its argmax. The runtime's first-layer norm is `serving`: speculators' Eagle3FirstLayerMixin (and vLLM's
-llama_eagle3.py) compute hidden_norm(h), see runtime/speculators_format.py.
+llama_eagle3.py) compute hidden_norm(h), see runtime/vllm/speculators_format.py.
 
 Upstream read for these tests:
 - speculators 0.9.0 (PyPI wheel): models/eagle3/{config,core,model_definitions}.py, models/dflash/{config,core,
@@ -42,9 +42,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from runtime import speculators_format as S
-from runtime.drafts import load_draft, positions_for
-from runtime.speculative import DFlashDrafter, Eagle3Drafter, SpeculativeEngine, TargetRunner, load_target, target_shape
+from runtime.engine.drafts import load_draft, positions_for
+from runtime.engine.speculative import DFlashDrafter, Eagle3Drafter, SpeculativeEngine, TargetRunner, load_target, target_shape
+from runtime.vllm import speculators_format as S
 
 REPO = Path(__file__).resolve().parent.parent
 CHECK = Path(__file__).with_name("speculators_check.py")
@@ -240,7 +240,8 @@ def test_eagle3_export_is_modelopt_names_plus_t2d_with_speculators_numbering(tmp
     for k, v in src_sd.items():
         assert torch.equal(out[k], v), k
     # the verifier's embeddings, bit for bit (speculators 0.9.0 leaves a missing one uninitialized)
-    assert torch.equal(out["embed_tokens.weight"], load_file(str(tiny["target_dir"] / "model.safetensors"))["model.embed_tokens.weight"])
+    assert torch.equal(out["embed_tokens.weight"],
+                       load_file(str(tiny["target_dir"] / "model.safetensors"))["model.embed_tokens.weight"])
     target_ids = torch.arange(256) + out["d2t"]
     assert out["t2d"].dtype == torch.bool and out["t2d"].shape == (tl["vocab_size"],) and int(out["t2d"].sum()) == 256
     assert bool(out["t2d"][target_ids].all())
@@ -305,15 +306,17 @@ def test_writer_refuses_what_the_format_cannot_carry(tmp_path):
 def test_export_stage_fails_loudly_on_a_draft_it_cannot_convert(tmp_path):
     """A draft the format cannot carry stops the export with a message naming the switch; with the switch off,
     export.json says nothing was written."""
-    from pipeline.errors import StageError
-    from stages import build, export
     from test_build import write_checkpoints
     from test_export import gate, run_stage
+
+    from pipeline.errors import StageError
+    from stages import build, export
 
     write_checkpoints(tmp_path)           # a synthetic draft: no decoder shape in its config.json
     gate(tmp_path, True)
     run_stage(tmp_path, build, build.Config())
-    with pytest.raises(StageError, match=r"speculators format for vLLM: .*config.json lacks \[.*transformer_layer_config.*export.speculators: false"):
+    with pytest.raises(StageError, match=r"speculators format for vLLM: .*config.json lacks "
+                                         r"\[.*transformer_layer_config.*export.speculators: false"):
         run_stage(tmp_path, export, export.Config())
     assert not (tmp_path / "artifacts" / "export").exists()
     shutil.rmtree(tmp_path / ".tmp")

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import TINY_CONFIG, run_cli, status_json, tiny_overrides
 from pipeline import registry
+
+from conftest import TINY_CONFIG, run_cli, status_json, tiny_overrides
 
 
 def _only_upto(stage: str) -> list[str]:
@@ -47,9 +48,11 @@ def _config(tmp_path: Path, target: dict, data: dict | None = None) -> Path:
 
 
 def test_local_model_is_checked_and_placed(tmp_path, local_model):
+    texts = [{"text": "def f(x):\n    return x + 1\n" * 8}] * 1 + [{"text": f"x = {i}\n" * 30} for i in range(20)]
+    prompts = [{"prompt": f"import os\nprint({i}, os.getcwd())"} for i in range(5)]
     cfg = _config(tmp_path, {"model": str(local_model)},
-                  {"sources": [{"kind": "jsonl", "path": str(_jsonl(tmp_path, [{"text": "def f(x):\n    return x + 1\n" * 8}] * 1 + [{"text": f"x = {i}\n" * 30} for i in range(20)]))}],
-                   "eval_domains": {"misc": {"kind": "jsonl", "path": str(_jsonl(tmp_path, [{"prompt": f"import os\nprint({i}, os.getcwd())"} for i in range(5)], "ev.jsonl"))}},
+                  {"sources": [{"kind": "jsonl", "path": str(_jsonl(tmp_path, texts))}],
+                   "eval_domains": {"misc": {"kind": "jsonl", "path": str(_jsonl(tmp_path, prompts, "ev.jsonl"))}},
                    "min_length": 4})
     wd = tmp_path / "w"
     r = run_cli("build", str(cfg), "--workdir", str(wd), *_only_upto("data"))
@@ -156,7 +159,8 @@ def test_conversations_train_on_assistant_tokens_only(tmp_path, target_workdir):
 
     src = _jsonl(tmp_path, CONVS)
     wd, r = _data_run(tmp_path, target_workdir, {"sources": [{"kind": "jsonl", "path": str(src)}], "min_length": 4,
-                                                 "eval_domains": {"chat": {"kind": "jsonl", "path": str(src)}}, "eval_fraction": 0.1})
+                                                 "eval_domains": {"chat": {"kind": "jsonl", "path": str(src)}},
+                                                 "eval_fraction": 0.1})
     assert r.returncode == 0, r.stderr[-3000:]
     tok = AutoTokenizer.from_pretrained(target_workdir[1])
     rows = _rows(wd, "train")
@@ -193,7 +197,9 @@ def test_template_without_generation_tags_masks_assistant_turns(tmp_path, target
     model = _with_template(tmp_path, target_workdir[1], plain)
     src = _jsonl(tmp_path, CONVS[:20])
     cfg = _config(tmp_path, {"model": str(model)}, {"sources": [{"kind": "jsonl", "path": str(src)}], "min_length": 4,
-                                                     "eval_domains": {"x": {"kind": "jsonl", "path": str(_jsonl(tmp_path, CONVS[30:33], "e.jsonl"))}}})
+                                                     "eval_domains": {"x": {"kind": "jsonl",
+                                                                            "path": str(_jsonl(tmp_path, CONVS[30:33],
+                                                                                               "e.jsonl"))}}})
     wd = tmp_path / "w"
     r = run_cli("build", str(cfg), "--workdir", str(wd), *_only_upto("data"))
     assert r.returncode == 0, r.stderr[-3000:]
@@ -214,7 +220,9 @@ def test_template_without_generation_prompt_is_refused(tmp_path, target_workdir)
     plain = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
     model = _with_template(tmp_path, target_workdir[1], plain)
     cfg = _config(tmp_path, {"model": str(model)}, {"sources": [{"kind": "jsonl", "path": str(_jsonl(tmp_path, CONVS))}],
-                                                     "eval_domains": {"x": {"kind": "jsonl", "path": str(_jsonl(tmp_path, CONVS[:3], "e.jsonl"))}}})
+                                                     "eval_domains": {"x": {"kind": "jsonl",
+                                                                            "path": str(_jsonl(tmp_path, CONVS[:3],
+                                                                                               "e.jsonl"))}}})
     r = run_cli("build", str(cfg), "--workdir", str(tmp_path / "w"), *_only_upto("data"))
     assert r.returncode == 1
     assert "the loss mask cannot be derived from the chat template of the target's tokenizer" in r.stderr
@@ -224,7 +232,8 @@ def test_template_without_generation_prompt_is_refused(tmp_path, target_workdir)
 def test_malformed_lines_are_counted_and_limited(tmp_path, target_workdir):
     src = _jsonl(tmp_path, CONVS, raw_lines=["{not json", json.dumps({"messages": "nope"}), json.dumps({"other": 1})])
     ev = _jsonl(tmp_path, CONVS[:4], "ev.jsonl")
-    data = {"sources": [{"kind": "jsonl", "path": str(src)}], "eval_domains": {"c": {"kind": "jsonl", "path": str(ev)}}, "min_length": 4}
+    data = {"sources": [{"kind": "jsonl", "path": str(src)}], "eval_domains": {"c": {"kind": "jsonl", "path": str(ev)}},
+            "min_length": 4}
     _, r = _data_run(tmp_path, target_workdir, data)
     assert r.returncode == 1
     assert "3 malformed input lines (limit data.max_malformed=0)" in r.stderr
@@ -244,7 +253,8 @@ def test_prompt_only_needs_regeneration_and_regeneration_masks_the_prompt(tmp_pa
     _, r = _data_run(tmp_path, target_workdir, data)
     assert r.returncode == 1 and "enable data.regenerate" in r.stderr
     (tmp_path / "b").mkdir()
-    wd, r = _data_run(tmp_path / "b", target_workdir, {**data, "regenerate": {"enabled": True, "max_new_tokens": 8, "batch_size": 4}})
+    wd, r = _data_run(tmp_path / "b", target_workdir, {**data, "regenerate": {"enabled": True, "max_new_tokens": 8,
+                                                                              "batch_size": 4}})
     assert r.returncode == 0, r.stderr[-3000:]
     rows = _rows(wd, "train")
     assert len(rows) == 12
@@ -257,12 +267,14 @@ def test_local_hf_dataset_with_column_mapping_and_determinism(tmp_path, target_w
     from datasets import Dataset
 
     ds_dir = tmp_path / "ds"
-    Dataset.from_dict({"body": [f"def h{i}():\n    return {i}\n" * 6 for i in range(30)], "id": list(range(30))}).save_to_disk(str(ds_dir))
+    Dataset.from_dict({"body": [f"def h{i}():\n    return "
+                                f"{i}\n" * 6 for i in range(30)], "id": list(range(30))}).save_to_disk(str(ds_dir))
     bench = tmp_path / "bench"   # shaped like SPEED-Bench / MT-Bench: multi-turn `turns`, a `category` column
     Dataset.from_dict({"turns": [[f"Write code number {i} please", "and again"] for i in range(6)],
                        "category": ["coding", "math"] * 3}).save_to_disk(str(bench))
     data = {"sources": [{"kind": "hf", "name": str(ds_dir), "columns": {"text": "body"}, "domain": "code"}],
-            "eval_domains": {"coding": {"kind": "hf", "name": str(bench), "columns": {"prompt": "turns"}, "where": {"category": "coding"}, "chat": True}},
+            "eval_domains": {"coding": {"kind": "hf", "name": str(bench), "columns": {"prompt": "turns"},
+                                        "where": {"category": "coding"}, "chat": True}},
             "min_length": 4, "max_samples": 20}
     wd, r = _data_run(tmp_path, target_workdir, data)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -278,7 +290,8 @@ def test_local_hf_dataset_with_column_mapping_and_determinism(tmp_path, target_w
     assert st["data"]["metrics"]["train_samples"] == len(rows)
     # a missing column is named
     (tmp_path / "c").mkdir()
-    _, r = _data_run(tmp_path / "c", target_workdir, {**data, "sources": [{"kind": "hf", "name": str(ds_dir), "columns": {"text": "content"}}]})
+    _, r = _data_run(tmp_path / "c", target_workdir, {**data, "sources": [{"kind": "hf", "name": str(ds_dir),
+                                                                           "columns": {"text": "content"}}]})
     assert r.returncode == 1 and "no column(s) ['content']" in r.stderr
 
 
@@ -297,7 +310,6 @@ def test_regeneration_resumes_after_an_interruption(tmp_path, target_workdir):
     assert r.returncode != 0 and not (wd / "artifacts" / "data" / "manifest.json").exists()
     done = sorted((wd / "scratch" / "data").glob("*/regenerate/batch-*.json"))
     assert [p.name for p in done] == ["batch-00000.json", "batch-00001.json"]
-    before = {p: (p.stat().st_mtime_ns, p.read_text()) for p in done}
     cfg = _config(tmp_path, {"model": str(target_workdir[1])}, data)
     r = run_cli("build", str(cfg), "--workdir", str(wd), *_only_upto("data"))
     assert r.returncode == 0, r.stderr[-3000:]
@@ -395,8 +407,10 @@ def test_real_model_stock_template_masks_every_assistant_turn(tmp_path, real_tar
                   lambda r: sum(m["role"] == "assistant" for m in r["messages"]) >= 2
                   and sum(len(m["content"]) for m in r["messages"]) < 900)
     ev = _head(data_dir / "humaneval.jsonl", 3, "ev.jsonl", tmp_path)
-    data = {"sources": [{"kind": "jsonl", "path": str(gsm), "domain": "math"}, {"kind": "jsonl", "path": str(multi), "domain": "chat"}],
-            "eval_domains": {"code": {"kind": "jsonl", "path": str(ev)}}, "max_length": 512, "eval_fraction": 0.0, "min_length": 4}
+    data = {"sources": [{"kind": "jsonl", "path": str(gsm), "domain": "math"}, {"kind": "jsonl", "path": str(multi),
+                                                                                "domain": "chat"}],
+            "eval_domains": {"code": {"kind": "jsonl", "path": str(ev)}}, "max_length": 512, "eval_fraction": 0.0,
+            "min_length": 4}
     wd, r = _real_data_run(tmp_path, real_target, data)
     assert r.returncode == 0, r.stderr[-3000:]
     tok = AutoTokenizer.from_pretrained(real_target[1]["model_dir"])
@@ -426,7 +440,8 @@ def test_real_model_stock_template_masks_every_assistant_turn(tmp_path, real_tar
     assert n_multi == 6
     stats = json.loads((wd / "artifacts" / "data" / "stats.json").read_text())
     assert stats["chat_template"]["mask_method"] == "prefix_renderings" and stats["chat_template"]["end_of_turn"] == REAL_EOT
-    assert (wd / "artifacts" / "data" / "chat_template.jinja").read_text() == (real_target[1]["model_dir"] / "chat_template.jinja").read_text()
+    shipped = (wd / "artifacts" / "data" / "chat_template.jinja").read_text()
+    assert shipped == (real_target[1]["model_dir"] / "chat_template.jinja").read_text()
 
 
 @pytest.mark.slow
@@ -463,7 +478,8 @@ def test_real_model_regeneration_equals_hf_generate_and_the_template(tmp_path, r
         if out[-1] == 2:
             ended += 1
             content = tok.decode(out[:-1])
-            full = tok.apply_chat_template(msgs + [{"role": "assistant", "content": content}], tokenize=True, return_dict=True)["input_ids"]
+            full = tok.apply_chat_template(msgs + [{"role": "assistant", "content": content}], tokenize=True,
+                                           return_dict=True)["input_ids"]
             assert list(full)[: len(row["input_ids"])] == row["input_ids"]
             assert tok.decode(out) == content + REAL_EOT
     assert ended >= 1
@@ -479,8 +495,9 @@ def test_real_model_regeneration_equals_hf_generate_and_the_template(tmp_path, r
 def test_regeneration_sampling_honours_temperature_top_p_and_seed(real_model):
     import logging
 
-    from stages.data import regenerate
     from transformers import AutoTokenizer
+
+    from stages.data import regenerate
 
     tok = AutoTokenizer.from_pretrained(real_model["model_dir"])
     prompts = [list(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
@@ -505,7 +522,8 @@ def test_user_chat_template_renders_samples_and_eval_prompts(tmp_path, real_targ
     and the regenerated samples, and is stored in the artifact; it leaves the last message open, so conversations
     with answers cannot be masked with it: refused, naming the sample."""
     tmpl = Path(__file__).parent / "data" / "chat_templates" / "vllm-chatml.jinja"
-    src = _jsonl(tmp_path, [{"messages": [{"role": "user", "content": a}]} for a in ("Hi there.", "Count to three.", "Name a fruit.")])
+    src = _jsonl(tmp_path, [{"messages": [{"role": "user", "content": a}]} for a in ("Hi there.", "Count to three.",
+                                                                                     "Name a fruit.")])
     ev = _head(real_target[1]["data_dir"] / "gsm8k.jsonl", 2, "ev.jsonl", tmp_path)
     data = {"sources": [{"kind": "jsonl", "path": str(src)}], "eval_domains": {"m": {"kind": "jsonl", "path": str(ev)}},
             "eval_fraction": 0.0, "min_length": 4, "chat_template": str(tmpl), "max_prompt_tokens": 512,
@@ -528,7 +546,8 @@ def test_user_chat_template_renders_samples_and_eval_prompts(tmp_path, real_targ
     # with answers to mask, the open last message is refused
     gsm = _head(real_target[1]["data_dir"] / "gsm8k.jsonl", 4, "gsm.jsonl", tmp_path)
     (tmp_path / "b").mkdir()
-    _, r = _real_data_run(tmp_path / "b", real_target, {**data, "sources": [{"kind": "jsonl", "path": str(gsm)}], "regenerate": {"enabled": False}})
+    _, r = _real_data_run(tmp_path / "b", real_target, {**data, "sources": [{"kind": "jsonl", "path": str(gsm)}],
+                                                        "regenerate": {"enabled": False}})
     assert r.returncode == 1
     assert f"{gsm}:" in r.stderr and "is not closed by the end-of-turn token '<|im_end|>'" in r.stderr
 
@@ -550,7 +569,8 @@ def test_every_conversation_is_checked_not_only_the_first(tmp_path, real_target)
     Five single-turn chats and one multi-turn chat, wherever it sorts: the stage refuses, naming that sample."""
     tmpl = Path(__file__).parent / "data" / "chat_templates" / "qwen3-0.6b.jinja"
     gsm = [json.loads(x) for x in (real_target[1]["data_dir"] / "gsm8k.jsonl").read_text().splitlines()[:5]]
-    multi = {"messages": [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "<think>\ngreet\n</think>\n\nHello!"},
+    multi = {"messages": [{"role": "user", "content": "Hi."}, {"role": "assistant",
+                                                               "content": "<think>\ngreet\n</think>\n\nHello!"},
                           {"role": "user", "content": "Bye."}, {"role": "assistant", "content": "Goodbye!"}]}
     src = _jsonl(tmp_path, gsm + [multi])
     ev = _head(real_target[1]["data_dir"] / "humaneval.jsonl", 2, "ev.jsonl", tmp_path)
@@ -562,7 +582,8 @@ def test_every_conversation_is_checked_not_only_the_first(tmp_path, real_target)
     assert "message 1 (assistant): later messages change how this turn renders" in r.stderr and "<think>" in r.stderr
     # the five single-turn chats alone pass, each masked as reasoning block + answer + <|im_end|>
     (tmp_path / "b").mkdir()
-    wd, r = _real_data_run(tmp_path / "b", real_target, {**data, "sources": [{"kind": "jsonl", "path": str(_jsonl(tmp_path, gsm, "one.jsonl"))}]})
+    wd, r = _real_data_run(tmp_path / "b", real_target, {**data, "sources": [{"kind": "jsonl", "path": str(_jsonl(tmp_path, gsm,
+                                                                                                                  "one.jsonl"))}]})
     assert r.returncode == 0, r.stderr[-2000:]
     from transformers import AutoTokenizer
 

@@ -79,6 +79,17 @@ def _art(wd: Path) -> Path:
     return wd / "artifacts" / "train_draft"
 
 
+def assert_al_is_the_counts(acc: dict) -> None:
+    """The runtime estimate's AL is (steps + accepted) / steps of its own counts, overall and per domain (not just
+    inside the definitional [1, 1 + k]); accepted tokens never exceed drafted ones."""
+    doms = acc["domains"].values()
+    steps, accepted = sum(d["steps"] for d in doms), sum(d["accepted"] for d in doms)
+    assert steps > 0 and acc["acceptance_length"] == pytest.approx((steps + accepted) / steps, abs=1e-6)
+    for d in doms:
+        assert 0 <= d["accepted"] <= d["drafted"] and d["acceptance_length"] == pytest.approx(
+            (d["steps"] + d["accepted"]) / d["steps"], abs=1e-6)
+
+
 # ------------------------------------------------------------------------------------------- EAGLE-3
 
 
@@ -101,7 +112,9 @@ def test_eagle3_exports_a_checked_deployable_draft(eagle):
     assert d["algorithm"] == "eagle3" and d["aux_layer_ids"] == [0, 1, 3] and d["has_d2t"] is True
     assert d["acceptance_estimator"] == "runtime"
     assert d["vocab_size"] == 512 and d["draft_vocab_size"] == 256 and d["trained_draft_len"] == 3
-    assert 1.0 <= d["acceptance_length"] <= 4.0
+    acc = json.loads((art / "curve.json").read_text())["acceptance"]
+    assert d["acceptance_length"] == acc["acceptance_length"] and 1.0 <= d["acceptance_length"] <= 4.0
+    assert_al_is_the_counts(acc)
 
 
 def test_eagle3_curve_metrics_and_report(eagle):
@@ -113,6 +126,7 @@ def test_eagle3_curve_metrics_and_report(eagle):
     st = {s["name"]: s for s in status_json(eagle)["stages"]}["train_draft"]
     m = st["metrics"]
     assert m["acceptance_draft_len"] == 3 and 1.0 <= m["acceptance_length"] <= 4.0
+    assert m["acceptance_length"] == json.loads((_art(eagle) / "curve.json").read_text())["acceptance"]["acceptance_length"]
     assert set(m["acceptance_by_domain"]) == {"code", "prose"}
     assert m["step_ms_mean"] > 0 and m["world_size"] == 1 and m["resumed_from_step"] == 0
     r = run_cli("report", "--workdir", str(eagle))
@@ -155,7 +169,7 @@ def test_eagle3_export_reloads_into_modelopt(eagle):
     import torch
     from safetensors.torch import load_file
 
-    from runtime import draft_training as dt
+    from runtime.training import draft_training as dt
 
     model = dt.build_model(json.loads(_job(eagle).read_text()), False, torch.device("cpu"))
     sd = load_file(str(_art(eagle) / "draft" / "model.safetensors"))
@@ -187,7 +201,7 @@ def _job(wd: Path) -> Path:
 
 
 def _checks(draft: Path, wd: Path, **kw):
-    from runtime.draft_checks import Expect, check_draft
+    from runtime.training.draft_checks import Expect, check_draft
 
     d = json.loads((_art(wd) / "draft.json").read_text())
     e = dict(algorithm="eagle3", num_layers=1, hidden_size=64, vocab_size=512, capture_layer_ids=d["aux_layer_ids"],
@@ -308,7 +322,9 @@ def test_dflash_two_process_training_exports_a_checked_draft(dflash):
     assert all(c["passed"] for c in json.loads((art / "checks.json").read_text()))
     d = json.loads((art / "draft.json").read_text())
     assert d["trained_draft_len"] == 3 and d["block_size"] == 4 and m["acceptance_draft_len"] == 3
-    assert 1.0 <= m["acceptance_length"] <= 4.0
+    acc = json.loads((art / "curve.json").read_text())["acceptance"]
+    assert m["acceptance_length"] == acc["acceptance_length"] and 1.0 <= m["acceptance_length"] <= 4.0
+    assert_al_is_the_counts(acc)
 
 
 def test_dflash_export_reloads_with_modelopt_warm_start(dflash):
@@ -372,8 +388,8 @@ def tiny_overrides_items() -> list[str]:
 
 
 def test_offline_dump_refused_over_budget(inputs, tmp_path):
-    from pipeline.errors import StageError
     import stages.train_draft as td
+    from pipeline.errors import StageError
 
     wd = _workdir(inputs, tmp_path)
     ctx = _stage_ctx(wd, "train_draft.mode=offline", "train_draft.offline.max_dump_gb=0.0001")
@@ -383,7 +399,7 @@ def test_offline_dump_refused_over_budget(inputs, tmp_path):
 
 
 def test_disk_preflight_refuses_when_free_space_is_short(tmp_path):
-    from runtime.draft_training import JobError, dump_preflight, estimate_dump_bytes
+    from runtime.training.draft_training import JobError, dump_preflight, estimate_dump_bytes
 
     free = shutil.disk_usage(tmp_path).free
     # a 70B-class dump: 1M samples x 4096 tokens x (1 + 3) x 8192 x bf16 is ~268 TB
@@ -403,7 +419,7 @@ def test_resume_reproduces_an_uninterrupted_run(inputs, tmp_path):
     import torch
     from safetensors.torch import load_file
 
-    from runtime import draft_training as dt
+    from runtime.training import draft_training as dt
 
     art_t, art_d = inputs / "artifacts" / "target", inputs / "artifacts" / "data"
     tj = json.loads((art_t / "target.json").read_text())
@@ -508,8 +524,8 @@ def test_algorithm_shorthand_and_tiny_configs_validate():
 
 
 def test_mask_token_not_in_vocab_is_a_stage_error(inputs, tmp_path):
-    from pipeline.errors import StageError
     import stages.train_draft as td
+    from pipeline.errors import StageError
 
     wd = _workdir(inputs, tmp_path)
     ctx = _stage_ctx(wd, "train_draft.algorithm={kind: dflash, block_size: 4, mask_token: '<|nope|>'}", config=DFLASH_CONFIG)
@@ -527,7 +543,7 @@ def test_bf16_target_runs_the_target_in_bf16_and_training_still_learns(inputs, t
     import torch
 
     import stages.train_draft as td
-    from runtime import draft_training as dt
+    from runtime.training import draft_training as dt
 
     wd = _workdir(inputs, tmp_path)
     ctx = _stage_ctx(wd, "train_draft.target_dtype=bfloat16", "train_draft.max_samples=2", "train_draft.batch_size=2",
@@ -632,7 +648,7 @@ def test_fsdp_over_two_nodes_trains_the_draft_ddp_trains(inputs, tmp_path):
             time.sleep(0.5)
         assert cmds, "node 0 never wrote worker_commands.sh" + (node0.stderr.read()[-3000:] if node0.poll() is not None else "")
         lines = cmds[0].read_text().splitlines()
-        assert len(lines) == 1 and "--nnodes 2" in lines[0] and "runtime.draft_training" in lines[0]
+        assert len(lines) == 1 and "--nnodes 2" in lines[0] and "runtime.training.draft_training" in lines[0]
         node1 = subprocess.run(["bash", "-c", lines[0]], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
         _, err = node0.communicate(timeout=600)
     finally:
@@ -681,7 +697,7 @@ def test_fsdp_target_skeleton_reads_only_what_every_process_keeps(inputs, tmp_pa
     import torch
     from transformers import AutoModelForCausalLM
 
-    from runtime.draft_training import JobError, load_target_skeleton
+    from runtime.training.draft_training import JobError, load_target_skeleton
 
     model_dir = inputs / "artifacts" / "target" / "model"
     job = {"target_dir": str(model_dir), "trust_remote_code": False}
@@ -710,7 +726,7 @@ def test_fsdp_offline_dump_matches_the_targets_hidden_states(inputs, tmp_path):
     from transformers import AutoModelForCausalLM
 
     import stages.train_draft as td
-    from runtime.draft_training import read_samples
+    from runtime.training.draft_training import read_samples
 
     wd = _workdir(inputs, tmp_path)
     opts = ("train_draft.mode=offline", "train_draft.steps=2", "train_draft.max_samples=7", "train_draft.eval.estimator=modelopt",
@@ -794,7 +810,7 @@ def test_shipped_config_runs_within_its_own_budgets(path):
     `offline.max_dump_gb`, which an offline shipped config must state."""
     import stages.train_draft as td
     from pipeline.config import load_config
-    from runtime.draft_training import estimate_dump_bytes
+    from runtime.training.draft_training import estimate_dump_bytes
 
     cfg = load_config(path)
     sec = cfg.train_draft
@@ -924,7 +940,10 @@ def test_real_model_tied_embeddings_full_vocabulary(real_inputs, tmp_path, monke
     d = json.loads((ctx.out_dir / "draft.json").read_text())
     assert d["aux_layer_ids"] == [1, 14, 26] and d["has_d2t"] is False and d["draft_vocab_size"] == 49152
     assert all(c["passed"] for c in json.loads((ctx.out_dir / "checks.json").read_text()))
-    assert m["acceptance_estimator"] == "runtime" and 1.0 <= m["acceptance_length"] <= 4.0
+    assert m["acceptance_estimator"] == "runtime"
+    acc = json.loads((ctx.out_dir / "curve.json").read_text())["acceptance"]
+    assert m["acceptance_length"] == acc["acceptance_length"] and 1.0 <= m["acceptance_length"] <= 4.0
+    assert_al_is_the_counts(acc)
     assert set(m["acceptance_by_domain"]) == {"humaneval", "gsm8k"}
 
 
@@ -937,7 +956,7 @@ def test_real_model_offline_with_tied_embeddings(real_inputs, tmp_path, monkeypa
     from transformers import AutoModelForCausalLM
 
     import stages.train_draft as td
-    from runtime import draft_training as dt
+    from runtime.training import draft_training as dt
 
     monkeypatch.chdir(REPO)
     # target_dtype auto (float32): the logits below are compared with the float32 target's at 1e-4
@@ -964,7 +983,7 @@ def test_real_model_fsdp_skeleton_ties_lm_head(real_inputs):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from runtime.draft_training import load_target_skeleton
+    from runtime.training.draft_training import load_target_skeleton
 
     model_dir = real_inputs / "artifacts" / "target" / "model"
     sk = load_target_skeleton({"target_dir": str(model_dir), "trust_remote_code": False}, torch.device("cpu"), torch.float32)

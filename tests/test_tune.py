@@ -19,9 +19,9 @@ import pytest
 from pipeline.config import HardwareConfig
 from pipeline.errors import StageError
 from pipeline.stage import Artifact, StageContext
-from runtime import compat, draft_schedule
-from runtime import trtllm_options as T
-from runtime.draft_schedule import DraftSchedule
+from runtime.trtllm import compat, draft_schedule
+from runtime.trtllm import options as T
+from runtime.trtllm.draft_schedule import DraftSchedule
 from stages import tune
 
 from conftest import run_cli
@@ -155,7 +155,8 @@ def test_past_the_ridge_k_drops_and_speculation_switches_off(tmp_path):
 
 def test_acceptance_zero_turns_speculation_off(tmp_path):
     for kw in ({}, TWO_MODEL, ONE_ENGINE_13):
-        doc = run_tune(tmp_path / str(kw.get("build_version")) / kw.get("mode", "-"), curves={"code": [0.0] * 4, "prose": [0.0] * 4},
+        doc = run_tune(tmp_path / str(kw.get("build_version")) / kw.get("mode", "-"), curves={"code": [0.0] * 4,
+                                                                                              "prose": [0.0] * 4},
                        batch_sizes=[1, 4, 16], **kw)
         assert not doc["speculation"] and doc["max_draft_len"] == 0
         assert all(r["k"] == 0 and r["speedup"] == 1.0 for r in doc["predicted"])
@@ -457,3 +458,21 @@ def test_dflash_without_a_version_targets_one_that_serves_it():
     assert tune.target_version(cfg, "eagle3") == compat.DEFAULT_TRTLLM_VERSION
     v = tune.target_version(cfg, "dflash")
     assert compat.algorithm_problem(v, "dflash") is None and compat.release(v).schedule_semantics == "upper_bound"
+
+
+def test_draft_precision_comes_from_quantize_json(tmp_path):
+    """tune prices the draft in the precision quantize.json states (`draft_format`), not one guessed from where the
+    draft directory lies: a BF16 draft is priced at 2 bytes per weight wherever it is, an FP8 one at 1."""
+    base = {"format": "fp8", "kv_cache": "fp8", "target_dir": "quantize/target_fp8"}
+    fp8 = run_tune(tmp_path / "fp8", quant={**base, "draft_dir": "quantize/draft_fp8", "draft_format": "fp8"})
+    bf16 = run_tune(tmp_path / "bf16", quant={**base, "draft_dir": "quantize/draft_bf16", "draft_format": "bf16"})
+    assert fp8["models"]["draft_precision"]["gemm_dtype"] == "fp8"
+    assert fp8["models"]["draft_precision"]["weight_bytes"] == 1.0
+    assert bf16["models"]["draft_precision"]["gemm_dtype"] == "bf16"
+    assert bf16["models"]["draft_precision"]["weight_bytes"] == 2.0
+
+
+def test_a_quantize_json_without_the_contract_fields_is_a_clear_error(tmp_path):
+    with pytest.raises(StageError, match=r"quantize\.json.*draft_format"):
+        run_tune(tmp_path, quant={"format": "fp8", "kv_cache": "fp8", "target_dir": "quantize/target_fp8",
+                                  "draft_dir": "train_draft/draft"})

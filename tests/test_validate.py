@@ -10,20 +10,23 @@ import functools
 import json
 import logging
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from pipeline.artifacts.target import stop_ids
 from pipeline.errors import StageError
 from pipeline.stage import Artifact, StageContext
+from runtime.engine.speculative import Drafter, SpeculativeEngine, TargetRunner, load_pair, load_target
 from stages import validate as V
 from stages.validate import STATISTIC
-from runtime.speculative import Drafter, SpeculativeEngine, TargetRunner, load_pair, load_target
+
 from test_runtime import _batches, tiny_assets
 
 # The reference schemas where the shared reference exists; elsewhere (CI) the project's extracted copies.
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "reference" / "schemas"
+SHARED = Path(__file__).resolve().parent / "data" / "trtllm_reference"   # upstream extractions, see its README
 LOCAL = {"trtllm-1.2-llmapi.json": "trtllm-1.2.json", "trtllm-1.3-specdec.json": "trtllm-1.3.json",
          "triton-llmapi-model.json": "triton-llmapi-model.json"}
 
@@ -60,7 +63,8 @@ def arts(tmp_path_factory):
     m = mtq.quantize(m, mtq.FP8_DEFAULT_CFG, lambda mm: [mm(x) for x in calib])
     export_hf_checkpoint(m, export_dir=root / "quantize" / "target_fp8")
     (root / "quantize" / "quantize.json").write_text(json.dumps(
-        {"format": "fp8", "kv_cache": "none", "target_dir": "quantize/target_fp8", "draft_dir": "train_draft/draft"}))
+        {"format": "fp8", "kv_cache": "none", "target_dir": "quantize/target_fp8", "draft_dir": "train_draft/draft",
+         "draft_format": "bf16"}))
     return root
 
 
@@ -148,7 +152,8 @@ def test_failed_gate_raises_with_table_and_keeps_measurements(arts, tmp_path):
     assert e.value.metrics["gates"]["passed"] is False and "FAIL" in V.report_failed(e.value.metrics)
     kept = json.loads((ctx.scratch_dir / "acceptance.json").read_text())
     row = next(r for r in kept["gates"]["rows"] if r["domain"] == "code")
-    assert row["required"] == 4.9 and row["passed"] is False and row["measured"] == kept["domains"]["code"]["fp8"]["acceptance_length"]
+    assert row["required"] == 4.9 and row["passed"] is False
+    assert row["measured"] == kept["domains"]["code"]["fp8"]["acceptance_length"]
 
 
 def test_stale_draft_config_is_rejected(arts, tmp_path):
@@ -159,12 +164,23 @@ def test_stale_draft_config_is_rejected(arts, tmp_path):
         V.run(_ctx(a2, tmp_path, num_prompts=1, lossless_prompts=0))
 
 
-def test_runtime_choice():
+def test_runtime_choice(monkeypatch):
+    """auto picks TensorRT-LLM exactly where it is usable; both answers of the probe are exercised here, whatever
+    this machine has (the probe itself, `trtllm_available`, is an import and a CUDA check)."""
+    monkeypatch.setattr(V, "trtllm_available", lambda: (False, "tensorrt_llm not importable"))
     assert V._choose_runtime("reference") == ("reference", "configured")
-    rt, why = V._choose_runtime("auto")
-    assert rt == "reference" and why.startswith("auto:")
-    with pytest.raises(StageError, match="tensorrt_llm requested but not usable here"):
+    assert V._choose_runtime("auto") == ("reference", "auto: tensorrt_llm not importable")
+    with pytest.raises(StageError, match=r"tensorrt_llm requested but not usable here \(tensorrt_llm not importable\)"):
         V._choose_runtime("tensorrt_llm")
+    monkeypatch.setattr(V, "trtllm_available", lambda: (True, "available"))
+    assert V._choose_runtime("reference") == ("reference", "configured")
+    assert V._choose_runtime("auto")[0] == "tensorrt_llm" and V._choose_runtime("tensorrt_llm")[0] == "tensorrt_llm"
+
+
+def test_trtllm_is_unavailable_without_its_package(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorrt_llm", None)
+    ok, why = V.trtllm_available()
+    assert not ok and why
 
 
 def test_config_checks():
@@ -187,8 +203,8 @@ def test_config_checks():
 
 def _schema_file(name, shared: bool = True):
     p = SHARED / name
-    if not (shared and p.exists()):
-        p = Path(__file__).resolve().parent.parent / "runtime" / "schemas" / LOCAL[name]
+    if not shared:
+        p = Path(__file__).resolve().parent.parent / "runtime" / "trtllm" / "schemas" / LOCAL[name]
     return json.loads(p.read_text())
 
 
@@ -196,7 +212,7 @@ def _schema_file(name, shared: bool = True):
 def test_trtllm_arguments_match_schema(shared):
     """The LLM(...) / speculative_config / SamplingParams arguments the tensorrt_llm runtime would pass, checked
     against the extracted TensorRT-LLM schemas (1.2 LLM API; DFlash against 1.3) without running anything:
-    the shared reference and the project's copies in runtime/schemas."""
+    the shared reference and the project's copies in runtime/trtllm/schemas."""
     _schema = functools.partial(_schema_file, shared=shared)
     s12 = _schema("trtllm-1.2-llmapi.json")
     llm_fields = set(s12["classes"]["TorchLlmArgs"]["fields"])
@@ -209,7 +225,7 @@ def test_trtllm_arguments_match_schema(shared):
     assert spec["max_draft_len"] > 0 and spec["speculative_model"]           # rules: both required for Eagle3
     assert kw["max_num_tokens"] >= kw["max_batch_size"] * (1 + spec["max_draft_len"])
     # always written, also when the ids equal the default: unset, TensorRT-LLM captures (1, L//2-1, L-4) and sizes the
-    # draft's fc for 3 layers, raising for L <= 5 (runtime/compat.py SOURCES["layers_to_capture"] names the
+    # draft's fc for 3 layers, raising for L <= 5 (runtime/trtllm/compat.py SOURCES["layers_to_capture"] names the
     # llm_args.py / modeling_speculative.py versions read)
     assert spec["eagle3_layers_to_capture"] == [0, 1]
     kw2 = V.trtllm_llm_kwargs("/t", "/d", algorithm="eagle3", max_draft_len=3, num_target_layers=32,
@@ -236,9 +252,9 @@ def test_trtllm_arguments_match_schema(shared):
 def test_impossible_gate_blocks_later_stages(tiny_run, tmp_path):
     """`specpipe build` on the tiny default: validate commits acceptance.json; with an impossible gate the same
     build fails at validate (exit 1) with the table, and nothing after it runs."""
-    from conftest import TINY_CONFIG, artifact_dir, run_cli, status_json, tiny_overrides
-
     from pipeline import registry
+
+    from conftest import TINY_CONFIG, artifact_dir, run_cli, status_json, tiny_overrides
 
     if "validate" not in registry.names():
         pytest.fail("stages.validate is not registered")
@@ -290,7 +306,7 @@ def test_lossless_gate_rows():
 #
 # Deliberately broken engines, built by subclassing our own SpeculativeEngine / TargetRunner (they run the real
 # tiny target and the real exported EAGLE-3 draft). They override `TargetRunner.commit`/`forward` and
-# `SpeculativeEngine._accept`; if a refactor of runtime/speculative.py stops calling these, the engines are no
+# `SpeculativeEngine._accept`; if a refactor of runtime/engine/speculative.py stops calling these, the engines are no
 # longer broken and the tests below fail (they assert that the bugs are caught), so they cannot pass vacuously.
 
 
@@ -365,7 +381,7 @@ class _CorrectionFromP(SpeculativeEngine):
 
     @staticmethod
     def _accept(logits, d, q, temperature, gen, top_p=1.0):
-        from runtime.speculative import _probs
+        from runtime.engine.speculative import _probs
 
         if d is None or temperature <= 0:
             return SpeculativeEngine._accept(logits, d, q, temperature, gen, top_p)
@@ -387,7 +403,7 @@ BROKEN = {
 
 
 def _check_runs(engine_cls, tiny, draft_key="eagle_dir", target_dir=None, n=20, repeat=1, **kw):
-    from runtime.lossless import InvariantTally, checked_generate
+    from runtime.engine.lossless import InvariantTally, checked_generate
 
     model, draft = load_pair(target_dir or tiny["target_dir"], tiny[draft_key])
     eng = engine_cls(model, draft)
@@ -431,7 +447,7 @@ def test_sampling_correction_from_p_is_caught(tiny):
 def test_checker_flags_a_wrong_output_and_steps_after_the_end(tiny):
     """finish() compares the engine's output with the stream its steps decided; steps after the end token are
     flagged (the engine must stop a request at every id of eos_token_ids)."""
-    from runtime.lossless import AcceptanceChecker
+    from runtime.engine.lossless import AcceptanceChecker
 
     model, draft = load_pair(tiny["target_dir"], tiny["eagle_dir"])
     eng = SpeculativeEngine(model, draft)
@@ -459,7 +475,7 @@ def test_checker_flags_a_wrong_output_and_steps_after_the_end(tiny):
 def test_self_consistent_cache_bug_passes_the_invariant_but_not_the_gate(tiny):
     """A verification forward one position off keeps self-consistent but wrong K/V: the invariant cannot see it
     (each token is the argmax of what was computed), the exact check on the unquantized pair does."""
-    from runtime.lossless import InvariantTally
+    from runtime.engine.lossless import InvariantTally
 
     engine_cls = _engine_with(_ShiftedVerifyRunner)
     g, inv = _check_runs(engine_cls, tiny)
@@ -480,9 +496,9 @@ class _LogCtx:
 @pytest.mark.parametrize("name,failing", [("rollback_commits_accepted_plus_2", {"acceptance_rule", "lossless_exact"}),
                                           ("shifted_verify", {"lossless_exact", "divergence_rate"})])
 def test_broken_engine_fails_the_stage_gate(arts, tmp_path, monkeypatch, name, failing):
-    """The stage itself with a broken engine (the stage builds `runtime.speculative.SpeculativeEngine`; the test
+    """The stage itself with a broken engine (the stage builds `runtime.engine.speculative.SpeculativeEngine`; the test
     swaps in the broken subclass): the build fails at the lossless rows, with the measurements kept."""
-    import runtime.speculative as S
+    import runtime.engine.speculative as S
 
     cls = _engine_with(_ShiftedVerifyRunner) if name == "shifted_verify" else BROKEN[name][0]
     monkeypatch.setattr(S, "SpeculativeEngine", cls)
@@ -500,7 +516,7 @@ def test_broken_engine_fails_the_stage_gate(arts, tmp_path, monkeypatch, name, f
 
 
 def test_divergence_and_rate_test_known_answers():
-    from runtime.lossless import binom_sf, divergence, rate_test
+    from runtime.engine.lossless import binom_sf, divergence, rate_test
 
     ref = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 9]]
     d = divergence([[1, 2, 0, 4], [5, 6, 7, 8], [0, 9, 9, 9]], ref)
@@ -523,7 +539,7 @@ def test_divergence_and_rate_test_known_answers():
 def test_chunked_prefill_decoder_equals_generate_on_an_exact_target(tiny):
     """The noise-floor arm decodes what the engine decodes where the arithmetic allows it (the unquantized tiny
     target, fp32), with end tokens."""
-    from runtime.lossless import decode_chunked_prefill
+    from runtime.engine.lossless import decode_chunked_prefill
 
     model = load_target(tiny["target_dir"])
     ref = SpeculativeEngine(model).generate(tiny["prompts"], max_new_tokens=16).tokens
@@ -539,10 +555,10 @@ def test_chunked_prefill_decoder_equals_generate_on_an_exact_target(tiny):
 
 
 def test_eos_ids_from_target_json():
-    assert V.eos_ids({"eos_token_id": 2}) == [2]
-    assert V.eos_ids({"eos_token_id": 2, "eos_token_ids": [2, 7]}) == [2, 7]
-    assert V.eos_ids({"eos_token_id": [128001, 128009]}) == [128001, 128009]       # HF configs may hold a list
-    assert V.eos_ids({"eos_token_id": None}) == [] and V.eos_ids({"eos_token_ids": [], "eos_token_id": 3}) == [3]
+    assert stop_ids({"eos_token_id": 2}) == [2]
+    assert stop_ids({"eos_token_id": 2, "eos_token_ids": [2, 7]}) == [2, 7]
+    assert stop_ids({"eos_token_id": [128001, 128009]}) == [128001, 128009]       # HF configs may hold a list
+    assert stop_ids({"eos_token_id": None}) == [] and stop_ids({"eos_token_ids": [], "eos_token_id": 3}) == [3]
 
 
 def test_validation_stops_at_every_eos_id(arts, tmp_path, tiny):
@@ -641,7 +657,7 @@ def real_fp8(real_model, tmp_path_factory):
         rows = [json.loads(line) for line in (real_model["data_dir"] / f"{dom}.jsonl").open() if line.strip()]
         ps = [ids(r["messages"][:1], True) for r in rows[:12]]
         prompts[dom] = [p for p in ps if len(p) <= 110][:3]
-    eos = V.eos_ids({"eos_token_id": tok.convert_tokens_to_ids("<|im_end|>")})
+    eos = stop_ids({"eos_token_id": tok.convert_tokens_to_ids("<|im_end|>")})
     return {"fp8_dir": out, "bf16_dir": real_model["model_dir"], "prompts": prompts, "eos": eos}
 
 
@@ -657,7 +673,7 @@ def test_real_fp8_pair_passes_where_token_equality_fails(real_fp8):
     batch 1, at top-2 margins far above the fp32 tie margin, so a token-for-token rule rejects a correct
     pair. The new check passes the correct FP8 pair (invariant exact, divergence within the noise floor), and
     the unquantized SmolLM2 is exact, token for token, through the same stage code."""
-    from runtime.lossless import InvariantTally
+    from runtime.engine.lossless import InvariantTally
 
     fp8, bf16 = load_target(real_fp8["fp8_dir"]), load_target(real_fp8["bf16_dir"])
     assert fp8.fp8_info["fp8"] and fp8.fp8_info["kv_scales"] == 30

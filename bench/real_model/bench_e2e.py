@@ -90,11 +90,11 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
 
     import torch
+    from bench_steps import draft_table, fill_cache, interleaved
     from transformers import AutoModelForCausalLM
 
-    from bench_steps import draft_table, fill_cache, interleaved
-    from runtime.drafts import native_bf16_gemm
-    from runtime.speculative import SpeculativeEngine, load_pair
+    from runtime.engine.drafts import native_bf16_gemm
+    from runtime.engine.speculative import SpeculativeEngine, load_pair
 
     torch.set_num_threads(a.threads)
     wd = a.workdir

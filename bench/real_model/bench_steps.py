@@ -6,9 +6,9 @@ of them alike; medians and the spread over rounds are reported).
         [--eagle3 DIR] [--dflash DIR] [--context 512] [--rows 1,2,4,5,8] [--batch4] [--json out.json]
 
 Targets: the BF16 checkpoint (default: the prepared SmolLM2, `$SPECPIPE_REAL_DIR`) and, with --fp8-target, a
-ModelOpt FP8 export of it. Runners: `fp32` and `bf16` (`runtime.speculative.TargetRunner(compute=...)`; bf16 only
-where `runtime.drafts.native_bf16_gemm()` says this CPU has native bf16 GEMMs, unless --force-bf16) and, with
---baseline-rev, the runtime as it was at that git revision (its runtime/speculative.py and runtime/drafts.py
+ModelOpt FP8 export of it. Runners: `fp32` and `bf16` (`runtime.engine.speculative.TargetRunner(compute=...)`; bf16 only
+where `runtime.engine.drafts.native_bf16_gemm()` says this CPU has native bf16 GEMMs, unless --force-bf16) and, with
+--baseline-rev, the runtime as it was at that git revision (its speculative.py and drafts.py, under runtime/ or runtime/engine/
 loaded under other module names; everything else is today's code).
 
 Each target point is one forward of M new tokens per row at a context of --context tokens (KV cache filled with
@@ -41,12 +41,21 @@ sys.path.insert(0, str(REPO))
 
 
 def load_baseline(rev: str):
-    """runtime/speculative.py of git revision `rev` (with that revision's runtime/drafts.py) as a module."""
+    """The speculative runtime of git revision `rev` (its speculative.py with its drafts.py) as a module."""
     d = Path(tempfile.mkdtemp(prefix="specpipe-base-"))
     for name in ("speculative", "drafts"):
-        src = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:runtime/{name}.py"], check=True,
-                             capture_output=True, text=True).stdout
-        src = src.replace("from runtime.drafts import", "from _base_drafts import")
+        r = None
+        for path in (f"runtime/{name}.py", f"runtime/engine/{name}.py"):    # before / after the runtime/ layout
+            r = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:{path}"], capture_output=True, text=True)
+            if r.returncode == 0:
+                break
+        if r.returncode != 0:
+            raise SystemExit(f"--baseline-rev {rev}: no runtime/{name}.py nor runtime/engine/{name}.py there")
+        src = r.stdout
+        for old in ("from runtime.drafts import", "from runtime.engine.drafts import"):
+            src = src.replace(old, "from _base_drafts import")
+        for old, new in (("runtime.fp8", "runtime.engine.fp8"), ("runtime.draft_schedule", "runtime.trtllm.draft_schedule")):
+            src = src.replace(f"from {old} import", f"from {new} import")     # modules moved since
         (d / f"_base_{name}.py").write_text(src)
     sys.path.insert(0, str(d))
     spec = importlib.util.spec_from_file_location("_base_speculative", d / "_base_speculative.py")
@@ -101,7 +110,7 @@ def parts(runner, batch: int, m: int, context: int):
     calls alone; and the weight bytes the GEMMs read."""
     import torch
 
-    from runtime.drafts import attention, causal_mask
+    from runtime.engine.drafts import attention, causal_mask
 
     plan = runner.plan
     g = torch.Generator().manual_seed(1)
@@ -164,7 +173,7 @@ def draft_table(model, draft_dirs: dict, modes: list[str], context: int, k: int,
                 base=None, batch: int = 1) -> list[dict]:
     import torch
 
-    import runtime.speculative as S
+    import runtime.engine.speculative as S
 
     rows = []
     for algo, path in draft_dirs.items():
@@ -254,8 +263,8 @@ def main(argv=None) -> dict:
 
     import torch
 
-    from runtime.drafts import native_bf16_gemm
-    from runtime.speculative import TargetRunner, load_target
+    from runtime.engine.drafts import native_bf16_gemm
+    from runtime.engine.speculative import TargetRunner, load_target
 
     torch.set_num_threads(a.threads)
     modes = ["fp32"] + (["bf16"] if native_bf16_gemm() or a.force_bf16 else [])

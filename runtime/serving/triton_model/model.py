@@ -2,7 +2,7 @@
 
 Copied by `specpipe build` (stage `export`) into `triton_cpu/tensorrt_llm/1/model.py`. It has the request /
 response interface of TensorRT-LLM's LLM-API Triton model (triton_backend/all_models/llmapi, see
-`runtime/schemas/triton-llmapi-model.json`), so a client written against one works against the other:
+`runtime/trtllm/schemas/triton-llmapi-model.json`), so a client written against one works against the other:
 
 - inputs: `text_input` (one prompt), optional `streaming`, `sampling_param_max_tokens` (default 32, as the
   LLM API's SamplingParams), `sampling_param_temperature`, `sampling_param_top_p`, `sampling_param_seed`,
@@ -16,7 +16,7 @@ response interface of TensorRT-LLM's LLM-API Triton model (triton_backend/all_mo
   final flag and the metrics.
 
 Serving under load: `execute` validates each request and hands it to
-`runtime.batching.Scheduler`, whose thread runs continuous batching: requests join the running batch at the
+`runtime.serving.batching.Scheduler`, whose thread runs continuous batching: requests join the running batch at the
 next step and every live row is verified in one target forward. Beyond `specpipe_max_batch` decoding rows
 and `specpipe_max_queue` waiting requests (config `parameters`, defaults 8 and 32) a request gets an
 UNAVAILABLE "overloaded" error at once. A client that cancels or disconnects (Triton marks the request
@@ -108,10 +108,10 @@ class TritonPythonModel:
         spec = json.loads((here / "specpipe_model.json").read_text())
         # The specpipe that exported this repository first (its runtime matches this file), else the installed one.
         src = spec.get("specpipe_src")
-        if src and (Path(src) / "runtime" / "batching.py").is_file() and src not in sys.path:
+        if src and (Path(src) / "runtime" / "serving" / "batching.py").is_file() and src not in sys.path:
             sys.path.insert(0, src)
-        from runtime.batching import Scheduler
-        from runtime.serving import ServingEngine
+        from runtime.serving.adapter import ServingEngine
+        from runtime.serving.batching import Scheduler
 
         self.inputs = sorted(i["name"] for i in self.model_config.get("input", []))
         params = {k: v.get("string_value") for k, v in (self.model_config.get("parameters") or {}).items()}
@@ -186,13 +186,13 @@ class TritonPythonModel:
 
     @property
     def _overloaded(self):
-        from runtime.serving import Overloaded
+        from runtime.serving.adapter import Overloaded
 
         return Overloaded
 
     def _job(self, request, sender):
-        from runtime.batching import Job
-        from runtime.serving import RequestError
+        from runtime.serving.adapter import RequestError
+        from runtime.serving.batching import Job
 
         try:
             extra = json.loads(request.parameters() or "{}")
@@ -258,8 +258,8 @@ class TritonPythonModel:
         return self._response(job.result.text, job.result, want)
 
     def _error(self, job):
-        from runtime.batching import Cancelled
-        from runtime.serving import Overloaded
+        from runtime.serving.adapter import Overloaded
+        from runtime.serving.batching import Cancelled
 
         if job.cancelled or isinstance(job.error, Cancelled):
             return pb_utils.InferenceResponse(error=pb_utils.TritonError("Request cancelled by client",
@@ -284,7 +284,8 @@ class TritonPythonModel:
                 t.append(pb_utils.Tensor("stop_reason", np.asarray([str(out.stop_reason)], dtype=np.object_)))
             if want["perf"]:
                 t += [pb_utils.Tensor("acceptance_rate", np.asarray([out.acceptance_rate], dtype=np.float32)),
-                      pb_utils.Tensor("total_accepted_draft_tokens", np.asarray([out.total_accepted_draft_tokens], dtype=np.int32)),
+                      pb_utils.Tensor("total_accepted_draft_tokens", np.asarray([out.total_accepted_draft_tokens],
+                                                                                dtype=np.int32)),
                       pb_utils.Tensor("total_draft_tokens", np.asarray([out.total_draft_tokens], dtype=np.int32)),
                       pb_utils.Tensor("arrival_time_ns", np.asarray([out.arrival_time_ns], dtype=np.int64)),
                       pb_utils.Tensor("first_scheduled_time_ns", np.asarray([out.first_scheduled_time_ns], dtype=np.int64)),

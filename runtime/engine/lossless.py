@@ -1,7 +1,7 @@
 """Is speculative decoding lossless? The three checks that can be made (docs/stages/validate.md):
 
 1. exact, on the unquantized pair: greedy speculative output == autoregressive output, token for token
-   (`runtime.speculative.lossless_diff`, with `tie_margins` for fp32 accumulation-order ties);
+   (`runtime.engine.speculative.lossless_diff`, with `tie_margins` for fp32 accumulation-order ties);
 2. an invariant of the algorithm under any arithmetic, on every pair (`AcceptanceChecker`): every token the
    engine emits is the token the acceptance rule picks from the logits of the same verification forward, and
    the stream is continuous (each step verifies the previously emitted token, the target's cache advances by
@@ -241,7 +241,7 @@ def decode_chunked_prefill(model, prompts: list[list[int]], *, max_new_tokens: i
     """Greedy autoregressive decoding, one request at a time, with the prompt prefilled in chunks of `chunk`
     tokens (what a serving engine with chunked prefill does). The same math as one prefill forward, in other
     shapes: on an exact target the output equals `generate`'s; on an FP8 target it shows the noise floor."""
-    from runtime.speculative import TargetRunner
+    from runtime.engine.speculative import TargetRunner
 
     stop = frozenset(int(e) for e in eos)
     outs = []

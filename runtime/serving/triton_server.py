@@ -3,7 +3,7 @@
 The wheel bundles the server binary (2.51.0), its libraries and the Python backend, but not in a layout the
 server can use as is: the Python-backend stub for this interpreter has to sit next to `libtriton_python.so`
 in a backend directory, the stub must find this venv's `python3` first on PATH (numpy < 2 lives there) and
-the interpreter's own libpython first in LD_LIBRARY_PATH. See `../shared/reference/triton-cpu-server.md`.
+the interpreter's own libpython first in LD_LIBRARY_PATH.
 
 What this module guarantees:
 - every endpoint is bound to 127.0.0.1, on free ports unless ports are given;
@@ -31,10 +31,10 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.errors import SpecpipeError
+from runtime.errors import RuntimeFailure
 
 
-class TritonServerError(SpecpipeError):
+class TritonServerError(RuntimeFailure):
     """The server could not be started, did not get ready, or refused to load a model (message included)."""
 
 

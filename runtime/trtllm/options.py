@@ -1,9 +1,9 @@
 """TensorRT-LLM LLM-API options for a speculative FP8 deployment: generate them for a version, check them.
 
 Pure functions (no TensorRT-LLM import; it cannot be installed here). The field names each version accepts
-come from `runtime/schemas/*.json`, extracted from TensorRT-LLM's `llm_args.py`; the behaviour that differs
-between versions and modes comes from `runtime/compat.py` (with the upstream source of each fact); the
-draft-length schedule and its encodings from `runtime/draft_schedule.py`. Everything the build stage writes
+come from `runtime/trtllm/schemas/*.json`, extracted from TensorRT-LLM's `llm_args.py`; the behaviour that differs
+between versions and modes comes from `runtime/trtllm/compat.py` (with the upstream source of each fact); the
+draft-length schedule and its encodings from `runtime/trtllm/draft_schedule.py`. Everything the build stage writes
 goes through `unknown_keys` (every key exists in the targeted version's schema) and `consistency_checks`
 (named checks for the mistakes that make a deployment load but run badly, or not load).
 """
@@ -17,9 +17,8 @@ from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
-from runtime import compat, draft_schedule, hf_config
-from runtime.draft_schedule import DraftSchedule
-
+from runtime.trtllm import compat, draft_schedule, hf_config
+from runtime.trtllm.draft_schedule import DraftSchedule
 
 # ------------------------------------------------------------------------------------------ schemas
 
@@ -27,7 +26,7 @@ from runtime.draft_schedule import DraftSchedule
 @lru_cache(maxsize=None)
 def load_schema(name: str) -> dict:
     """A packaged schema: 'trtllm-1.2', 'trtllm-1.3' or 'triton-llmapi-model'."""
-    return json.loads(resources.files("runtime").joinpath("schemas", f"{name}.json").read_text())
+    return json.loads(resources.files("runtime.trtllm").joinpath("schemas", f"{name}.json").read_text())
 
 
 def _class_fields(schema: dict, cls: str) -> set[str]:
@@ -165,7 +164,7 @@ def llm_api_options(spec: DeploymentSpec) -> dict:
     guard, _ = acceptance_guard(rel, mode, spec.acceptance_window, spec.min_acceptance_rate, sc["max_draft_len"])
     sc.update(guard)
     if spec.algorithm == "eagle3" and mode == "two_model":
-        opts["disable_overlap_scheduler"] = True   # two-model EAGLE-3 needs it (reference §2)
+        opts["disable_overlap_scheduler"] = True   # two-model EAGLE-3 runs only with it disabled
     opts["speculative_config"] = sc
     return opts
 
@@ -333,8 +332,8 @@ def consistency_checks(options: dict, *, version: str, algorithm: str, target_di
 
     tcfg, _ = _read_json(Path(target_dir) / "config.json")
     rp = hf_config.problems(tcfg, rel.hf_rope_form, expected_theta=target_rope_theta)
-    add("target_rope", not rp, f"target config.json, read as TensorRT-LLM {version} reads it "
-        f"({'transformers 4.57: rope_theta/rope_scaling' if rel.hf_rope_form == 'legacy' else 'transformers 5: rope_parameters'}): "
+    form = 'transformers 4.57: rope_theta/rope_scaling' if rel.hf_rope_form == 'legacy' else 'transformers 5: rope_parameters'
+    add("target_rope", not rp, f"target config.json, read as TensorRT-LLM {version} reads it ({form}): "
         + ("; ".join(rp) if rp else f"theta {hf_config.read(tcfg).theta:g}" if hf_config.read(tcfg) else ""))
 
     if not sc:
@@ -347,7 +346,8 @@ def consistency_checks(options: dict, *, version: str, algorithm: str, target_di
                       target_hidden_size, num_target_layers, capture_layers, schedule, draft_rope_theta)
 
     bad = unknown_keys(options, version)
-    add("schema_keys", not bad, f"keys unknown to TensorRT-LLM {version}: {bad}" if bad else f"every key exists in TensorRT-LLM {version}")
+    add("schema_keys", not bad, f"keys unknown to TensorRT-LLM {version}: "
+                                f"{bad}" if bad else f"every key exists in TensorRT-LLM {version}")
     return checks
 
 
@@ -420,7 +420,8 @@ def _draft_checks(add, options, sc, rel, version, mode, algorithm, draft_dir, ta
              "midlayer and its loader does not remap them, so they would be skipped silently" if stale else
              "the draft has no decoder-layer tensors" if not layer_names else
              f"decoder-layer tensors named as TensorRT-LLM {version} reads them "
-             f"({'midlayer.*' if rel.eagle3_draft_layer_prefix == 'midlayer' else 'layers.<i>.* remapped by the loader, or midlayer.*'})"))
+             "(" + ('midlayer.*' if rel.eagle3_draft_layer_prefix == 'midlayer'
+                    else 'layers.<i>.* remapped by the loader, or midlayer.*') + ")"))
     else:
         add("draft_vocab", True, f"not applicable to {algorithm} (the draft reuses the target's vocabulary)")
         bs = dcfg.get("block_size")

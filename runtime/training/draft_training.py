@@ -2,7 +2,7 @@
 
 Runs in-process (`train(job)`) or as N processes under torchrun:
 
-    torchrun --nproc-per-node 8 -m runtime.draft_training --job job.json
+    torchrun --nproc-per-node 8 -m runtime.training.draft_training --job job.json
 
 With `fsdp` in the job (several processes), the target is never loaded whole: its decoder layers are sharded
 over all processes with FSDP2 (`load_target_skeleton`, `shard_target_layers`) and the draft's gradients are
@@ -515,15 +515,15 @@ def runtime_acceptance(target_dir: str | Path, draft_dir: str | Path, prompts: d
                        draft_len: int, batch_size: int, eos_token_ids: list[int], device: str = "cpu", seed: int = 0,
                        expected_capture_layers: list[int] | None = None) -> dict:
     """The acceptance estimate through specpipe's speculative runtime, with the `validate` stage's definition and
-    procedure: the target (here the BF16 checkpoint) and the draft as exported (`runtime.drafts.load_draft`, ModelOpt's
+    procedure: the target (here the BF16 checkpoint) and the draft as exported (`runtime.engine.drafts.load_draft`, ModelOpt's
     first-layer norm, as trained), greedy, `batch_size` prompts per `generate` call, at most `osl` new tokens, a
     request stopping at the first of `eos_token_ids`; AL per domain = (verification steps + accepted draft tokens) /
     verification steps over all its requests (`RunStats.acceptance_length`), overall the same over every domain."""
     import torch
 
-    from runtime.draft_schedule import dflash_max_draft_len
-    from runtime.drafts import load_draft
-    from runtime.speculative import RunStats, SpeculativeEngine, load_target, target_shape
+    from runtime.engine.drafts import load_draft
+    from runtime.engine.speculative import RunStats, SpeculativeEngine, load_target, target_shape
+    from runtime.trtllm.draft_schedule import dflash_max_draft_len
 
     t0 = time.monotonic()
     model = load_target(target_dir, device=device)

@@ -25,7 +25,7 @@ EAGLE-3 (`speculators_model_type: eagle3`, `architectures: ["Eagle3Speculator"]`
 - `norm_before_residual: false` (ModelOpt's residual is the un-normalized fc output); vLLM defaults it to TRUE
   when the key is absent, so it is always written.
 - first layer: speculators and vLLM compute `hidden_norm(h)` for the hidden half; ModelOpt's HF module trained
-  `hidden_norm(input_layernorm(h))` (see runtime/drafts.py). The format cannot express the latter, so the vLLM
+  `hidden_norm(input_layernorm(h))` (see runtime/engine/drafts.py). The format cannot express the latter, so the vLLM
   draft computes what specpipe's runtime calls `first_layer_norm="serving"` (TensorRT-LLM's computation too).
 
 DFlash (`speculators_model_type: dflash`, `architectures: ["DFlashSpeculator"]`):
@@ -48,7 +48,7 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runtime.draft_schedule import dflash_max_draft_len
+from runtime.trtllm.draft_schedule import dflash_max_draft_len
 
 SPECULATORS_VERSION = "0.9.0"
 WEIGHTS_FILE = "model.safetensors"
@@ -204,7 +204,7 @@ def write_speculators_draft(draft_dir: str | Path, out_dir: str | Path, *, targe
     import torch
     from safetensors.torch import save_file
 
-    from runtime.drafts import DFLASH_ARCH, EAGLE3_ARCH
+    from runtime.engine.drafts import DFLASH_ARCH, EAGLE3_ARCH
 
     draft_dir, out_dir, target_dir = Path(draft_dir), Path(out_dir), Path(target_dir)
     if speculative_tokens < 1:

@@ -280,7 +280,8 @@ def resolve_stop_ids(tok, *, config_eos, generation_eos, template: str | None = 
                 rejected.append({"id": i, "token": None, "source": src, "why": f"not a token id of the tokenizer (size {size})"})
             elif i in header:
                 rejected.append({"id": i, "token": name(i), "source": src,
-                                 "why": f"it is part of the chat template's assistant header {header_text!r}: it starts a turn, it does not end one"})
+                                 "why": f"it is part of the chat template's assistant header {header_text!r}: it starts a turn, "
+                                        "it does not end one"})
             else:
                 ids.append(i)
     warnings = list(notes)

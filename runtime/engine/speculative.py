@@ -21,24 +21,35 @@ acceptance (P(position j accepted | positions < j accepted)), and draft vs targe
 from __future__ import annotations
 
 import abc
-
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
 from pathlib import Path
+from typing import Callable, Iterable
 
 import torch
 
-from runtime.draft_schedule import dflash_max_draft_len
-from runtime.drafts import (FusedLayer, KVCache, LogitsHead, Norm, RopeTable, TargetShape, attention, causal_mask,
-                            load_draft, positions_for, qdq_e4m3_fast, resolve_compute)
+from runtime.engine.drafts import (
+    FusedLayer,
+    KVCache,
+    LogitsHead,
+    Norm,
+    RopeTable,
+    TargetShape,
+    attention,
+    causal_mask,
+    load_draft,
+    positions_for,
+    qdq_e4m3_fast,
+    resolve_compute,
+)
+from runtime.trtllm.draft_schedule import dflash_max_draft_len
 
 # ---------------------------------------------------------------------------------------------- target
 
 
 def load_target(path: str | Path, *, device="cpu", compute_dtype=torch.float32):
-    """The one place the runtime loads a target checkpoint: BF16 or ModelOpt FP8 through `runtime.fp8`."""
-    from runtime.fp8 import load_causal_lm
+    """The one place the runtime loads a target checkpoint: BF16 or ModelOpt FP8 through `runtime.engine.fp8`."""
+    from runtime.engine.fp8 import load_causal_lm
 
     return load_causal_lm(path, device=device, compute_dtype=compute_dtype)
 
@@ -52,9 +63,9 @@ class TargetRunner:
     """Runs a Hugging Face Llama-family causal LM with a KV cache of per-row lengths, returning logits and the
     outputs of chosen layers. The layers' weights are prepared once (`TargetPlan`): q/k/v and gate/up as one GEMM
     each, norms and RoPE with fewer ops, the lm_head only where logits are asked for; FP8Linear layers and FP8 KV
-    scales from `runtime.fp8` compute as there.
+    scales from `runtime.engine.fp8` compute as there.
 
-    `compute` (`runtime.drafts.resolve_compute`): `fp32` (default) is the exact mode, the arithmetic of the loaded
+    `compute` (`runtime.engine.drafts.resolve_compute`): `fp32` (default) is the exact mode, the arithmetic of the loaded
     modules, which validate's exact check and every stage use; `bf16` runs the GEMMs on bf16 weights (half the
     bytes streamed per token, native bf16 GEMMs where the CPU has them), the rest in float32; `auto` picks `bf16`
     on a CPU with native bf16 GEMMs. docs/benchmarks.md has what each costs and how far apart their outputs are."""
@@ -78,7 +89,7 @@ class TargetRunner:
         self.plan = target_plan(model, self.compute)
         self.act_dtype = self.param_dtype if self.compute == "fp32" else torch.float32
         self.cache: KVCache | None = None
-        self._qdq = qdq_e4m3_fast       # FP8 KV: runtime.fp8.qdq_e4m3's arithmetic in fewer ops
+        self._qdq = qdq_e4m3_fast       # FP8 KV: runtime.engine.fp8.qdq_e4m3's arithmetic in fewer ops
         # the FP8 KV scales of each layer as float32 scalars on the device (None: not an FP8 KV cache)
         self._kv_scales = [tuple(None if s is None else s.detach().float().reshape(()).to(self.device)
                                  for s in (getattr(layer.self_attn, "fp8_k_scale", None),
@@ -437,7 +448,7 @@ class SpeculativeEngine:
     """`generate(prompts, ...)`: speculative decoding when a drafter is given and draft_len > 0, plain
     autoregressive decoding otherwise (same target code path, one token per step). `batch(...)` gives the
     step-wise core that `generate` loops over, for callers that add and remove requests while others decode
-    (continuous batching in `runtime.batching`)."""
+    (continuous batching in `runtime.serving.batching`)."""
 
     def __init__(self, target_model, draft=None, *, drafter: Drafter | None = None, compute: str = "fp32"):
         """`compute`: `fp32` (the exact mode, default) | `bf16` | `auto`, for the target and the draft alike (see
@@ -794,7 +805,7 @@ def _cat_caches(a: KVCache, b: KVCache, min_capacity: int = 0) -> KVCache:
 
 def load_pair(target_dir, draft_dir, *, device="cpu", compute_dtype=torch.float32, **draft_kw):
     """Target + draft from their deployed directories, with the pairing checks; returns (model, draft).
-    `draft_kw`: strict, first_layer_norm, expected_capture_layers (see `runtime.drafts.load_draft`)."""
+    `draft_kw`: strict, first_layer_norm, expected_capture_layers (see `runtime.engine.drafts.load_draft`)."""
     model = load_target(target_dir, device=device, compute_dtype=compute_dtype)
     draft = load_draft(draft_dir, target_shape(model), compute_dtype=compute_dtype, device=device, **draft_kw)
     return model, draft

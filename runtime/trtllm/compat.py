@@ -51,7 +51,7 @@ PYTORCH_QUANT_ALGOS = frozenset({
 @dataclass(frozen=True)
 class Release:
     line: str                      # "1.2" / "1.3"
-    schema: str                    # runtime/schemas/<schema>.json
+    schema: str                    # runtime/trtllm/schemas/<schema>.json
     algorithms: frozenset[str]     # specpipe draft algorithms this version's PyTorch backend serves
     decoding_types: dict           # specpipe algorithm -> speculative_config.decoding_type
     schedule_semantics: Semantics
@@ -116,7 +116,8 @@ SOURCES: dict[str, str] = {
     "zero_draft_len_one_engine": "PR #16888 (open) 'Keep drafting alive when dynamic draft length hits its floor': "
                                  "a schedule resolving to 0, and max_concurrency (translated into one), skip drafting in "
                                  "one-engine mode and corrupt drafter state; acceptance collapses after resuming",
-    "acceptance_guard_1_2": "tensorrt_llm/_torch/speculative/speculation_gate.py stored 41080dc55e22d58ad38a78f8ca6143a88e903468: "
+    "acceptance_guard_1_2": "tensorrt_llm/_torch/speculative/speculation_gate.py stored "
+                            "41080dc55e22d58ad38a78f8ca6143a88e903468: "
                             "record_avg_decoded compares mean(max(0, avg_decoded_tokens_per_iter - 1)) over the last "
                             "`window` completed requests with the threshold",
     "acceptance_guard_1_3": "PR #12905: acceptance_rate_window_size / acceptance_rate_threshold, rate accepted / drafted in "
@@ -142,7 +143,7 @@ class Container:
     kind: Literal["triton", "trtllm"]   # Triton with the TensorRT-LLM backend, or TensorRT-LLM's own release image
 
 
-# §6 of the reference. Triton images pin one TensorRT-LLM version each; the 1.1 line is listed for lookups but
+# Triton images pin one TensorRT-LLM version each; the 1.1 line is listed for lookups but
 # specpipe has no field lists for it, so `build` refuses it.
 CONTAINERS: tuple[Container, ...] = (
     *(Container(f"nvcr.io/nvidia/tritonserver:{t}-trtllm-python-py3", "1.2.1", "triton")
@@ -186,11 +187,6 @@ def release(version: str) -> Release:
         raise ValueError(f"TensorRT-LLM {version} is not supported: specpipe has field lists for the 1.2 and 1.3 "
                          f"lines only (e.g. {DEFAULT_TRTLLM_VERSION}, {REFERENCE_1_3})")
     return RELEASES[line]
-
-
-def containers_for(version: str) -> list[Container]:
-    """Images that ship exactly this version (Triton images first)."""
-    return sorted((c for c in CONTAINERS if c.trtllm_version == version), key=lambda c: (c.kind != "triton", c.image))
 
 
 def triton_image_for(version: str) -> str | None:

@@ -1,10 +1,11 @@
 """Text in, text out over specpipe's speculative runtime: the one adapter the CPU Triton model uses.
 
-`runtime.speculative` works on token ids in batches. Serving needs a prompt string, the tokenizer, request
+`runtime.engine.speculative` works on token ids in batches. Serving needs a prompt string, the tokenizer, request
 validation with messages a client can act on, per-step streaming and the per-request statistics TensorRT-LLM
-reports (`acceptance_rate`, `total_accepted_draft_tokens`, `total_draft_tokens`, reference §4). This module
-and `runtime.batching` are the only places that know the runtime's API, so the Triton model
-(runtime/triton_model/model.py) and the tests that compare the server with the in-process runtime go through
+reports (`acceptance_rate`, `total_accepted_draft_tokens`, `total_draft_tokens`: what the LLM-API Triton model
+returns with `sampling_param_return_perf_metrics`). This module
+and `runtime.serving.batching` are the only places that know the runtime's API, so the Triton model
+(runtime/serving/triton_model/model.py) and the tests that compare the server with the in-process runtime go through
 the same code: `ServingEngine.complete` runs one request through the same `batching` job logic the server's
 continuous-batching scheduler runs many requests through.
 
@@ -77,16 +78,15 @@ class GenerationRequest:
 
 class ServingEngine:
     """An FP8 target + draft loaded once. `request(...)` validates, `complete(request)` serves one request
-    in-process; `runtime.batching.Scheduler` serves many at once on the same engine."""
+    in-process; `runtime.serving.batching.Scheduler` serves many at once on the same engine."""
 
     def __init__(self, target_dir: str | Path, draft_dir: str | Path | None, *, draft_len: int, device: str = "cpu",
                  eos_token_ids: list[int] | None = None, compute: str = "fp32"):
-        """`compute`: the runtime's compute mode (`runtime.drafts.resolve_compute`: `fp32` exact, `bf16` faster on
-        CPUs with native bf16 GEMMs, `auto`; docs/serving.md "Compute modes" says what each guarantees)."""
-        import torch
+        """`compute`: the runtime's compute mode (`runtime.engine.drafts.resolve_compute`: `fp32` exact, `bf16` faster
+        on CPUs with native bf16 GEMMs, `auto`; docs/serving.md "Compute modes" says what each guarantees)."""
         from transformers import AutoTokenizer
 
-        from runtime.speculative import SpeculativeEngine, load_pair, load_target
+        from runtime.engine.speculative import SpeculativeEngine, load_pair, load_target
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
         if draft_dir is not None and draft_len > 0:
@@ -101,7 +101,6 @@ class ServingEngine:
         self.eos_token_id = self.tokenizer.eos_token_id
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.context = int(cfg.max_position_embeddings)
-        self._torch = torch
 
     def encode(self, prompt: str) -> list[int]:
         return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
@@ -154,7 +153,7 @@ class ServingEngine:
                  on_text: Callable[[str], None] | None = None) -> Completion:
         """Generate for one prompt in-process (the same job logic as the server). `on_text(cumulative text)` is
         called after every decoding step whose text changed, until a stop string is reached."""
-        from runtime.batching import Job, run_alone
+        from runtime.serving.batching import Job, run_alone
 
         req = prompt if isinstance(prompt, GenerationRequest) else self.request(
             prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop)

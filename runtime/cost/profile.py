@@ -22,15 +22,23 @@ The profile file holds these achieved rates (`machine`), which `tune` uses inste
 from __future__ import annotations
 
 import copy
-import json
 import math
 import platform
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from runtime.costmodel import (Gemm, Machine, ModelShape, Precision, attention_cost, elementwise_bytes, forward_ops,
-                               gemm_op, step_time)
+from runtime.cost.costmodel import (
+    Gemm,
+    Machine,
+    ModelShape,
+    Precision,
+    attention_cost,
+    elementwise_bytes,
+    forward_ops,
+    gemm_op,
+    step_time,
+)
 
 FORMAT = "specpipe.hardware-profile/1"
 DEFAULT_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -183,7 +191,8 @@ def last_level_cache_bytes(device) -> int:
     for idx in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
         try:
             txt = (idx / "size").read_text().strip().upper()
-            best = max(best, int(txt[:-1]) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[txt[-1]] if txt[-1] in "KMG" else int(txt))
+            best = max(best, int(txt[:-1]) * {"K": 1 << 10, "M": 1 << 20,
+                                              "G": 1 << 30}[txt[-1]] if txt[-1] in "KMG" else int(txt))
         except (OSError, ValueError, KeyError):
             continue
     return best or (32 << 20)
@@ -228,7 +237,7 @@ def calibrate(shape: ModelShape, gemm_dtype: str, device, *, context: int = 512,
         for k, n in gemm_shapes(shape):
             mm = Matmul(k, n, gemm_dtype, device, gen)
             x = rnd(peak_rows, k)
-            t = timeit(lambda: mm(x), device)
+            t = timeit(lambda mm=mm, x=x: mm(x), device)
             flops, secs = flops + 2.0 * peak_rows * k * n, secs + t
             peak_gemms.append({"rows": peak_rows, "k": k, "n": n, "seconds": t})
             del mm, x
@@ -543,30 +552,15 @@ def check_profile(doc: dict) -> list[str]:
 # ------------------------------------------------------------------------------------------ `specpipe profile`
 
 
-def shapes_from_workdir(cfg, artifacts_dir: Path) -> tuple[dict[str, ModelShape], str]:
-    """The target's (and, once trained, the draft's) shapes: from the committed artifacts, else, for the
-    built-in tiny target, from its config section. UsageError when neither is available."""
-    from pipeline.errors import UsageError
-    from runtime.costmodel import draft_shape, llama, target_shape
+def shapes_from_artifacts(target: dict, draft: dict | None = None, draft_config: dict | None = None) -> dict[str, ModelShape]:
+    """The target's (and, once trained, the draft's) shapes from `target.json` and `draft.json` + the draft's
+    `config.json` (the caller reads them: `pipeline.artifacts`)."""
+    from runtime.cost.costmodel import draft_shape, target_shape
 
-    tj = artifacts_dir / "target" / "target.json"
-    if (artifacts_dir / "target" / "manifest.json").is_file() and tj.is_file():
-        t = json.loads(tj.read_text())
-        shapes = {"target": target_shape(t)}
-        src = f"{tj}"
-        dj, dc = artifacts_dir / "train_draft" / "draft.json", artifacts_dir / "train_draft" / "draft" / "config.json"
-        if (artifacts_dir / "train_draft" / "manifest.json").is_file() and dj.is_file() and dc.is_file():
-            shapes["draft"] = draft_shape(json.loads(dj.read_text()), json.loads(dc.read_text()), t["hidden_size"])
-            src += f", {dj}"
-        return shapes, src
-    tcfg = getattr(cfg, "target", None)
-    if tcfg is not None and getattr(tcfg, "bootstrap", None) == "tiny":
-        t = tcfg.tiny
-        return {"target": llama("target", num_layers=t.num_layers, hidden=t.hidden_size, heads=t.num_heads,
-                                kv_heads=t.num_kv_heads, intermediate=t.intermediate_size, vocab=t.vocab_size)}, \
-            "target.tiny (no target artifact yet)"
-    raise UsageError(f"no committed target artifact in {artifacts_dir}: run `specpipe build CONFIG --only target` "
-                     "first (the profile measures the target's layer shapes)")
+    shapes = {"target": target_shape(target)}
+    if draft is not None and draft_config is not None:
+        shapes["draft"] = draft_shape(draft, draft_config, target["hidden_size"])
+    return shapes
 
 
 def resolve_device_dtype(device_opt: str, dtype_opt: str):
@@ -574,10 +568,10 @@ def resolve_device_dtype(device_opt: str, dtype_opt: str):
     other GPUs, float32 on a CPU (its float32 GEMMs are the fast, well-defined path)."""
     import torch
 
-    from pipeline.errors import UsageError
+    from runtime.errors import RuntimeUsageError
 
     if device_opt == "cuda" and not torch.cuda.is_available():
-        raise UsageError("run.device is cuda but no CUDA device is visible")
+        raise RuntimeUsageError("run.device is cuda but no CUDA device is visible")
     dev = torch.device("cuda" if device_opt in ("cuda", "auto") and torch.cuda.is_available() else "cpu")
     if dtype_opt == "auto":
         if dev.type == "cuda":
@@ -585,5 +579,5 @@ def resolve_device_dtype(device_opt: str, dtype_opt: str):
         else:
             dtype_opt = "float32"
     if dtype_opt == "fp8" and dev.type != "cuda":
-        raise UsageError("--dtype fp8 needs a CUDA GPU with FP8 tensor cores (torch._scaled_mm)")
+        raise RuntimeUsageError("--dtype fp8 needs a CUDA GPU with FP8 tensor cores (torch._scaled_mm)")
     return dev, dtype_opt

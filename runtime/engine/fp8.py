@@ -30,7 +30,7 @@ does, reproducing TensorRT-LLM's arithmetic (sources named where each rule is im
   ModelOpt's fake-quant model computes).
 - `load_causal_lm` loads either a plain (BF16/FP16/FP32) checkpoint or an FP8 one behind one call; tied
   input/output embeddings (`tie_word_embeddings`) share one tensor, as in the deployment.
-- `swap_fp8_linears` / `load_fp8_state_dict` / `fp8_linears_from_safetensors` / `load_state_dict_dequantized`
+- `swap_fp8_linears` / `load_fp8_state_dict` / `load_state_dict_dequantized`
   do the same for any module tree (the EAGLE-3 draft `LlamaForCausalLMEagle3`, which transformers has no
   class for), keyed by the checkpoint's tensor names.
 
@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.placement import place
+from runtime.engine.placement import place
 
 log = logging.getLogger(__name__)
 
@@ -337,11 +337,6 @@ def fp8_linears_from_state_dict(state_dict: Mapping[str, torch.Tensor], *, compu
     return out
 
 
-def fp8_linears_from_safetensors(path: str | Path, **kw) -> dict[str, FP8Linear]:
-    """`fp8_linears_from_state_dict` of a checkpoint directory or safetensors file."""
-    return fp8_linears_from_state_dict(read_safetensors(path), **kw)
-
-
 def load_state_dict_dequantized(path_or_sd: str | Path | Mapping[str, torch.Tensor],
                                 dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """A plain state dict: FP8 weights multiplied by their `weight_scale`, scale tensors dropped, other floating
@@ -435,7 +430,7 @@ KV_SCALE_MODES = ("unit", "checkpoint")
 def attach_kv_scales(module: nn.Module, state_dict: Mapping[str, torch.Tensor], mode: str = "checkpoint") -> int:
     """Give every attention module whose checkpoint has `<attn>.k_proj.k_scale` / `<attn>.v_proj.v_scale` the
     buffers `fp8_k_scale` / `fp8_v_scale`, used by the `specpipe_fp8_kv` attention function (and by
-    `runtime.speculative.TargetRunner`). mode "checkpoint": the calibrated scales (ModelOpt's fake-quant model);
+    `runtime.engine.speculative.TargetRunner`). mode "checkpoint": the calibrated scales (ModelOpt's fake-quant model);
     "unit": 1.0, what TensorRT-LLM 1.2's PyTorch attention backend applies to an FP8 KV cache whatever the
     checkpoint holds (tensorrt_llm/_torch/attention_backend/trtllm.py @ 9144c0e6: `kv_cache_scaling_factor`
     is ones and is passed unchanged as kv_scale_orig_quant/kv_scale_quant_orig; only NVFP4 KV overrides it).
@@ -504,7 +499,7 @@ def load_causal_lm(path: str | Path, *, device: str | torch.device = "cpu", comp
                    spread: bool = False, kv_scales: str = "unit", trtllm_fused_scales: bool = True):
     """Load a causal LM checkpoint for inference, whether plain (BF16/FP16/FP32) or ModelOpt FP8 unified
     (quant_algo FP8 or FP8_PER_CHANNEL_PER_TOKEN). `spread`: on CUDA, a model larger than one GPU goes over all
-    of them (`runtime.placement`; only for callers that run the model through its own forward, whose hooks move
+    of them (`runtime.engine.placement`; only for callers that run the model through its own forward, whose hooks move
     activations between GPUs).
 
     FP8 checkpoints: every FP8 linear becomes an `FP8Linear` (weights dequantized with `weight_scale`, per tensor

@@ -1,4 +1,4 @@
-"""Continuous batching over the speculative engine's step-wise core (`runtime.speculative.DecodeBatch`).
+"""Continuous batching over the speculative engine's step-wise core (`runtime.engine.speculative.DecodeBatch`).
 
 One scheduler thread owns the engine. Requests arrive from any thread (`Scheduler.submit`) into a bounded
 FIFO queue; between two decoding steps the scheduler admits waiting requests into the running batch (one
@@ -28,7 +28,7 @@ import time
 import traceback
 from typing import Callable
 
-from runtime.serving import Completion, GenerationRequest, Overloaded, ServingEngine, first_stop, now_ns
+from runtime.serving.adapter import Completion, GenerationRequest, Overloaded, ServingEngine, first_stop, now_ns
 
 
 class Job:

@@ -156,12 +156,12 @@ class Machine:
     cache_bytes: float = 0.0
     cache_bandwidth: float = 0.0
     # Measured GEMM efficiency by row count: ((rows, factor), ...) sorted by rows, factor = measured time of a
-    # GEMM at that many rows / this model's time for it (`runtime.profile.calibrate`). Kernels change with M
+    # GEMM at that many rows / this model's time for it (`runtime.cost.profile.calibrate`). Kernels change with M
     # (a CPU runs one row as a GEMV and two or more as a packed GEMM at twice the cost; a GPU picks tiles by
     # M); between the measured row counts the factor is interpolated in log(rows). Empty: factor 1.
     gemm_row_factors: tuple = ()
     # Measured weight-streaming rate by working set: ((bytes, bytes/s), ...) sorted by bytes, from a GEMV cycling
-    # through that many bytes of weights (`runtime.profile.calibrate`). Replaces the cache_bytes blend above
+    # through that many bytes of weights (`runtime.cost.profile.calibrate`). Replaces the cache_bytes blend above
     # when present: how much of a working set a real cache keeps is measured, not assumed. Interpolated in
     # log-log; below the smallest point its rate, above the largest the streaming `bandwidth`.
     footprint_bandwidth: tuple = ()
@@ -425,7 +425,7 @@ def choose_k(dep: Deployment, curves: dict[str, list[float]], weights: dict[str,
     `tie_tolerance` of the best (a draft token that buys almost nothing still costs token budget and is
     the first to hurt when acceptance drifts). Speculation is off (k = 0) when even the best falls below
     `min_speedup`, unless `min_k` >= 1: a deployment that cannot switch speculation off at one batch size
-    (TensorRT-LLM one-engine mode, see runtime.compat) gets the best k >= min_k there instead.
+    (TensorRT-LLM one-engine mode, see runtime.trtllm.compat) gets the best k >= min_k there instead.
     """
     base = dep.target_time(batch, 1)
     sp = [1.0] + [mix_expected_tokens(curves, weights, k) * base / dep.spec_time(batch, k) for k in range(1, K + 1)]

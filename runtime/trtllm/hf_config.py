@@ -2,7 +2,7 @@
 
 transformers 5 writes RoPE as `rope_parameters` ({"rope_type", "rope_theta", scaling fields}) and drops the
 top-level `rope_theta`; ModelOpt's EAGLE-3 export writes `rope_theta` plus a `rope_scaling` dict that may be
-{"rope_type": "default", "rope_theta": ...}. The readers differ (runtime/compat.py, SOURCES "transformers_1_2",
+{"rope_type": "default", "rope_theta": ...}. The readers differ (runtime/trtllm/compat.py, SOURCES "transformers_1_2",
 "rope_1_2"):
 
 - TensorRT-LLM 1.2 pins transformers 4.57.1 and reads `config.rope_theta` (default 10000 when absent: SmolLM2's

@@ -3,7 +3,7 @@
 A `DraftSchedule` is a step function over batch sizes 1, 2, ...: runs `(first, last, k)` (batch sizes first..last
 use k draft tokens; the last run is open-ended, `last` None). It is version-free. This module also owns its
 translations to and from TensorRT-LLM's settings (`max_draft_len`, `draft_len_schedule`, `max_concurrency`) in
-each version's semantics and for each execution mode (`runtime.compat.Release`), and the rule that bounds a
+each version's semantics and for each execution mode (`runtime.trtllm.compat.Release`), and the rule that bounds a
 DFlash draft's length (`dflash_max_draft_len`). Nothing else in specpipe encodes or decodes these settings.
 
 `tuning.json` stores a schedule once, as `{"runs": [[first, last, k], ...]}` up to the deployment's
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runtime import compat
+from runtime.trtllm import compat
 
 Run = tuple[int, "int | None", int]
 
@@ -109,9 +109,6 @@ class DraftSchedule:
     def speculates(self, max_batch: int) -> bool:
         return self.max_draft_len(max_batch) > 0
 
-    def is_constant(self, max_batch: int) -> bool:
-        return len(self.bounded(max_batch)) == 1
-
     def describe(self, max_batch: int) -> str:
         return "; ".join(f"batch {a}-{b}: {'off' if k == 0 else f'k={k}'}" for a, b, k in self.bounded(max_batch))
 
@@ -187,7 +184,7 @@ def decode(spec: dict, rel: compat.Release, mode: compat.Mode, max_batch: int) -
 
 
 def schedule_problems(sched: dict, max_draft_len: int, rel: compat.Release) -> list[str]:
-    """The version's validation rules for draft_len_schedule (llm_args.py; runtime/schemas `rules`)."""
+    """The version's validation rules for draft_len_schedule (llm_args.py; runtime/trtllm/schemas `rules`)."""
     keys = sorted(int(k) for k in sched)
     if not keys:
         return ["draft_len_schedule is empty"]

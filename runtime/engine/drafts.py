@@ -1,5 +1,5 @@
 """Draft models read exactly as ModelOpt 0.47 exports them, plus the cached-attention primitives they share
-with the target runner in `runtime.speculative`.
+with the target runner in `runtime.engine.speculative`.
 
 Two formats (see `export/plugins/hf_spec_export.py` in ModelOpt):
 
@@ -216,18 +216,18 @@ def resolve_compute(compute: str, device="cpu") -> str:
 
 _FP8 = torch.float8_e4m3fn
 _FP8_MAX = 448.0
-# What an FP8Linear (runtime.fp8) holds when it computes qdq(x, input_scale) @ (weight * weight_scale)^T + bias;
+# What an FP8Linear (runtime.engine.fp8) holds when it computes qdq(x, input_scale) @ (weight * weight_scale)^T + bias;
 # one with anything else (another recipe) runs through its own forward instead of a fused GEMM.
 _FP8_BUFFERS = {"weight", "weight_scale", "input_scale", "bias"}
 _FP8_ATTRS = {"out_features", "in_features", "compute_dtype", "use_scaled_mm", "dynamic_per_token", "_w_cache"}
 
 
 def qdq_e4m3_fast(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """`runtime.fp8.qdq_e4m3` (x * (1 / scale) -> clamp +-448 -> E4M3 -> float32 * scale, TensorRT-LLM's static
+    """`runtime.engine.fp8.qdq_e4m3` (x * (1 / scale) -> clamp +-448 -> E4M3 -> float32 * scale, TensorRT-LLM's static
     quantization) in fewer ops, for float32 x and a float32 scale already on x's device; the same arithmetic, bit
     for bit (tests/test_runtime_speed.py)."""
     if x.dtype != torch.float32 or scale.dtype != torch.float32 or scale.device != x.device:
-        from runtime.fp8 import qdq_e4m3
+        from runtime.engine.fp8 import qdq_e4m3
 
         return qdq_e4m3(x, scale)
     return (x * (1.0 / scale)).clamp_(-_FP8_MAX, _FP8_MAX).to(_FP8).float().mul_(scale)
@@ -268,7 +268,7 @@ class Gemm:
     activation dtype (float32, or the loaded parameters' dtype in the fp32 mode).
 
     fp32 mode: dense weights as loaded (on CPU stored transposed, [in, out], which MKL runs faster at 2-20 rows);
-    FP8 linears as `runtime.fp8.FP8Linear` emulates them: qdq(x) @ (weight * weight_scale)^T, qdq with the static
+    FP8 linears as `runtime.engine.fp8.FP8Linear` emulates them: qdq(x) @ (weight * weight_scale)^T, qdq with the static
     input scale or per token (FP8_PER_CHANNEL_PER_TOKEN; one row's scale is shared by the fused members).
     bf16 mode, on CPU through oneDNN with the weights reordered once for its kernels: dense weights in bf16,
     activations rounded to bf16; FP8 linears multiply the E4M3 codes of the quantized activation and of the weight
@@ -308,7 +308,7 @@ class Gemm:
                 self._w_exact = w            # for `LogitsHead` refinement (no copy: concatenation of one is a view)
                 w = w.to(torch.bfloat16)
         else:
-            from runtime.fp8 import dequantize_weight
+            from runtime.engine.fp8 import dequantize_weight
 
             self.act_dtype = mods[0].compute_dtype
             s_in = mods[0].input_scale if kind == "fp8" else None
@@ -344,7 +344,7 @@ class Gemm:
         quantize-dequantize)."""
         if self.compute == "bf16":
             if self.kind == "fp8_tok":
-                from runtime.fp8 import quantize_per_token
+                from runtime.engine.fp8 import quantize_per_token
 
                 q, s = quantize_per_token(x)
                 return q.to(torch.bfloat16), s
@@ -354,7 +354,7 @@ class Gemm:
         if x.dtype != self.act_dtype:
             x = x.to(self.act_dtype)
         if self.kind == "fp8_tok":
-            from runtime.fp8 import qdq_per_token
+            from runtime.engine.fp8 import qdq_per_token
 
             return qdq_per_token(x), None
         if self.kind == "fp8" and self.in_scale is not None:
@@ -519,11 +519,11 @@ def rope_heads(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
 
 def make_linear(sd: dict, prefix: str, compute_dtype: torch.dtype) -> nn.Module:
     """A Linear from `prefix.weight` (+ bias). FP8 weights (ModelOpt: float8_e4m3fn + weight_scale/input_scale)
-    go through the shared FP8 code in `runtime.fp8`."""
+    go through the shared FP8 code in `runtime.engine.fp8`."""
     w = sd[f"{prefix}.weight"]
     b = sd.get(f"{prefix}.bias")
     if w.dtype == torch.float8_e4m3fn:
-        from runtime.fp8 import FP8Linear
+        from runtime.engine.fp8 import FP8Linear
 
         if f"{prefix}.weight_scale" not in sd:
             raise DraftFormatError(f"{prefix}.weight is float8 but {prefix}.weight_scale is missing")
@@ -726,7 +726,7 @@ def _check_eagle3(cfg: dict, sd: dict, path: Path, target: TargetShape | None, s
     allowed = required | {"d2t", "norm.weight"} | {k.replace(".weight", ".bias") for k in required}
     unexpected = sorted(keys - allowed)
     if missing:
-        raise DraftFormatError(f"{path}: missing tensors {missing}; the EAGLE-3 export must have " 
+        raise DraftFormatError(f"{path}: missing tensors {missing}; the EAGLE-3 export must have "
                                "fc, layers.*.{{input_layernorm,post_attention_layernorm,self_attn.*,mlp.*}}, "
                                "layers.0.hidden_norm, norm, lm_head")
     if unexpected:

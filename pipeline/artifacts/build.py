@@ -1,0 +1,20 @@
+"""The `build` artifact: `deployment/` (LLM-API options, commands, the draft TensorRT-LLM loads) and
+`deployment.json`."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline.artifacts import read_json
+
+INFO = "deployment.json"
+
+
+def read_deployment(art: Path) -> dict:
+    return read_json(art, INFO, ("trtllm_version", "target_dir", "draft_dir", "options_file", "serving_image"))
+
+
+def read_options(art: Path, deployment: dict) -> dict:
+    """The LLM-API options build wrote (`deployment.json` `options_file`, relative to the artifact)."""
+    import yaml
+
+    return yaml.safe_load((Path(art) / deployment["options_file"]).read_text())

@@ -1,0 +1,1 @@
+"""The step-cost model and draft-length optimiser, and `specpipe profile`'s measurements that calibrate it."""

@@ -1,0 +1,1 @@
+"""Training the draft (in-process or as a torchrun worker) and the named checks of its export."""

@@ -1,0 +1,1 @@
+"""The exported draft in the speculators format that vLLM loads."""
