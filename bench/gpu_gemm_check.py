@@ -227,9 +227,11 @@ def markdown(res: dict) -> str:
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for p in s["points"]:
             cal = (f"{p['calibrated_ms']:.3f} | {100 * p['calibrated_error']:+.1f}%" if "calibrated_ms" in p else "- | -")
-            lines.append(f"| {p['rows']} | {p['measured_ms']:.3f} | {p['datasheet_ms']:.3f} | {100 * p['datasheet_error']:+.1f}% | "
-                         f"{p['default_efficiency_ms']:.3f} | {100 * p['default_efficiency_error']:+.1f}% | {cal} | "
-                         f"{p['achieved_tflops']:.1f} | {p['achieved_tb_s']:.2f} |")
+            lines.append(
+                f"| {p['rows']} | {p['measured_ms']:.3f} | {p['datasheet_ms']:.3f} | {100 * p['datasheet_error']:+.1f}% | "
+                f"{p['default_efficiency_ms']:.3f} | {100 * p['default_efficiency_error']:+.1f}% | {cal} | "
+                f"{p['achieved_tflops']:.1f} | {p['achieved_tb_s']:.2f} |"
+            )
         errs = [abs(p["datasheet_error"]) for p in s["points"]]
         if errs:
             lines += ["", f"max |datasheet error| {100 * max(errs):.1f}%, mean {100 * sum(errs) / len(errs):.1f}%", ""]

@@ -86,7 +86,9 @@ class Eagle3(Strict):
         "the 3 target layers to capture, 0-based (stored sorted); default TensorRT-LLM's (1, L//2-1, L-4) when those "
         "are 3 distinct layers, else [0, (L-1)//2, L-1]"))
     ttt_steps: int = Field(3, ge=1, le=16, description="training-time-test steps: draft positions trained per sample")
-    draft_vocab_size: int | None = Field(None, ge=2, description="reduced draft vocabulary (d2t map calibrated on the training data); default: full")
+    draft_vocab_size: int | None = Field(
+        None, ge=2, description="reduced draft vocabulary (d2t map calibrated on the training data); default: full"
+    )
     intermediate_size: int | None = Field(None, ge=1, description="draft MLP width; default: the target's")
     loss_decay_factor: float = Field(0.9, gt=0, le=1, description="weight of TTT step k is factor**k")
 
@@ -106,9 +108,13 @@ class DFlash(Strict):
 
     kind: Literal["dflash"]
     draft_layers: int = Field(2, ge=1, description="draft layers; at most the target's layer count (one target layer feeds each)")
-    target_layer_ids: list[int] | None = Field(None, description="one target layer per draft layer, 0-based; default: ModelOpt's uniform spread")
+    target_layer_ids: list[int] | None = Field(
+        None, description="one target layer per draft layer, 0-based; default: ModelOpt's uniform spread"
+    )
     block_size: int = Field(8, ge=2, le=64, description="tokens per block: the anchor plus block_size-1 drafted tokens")
-    mask_token: str | int | None = Field(None, description="token string or id for masked slots; default: the target tokenizer's mask token")
+    mask_token: str | int | None = Field(
+        None, description="token string or id for masked slots; default: the target tokenizer's mask token"
+    )
     num_anchors: int = Field(32, ge=1, description="random block anchors per sequence and step")
     loss_objective: Literal["dpace", "decay"] = "dpace"
     loss_decay_factor: float = Field(4.0, ge=0, description="gamma of the 'decay' objective (4 for block 8)")
@@ -136,11 +142,17 @@ class Launcher(Strict):
     kind: Literal["none", "torchrun"] = "none"
     nproc_per_node: int = Field(1, ge=1, description="processes per node: the GPU count on GPU nodes")
     nnodes: int = Field(1, ge=1)
-    node_rank: int = Field(0, ge=0, description="this node's rank; the stage runs on node 0, the others run the printed worker command")
+    node_rank: int = Field(
+        0, ge=0, description="this node's rank; the stage runs on node 0, the others run the printed worker command"
+    )
     rdzv_endpoint: str | None = Field(None, description="host:port of node 0 (required when nnodes > 1)")
     rdzv_id: str = "specpipe-train-draft"
     timeout_s: int = Field(24 * 3600, ge=10, description="the whole torchrun job is stopped after this long")
-    fsdp: bool = Field(False, description="shard the frozen target's decoder layers over all processes (FSDP2, read from its safetensors, never loaded whole): each GPU holds 1/N of them, for a target larger than one GPU; the draft is replicated")
+    fsdp: bool = Field(
+        False,
+        description="shard the frozen target's decoder layers over all processes (FSDP2, read from its safetensors, "
+        "never loaded whole): each GPU holds 1/N of them, for a target larger than one GPU; the draft is replicated",
+    )
 
     @model_validator(mode="after")
     def _multi_node(self):
@@ -152,7 +164,9 @@ class Launcher(Strict):
 
 
 class Offline(Strict):
-    max_dump_gb: float | None = Field(None, gt=0, description="refuse a hidden-state dump larger than this (the free-space check always runs)")
+    max_dump_gb: float | None = Field(
+        None, gt=0, description="refuse a hidden-state dump larger than this (the free-space check always runs)"
+    )
 
 
 class Eval(Strict):
@@ -189,14 +203,22 @@ class Config(StageSection):
     seed: int = 0
     checkpoint_every: int = Field(100, ge=1)
     log_every: int = Field(10, ge=1, description="curve points every N steps")
-    dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="training dtype; auto: bfloat16 on GPU, float32 on CPU")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="training dtype; auto: bfloat16 on GPU, float32 on CPU"
+    )
     target_dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description=(
         "the frozen target's weights and forward; bfloat16 under a float32 dtype runs the forward (the target and the "
         "draft's matmuls) under bfloat16 autocast while the draft's master weights, optimizer state and loss stay "
         "float32 (about 2.6x faster steps on CPU for SmolLM2, docs/stages/train_draft.md); auto: the training dtype"))
     torch_compile: bool = False
-    shard_target: bool = Field(False, description="launcher none on a multi-GPU node: spread the target over all visible GPUs (device_map=auto) for a target larger than one GPU")
-    serving_context: int | None = Field(None, ge=16, description="longest context the draft must serve; default: the target's max_position_embeddings")
+    shard_target: bool = Field(
+        False,
+        description="launcher none on a multi-GPU node: spread the target over all visible GPUs (device_map=auto) "
+        "for a target larger than one GPU",
+    )
+    serving_context: int | None = Field(
+        None, ge=16, description="longest context the draft must serve; default: the target's max_position_embeddings"
+    )
     rope_scaling: Literal["auto", "none"] | dict[str, Any] = Field(
         "auto", description="exported RoPE scaling: auto = YaRN only when serving_context exceeds the target's positions")
     eval: Eval = Field(default_factory=Eval)
@@ -220,16 +242,37 @@ def check(cfg) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
     if a.kind == "dflash":
         if sec.seq_len % a.block_size:
-            out.append((f"{p}.seq_len", f"{sec.seq_len} is not divisible by algorithm.block_size {a.block_size} (DFlash trains whole blocks)"))
+            out.append(
+                (
+                    f"{p}.seq_len",
+                    f"{sec.seq_len} is not divisible by algorithm.block_size {a.block_size} (DFlash trains whole blocks)",
+                )
+            )
         from runtime.trtllm.draft_schedule import dflash_max_draft_len
 
         if sec.eval.draft_len and sec.eval.draft_len > dflash_max_draft_len(a.block_size):
-            out.append((f"{p}.eval.draft_len", f"{sec.eval.draft_len} exceeds block_size - 1 = {dflash_max_draft_len(a.block_size)}, what one DFlash block drafts"))
+            out.append(
+                (
+                    f"{p}.eval.draft_len",
+                    f"{sec.eval.draft_len} exceeds block_size - 1 = {dflash_max_draft_len(a.block_size)}, "
+                    "what one DFlash block drafts",
+                )
+            )
     elif sec.eval.draft_len and sec.eval.draft_len > 3 * a.ttt_steps:
-        out.append((f"{p}.eval.draft_len", f"{sec.eval.draft_len} is far beyond the {a.ttt_steps} trained positions (algorithm.ttt_steps)"))
+        out.append(
+            (
+                f"{p}.eval.draft_len",
+                f"{sec.eval.draft_len} is far beyond the {a.ttt_steps} trained positions (algorithm.ttt_steps)",
+            )
+        )
     procs = sec.launcher.nproc_per_node * sec.launcher.nnodes if sec.launcher.kind == "torchrun" else 1
     if sec.shard_target and sec.launcher.kind == "torchrun":
-        out.append((f"{p}.shard_target", "spreads one target copy over all GPUs of one process; it cannot combine with launcher torchrun"))
+        out.append(
+            (
+                f"{p}.shard_target",
+                "spreads one target copy over all GPUs of one process; it cannot combine with launcher torchrun",
+            )
+        )
     if sec.launcher.fsdp and (sec.launcher.kind != "torchrun" or procs < 2):
         out.append((f"{p}.launcher.fsdp", f"shards the target over several processes: it needs launcher.kind torchrun with "
                     f"nproc_per_node x nnodes >= 2 (now {sec.launcher.kind}, {procs} process{'es' if procs != 1 else ''})"))
@@ -244,10 +287,17 @@ def check(cfg) -> list[tuple[str, str]]:
         out.append((f"{p}.target_dtype", "float32 under dtype bfloat16 would run the target above the draft's own "
                     "precision; use target_dtype bfloat16 or auto (the training dtype)"))
     if sec.batch_size % procs:
-        out.append((f"{p}.batch_size", f"{sec.batch_size} is not divisible by the {procs} training processes (launcher.nproc_per_node x nnodes)"))
+        out.append(
+            (
+                f"{p}.batch_size",
+                f"{sec.batch_size} is not divisible by the {procs} training processes (launcher.nproc_per_node x nnodes)",
+            )
+        )
     if cfg.target.bootstrap == "tiny":
         t = cfg.target.tiny
-        out += _shape_problems(sec, t.num_layers, t.vocab_size, f"target.tiny.num_layers={t.num_layers}", f"target.tiny.vocab_size={t.vocab_size}")
+        out += _shape_problems(
+            sec, t.num_layers, t.vocab_size, f"target.tiny.num_layers={t.num_layers}", f"target.tiny.vocab_size={t.vocab_size}"
+        )
     return out
 
 
@@ -261,15 +311,28 @@ def _shape_problems(sec: Config, n_layers: int, vocab: int, layers_src: str, voc
             out.append((f"{p}.kind", f"EAGLE-3 captures {EAGLE3_CAPTURE_LAYERS} distinct target layers, but the target has "
                         f"{n_layers} ({layers_src}); TensorRT-LLM and vLLM load no other shape: use DFlash or a deeper target"))
         elif bad:
-            out.append((f"{p}.aux_layer_ids", f"{bad} out of range: the target has {n_layers} layers (0..{n_layers - 1}; {layers_src})"))
+            out.append(
+                (f"{p}.aux_layer_ids", f"{bad} out of range: the target has {n_layers} layers (0..{n_layers - 1}; {layers_src})")
+            )
         if a.draft_vocab_size and a.draft_vocab_size > vocab:
             out.append((f"{p}.draft_vocab_size", f"{a.draft_vocab_size} exceeds the target vocabulary of {vocab} ({vocab_src})"))
     else:
         if a.draft_layers > n_layers:
-            out.append((f"{p}.draft_layers", f"{a.draft_layers} draft layers need as many target layers to read, but the target has {n_layers} ({layers_src})"))
+            out.append(
+                (
+                    f"{p}.draft_layers",
+                    f"{a.draft_layers} draft layers need as many target layers to read, but the target has "
+                    f"{n_layers} ({layers_src})",
+                )
+            )
         bad = [i for i in (a.target_layer_ids or []) if i >= n_layers]
         if bad:
-            out.append((f"{p}.target_layer_ids", f"{bad} out of range: the target has {n_layers} layers (0..{n_layers - 1}; {layers_src})"))
+            out.append(
+                (
+                    f"{p}.target_layer_ids",
+                    f"{bad} out of range: the target has {n_layers} layers (0..{n_layers - 1}; {layers_src})",
+                )
+            )
         if isinstance(a.mask_token, int) and not 0 <= a.mask_token < vocab:
             out.append((f"{p}.mask_token", f"id {a.mask_token} is not in the target vocabulary of {vocab} ({vocab_src})"))
     return out
@@ -374,25 +437,63 @@ def make_job(ctx: StageContext) -> dict:
     d2t = algo["name"] == "eagle3" and algo["draft_vocab_size"] != summary["vocab_size"]
     return {
         "algorithm": algo,
-        "target": {k: summary[k] for k in ("num_layers", "hidden_size", "intermediate_size", "num_attention_heads",
-                                           "num_key_value_heads", "head_dim", "vocab_size")},
-        "target_dir": str(model_dir), "train_parquet": str(data.path / "train.parquet"), "eval_files": eval_files,
-        "scratch_dir": str(ctx.scratch_dir), "export_dir": str(ctx.out_dir / "draft"),
+        "target": {
+            k: summary[k]
+            for k in (
+                "num_layers",
+                "hidden_size",
+                "intermediate_size",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "head_dim",
+                "vocab_size",
+            )
+        },
+        "target_dir": str(model_dir),
+        "train_parquet": str(data.path / "train.parquet"),
+        "eval_files": eval_files,
+        "scratch_dir": str(ctx.scratch_dir),
+        "export_dir": str(ctx.out_dir / "draft"),
         "d2t_path": str(ctx.scratch_dir / "d2t.pt") if d2t else None,
-        "mode": sec.mode, "max_dump_gb": sec.offline.max_dump_gb, "max_samples": sec.max_samples,
-        "device": device, "train_dtype": train_dtype, "target_dtype": target_dtype, "export_dtype": summary.get("dtype") or "bfloat16",
-        "threads": ctx.config.run.threads, "trust_remote_code": trust, "torch_compile": sec.torch_compile,
+        "mode": sec.mode,
+        "max_dump_gb": sec.offline.max_dump_gb,
+        "max_samples": sec.max_samples,
+        "device": device,
+        "train_dtype": train_dtype,
+        "target_dtype": target_dtype,
+        "export_dtype": summary.get("dtype") or "bfloat16",
+        "threads": ctx.config.run.threads,
+        "trust_remote_code": trust,
+        "torch_compile": sec.torch_compile,
         "shard_target": sec.shard_target and device == "cuda",
         "fsdp": sec.launcher.kind == "torchrun" and sec.launcher.fsdp,
-        "export_rope_scaling": _rope_scaling(sec, positions, serving), "serving_context": serving,
-        "train": {"optimizer": sec.optimizer, "lr": sec.lr, "weight_decay": sec.weight_decay, "betas": list(sec.betas),
-                  "schedule": sec.schedule, "warmup_steps": min(sec.warmup_steps, steps), "min_lr_ratio": sec.min_lr_ratio,
-                  "grad_clip": sec.grad_clip, "steps": steps, "batch_size": sec.batch_size, "seq_len": sec.seq_len,
-                  "seed": sec.seed, "checkpoint_every": sec.checkpoint_every, "log_every": sec.log_every},
-        "eval": {"estimator": sec.eval.estimator, "prompts_per_domain": sec.eval.prompts_per_domain, "osl": sec.eval.osl,
-                 "draft_len": sec.eval.draft_len or algo["trained_draft_len"], "batch_size": sec.eval.batch_size,
-                 # every id that ends a generation (an instruct model's end-of-turn and its eos)
-                 "eos_token_ids": [e for e in (summary.get("eos_token_ids") or [summary.get("eos_token_id")]) if e is not None]},
+        "export_rope_scaling": _rope_scaling(sec, positions, serving),
+        "serving_context": serving,
+        "train": {
+            "optimizer": sec.optimizer,
+            "lr": sec.lr,
+            "weight_decay": sec.weight_decay,
+            "betas": list(sec.betas),
+            "schedule": sec.schedule,
+            "warmup_steps": min(sec.warmup_steps, steps),
+            "min_lr_ratio": sec.min_lr_ratio,
+            "grad_clip": sec.grad_clip,
+            "steps": steps,
+            "batch_size": sec.batch_size,
+            "seq_len": sec.seq_len,
+            "seed": sec.seed,
+            "checkpoint_every": sec.checkpoint_every,
+            "log_every": sec.log_every,
+        },
+        "eval": {
+            "estimator": sec.eval.estimator,
+            "prompts_per_domain": sec.eval.prompts_per_domain,
+            "osl": sec.eval.osl,
+            "draft_len": sec.eval.draft_len or algo["trained_draft_len"],
+            "batch_size": sec.eval.batch_size,
+            # every id that ends a generation (an instruct model's end-of-turn and its eos)
+            "eos_token_ids": [e for e in (summary.get("eos_token_ids") or [summary.get("eos_token_id")]) if e is not None],
+        },
     }
 
 
@@ -466,7 +567,9 @@ def _train_torchrun(ctx: StageContext, job: dict, bars: _Bars) -> dict:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.setdefault("OMP_NUM_THREADS", str(ctx.config.run.threads or 1))
     # the repository root on the path, so `-m runtime.training.draft_training` resolves without an install
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH", "")]).rstrip(
+        os.pathsep
+    )
     if sec.launcher.nnodes > 1:
         # one self-contained shell line per other node (what the Slurm script runs there)
         pre = ["env", f"PYTHONPATH={env['PYTHONPATH']}", "PYTHONUNBUFFERED=1", f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']}"]
@@ -524,12 +627,20 @@ def run(ctx: StageContext) -> dict:
     sec: Config = ctx.section
     job = make_job(ctx)
     a = job["algorithm"]
-    ctx.log.info("%s draft, %d layer(s), %s mode, %d steps of batch %d x %d tokens on %s (%s), launcher %s%s",
-                 a["name"], a["draft_layers"], job["mode"], job["train"]["steps"], job["train"]["batch_size"],
-                 job["train"]["seq_len"], job["device"],
-                 job["train_dtype"] + (f", target {job['target_dtype']} under autocast" if job["target_dtype"] != job["train_dtype"] else ""),
-                 sec.launcher.kind,
-                 " with the target's layers sharded (FSDP)" if job["fsdp"] else "")
+    ctx.log.info(
+        "%s draft, %d layer(s), %s mode, %d steps of batch %d x %d tokens on %s (%s), launcher %s%s",
+        a["name"],
+        a["draft_layers"],
+        job["mode"],
+        job["train"]["steps"],
+        job["train"]["batch_size"],
+        job["train"]["seq_len"],
+        job["device"],
+        job["train_dtype"]
+        + (f", target {job['target_dtype']} under autocast" if job["target_dtype"] != job["train_dtype"] else ""),
+        sec.launcher.kind,
+        " with the target's layers sharded (FSDP)" if job["fsdp"] else "",
+    )
     bars = _Bars(ctx)
     try:
         result = _train_torchrun(ctx, job, bars) if sec.launcher.kind == "torchrun" else _train_in_process(ctx, job, bars)
@@ -555,7 +666,9 @@ def run(ctx: StageContext) -> dict:
     (ctx.out_dir / "checks.json").write_text(json.dumps(as_dicts(checks), indent=2))
     bad = failures(checks)
     if bad:
-        raise StageError("train_draft: the exported draft failed its checks:\n" + "\n".join(f"  {c.name}: {c.message}" for c in bad))
+        raise StageError(
+            "train_draft: the exported draft failed its checks:\n" + "\n".join(f"  {c.name}: {c.message}" for c in bad)
+        )
 
     acc = result.get("acceptance") or {}
     draft = {
@@ -584,16 +697,31 @@ def run(ctx: StageContext) -> dict:
                      acc["draft_len"], ESTIMATORS[acc["estimator"]], result.get("eval_seconds") or 0.0,
                      ", ".join(f"{d} {v['acceptance_length']:.2f}" for d, v in acc["domains"].items()))
     return {
-        "algorithm": a["name"], "mode": job["mode"], "steps": job["train"]["steps"], "world_size": result["world_size"],
-        "resumed_from_step": result["resumed_from_step"], "final_loss": result["final_loss"],
-        "final_accuracy": result["final_accuracy"], "step_ms_mean": result["step_ms_mean"],
-        "train_seconds": result["train_seconds"], "acceptance_length": acc.get("acceptance_length"),
-        "acceptance_draft_len": acc.get("draft_len"), "acceptance_estimator": acc.get("estimator"),
+        "algorithm": a["name"],
+        "mode": job["mode"],
+        "steps": job["train"]["steps"],
+        "world_size": result["world_size"],
+        "resumed_from_step": result["resumed_from_step"],
+        "final_loss": result["final_loss"],
+        "final_accuracy": result["final_accuracy"],
+        "step_ms_mean": result["step_ms_mean"],
+        "train_seconds": result["train_seconds"],
+        "acceptance_length": acc.get("acceptance_length"),
+        "acceptance_draft_len": acc.get("draft_len"),
+        "acceptance_estimator": acc.get("estimator"),
         "eval_seconds": result.get("eval_seconds"),
         "acceptance_by_domain": {d: v["acceptance_length"] for d, v in acc.get("domains", {}).items()},
-        "export_checks_passed": len(checks), **{k: result[k] for k in ("dump_bytes", "dump_estimate_bytes", "dump_seconds") if k in result},
-        **({"fsdp_processes": result["fsdp"]["processes"], "target_layer_bytes": result["fsdp"]["target_layer_bytes"],
-            "target_layer_bytes_per_process": result["fsdp"]["target_layer_bytes_per_process"]} if result.get("fsdp") else {}),
+        "export_checks_passed": len(checks),
+        **{k: result[k] for k in ("dump_bytes", "dump_estimate_bytes", "dump_seconds") if k in result},
+        **(
+            {
+                "fsdp_processes": result["fsdp"]["processes"],
+                "target_layer_bytes": result["fsdp"]["target_layer_bytes"],
+                "target_layer_bytes_per_process": result["fsdp"]["target_layer_bytes_per_process"],
+            }
+            if result.get("fsdp")
+            else {}
+        ),
     }
 
 
@@ -616,17 +744,30 @@ def report(artifact) -> str:
     m = artifact.metrics
     curve = artifact.read_json("curve.json")
     pts = curve["points"]
-    out = table([["algorithm", m.get("algorithm")], ["mode", m.get("mode")], ["steps", m.get("steps")],
-                 ["processes", m.get("world_size")],
-                 ["target layers per process (FSDP)", f"{m['target_layer_bytes_per_process'] / 1e6:.1f} of {m['target_layer_bytes'] / 1e6:.1f} MB"
-                  if m.get("fsdp_processes") else "whole target in every process"],
-                 ["resumed from step", m.get("resumed_from_step")],
-                 ["final loss", m.get("final_loss")], ["final accuracy per position", m.get("final_accuracy")],
-                 ["ms per step", m.get("step_ms_mean")],
-                 ["acceptance estimator", ESTIMATORS.get(m.get("acceptance_estimator") or "", "none (eval.prompts_per_domain: 0)")],
-                 ["acceptance length", f"{m.get('acceptance_length')} at {m.get('acceptance_draft_len')} draft tokens"
-                                       f" ({m.get('eval_seconds')} s)"]],
-                ["", ""])
+    out = table(
+        [
+            ["algorithm", m.get("algorithm")],
+            ["mode", m.get("mode")],
+            ["steps", m.get("steps")],
+            ["processes", m.get("world_size")],
+            [
+                "target layers per process (FSDP)",
+                f"{m['target_layer_bytes_per_process'] / 1e6:.1f} of {m['target_layer_bytes'] / 1e6:.1f} MB"
+                if m.get("fsdp_processes")
+                else "whole target in every process",
+            ],
+            ["resumed from step", m.get("resumed_from_step")],
+            ["final loss", m.get("final_loss")],
+            ["final accuracy per position", m.get("final_accuracy")],
+            ["ms per step", m.get("step_ms_mean")],
+            ["acceptance estimator", ESTIMATORS.get(m.get("acceptance_estimator") or "", "none (eval.prompts_per_domain: 0)")],
+            [
+                "acceptance length",
+                f"{m.get('acceptance_length')} at {m.get('acceptance_draft_len')} draft tokens ({m.get('eval_seconds')} s)",
+            ],
+        ],
+        ["", ""],
+    )
     if pts:
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.2))
         steps = [p["step"] for p in pts]

@@ -224,17 +224,28 @@ def _edit_config(draft: Path, fn) -> None:
 
 
 BROKEN = {
-    "required_tensors": (lambda d: _rewrite_tensors(d, lambda sd: {k: v for k, v in sd.items() if k != "fc.weight"}),
-                         "missing 1 tensor(s)"),
+    "required_tensors": (
+        lambda d: _rewrite_tensors(d, lambda sd: {k: v for k, v in sd.items() if k != "fc.weight"}),
+        "missing 1 tensor(s)",
+    ),
     "d2t": (lambda d: _rewrite_tensors(d, lambda sd: {k: v for k, v in sd.items() if k != "d2t"}), "no d2t tensor"),
     "draft_vocab_size": (lambda d: _edit_config(d, lambda c: c.pop("draft_vocab_size")), "has no draft_vocab_size"),
-    "aux_layer_ids": (lambda d: _edit_config(d, lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[0, 2, 3])),
-                      "training captured [0, 1, 3]"),
-    "serving_context": (lambda d: _edit_config(d, lambda c: c.update(max_position_embeddings=1024, rope_scaling=None)),
-                        "covers 1024 positions"),
-    "tokenizer": (lambda d: (d / "tokenizer.json").write_text((d / "tokenizer.json").read_text().replace("<|mask|>", "<|MASK|>")),
-                  "different from the target's: tokenizer.json"),
-    "config": (lambda d: _edit_config(d, lambda c: c.update(architectures=["LlamaForCausalLM"])), "expected ['LlamaForCausalLMEagle3']"),
+    "aux_layer_ids": (
+        lambda d: _edit_config(d, lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[0, 2, 3])),
+        "training captured [0, 1, 3]",
+    ),
+    "serving_context": (
+        lambda d: _edit_config(d, lambda c: c.update(max_position_embeddings=1024, rope_scaling=None)),
+        "covers 1024 positions",
+    ),
+    "tokenizer": (
+        lambda d: (d / "tokenizer.json").write_text((d / "tokenizer.json").read_text().replace("<|mask|>", "<|MASK|>")),
+        "different from the target's: tokenizer.json",
+    ),
+    "config": (
+        lambda d: _edit_config(d, lambda c: c.update(architectures=["LlamaForCausalLM"])),
+        "expected ['LlamaForCausalLMEagle3']",
+    ),
 }
 
 
@@ -277,7 +288,9 @@ def test_default_capture_layers_are_three_distinct_layers():
 
     assert default_aux_layer_ids(80) == [1, 39, 76] and default_aux_layer_ids(30) == [1, 14, 26]
     assert default_aux_layer_ids(36) == [1, 17, 32] and default_aux_layer_ids(7) == [1, 2, 3]
-    assert default_aux_layer_ids(4) == [0, 1, 3] and default_aux_layer_ids(6) == [0, 2, 5] and default_aux_layer_ids(3) == [0, 1, 2]
+    assert (
+        default_aux_layer_ids(4) == [0, 1, 3] and default_aux_layer_ids(6) == [0, 2, 5] and default_aux_layer_ids(3) == [0, 1, 2]
+    )
     for n in range(3, 130):
         ids = default_aux_layer_ids(n)
         assert len(set(ids)) == 3 and ids == sorted(ids) and 0 <= ids[0] and ids[-1] < n, (n, ids)
@@ -316,7 +329,10 @@ def test_dflash_two_process_training_exports_a_checked_draft(dflash):
     assert m["world_size"] == 2 and m["algorithm"] == "dflash"
     cfg = json.loads((art / "draft" / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["block_size"] == 4
-    assert cfg["dflash_config"]["mask_token_id"] == json.loads((dflash / "artifacts" / "target" / "target.json").read_text())["mask_token_id"]
+    assert (
+        cfg["dflash_config"]["mask_token_id"]
+        == json.loads((dflash / "artifacts" / "target" / "target.json").read_text())["mask_token_id"]
+    )
     assert cfg["dflash_config"]["target_layer_ids"] == [0, 3]   # ModelOpt's default repeats layer 1 on 4 layers
     assert cfg["num_attention_heads"] == 4 and cfg["hidden_size"] == 64   # the target's shape, not Qwen3 defaults
     assert all(c["passed"] for c in json.loads((art / "checks.json").read_text()))
@@ -340,11 +356,20 @@ def test_dflash_export_reloads_with_modelopt_warm_start(dflash):
 
     m = AutoModelForCausalLM.from_pretrained(dflash / "artifacts" / "target" / "model", dtype=torch.float32)
     cfg = copy.deepcopy(mtsp.DFLASH_DEFAULT_CFG["config"])
-    cfg.update(dflash_block_size=4, dflash_mask_token_id=d["mask_token_id"], dflash_use_torch_compile=False,
-               dflash_init_checkpoint=str(art / "draft"),
-               dflash_architecture_config=dict(num_hidden_layers=2, target_layer_ids=d["target_layer_ids"],
-                                               intermediate_size=tj["intermediate_size"], num_attention_heads=tj["num_attention_heads"],
-                                               num_key_value_heads=tj["num_key_value_heads"], head_dim=tj["head_dim"]))
+    cfg.update(
+        dflash_block_size=4,
+        dflash_mask_token_id=d["mask_token_id"],
+        dflash_use_torch_compile=False,
+        dflash_init_checkpoint=str(art / "draft"),
+        dflash_architecture_config=dict(
+            num_hidden_layers=2,
+            target_layer_ids=d["target_layer_ids"],
+            intermediate_size=tj["intermediate_size"],
+            num_attention_heads=tj["num_attention_heads"],
+            num_key_value_heads=tj["num_key_value_heads"],
+            head_dim=tj["head_dim"],
+        ),
+    )
     mtsp.convert(m, [("dflash", cfg)])
     m.eval()
     _, draft = m.pseudo_speculative_generate(torch.tensor([[5, 6, 7, 8]]), steps=3)
@@ -378,9 +403,17 @@ def _stage_ctx(wd: Path, *overrides: str, config: Path = TINY_CONFIG):
     st = Store(wd)
     out = wd / "out"
     out.mkdir()
-    return StageContext(name="train_draft", config=cfg, section=cfg.train_draft, out_dir=out,
-                        scratch_dir=st.scratch_dir("train_draft", "0" * 16), inputs={k: st.artifact(k) for k in ("target", "data")},
-                        workdir=wd, fingerprint="0" * 16, log=logging.getLogger("test_train_draft"))
+    return StageContext(
+        name="train_draft",
+        config=cfg,
+        section=cfg.train_draft,
+        out_dir=out,
+        scratch_dir=st.scratch_dir("train_draft", "0" * 16),
+        inputs={k: st.artifact(k) for k in ("target", "data")},
+        workdir=wd,
+        fingerprint="0" * 16,
+        log=logging.getLogger("test_train_draft"),
+    )
 
 
 def tiny_overrides_items() -> list[str]:
@@ -448,7 +481,10 @@ def test_resume_reproduces_an_uninterrupted_run(inputs, tmp_path):
     assert (tmp_path / "a" / "scratch" / "ckpt" / "state.pt").exists() and not (tmp_path / "a" / "draft").exists()
     assert run("a", 0)["resumed_from_step"] == 5
     assert run("b", 0)["resumed_from_step"] == 0
-    wa, wb = load_file(str(tmp_path / "a" / "draft" / "model.safetensors")), load_file(str(tmp_path / "b" / "draft" / "model.safetensors"))
+    wa, wb = (
+        load_file(str(tmp_path / "a" / "draft" / "model.safetensors")),
+        load_file(str(tmp_path / "b" / "draft" / "model.safetensors")),
+    )
     assert wa.keys() == wb.keys()
     for k in wa:
         assert torch.allclose(wa[k], wb[k], atol=1e-5), k
@@ -489,25 +525,59 @@ def _check(*overrides: str, config: Path = TINY_CONFIG) -> subprocess.CompletedP
     return run_cli("check", str(config), *_o(*overrides))
 
 
-@pytest.mark.parametrize("overrides,path,fragment", [
-    (["train_draft.algorithm={kind: dflash, draft_layers: 5}"], "train_draft.algorithm.draft_layers", "target has 4"),
-    (["train_draft.algorithm={kind: dflash, mask_token: 99999}"], "train_draft.algorithm.mask_token", "not in the target vocabulary"),
-    (["train_draft.algorithm.aux_layer_ids=[0, 1, 7]"], "train_draft.algorithm.aux_layer_ids", "[7] out of range"),
-    (["train_draft.algorithm.aux_layer_ids=[0, 1]"], "train_draft.algorithm.aux_layer_ids", "EAGLE-3 drafts capture exactly 3"),
-    (["target.tiny.num_layers=2"], "train_draft.algorithm.kind", "EAGLE-3 captures 3 distinct target layers, but the target has 2"),
-    (["train_draft.launcher={kind: torchrun, nproc_per_node: 2, fsdp: true}"], "train_draft.eval.estimator",
-     "runtime needs the whole target in one process"),
-    (["train_draft.algorithm={kind: dflash, target_layer_ids: [0, 9]}"], "train_draft.algorithm.target_layer_ids", "out of range"),
-    (["train_draft.algorithm={kind: dflash}", "train_draft.seq_len=60"], "train_draft.seq_len", "not divisible by algorithm.block_size 8"),
-    (["train_draft.algorithm.aux_layer_ids=[1, 1]"], "train_draft.algorithm.aux_layer_ids", "duplicates"),
-    (["train_draft.algorithm={kind: medusa}"], "train_draft.algorithm.kind", "eagle3, dflash"),
-    (["train_draft.algorithm.draft_vocab_size=5000"], "train_draft.algorithm.draft_vocab_size", "exceeds the target vocabulary"),
-    (["train_draft.launcher={kind: torchrun, nnodes: 2}"], "train_draft.launcher", "rdzv_endpoint"),
-    (["train_draft.launcher={kind: torchrun, nproc_per_node: 3}"], "train_draft.batch_size", "not divisible by the 3"),
-    (["train_draft.launcher={kind: none, fsdp: true}"], "train_draft.launcher.fsdp", "needs launcher.kind torchrun"),
-    (["train_draft.launcher={kind: torchrun, fsdp: true}"], "train_draft.launcher.fsdp", "(now torchrun, 1 process)"),
-    (["train_draft.dtype=bfloat16", "train_draft.target_dtype=float32"], "train_draft.target_dtype", "above the draft's own precision"),
-])
+@pytest.mark.parametrize(
+    "overrides,path,fragment",
+    [
+        (["train_draft.algorithm={kind: dflash, draft_layers: 5}"], "train_draft.algorithm.draft_layers", "target has 4"),
+        (
+            ["train_draft.algorithm={kind: dflash, mask_token: 99999}"],
+            "train_draft.algorithm.mask_token",
+            "not in the target vocabulary",
+        ),
+        (["train_draft.algorithm.aux_layer_ids=[0, 1, 7]"], "train_draft.algorithm.aux_layer_ids", "[7] out of range"),
+        (
+            ["train_draft.algorithm.aux_layer_ids=[0, 1]"],
+            "train_draft.algorithm.aux_layer_ids",
+            "EAGLE-3 drafts capture exactly 3",
+        ),
+        (
+            ["target.tiny.num_layers=2"],
+            "train_draft.algorithm.kind",
+            "EAGLE-3 captures 3 distinct target layers, but the target has 2",
+        ),
+        (
+            ["train_draft.launcher={kind: torchrun, nproc_per_node: 2, fsdp: true}"],
+            "train_draft.eval.estimator",
+            "runtime needs the whole target in one process",
+        ),
+        (
+            ["train_draft.algorithm={kind: dflash, target_layer_ids: [0, 9]}"],
+            "train_draft.algorithm.target_layer_ids",
+            "out of range",
+        ),
+        (
+            ["train_draft.algorithm={kind: dflash}", "train_draft.seq_len=60"],
+            "train_draft.seq_len",
+            "not divisible by algorithm.block_size 8",
+        ),
+        (["train_draft.algorithm.aux_layer_ids=[1, 1]"], "train_draft.algorithm.aux_layer_ids", "duplicates"),
+        (["train_draft.algorithm={kind: medusa}"], "train_draft.algorithm.kind", "eagle3, dflash"),
+        (
+            ["train_draft.algorithm.draft_vocab_size=5000"],
+            "train_draft.algorithm.draft_vocab_size",
+            "exceeds the target vocabulary",
+        ),
+        (["train_draft.launcher={kind: torchrun, nnodes: 2}"], "train_draft.launcher", "rdzv_endpoint"),
+        (["train_draft.launcher={kind: torchrun, nproc_per_node: 3}"], "train_draft.batch_size", "not divisible by the 3"),
+        (["train_draft.launcher={kind: none, fsdp: true}"], "train_draft.launcher.fsdp", "needs launcher.kind torchrun"),
+        (["train_draft.launcher={kind: torchrun, fsdp: true}"], "train_draft.launcher.fsdp", "(now torchrun, 1 process)"),
+        (
+            ["train_draft.dtype=bfloat16", "train_draft.target_dtype=float32"],
+            "train_draft.target_dtype",
+            "above the draft's own precision",
+        ),
+    ],
+)
 def test_bad_algorithm_options_are_config_errors(overrides, path, fragment):
     r = _check(*overrides)
     assert r.returncode == 2, r.stdout + r.stderr
@@ -764,7 +834,9 @@ def test_fsdp_offline_dump_matches_the_targets_hidden_states(inputs, tmp_path):
 def test_a_node_that_never_joins_ends_at_the_launcher_timeout(inputs, tmp_path):
     wd = _workdir(inputs, tmp_path)
     t0 = time.monotonic()
-    r = _build(wd, f"train_draft.launcher={{kind: torchrun, nnodes: 2, rdzv_endpoint: '127.0.0.1:{_free_port()}', timeout_s: 10}}")
+    r = _build(
+        wd, f"train_draft.launcher={{kind: torchrun, nnodes: 2, rdzv_endpoint: '127.0.0.1:{_free_port()}', timeout_s: 10}}"
+    )
     assert r.returncode != 0 and time.monotonic() - t0 < 180
     assert "ran past train_draft.launcher.timeout_s=10" in r.stderr, r.stderr[-3000:]
     assert not (_art(wd) / "manifest.json").exists()
@@ -778,10 +850,28 @@ def test_a_node_that_never_joins_ends_at_the_launcher_timeout(inputs, tmp_path):
 # and the parameter count of each model card. SmolLM2 is the prepared model's own config.json
 # (bench/real_model/prepare.py writes it).
 HUB_TARGETS = {
-    "meta-llama/Llama-3.3-70B-Instruct": {"num_layers": 80, "hidden_size": 8192, "vocab_size": 128256, "tied": False, "params": 70.55e9},
-    "meta-llama/Llama-3.1-8B-Instruct": {"num_layers": 32, "hidden_size": 4096, "vocab_size": 128256, "tied": False, "params": 8.03e9},
+    "meta-llama/Llama-3.3-70B-Instruct": {
+        "num_layers": 80,
+        "hidden_size": 8192,
+        "vocab_size": 128256,
+        "tied": False,
+        "params": 70.55e9,
+    },
+    "meta-llama/Llama-3.1-8B-Instruct": {
+        "num_layers": 32,
+        "hidden_size": 4096,
+        "vocab_size": 128256,
+        "tied": False,
+        "params": 8.03e9,
+    },
     "Qwen/Qwen3-8B": {"num_layers": 36, "hidden_size": 4096, "vocab_size": 151936, "tied": False, "params": 8.19e9},
-    "bench/real_model/prepared/model/SmolLM2-135M-Instruct": {"num_layers": 30, "hidden_size": 576, "vocab_size": 49152, "tied": True, "params": 134.5e6},
+    "bench/real_model/prepared/model/SmolLM2-135M-Instruct": {
+        "num_layers": 30,
+        "hidden_size": 576,
+        "vocab_size": 49152,
+        "tied": True,
+        "params": 134.5e6,
+    },
 }
 # Mean tokens per training sample, per dataset: an assumption (not measured here). UltraChat 200k's multi-turn
 # conversations: ~1,000 tokens under the Llama-3 / Qwen3 tokenizers (issue 12's figure). Sources not listed here are
@@ -890,10 +980,14 @@ def real_inputs(real_model, tmp_path_factory) -> Path:
             user = next(m["content"] for m in json.loads(line)["messages"] if m["role"] == "user")
             ids = tok.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True, tokenize=True,
                                           return_dict=True)["input_ids"][-96:]
-            lines.append(json.dumps({"id": f"{dom}-{len(lines)}", "prompt": tok.decode(ids), "prompt_ids": ids, "reference": None}))
+            lines.append(
+                json.dumps({"id": f"{dom}-{len(lines)}", "prompt": tok.decode(ids), "prompt_ids": ids, "reference": None})
+            )
         (tmp / "eval" / f"{dom}.jsonl").write_text("\n".join(lines) + "\n")
     (tmp / "stats.json").write_text("{}")
-    Store(wd).commit("data", tmp, {"stage": "data", "fingerprint": "f" * 64, "metrics": {"train_samples": len(rows["input_ids"])}})
+    Store(wd).commit(
+        "data", tmp, {"stage": "data", "fingerprint": "f" * 64, "metrics": {"train_samples": len(rows["input_ids"])}}
+    )
     return wd
 
 
@@ -911,9 +1005,17 @@ def _real_ctx(inputs: Path, tmp_path: Path, *overrides: str):
     cfg = load_config(REAL_CONFIG, [*REAL_SMALL, "run.device=cpu", *overrides])
     st = Store(wd)
     (wd / "out").mkdir()
-    return StageContext(name="train_draft", config=cfg, section=cfg.train_draft, out_dir=wd / "out",
-                        scratch_dir=st.scratch_dir("train_draft", "0" * 16), inputs={k: st.artifact(k) for k in ("target", "data")},
-                        workdir=wd, fingerprint="0" * 16, log=logging.getLogger("test_train_draft"))
+    return StageContext(
+        name="train_draft",
+        config=cfg,
+        section=cfg.train_draft,
+        out_dir=wd / "out",
+        scratch_dir=st.scratch_dir("train_draft", "0" * 16),
+        inputs={k: st.artifact(k) for k in ("target", "data")},
+        workdir=wd,
+        fingerprint="0" * 16,
+        log=logging.getLogger("test_train_draft"),
+    )
 
 
 def _real_tensor(model_dir: Path, name: str):
@@ -960,7 +1062,9 @@ def test_real_model_offline_with_tied_embeddings(real_inputs, tmp_path, monkeypa
 
     monkeypatch.chdir(REPO)
     # target_dtype auto (float32): the logits below are compared with the float32 target's at 1e-4
-    ctx = _real_ctx(real_inputs, tmp_path, "train_draft.mode=offline", "train_draft.max_samples=4", "train_draft.target_dtype=auto")
+    ctx = _real_ctx(
+        real_inputs, tmp_path, "train_draft.mode=offline", "train_draft.max_samples=4", "train_draft.target_dtype=auto"
+    )
     m = td.run(ctx)
     assert m["mode"] == "offline" and m["dump_bytes"] > 0 and m["acceptance_estimator"] == "runtime"
     assert all(c["passed"] for c in json.loads((ctx.out_dir / "checks.json").read_text()))

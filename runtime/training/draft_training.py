@@ -691,7 +691,9 @@ def train(job: dict, emit: Callable[[dict], None] | None = None, should_stop: Ca
         t_step = time.monotonic()
         torch.manual_seed(t["seed"] * 7919 + step * world + rank)   # DFlash anchors: a function of (seed, step, rank)
         idx = batch_indices(step, len(samples), t["batch_size"], t["seed"])[rank * per_rank:(rank + 1) * per_rank]
-        batch = offline_batch(dataset, collator, idx, device) if offline else online_batch(samples, idx, t["seq_len"], pad_id, device)
+        batch = (
+            offline_batch(dataset, collator, idx, device) if offline else online_batch(samples, idx, t["seq_len"], pad_id, device)
+        )
         with autocast(job, device):
             out = ddp(**batch)
         opt.zero_grad(set_to_none=True)
