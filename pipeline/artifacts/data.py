@@ -31,23 +31,15 @@ def split_path(art: Path, split: str) -> Path:
 
 def read_rows(art: Path, split: str, *, limit: int | None = None,
               max_len: int | None = None) -> list[tuple[list[int], list[int]]]:
-    """(input_ids, loss_mask) of the first `limit` rows of a split, each truncated to `max_len` tokens."""
-    import pyarrow.parquet as pq
+    """(input_ids, loss_mask) of the first `limit` rows of a split, each truncated to `max_len` tokens
+    (`runtime.data_rows.read_token_rows`: the row rule, checked)."""
+    from runtime.data_rows import read_token_rows
+    from runtime.errors import RuntimeFailure
 
-    path = split_path(art, split)
-    if not path.is_file():
-        raise StageError(f"{path} is missing; the data stage's artifact contract promises it")
-    table = pq.read_table(str(path), columns=["input_ids", "loss_mask"])
-    if limit is not None:
-        table = table.slice(0, limit)
-    out = []
-    for i, (ids, mask) in enumerate(zip(table.column("input_ids").to_pylist(), table.column("loss_mask").to_pylist())):
-        if len(ids) < 2 or len(mask) != len(ids) or not any(mask):
-            raise StageError(f"{path} row {i}: {len(ids)} tokens, {len(mask)} mask entries, {sum(mask)} trained on; "
-                             "the data contract needs >= 2 tokens, one mask entry per token and one token to train on: "
-                             "rerun `specpipe build CONFIG --force data`")
-        out.append((ids[:max_len], mask[:max_len]))
-    return out
+    try:
+        return read_token_rows(split_path(art, split), limit=limit, max_len=max_len)
+    except RuntimeFailure as e:
+        raise StageError(str(e)) from None
 
 
 def eval_files(art: Path) -> dict[str, Path]:
@@ -57,7 +49,10 @@ def eval_files(art: Path) -> dict[str, Path]:
 
 def read_eval(art: Path, *, domains=None, per_domain: int | None = None) -> dict[str, list[EvalPrompt]]:
     """The eval prompts per domain (the first `per_domain` of each; only `domains` when given). StageError when
-    there is no domain, a domain has no prompt, or a line breaks the contract."""
+    there is no domain, a domain has no prompt, or a line breaks the contract (`runtime.data_rows.read_eval_lines`)."""
+    from runtime.data_rows import read_eval_lines
+    from runtime.errors import RuntimeFailure
+
     files = eval_files(art)
     if not files:
         raise StageError(f"no evaluation domains in {Path(art) / EVAL_DIR}")
@@ -65,20 +60,10 @@ def read_eval(art: Path, *, domains=None, per_domain: int | None = None) -> dict
     for domain, f in files.items():
         if domains is not None and domain not in domains:
             continue
-        prompts = []
-        for n, line in enumerate(f.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                r = json.loads(line)
-                p = EvalPrompt(id=str(r["id"]), prompt=r["prompt"], prompt_ids=[int(i) for i in r["prompt_ids"]],
-                               reference=r.get("reference"))
-            except (ValueError, KeyError, TypeError) as e:
-                raise StageError(f"{f}:{n}: not an eval prompt of the data contract ({type(e).__name__}: {e}); "
-                                 "rerun `specpipe build CONFIG --force data`") from None
-            if not p.prompt_ids:
-                raise StageError(f"{f}:{n}: empty prompt_ids; rerun `specpipe build CONFIG --force data`")
-            prompts.append(p)
+        try:
+            prompts = [EvalPrompt(**r) for r in read_eval_lines(f)]
+        except RuntimeFailure as e:
+            raise StageError(str(e)) from None
         if not prompts:
             raise StageError(f"{f} has no prompts")
         out[domain] = prompts[:per_domain] if per_domain else prompts

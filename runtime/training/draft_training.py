@@ -90,21 +90,19 @@ def _torch_dtype(name: str):
 
 
 def read_samples(parquet: str | Path, max_samples: int | None = None) -> list[tuple[list[int], list[int]]]:
-    """(input_ids, loss_mask) per training sample from the data artifact's parquet."""
-    import pyarrow.parquet as pq
+    """(input_ids, loss_mask) per training sample from the data artifact's parquet (the row rule checked:
+    `runtime.data_rows`)."""
+    from runtime.data_rows import read_token_rows
 
-    t = pq.read_table(str(parquet), columns=["input_ids", "loss_mask"])
-    ids, mask = t.column("input_ids").to_pylist(), t.column("loss_mask").to_pylist()
-    out = [(a, b) for a, b in zip(ids, mask) if a and sum(b) > 0]
-    return out[:max_samples] if max_samples else out
+    return read_token_rows(parquet, limit=max_samples or None)
 
 
 def read_prompts(eval_files: dict[str, str], per_domain: int) -> dict[str, list[list[int]]]:
-    out = {}
-    for domain, path in sorted(eval_files.items()):
-        rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-        out[domain] = [r["prompt_ids"] for r in rows[:per_domain]]
-    return out
+    """The first `per_domain` eval prompts' ids of each domain file (`runtime.data_rows`)."""
+    from runtime.data_rows import read_eval_lines
+
+    return {domain: [r["prompt_ids"] for r in read_eval_lines(path)[:per_domain]]
+            for domain, path in sorted(eval_files.items())}
 
 
 def batch_indices(step: int, n: int, batch: int, seed: int) -> list[int]:
