@@ -44,7 +44,9 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from pipeline.artifacts import build as build_artifact
 from pipeline.artifacts import data as data_artifact
+from pipeline.artifacts import validate as validate_artifact
 from pipeline.errors import SpecpipeError, StageError, UsageError
 
 
@@ -184,7 +186,10 @@ def read_run(workdir: Path, draft_len: int | None = None, prompts_per_probe: int
     if not (arts / "validate" / "manifest.json").exists() or not acc_f.exists():
         raise UsageError(f"{workdir}: no committed validate artifact (acceptance.json): the baseline comes from it; "
                          "run `specpipe build <config>` first")
-    acc = json.loads(acc_f.read_text())
+    try:
+        acc = validate_artifact.read_acceptance(arts / "validate")
+    except StageError as e:
+        raise UsageError(f"{workdir}: {e}") from None
     params = json.loads((arts / "validate" / "manifest.json").read_text()).get("fingerprint_inputs", {}).get("params", {})
     n = prompts_per_probe or params.get("num_prompts")
     try:   # the prompts validate measured
@@ -196,12 +201,11 @@ def read_run(workdir: Path, draft_len: int | None = None, prompts_per_probe: int
     if missing:
         raise UsageError(f"{workdir}: validated domains {missing} have no prompts under artifacts/data/eval")
     if draft_len is None:
-        dep = arts / "build" / "deployment.json"
-        if dep.exists():
-            from runtime.trtllm.draft_schedule import DraftSchedule
-
-            # the probe runs one request at a time: the deployed k at batch 1
-            draft_len = DraftSchedule.from_json(json.loads(dep.read_text())["draft_schedule"]).k_at(1)
+        if (arts / "build" / build_artifact.INFO).exists():
+            try:   # the probe runs one request at a time: the deployed k at batch 1
+                draft_len = build_artifact.draft_schedule(build_artifact.read_deployment(arts / "build")).k_at(1)
+            except StageError as e:
+                raise UsageError(f"{workdir}: {e}") from None
         else:
             draft_len = int(acc["max_draft_len"])
     model = "tensorrt_llm"

@@ -273,7 +273,8 @@ def test_real_model_deployment_is_the_targeted_versions(real_model, tmp_path):
                                                                  "target_dir": "quantize/target_fp8",
                                                                  "draft_dir": "train_draft/draft", "draft_format": "bf16"}))
     (arts / "data" / "eval").mkdir(parents=True)
-    (arts / "data" / "eval" / "gsm8k.jsonl").write_text(json.dumps({"prompt": "2 + 2 =", "prompt_ids": [1, 2]}) + "\n")
+    line = {"id": "gsm8k-0", "prompt": "2 + 2 =", "prompt_ids": [1, 2]}
+    (arts / "data" / "eval" / "gsm8k.jsonl").write_text(json.dumps(line) + "\n")
     tcfg = json.loads((arts / "quantize" / "target_fp8" / "config.json").read_text())
     assert tcfg["rope_theta"] == 1e5 and tcfg["rope_scaling"] is None and tcfg["rope_parameters"]["rope_theta"] == 1e5
     for version, runs in (("1.2.1", [[1, 64, 3]]), ("1.3.0rc27", [[1, 8, 3], [9, 64, 2]])):

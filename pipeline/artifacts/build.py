@@ -10,7 +10,8 @@ INFO = "deployment.json"
 
 
 def read_deployment(art: Path) -> dict:
-    return read_json(art, INFO, ("trtllm_version", "target_dir", "draft_dir", "options_file", "serving_image"))
+    return read_json(art, INFO, ("trtllm_version", "target_dir", "draft_dir", "options_file", "serving_image",
+                                 "draft_schedule"))
 
 
 def read_options(art: Path, deployment: dict) -> dict:
@@ -18,3 +19,11 @@ def read_options(art: Path, deployment: dict) -> dict:
     import yaml
 
     return yaml.safe_load((Path(art) / deployment["options_file"]).read_text())
+
+
+def draft_schedule(deployment: dict):
+    """The draft length per batch size the deployment runs (`deployment.json` `draft_schedule`), as the one
+    schedule type (`runtime.trtllm.draft_schedule.DraftSchedule`; `k_at(batch)`)."""
+    from runtime.trtllm.draft_schedule import DraftSchedule
+
+    return DraftSchedule.from_json(deployment["draft_schedule"])
