@@ -562,7 +562,9 @@ def _strip_scales(keys) -> set[str]:
     return {k for k in keys if k.rsplit(".", 1)[-1] not in _SCALE_SUFFIXES}
 
 
-def _read_dir(path: Path) -> tuple[dict, dict]:
+def read_draft_dir(path: Path) -> tuple[dict, dict]:
+    """(config.json, every weight) of a draft directory as ModelOpt's export_speculative_decoding writes it (an
+    adapter_model.safetensors beside the weights is not read)."""
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -919,7 +921,7 @@ def load_draft(path: str | Path, target: TargetShape | None = None, *, compute_d
     if first_layer_norm not in ("modelopt", "serving"):
         raise ValueError(f"first_layer_norm must be 'modelopt' or 'serving', not {first_layer_norm!r}")
     path = Path(path)
-    cfg, sd = _read_dir(path)
+    cfg, sd = read_draft_dir(path)
     algo = draft_algorithm(path)
     if expected_capture_layers is not None:
         declared = ((cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") if algo == "eagle3"

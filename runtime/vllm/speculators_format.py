@@ -95,20 +95,12 @@ class SpeculatorsExport:
 
 
 def _read_draft(draft_dir: Path) -> tuple[dict, dict]:
-    from safetensors.torch import load_file
+    from runtime.engine.drafts import DraftFormatError, read_draft_dir
 
-    cfg_path = draft_dir / "config.json"
-    if not cfg_path.exists():
-        raise SpeculatorsFormatError(f"{draft_dir}: no config.json; expected the draft directory ModelOpt's "
-                                     "export_speculative_decoding wrote")
-    cfg = json.loads(cfg_path.read_text())
-    files = sorted(f for f in draft_dir.glob("*.safetensors") if f.name != "adapter_model.safetensors")
-    if not files:
-        raise SpeculatorsFormatError(f"{draft_dir}: no *.safetensors weights")
-    sd: dict = {}
-    for f in files:
-        sd.update(load_file(str(f)))
-    return cfg, sd
+    try:
+        return read_draft_dir(draft_dir)
+    except DraftFormatError as e:
+        raise SpeculatorsFormatError(str(e)) from None
 
 
 def _require(cfg: dict, keys, where: str) -> None:
