@@ -40,6 +40,9 @@ SMOKE = [
     "validate.max_new_tokens=12", "validate.num_prompts=3", "validate.batch_size=3", "validate.lossless_prompts=3",
     "validate.gates.min_acceptance_length=1.0", "validate.gates.min_overall_acceptance_length=1.0",
     "validate.gates.min_retention=0.5",
+    # tune: a 6-step draft never pays, and tune would rightly deploy the target alone; keep speculation on so that
+    # build (capture layers, draft names), export (speculators) and the served pair are exercised with the draft
+    "tune.min_speedup=0.01",
 ]
 
 

@@ -90,11 +90,15 @@ def _torch_dtype(name: str):
 
 
 def read_samples(parquet: str | Path, max_samples: int | None = None) -> list[tuple[list[int], list[int]]]:
-    """(input_ids, loss_mask) per training sample from the data artifact's parquet (the row rule checked:
-    `runtime.data_rows`)."""
-    from runtime.data_rows import read_token_rows
+    """(input_ids, loss_mask) per training sample from a token-row parquet. Rows without a token to train on are
+    skipped rather than refused (runtime.data_rows refuses them): the data stage never writes one, but the
+    training worker also reads hand-made datasets whose truncated rows can lose their response."""
+    import pyarrow.parquet as pq
 
-    return read_token_rows(parquet, limit=max_samples or None)
+    t = pq.read_table(str(parquet), columns=["input_ids", "loss_mask"])
+    ids, mask = t.column("input_ids").to_pylist(), t.column("loss_mask").to_pylist()
+    out = [(a, b) for a, b in zip(ids, mask) if a and sum(b) > 0]
+    return out[:max_samples] if max_samples else out
 
 
 def read_prompts(eval_files: dict[str, str], per_domain: int) -> dict[str, list[list[int]]]:
