@@ -23,6 +23,8 @@ import torch
 from runtime.engine.drafts import DraftFormatError, load_draft
 from runtime.engine.speculative import Drafter, SpeculativeEngine, TargetRunner, load_pair, load_target, lossless_diff
 
+from script_drafter import ScriptDrafter
+
 H, LAYERS, VOCAB = 64, 4, 512
 
 
@@ -279,41 +281,13 @@ def test_on_tokens_streams_each_step_of_each_request(tiny):
 # ---------------------------------------------------------------------------------------------- statistics
 
 
-class _ScriptDrafter(Drafter):
-    """Proposes from a known continuation: the target's own greedy output (always agrees) or a token that is
-    never the target's next one (always disagrees). Tracks each row's position through `observe`."""
-
-    def __init__(self, refs, prompts, agree: bool, vocab: int):
-        self.refs, self.plen, self.agree, self.vocab = refs, [len(p) for p in prompts], agree, vocab
-
-    def reset(self, batch, capacity):
-        self.rows = list(range(batch))
-        self.done = [0] * batch              # target-processed tokens per row
-
-    def select_rows(self, idx):
-        self.rows = [self.rows[i] for i in idx.tolist()]
-        self.done = [self.done[i] for i in idx.tolist()]
-
-    def observe(self, hidden, next_tokens, counts):
-        self.done = [d + int(c) for d, c in zip(self.done, counts)]
-
-    def propose(self, last, k, temperature, gen):
-        out = []
-        for r, n in zip(self.rows, self.done):
-            g = n - self.plen[r] + 1          # generated tokens so far (x included)
-            cont = self.refs[r][g:g + k]
-            cont = cont + [0] * (k - len(cont))
-            out.append(cont if self.agree else [(t + 1) % self.vocab for t in cont])
-        return torch.tensor(out), None
-
-
 @pytest.mark.parametrize("agree,k", [(True, 3), (False, 3), (True, 1)])
 def test_acceptance_statistics_known_answers(tiny, agree, k):
     prompts = tiny["prompts"]
     n = 4 * (k + 1) * 3 + 1                   # whole steps: prefill token + 3 steps of k+1 per ... (per request)
     refs = _ar(tiny, prompts, n + k + 1)
     model = load_target(tiny["target_dir"])
-    eng = SpeculativeEngine(model, drafter=_ScriptDrafter(refs, prompts, agree, VOCAB))
+    eng = SpeculativeEngine(model, drafter=ScriptDrafter(refs, prompts, VOCAB, wrong=None if agree else "all"))
     g = eng.generate(prompts, max_new_tokens=n, draft_len=k)
     s = g.stats
     assert lossless_diff(g.tokens, [r[:n] for r in refs]) == []

@@ -17,7 +17,9 @@ import pytest
 import torch
 
 from runtime.engine.drafts import LogitsHead, qdq_e4m3_fast
-from runtime.engine.speculative import Drafter, SpeculativeEngine, TargetRunner, load_target, lossless_diff
+from runtime.engine.speculative import SpeculativeEngine, TargetRunner, load_target, lossless_diff
+
+from script_drafter import ScriptDrafter
 
 # ---------------------------------------------------------------------------------------------- FP8 arithmetic
 
@@ -162,34 +164,6 @@ def smol(real_model):
     return {"model": model, "tok": tok, "prompts": _real_prompts(real_model, tok)}
 
 
-class _MixedScriptDrafter(Drafter):
-    """Proposes k tokens from a known continuation, the `wrong`-th of every run of proposals replaced by another
-    token: verification then sees k + 1 rows with some accepted and some rejected, and rolls the cache back."""
-
-    def __init__(self, refs, prompts, wrong: int, vocab: int):
-        self.refs, self.plen, self.wrong, self.vocab = refs, [len(p) for p in prompts], wrong, vocab
-
-    def reset(self, batch, capacity):
-        self.rows, self.done = list(range(batch)), [0] * batch
-
-    def select_rows(self, idx):
-        self.rows = [self.rows[i] for i in idx.tolist()]
-        self.done = [self.done[i] for i in idx.tolist()]
-
-    def observe(self, hidden, next_tokens, counts):
-        self.done = [d + int(c) for d, c in zip(self.done, counts)]
-
-    def propose(self, last, k, temperature, gen):
-        out = []
-        for r, n in zip(self.rows, self.done):
-            g = n - self.plen[r] + 1
-            cont = (self.refs[r][g:g + k] + [0] * k)[:k]
-            if self.wrong < k:
-                cont[self.wrong] = (cont[self.wrong] + 1) % self.vocab
-            out.append(cont)
-        return torch.tensor(out), None
-
-
 @pytest.mark.slow
 def test_real_model_fp32_mode_is_hf_greedy_and_speculation_is_exact(smol):
     """SmolLM2 in the default fp32 mode: prefill logits are the Hugging Face forward's, batched autoregressive
@@ -211,7 +185,7 @@ def test_real_model_fp32_mode_is_hf_greedy_and_speculation_is_exact(smol):
                                 max_new_tokens=N, do_sample=False, eos_token_id=None)[0, len(p):].tolist()
             assert a == hf
         refs = SpeculativeEngine(model, drafter=None).generate(prompts, max_new_tokens=N + 6).tokens
-        eng = SpeculativeEngine(model, drafter=_MixedScriptDrafter(refs, prompts, 2, model.config.vocab_size))
+        eng = SpeculativeEngine(model, drafter=ScriptDrafter(refs, prompts, model.config.vocab_size, wrong=2))
         sp = eng.generate(prompts, max_new_tokens=N, draft_len=4)
     assert lossless_diff(sp.tokens, ar) == []
     assert 2.5 < sp.stats.acceptance_length < 4.5          # drafts were partly accepted: the 5-row path ran
