@@ -41,30 +41,23 @@ sys.path.insert(0, str(HERE.parents[1]))
 sys.path.insert(0, str(HERE))
 
 
-def read_prompts(eval_dir: Path, n: int, domains: list[str] | None) -> dict[str, list[list[int]]]:
-    out = {}
-    for f in sorted(eval_dir.glob("*.jsonl")):
-        if domains and f.stem not in domains:
-            continue
-        rows = [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
-        ids = [r["prompt_ids"] for r in rows if r.get("prompt_ids")][:n]
-        if ids:
-            out[f.stem] = ids
+def read_prompts(data_art: Path, n: int, domains: list[str] | None) -> dict[str, list[list[int]]]:
+    """The first `n` eval prompts of each domain, through the data artifact's reader (the ones validate measures)."""
+    from pipeline.artifacts.data import read_eval
+
+    out = {d: [p.prompt_ids for p in ps] for d, ps in read_eval(data_art, domains=domains, per_domain=n).items()}
     if not out:
-        raise SystemExit(f"{eval_dir}: no evaluation prompts (prompt_ids) found; run the data stage first")
+        raise SystemExit(f"{data_art}: no evaluation prompts for domains {domains}")
     return out
 
 
-def deployed_draft_len(wd: Path) -> int | None:
-    dep = wd / "artifacts" / "build" / "deployment.json"
-    if dep.exists():
-        d = json.loads(dep.read_text())
-        runs = (d.get("draft_schedule") or {}).get("runs")
-        if runs:
-            return int(runs[0][2])
-        if d.get("max_draft_len"):
-            return int(d["max_draft_len"])
-    return None
+def deployed_draft_len(arts: Path) -> int | None:
+    """The draft length the deployment runs at batch 1 (build's DraftSchedule), None without a build artifact."""
+    from pipeline.artifacts import build
+
+    if not (arts / "build" / build.INFO).exists():
+        return None
+    return build.draft_schedule(build.read_deployment(arts / "build")).k_at(1) or None
 
 
 def uptime() -> str:
@@ -74,7 +67,7 @@ def uptime() -> str:
         return "load average: %.2f, %.2f, %.2f" % os.getloadavg()
 
 
-def main(argv=None) -> dict:
+def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", type=Path, required=True)
     ap.add_argument("--batch", default="1,4")
@@ -87,136 +80,172 @@ def main(argv=None) -> dict:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path)
-    a = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
+
+def setup(a) -> dict:
+    """What the arms run: the deployed pair (quantize.json's FP8 target + draft), the BF16 checkpoint for HF, the
+    prompts, the draft length, the compute modes; and the run's metadata."""
     import torch
-    from bench_steps import draft_table, fill_cache, interleaved
-    from transformers import AutoModelForCausalLM
 
+    from pipeline.artifacts import quantize
+    from pipeline.errors import StageError
     from runtime.engine.drafts import native_bf16_gemm
-    from runtime.engine.speculative import SpeculativeEngine, load_pair
 
-    torch.set_num_threads(a.threads)
-    wd = a.workdir
-    qpath = wd / "artifacts" / "quantize" / "quantize.json"
-    if not qpath.exists():
-        raise SystemExit(f"{wd}: no committed quantize artifact ({qpath}); run `specpipe build <config>` through quantize")
-    q = json.loads(qpath.read_text())
-    arts = wd / "artifacts"
-    target_dir, draft_dir, bf16_dir = arts / q["target_dir"], arts / q["draft_dir"], arts / "target" / "model"
-    k = a.draft_len or deployed_draft_len(wd) or 4
-    modes = a.compute.split(",") if a.compute else ["fp32"] + (["bf16"] if native_bf16_gemm() else [])
-    batches = [int(b) for b in a.batch.split(",")]
-    prompts = read_prompts(arts / "data" / "eval", a.prompts, a.domains.split(",") if a.domains else None)
-    N = a.max_new_tokens
-    meta = {"workdir": str(wd), "target_dir": str(target_dir), "draft_dir": str(draft_dir), "draft_len": k,
-            "modes": modes, "batches": batches, "max_new_tokens": N, "threads": a.threads, "rounds": a.rounds,
-            "prompts_per_domain": {d: len(p) for d, p in prompts.items()}, "uptime_before": uptime(),
+    arts = a.workdir / "artifacts"
+    try:
+        q = quantize.read_info(arts / "quantize")
+    except StageError as e:
+        raise SystemExit(f"{a.workdir}: no committed quantize artifact ({e}); run `specpipe build <config>` through quantize")
+    env = {"target_dir": q.target_dir(arts), "draft_dir": q.draft_dir(arts), "bf16_dir": arts / "target" / "model",
+           "k": a.draft_len or deployed_draft_len(arts) or 4,
+           "modes": a.compute.split(",") if a.compute else ["fp32"] + (["bf16"] if native_bf16_gemm() else []),
+           "batches": [int(b) for b in a.batch.split(",")],
+           "prompts": read_prompts(arts / "data", a.prompts, a.domains.split(",") if a.domains else None)}
+    meta = {"workdir": str(a.workdir), "target_dir": str(env["target_dir"]), "draft_dir": str(env["draft_dir"]),
+            "draft_len": env["k"], "modes": env["modes"], "batches": env["batches"], "max_new_tokens": a.max_new_tokens,
+            "threads": a.threads, "rounds": a.rounds, "uptime_before": uptime(),
+            "prompts_per_domain": {d: len(p) for d, p in env["prompts"].items()},
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "torch": torch.__version__,
             "native_bf16_gemm": native_bf16_gemm()}
-    tj = wd / "artifacts" / "train_draft" / "draft.json"
+    tj = arts / "train_draft" / "draft.json"
     if tj.exists():
         meta["train_draft"] = {x: json.loads(tj.read_text()).get(x) for x in ("algorithm", "acceptance_length")}
-    print(json.dumps(meta), flush=True)
+    return {"env": env, "meta": meta}
 
-    model, draft = load_pair(target_dir, draft_dir)
-    engines = {m: SpeculativeEngine(model, draft, compute=m) for m in modes}
-    hf = {"bf16": AutoModelForCausalLM.from_pretrained(bf16_dir, dtype=torch.bfloat16).eval()}
-    if not a.no_hf_fp32:
-        hf["fp32"] = AutoModelForCausalLM.from_pretrained(bf16_dir, dtype=torch.float32).eval()
-    pad = int(hf["bf16"].config.pad_token_id if hf["bf16"].config.pad_token_id is not None else 0)
 
-    def groups(ps, b):
-        return [ps[i:i + b] for i in range(0, len(ps), b)]
+def load_models(env: dict, hf_fp32: bool) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
 
-    def runtime_arm(eng, ps, b, kk, stats):
-        def run():
-            toks = 0
-            for g in groups(ps, b):
-                out = eng.generate(g, max_new_tokens=N, draft_len=kk, eos_token_id=None)
-                toks += sum(map(len, out.tokens))
-                if kk:
-                    stats.append(out.stats)
-            return toks
-        return run
+    from runtime.engine.speculative import SpeculativeEngine, load_pair
 
-    def hf_arm(m, ps, b):
-        def run():
-            toks = 0
-            for g in groups(ps, b):
-                L = max(map(len, g))
-                ids = torch.tensor([[pad] * (L - len(p)) + p for p in g])
-                att = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in g])
-                out = m.generate(ids, attention_mask=att, max_new_tokens=N, min_new_tokens=N, do_sample=False,
-                                 eos_token_id=None, pad_token_id=pad)
-                toks += (out.shape[1] - L) * len(g)
-            return toks
-        return run
+    model, draft = load_pair(env["target_dir"], env["draft_dir"])
+    hf = {"bf16": AutoModelForCausalLM.from_pretrained(env["bf16_dir"], dtype=torch.bfloat16).eval()}
+    if hf_fp32:
+        hf["fp32"] = AutoModelForCausalLM.from_pretrained(env["bf16_dir"], dtype=torch.float32).eval()
+    pad = hf["bf16"].config.pad_token_id
+    return {"model": model, "draft": draft, "hf": hf, "pad": int(pad if pad is not None else 0),
+            "engines": {m: SpeculativeEngine(model, draft, compute=m) for m in env["modes"]}}
 
-    rows = []
-    with torch.no_grad():
-        for dom, ps in prompts.items():
-            for b in batches:
-                arms, stats = {}, {m: [] for m in modes}
-                for m in modes:
-                    arms[f"ar/{m}"] = runtime_arm(engines[m], ps, b, 0, [])
-                    arms[f"spec/{m}"] = runtime_arm(engines[m], ps, b, k, stats[m])
-                for name, hm in hf.items():
-                    arms[f"hf/{name}"] = hf_arm(hm, ps, b)
-                times = {n: [] for n in arms}
-                ntok = {}
-                for _ in range(a.rounds):
-                    for n, f in arms.items():
-                        t0 = time.perf_counter()
-                        ntok[n] = f()
-                        times[n].append(time.perf_counter() - t0)
-                tps = {n: ntok[n] / statistics.median(t) for n, t in times.items()}
-                al = {}
-                for m in modes:
-                    acc = sum(s.accepted for s in stats[m])
-                    steps = sum(s.steps for s in stats[m])
-                    al[m] = 1 + acc / steps if steps else None
-                row = {"domain": dom, "batch": b, "tokens_per_s": tps, "al": al,
-                       "spread": {n: [min(t), max(t)] for n, t in times.items()},
-                       "context": int(statistics.mean(len(p) for p in ps) + N / 2)}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
 
-        # step times for the limit, at each batch size, the mean context of the measured prompts
-        ctx_len = int(statistics.mean(r["context"] for r in rows))
-        steps = {}
-        for b in batches:
-            toks = {m: torch.randint(0, 1000, (b, m)) for m in (1, k + 1)}
-            fns = {}
-            for mode, eng in engines.items():
-                r = eng.target
-                for mm in (1, k + 1):
-                    def f(r=r, mm=mm, b=b, mode=mode):
-                        if r.cache is None or r.cache.k[0].shape[0] != b or int(r.cache.lengths[0]) != ctx_len:
-                            fill_cache(r, b, ctx_len, k + 2)
-                        r.forward(toks[mm])
-                    fns[f"{mode}:T({mm})"] = f
-            t = interleaved(fns, 5, 3)
-            steps[b] = {n: statistics.median(v) for n, v in t.items()}
-        tdraft = {}
-        for b in batches:
-            drows = draft_table(model, {draft.algorithm: draft_dir}, modes, ctx_len, k, 5, 5, batch=b)
-            tdraft |= {(r["mode"], b): r["ms"] / 1e3 for r in drows if r["what"] == "step"}
+def groups(ps, b):
+    return [ps[i:i + b] for i in range(0, len(ps), b)]
+
+
+def runtime_arm(eng, ps, b, k, n_new, stats):
+    """Plain (k = 0) or speculative decoding of the prompts in groups of b, exactly n_new tokens each."""
+    def run():
+        toks = 0
+        for g in groups(ps, b):
+            out = eng.generate(g, max_new_tokens=n_new, draft_len=k, eos_token_id=None)
+            toks += sum(map(len, out.tokens))
+            if k:
+                stats.append(out.stats)
+        return toks
+    return run
+
+
+def hf_arm(m, ps, b, n_new, pad):
+    """HF `generate`, greedy with KV cache, left-padded groups of b, exactly n_new tokens each."""
+    import torch
+
+    def run():
+        toks = 0
+        for g in groups(ps, b):
+            L = max(map(len, g))
+            ids = torch.tensor([[pad] * (L - len(p)) + p for p in g])
+            att = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in g])
+            out = m.generate(ids, attention_mask=att, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False,
+                             eos_token_id=None, pad_token_id=pad)
+            toks += (out.shape[1] - L) * len(g)
+        return toks
+    return run
+
+
+def measure_domain(dom, ps, b, env, models, a) -> dict:
+    """Every arm on one domain at batch b, timed in turn within each round; tokens/s from the median round."""
+    arms, stats = {}, {m: [] for m in env["modes"]}
+    for m in env["modes"]:
+        arms[f"ar/{m}"] = runtime_arm(models["engines"][m], ps, b, 0, a.max_new_tokens, [])
+        arms[f"spec/{m}"] = runtime_arm(models["engines"][m], ps, b, env["k"], a.max_new_tokens, stats[m])
+    for name, hm in models["hf"].items():
+        arms[f"hf/{name}"] = hf_arm(hm, ps, b, a.max_new_tokens, models["pad"])
+    times, ntok = {n: [] for n in arms}, {}
+    for _ in range(a.rounds):
+        for n, f in arms.items():
+            t0 = time.perf_counter()
+            ntok[n] = f()
+            times[n].append(time.perf_counter() - t0)
+    al = {}
+    for m in env["modes"]:
+        steps = sum(s.steps for s in stats[m])
+        al[m] = 1 + sum(s.accepted for s in stats[m]) / steps if steps else None
+    return {"domain": dom, "batch": b, "tokens_per_s": {n: ntok[n] / statistics.median(t) for n, t in times.items()},
+            "al": al, "spread": {n: [min(t), max(t)] for n, t in times.items()},
+            "context": int(statistics.mean(len(p) for p in ps) + a.max_new_tokens / 2)}
+
+
+def step_times(env, models, ctx_len) -> tuple[dict, dict]:
+    """T(1) and T(k+1) of the target per mode and batch at ctx_len (bench_steps' interleaved timers), and the
+    draft's work per step."""
+    import torch
+    from bench_steps import draft_table, fill_cache, interleaved
+
+    k, steps, tdraft = env["k"], {}, {}
+    for b in env["batches"]:
+        toks = {m: torch.randint(0, 1000, (b, m)) for m in (1, k + 1)}
+        fns = {}
+        for mode, eng in models["engines"].items():
+            r = eng.target
+            for mm in (1, k + 1):
+                def f(r=r, mm=mm, b=b):
+                    if r.cache is None or r.cache.k[0].shape[0] != b or int(r.cache.lengths[0]) != ctx_len:
+                        fill_cache(r, b, ctx_len, k + 2)
+                    r.forward(toks[mm])
+                fns[f"{mode}:T({mm})"] = f
+        steps[b] = {n: statistics.median(v) for n, v in interleaved(fns, 5, 3).items()}
+        draft = models["draft"]
+        drows = draft_table(models["model"], {draft.algorithm: env["draft_dir"]}, env["modes"], ctx_len, k, 5, 5, batch=b)
+        tdraft |= {(r["mode"], b): r["ms"] / 1e3 for r in drows if r["what"] == "step"}
+    return steps, tdraft
+
+
+def add_limits(rows, modes, k, steps, tdraft) -> None:
+    """The limit AL x T(1) / (T(k+1) + k x T_draft) per row and mode, and the measured speedup's ratio to it."""
     for r in rows:
         r["limit"], r["ratio_to_limit"] = {}, {}
         for m in modes:
             st = steps[r["batch"]]
-            t1, tk = st[f"{m}:T(1)"], st[f"{m}:T({k + 1})"]
-            td = tdraft[(m, r["batch"])]
-            lim = r["al"][m] * t1 / (tk + td) if r["al"][m] else None
+            lim = r["al"][m] * st[f"{m}:T(1)"] / (st[f"{m}:T({k + 1})"] + tdraft[(m, r["batch"])]) if r["al"][m] else None
             r["limit"][m] = lim
             meas = r["tokens_per_s"][f"spec/{m}"] / r["tokens_per_s"][f"ar/{m}"]
             r["ratio_to_limit"][m] = meas / lim if lim else None
+
+
+def main(argv=None) -> dict:
+    a = parse_args(argv)
+    import torch
+
+    torch.set_num_threads(a.threads)
+    s = setup(a)
+    env, meta = s["env"], s["meta"]
+    print(json.dumps(meta), flush=True)
+    models = load_models(env, not a.no_hf_fp32)
+    rows = []
+    with torch.no_grad():
+        for dom, ps in env["prompts"].items():
+            for b in env["batches"]:
+                rows.append(measure_domain(dom, ps, b, env, models, a))
+                print(json.dumps(rows[-1]), flush=True)
+        ctx_len = int(statistics.mean(r["context"] for r in rows))   # the mean context of the measured prompts
+        steps, tdraft = step_times(env, models, ctx_len)
+    add_limits(rows, env["modes"], env["k"], steps, tdraft)
     meta["uptime_after"] = uptime()
-    meta["step_ms"] = {b: {n: 1e3 * v for n, v in s.items()} for b, s in steps.items()}
+    meta["step_ms"] = {b: {n: 1e3 * v for n, v in st.items()} for b, st in steps.items()}
     meta["draft_step_ms"] = {f"{m} B={b}": 1e3 * v for (m, b), v in tdraft.items()}
     meta["context_for_steps"] = ctx_len
-    md = markdown(rows, meta, modes, list(hf))
+    md = markdown(rows, meta, env["modes"], list(models["hf"]))
     print("\n" + md)
     res = {"meta": meta, "rows": rows, "markdown": md}
     if a.json:
