@@ -185,7 +185,7 @@ def run(ctx: StageContext) -> dict:
     if guard_note and plan.speculation:
         ctx.log.warning("%s", guard_note)
     checks = _checked(ctx, plan, options, ddraft)
-    bench = _write_commands(ctx, plan, options, out)
+    bench = _write_options_and_commands(ctx, plan, options, out)
     loaded = (_try_load(sec, plan.target_dir, options, ctx) if sec.load == "auto"
               else {"loaded": False, "reason": "build.load: never"})
     ctx.log.info("load: %s", "loaded" if loaded["loaded"] else loaded["reason"])
@@ -314,7 +314,7 @@ def _checked(ctx: StageContext, plan: _Plan, options: dict, ddraft: _DeployedDra
     return checks
 
 
-def _write_commands(ctx: StageContext, plan: _Plan, options: dict, out: Path) -> _Bench:
+def _write_options_and_commands(ctx: StageContext, plan: _Plan, options: dict, out: Path) -> _Bench:
     """llm_api_options.yaml, the bench dataset, serve.sh and bench.sh."""
     from runtime.trtllm import options as T
 
