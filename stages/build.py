@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import json
 import shlex
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, field_validator
 
@@ -39,6 +40,10 @@ from pipeline.artifacts import tune as tune_artifact
 from pipeline.errors import StageError
 from pipeline.stage import Artifact, StageContext, StageSection, Strict
 from runtime.trtllm import compat
+
+if TYPE_CHECKING:
+    from runtime.trtllm.draft_schedule import DraftSchedule
+    from runtime.trtllm.options import Check, DeploymentSpec
 
 NAME = "build"
 CONSUMES: tuple[str, ...] = ("target", "data", "train_draft", "quantize", "tune")
@@ -122,14 +127,88 @@ def check(cfg) -> list[tuple[str, str]]:
 # ---------------------------------------------------------------------------------------------- run
 
 
+@dataclass
+class _Plan:
+    """What the deployment is, resolved from the upstream artifacts and the section before anything is written."""
+
+    version: str
+    rel: compat.Release
+    arts: Path                  # <workdir>/artifacts: quantize.json paths are relative to it
+    target_dir: Path            # the FP8 target
+    draft_src: Path             # the draft as train_draft/quantize wrote it
+    tcfg: dict                  # the target's config.json
+    draft: dict                 # draft.json
+    dcfg: dict                  # the draft's config.json ({} without speculation)
+    tuning: dict
+    algo: str
+    mode: str
+    schedule: DraftSchedule     # tune's draft length per batch size
+    mbs: int
+    kmax: int
+    speculation: bool
+
+    @property
+    def capture_layers(self) -> list[int] | None:
+        return self.draft.get("aux_layer_ids") if self.algo == "eagle3" else None
+
+
+@dataclass
+class _DeployedDraft:
+    """The draft TensorRT-LLM loads: `dir` as the checks read it now, `final` where the options name it."""
+
+    dir: Path | None
+    final: Path | None
+    renamed: int
+
+
+@dataclass
+class _Bench:
+    concurrency: int
+    prompts: int
+    requests: int
+    model_name: str
+
+
 def run(ctx: StageContext) -> dict:
-    from runtime.trtllm import hf_config
     from runtime.trtllm import options as T
 
     sec: Config = ctx.section
+    plan = _plan(ctx)
+    version, mbs = plan.version, plan.mbs
+    out = ctx.out_dir / "deployment"
+    out.mkdir(parents=True)
+    ddraft = _deployment_draft(ctx, plan, out)
+    spec = _deployment_spec(ctx, plan, ddraft)
+    options = _llm_api_options(spec, version)
+    guard_doc, guard_note = T.acceptance_guard(plan.rel, plan.mode, spec.acceptance_window, spec.min_acceptance_rate,
+                                               plan.kmax)
+    if guard_note and plan.speculation:
+        ctx.log.warning("%s", guard_note)
+    checks = _checked(ctx, plan, options, ddraft)
+    bench = _write_options_and_commands(ctx, plan, options, out)
+    loaded = (_try_load(sec, plan.target_dir, options, ctx) if sec.load == "auto"
+              else {"loaded": False, "reason": "build.load: never"})
+    ctx.log.info("load: %s", "loaded" if loaded["loaded"] else loaded["reason"])
+    runs = _runs(plan, options)
+    doc = _deployment_doc(ctx, plan, options, ddraft, runs, (guard_doc, guard_note), bench, checks, loaded)
+    (ctx.out_dir / "deployment.json").write_text(json.dumps(doc, indent=2))
+    (out / "README.md").write_text(_readme(doc, options))
+    ctx.log.info("deployment for TensorRT-LLM %s (%s): %s, %s, batch<=%d, bench %d requests (%d prompts) at "
+                 "concurrency %d", version, doc["serving_image"], doc["decoding_type"] or "no speculation",
+                 runs.describe(mbs), mbs, bench.requests, bench.prompts, bench.concurrency)
+    return {"trtllm_version": version, "mode": plan.mode, "speculation": plan.speculation,
+            "decoding_type": doc["decoding_type"], "max_draft_len": plan.kmax, "draft_schedule": runs.describe(mbs),
+            "max_batch_size": mbs, "max_num_tokens": options["max_num_tokens"], "checks_passed": len(checks),
+            "loaded": loaded["loaded"], "load_note": loaded.get("reason", "loaded"), "bench_requests": bench.requests}
+
+
+def _plan(ctx: StageContext) -> _Plan:
+    """Read quantize's, train_draft's and tune's artifacts; resolve algorithm, mode, schedule and batch size.
+    Logs a warning when tune found that speculation never pays (the target is then deployed alone)."""
+    sec: Config = ctx.section
     version = sec.trtllm_version
     rel = compat.release(version)
-    arts = ctx.input("quantize").path.parent          # <workdir>/artifacts: quantize.json paths are relative to it
+    arts = ctx.input("quantize").path.parent
     quant = quantize_artifact.read_info(ctx.input("quantize").path)
     target_dir = quant.target_dir(arts)
     draft_src = quant.draft_dir(arts)
@@ -143,13 +222,46 @@ def run(ctx: StageContext) -> dict:
     schedule = _tuned_schedule(tuning, version, mode)
     mbs = sec.max_batch_size or int(tuning.get("max_batch_size") or 64)
     speculation = schedule.speculates(mbs)
-    kmax = schedule.max_draft_len(mbs)
     if not speculation:
         ctx.log.warning("tune predicted no speedup from speculation at any batch size (%s): deploying the target "
                         "alone, without a draft", (tuning.get("deployment") or {}).get("note", "see tuning.json"))
     dcfg = json.loads((draft_src / "config.json").read_text()) if speculation else {}
-    mnt = sec.max_num_tokens or tuning.get("max_num_tokens") or mbs * (1 + kmax)
-    positions = [p for p in (tcfg.get("max_position_embeddings"), T._draft_positions(dcfg) if dcfg else None) if p]
+    return _Plan(version=version, rel=rel, arts=arts, target_dir=target_dir, draft_src=draft_src, tcfg=tcfg, draft=draft,
+                 dcfg=dcfg, tuning=tuning, algo=algo, mode=mode, schedule=schedule, mbs=mbs,
+                 kmax=schedule.max_draft_len(mbs), speculation=speculation)
+
+
+def _deployment_draft(ctx: StageContext, plan: _Plan, out: Path) -> _DeployedDraft:
+    """The EAGLE-3 draft with its layers named as the targeted loader reads them (a renamed copy in
+    deployment/draft/ where that differs from ModelOpt's names); None without speculation."""
+    from runtime.trtllm import options as T
+
+    trtllm_draft, renamed = (plan.draft_src if plan.speculation else None), 0
+    if plan.speculation and plan.algo == "eagle3":
+        try:
+            trtllm_draft, renamed = T.trtllm_draft_dir(plan.draft_src, out / "draft", plan.rel,
+                                                  int(plan.dcfg.get("num_hidden_layers") or plan.draft.get("num_layers") or 1))
+        except ValueError as e:
+            raise StageError(f"the draft's tensor names cannot be written as TensorRT-LLM {plan.version} reads them: "
+                             f"{e}") from None
+    # the options name the draft where the committed artifact will be (artifacts/build/...), the checks read it here
+    final = (plan.arts / NAME / "deployment" / "draft").resolve() if renamed else trtllm_draft
+    if renamed:
+        ctx.log.info("draft: %d tensors renamed layers.<i>.* -> midlayer.* in deployment/draft/ (TensorRT-LLM %s's "
+                     "EAGLE-3 loader does not remap ModelOpt's names; train_draft's artifact is unchanged)", renamed,
+                     plan.version)
+    return _DeployedDraft(trtllm_draft, final, renamed)
+
+
+def _deployment_spec(ctx: StageContext, plan: _Plan, ddraft: _DeployedDraft) -> DeploymentSpec:
+    """The section's limits (defaults from tune and the models' positions), KV cache and CUDA graphs."""
+    from runtime.trtllm import options as T
+
+    sec: Config = ctx.section
+    mbs = plan.mbs
+    mnt = sec.max_num_tokens or plan.tuning.get("max_num_tokens") or mbs * (1 + plan.kmax)
+    positions = [p for p in (plan.tcfg.get("max_position_embeddings"),
+                             T._draft_positions(plan.dcfg) if plan.dcfg else None) if p]
     msl = sec.max_seq_len or (min(positions) if positions else 2048)
     kv = {"free_gpu_memory_fraction": sec.kv_cache.free_gpu_memory_fraction,
           "enable_block_reuse": sec.kv_cache.enable_block_reuse}
@@ -157,44 +269,41 @@ def run(ctx: StageContext) -> dict:
         kv["dtype"] = "fp8"
     cg = None
     if sec.cuda_graphs:
-        cg = [int(b) for b in (tuning.get("cuda_graph_batch_sizes") or [1, 2, 4, 8]) if int(b) <= mbs] or [1]
-    out = ctx.out_dir / "deployment"
-    out.mkdir(parents=True)
-    trtllm_draft, renamed = (draft_src if speculation else None), 0
-    if speculation and algo == "eagle3":
-        try:
-            trtllm_draft, renamed = T.trtllm_draft_dir(draft_src, out / "draft", rel,
-                                                  int(dcfg.get("num_hidden_layers") or draft.get("num_layers") or 1))
-        except ValueError as e:
-            raise StageError(f"the draft's tensor names cannot be written as TensorRT-LLM {version} reads them: {e}") from None
-    # the options name the draft where the committed artifact will be (artifacts/build/...), the checks read it here
-    trtllm_draft_final = (arts / NAME / "deployment" / "draft").resolve() if renamed else trtllm_draft
-    if renamed:
-        ctx.log.info("draft: %d tensors renamed layers.<i>.* -> midlayer.* in deployment/draft/ (TensorRT-LLM %s's "
-                     "EAGLE-3 loader does not remap ModelOpt's names; train_draft's artifact is unchanged)", renamed, version)
+        cg = [int(b) for b in (plan.tuning.get("cuda_graph_batch_sizes") or [1, 2, 4, 8]) if int(b) <= mbs] or [1]
     guard = sec.acceptance_guard
-    spec = T.DeploymentSpec(
-        version=version, algorithm=algo, draft_dir=str(trtllm_draft_final) if trtllm_draft else "", schedule=schedule,
-        capture_layers=draft.get("aux_layer_ids") if algo == "eagle3" else None,
+    return T.DeploymentSpec(
+        version=plan.version, algorithm=plan.algo, draft_dir=str(ddraft.final) if ddraft.dir else "",
+        schedule=plan.schedule, capture_layers=plan.capture_layers,
         max_batch_size=mbs, max_num_tokens=int(mnt), max_seq_len=int(msl), cuda_graph_batch_sizes=cg, kv_cache=kv,
         eagle3_one_model=sec.eagle3_mode == "one_model", tensor_parallel_size=ctx.config.hardware.tensor_parallel_size,
         pipeline_parallel_size=sec.pipeline_parallel_size,
         acceptance_window=guard.window if guard else None, min_acceptance_rate=guard.min_acceptance_rate if guard else None)
+
+
+def _llm_api_options(spec: DeploymentSpec, version: str) -> dict:
+    from runtime.trtllm import options as T
+
     try:
-        options = T.llm_api_options(spec)
+        return T.llm_api_options(spec)
     except ValueError as e:   # draft_schedule.UnsupportedSchedule: tune and build disagree on what the version runs
         raise StageError(f"the tuned draft-length schedule cannot be written for TensorRT-LLM {version}: {e}; "
                          "rerun tune (specpipe build --from tune)") from None
-    guard_doc, guard_note = T.acceptance_guard(rel, mode, spec.acceptance_window, spec.min_acceptance_rate, kmax)
-    if guard_note and speculation:
-        ctx.log.warning("%s", guard_note)
+
+
+def _checked(ctx: StageContext, plan: _Plan, options: dict, ddraft: _DeployedDraft) -> list[Check]:
+    """Run the named consistency checks, log each; a failed one fails the stage with its message."""
+    from runtime.trtllm import hf_config
+    from runtime.trtllm import options as T
+
+    tcfg = plan.tcfg
     checks = T.consistency_checks(
-        options, version=version, algorithm=algo, target_dir=target_dir, draft_dir=trtllm_draft,
+        options, version=plan.version, algorithm=plan.algo, target_dir=plan.target_dir, draft_dir=ddraft.dir,
         target_vocab_size=tcfg.get("vocab_size"), target_hidden_size=tcfg.get("hidden_size"),
         num_target_layers=int(tcfg.get("num_hidden_layers") or 0) or None,
-        capture_layers=draft.get("aux_layer_ids") if algo == "eagle3" else None, schedule=schedule,
+        capture_layers=plan.capture_layers, schedule=plan.schedule,
         target_rope_theta=_theta(ctx.input("target").path / "model" / "config.json", hf_config),
-        draft_rope_theta=_theta(ctx.input("train_draft").path / "draft" / "config.json", hf_config) if speculation else None)
+        draft_rope_theta=(_theta(ctx.input("train_draft").path / "draft" / "config.json", hf_config)
+                          if plan.speculation else None))
     for c in checks:
         ctx.log.info("check %-28s %s  %s", c.name, "ok  " if c.ok else "FAIL", c.message)
     failed = [c for c in checks if not c.ok]
@@ -202,54 +311,61 @@ def run(ctx: StageContext) -> dict:
         raise StageError("deployment consistency checks failed:\n" + "\n".join(f"  {c.name}: {c.message}" for c in failed)
                          + ("\n  (config.json RoPE fields are written by quantize and train_draft: rerun them if their "
                             "artifacts predate that)" if any(c.name.endswith("_rope") for c in failed) else ""))
+    return checks
 
+
+def _write_options_and_commands(ctx: StageContext, plan: _Plan, options: dict, out: Path) -> _Bench:
+    """llm_api_options.yaml, the bench dataset, serve.sh and bench.sh."""
+    from runtime.trtllm import options as T
+
+    sec: Config = ctx.section
     (out / "llm_api_options.yaml").write_text(
-        f"# LLM-API options for TensorRT-LLM {version} (PyTorch backend), written by specpipe build.\n"
+        f"# LLM-API options for TensorRT-LLM {plan.version} (PyTorch backend), written by specpipe build.\n"
         f"# Use: trtllm-serve <target> --backend pytorch --extra_llm_api_options llm_api_options.yaml\n"
         + T.dump_yaml(options))
-    concurrency = sec.bench.concurrency or mbs
+    concurrency = sec.bench.concurrency or plan.mbs
     n_prompts, n_requests = _bench_dataset(ctx.input("data").path, out / "bench_dataset.jsonl",
                                            sec.bench.output_tokens, sec.bench.rounds * concurrency)
-    image = compat.serving_image_for(version)
-    bench_name = sec.bench.model_name or _model_name(tcfg, ctx.workdir)
-    _write_script(out / "serve.sh", serve_command(target_dir))
-    _write_script(out / "bench.sh", bench_command(bench_name, target_dir, concurrency))
-    loaded = _try_load(sec, target_dir, options, ctx) if sec.load == "auto" else {"loaded": False, "reason": "build.load: never"}
-    ctx.log.info("load: %s", "loaded" if loaded["loaded"] else loaded["reason"])
-    sc = options.get("speculative_config") or {}
+    bench_name = sec.bench.model_name or _model_name(plan.tcfg, ctx.workdir)
+    _write_script(out / "serve.sh", serve_command(plan.target_dir))
+    _write_script(out / "bench.sh", bench_command(bench_name, plan.target_dir, concurrency))
+    return _Bench(concurrency, n_prompts, n_requests, bench_name)
+
+
+def _runs(plan: _Plan, options: dict) -> DraftSchedule:
+    """The draft length per batch size the written options make TensorRT-LLM run (0 without speculation)."""
     from runtime.trtllm import draft_schedule
 
-    runs = draft_schedule.decode(sc, rel, mode, mbs) if sc else draft_schedule.DraftSchedule.constant(0)
-    tnote = (tuning.get("deployment") or {}).get("note")
-    doc = {
-        "trtllm_version": version, "serving_image": image, "backend": "pytorch", "algorithm": algo, "mode": mode,
-        "speculation": speculation, "decoding_type": sc.get("decoding_type"), "target_dir": str(target_dir),
+    sc = options.get("speculative_config") or {}
+    return draft_schedule.decode(sc, plan.rel, plan.mode, plan.mbs) if sc else draft_schedule.DraftSchedule.constant(0)
+
+
+def _deployment_doc(ctx: StageContext, plan: _Plan, options: dict, ddraft: _DeployedDraft, runs: DraftSchedule,
+                    guard: tuple[dict, str | None], bench: _Bench, checks: list[Check], loaded: dict) -> dict:
+    """deployment.json: what was written, for `export`, `status` and the README."""
+    sc = options.get("speculative_config") or {}
+    guard_doc, guard_note = guard
+    return {
+        "trtllm_version": plan.version, "serving_image": compat.serving_image_for(plan.version), "backend": "pytorch",
+        "algorithm": plan.algo, "mode": plan.mode,
+        "speculation": plan.speculation, "decoding_type": sc.get("decoding_type"), "target_dir": str(plan.target_dir),
         # draft_dir: the draft as train_draft/quantize wrote it (specpipe's runtime reads it); trtllm_draft_dir: the
         # one TensorRT-LLM loads (layer names of the targeted version)
-        "draft_dir": str(draft_src) if speculation else None,
-        "trtllm_draft_dir": str(trtllm_draft_final) if trtllm_draft else None,
-        "draft_weight_names": ({"renamed": renamed, "from": "layers.<i>.*", "to": "midlayer.*", "dir": "deployment/draft"}
-                               if renamed else None),
+        "draft_dir": str(plan.draft_src) if plan.speculation else None,
+        "trtllm_draft_dir": str(ddraft.final) if ddraft.dir else None,
+        "draft_weight_names": ({"renamed": ddraft.renamed, "from": "layers.<i>.*", "to": "midlayer.*",
+                                "dir": "deployment/draft"} if ddraft.renamed else None),
         "eagle3_layers_to_capture": sc.get("eagle3_layers_to_capture"),
-        "max_draft_len": kmax, "max_batch_size": mbs,
+        "max_draft_len": plan.kmax, "max_batch_size": plan.mbs,
         "max_num_tokens": options["max_num_tokens"], "max_seq_len": options["max_seq_len"],
-        "draft_schedule": runs.to_json(mbs), "schedule_note": tnote,
+        "draft_schedule": runs.to_json(plan.mbs), "schedule_note": (plan.tuning.get("deployment") or {}).get("note"),
         "acceptance_guard": guard_doc or None, "acceptance_guard_note": guard_note,
         "options_file": "deployment/llm_api_options.yaml",
-        "bench_prompts": n_prompts, "bench_requests": n_requests, "bench_concurrency": concurrency,
-        "bench_model_name": bench_name,
+        "bench_prompts": bench.prompts, "bench_requests": bench.requests, "bench_concurrency": bench.concurrency,
+        "bench_model_name": bench.model_name,
         "checks": [{"name": c.name, "ok": c.ok, "message": c.message} for c in checks], "load": loaded,
         "workdir": str(Path(ctx.workdir).resolve()),
     }
-    (ctx.out_dir / "deployment.json").write_text(json.dumps(doc, indent=2))
-    (out / "README.md").write_text(_readme(doc, options))
-    ctx.log.info("deployment for TensorRT-LLM %s (%s): %s, %s, batch<=%d, bench %d requests (%d prompts) at "
-                 "concurrency %d", version, image, doc["decoding_type"] or "no speculation", runs.describe(mbs), mbs,
-                 n_requests, n_prompts, concurrency)
-    return {"trtllm_version": version, "mode": mode, "speculation": speculation,
-            "decoding_type": doc["decoding_type"], "max_draft_len": kmax, "draft_schedule": runs.describe(mbs),
-            "max_batch_size": mbs, "max_num_tokens": options["max_num_tokens"], "checks_passed": len(checks),
-            "loaded": loaded["loaded"], "load_note": loaded.get("reason", "loaded"), "bench_requests": n_requests}
 
 
 def _theta(config_path: Path, hf_config) -> float | None:
@@ -362,40 +478,9 @@ def _try_load(sec: Config, target_dir: Path, options: dict, ctx: StageContext) -
 
 def _readme(doc: dict, options: dict) -> str:
     from runtime.trtllm import options as T
-    from runtime.trtllm.draft_schedule import DraftSchedule
 
     rows = "\n".join(f"| `{c['name']}` | {'ok' if c['ok'] else 'FAILED'} | {c['message']} |" for c in doc["checks"])
-    mbs = doc["max_batch_size"]
-    sched = DraftSchedule.from_json(doc["draft_schedule"])
-    if doc["speculation"]:
-        table = "\n".join(f"| {lo}-{hi} | {k if k else '0 (speculation off)'} |" for lo, hi, k in sched.bounded(mbs))
-        mode = doc['mode'].replace('_', '-')
-        copy = (' (a copy of `' + doc['draft_dir'] + '` with ' + str(doc['draft_weight_names']['renamed'])
-                + ' tensors renamed `layers.<i>.*` -> `midlayer.*`: TensorRT-LLM ' + doc['trtllm_version']
-                + "'s EAGLE-3 loader reads only the module's own names)") if doc['draft_weight_names'] else ''
-        capture = ('- `eagle3_layers_to_capture`: ' + str(doc['eagle3_layers_to_capture'])
-                   + " (the target layers the draft was trained on; TensorRT-LLM does not read them from the draft's "
-                   "config)") if doc['eagle3_layers_to_capture'] else ''
-        guard = ('Acceptance guard: `' + str(doc['acceptance_guard']) + '`.') if doc['acceptance_guard'] \
-            else (doc['acceptance_guard_note'] or '')
-        spec = f"""- speculative decoding: `{doc['decoding_type']}` ({mode}), max_draft_len {doc['max_draft_len']}
-- FP8 target: `{doc['target_dir']}`
-- draft TensorRT-LLM loads: `{doc['trtllm_draft_dir']}`{copy}
-{capture}
-
-### Draft length per batch size (what TensorRT-LLM {doc['trtllm_version']} runs with these options)
-{_schedule_support(doc)}
-
-| batch size | draft tokens per step |
-|---|---|
-{table}
-
-{doc['schedule_note'] or ''}
-{guard}"""
-    else:
-        spec = f"""- **no speculative decoding**: `tune` predicted no speedup from any draft length at any batch size
-  ({doc['schedule_note'] or 'see tuning.json'}), so the FP8 target is deployed alone and no draft is loaded.
-- FP8 target: `{doc['target_dir']}`"""
+    spec = _readme_deployment(doc)
     bench = (f"{doc['bench_requests']} requests ({doc['bench_prompts']} eval prompts, repeated) at concurrency "
              f"{doc['bench_concurrency']}")
     return f"""# TensorRT-LLM deployment (written by specpipe build)
@@ -435,6 +520,42 @@ docker run --gpus all --rm -it --ipc=host -p 8000:8000 -e HOST=0.0.0.0 \\
 |---|---|---|
 {rows}
 """
+
+
+def _readme_deployment(doc: dict) -> str:
+    """The README's lines on what is deployed: the speculative pair and its draft length per batch size, or the
+    target alone and why."""
+    from runtime.trtllm.draft_schedule import DraftSchedule
+
+    if not doc["speculation"]:
+        return f"""- **no speculative decoding**: `tune` predicted no speedup from any draft length at any batch size
+  ({doc['schedule_note'] or 'see tuning.json'}), so the FP8 target is deployed alone and no draft is loaded.
+- FP8 target: `{doc['target_dir']}`"""
+    runs = DraftSchedule.from_json(doc["draft_schedule"]).bounded(doc["max_batch_size"])
+    table = "\n".join(f"| {lo}-{hi} | {k if k else '0 (speculation off)'} |" for lo, hi, k in runs)
+    mode = doc['mode'].replace('_', '-')
+    copy = (' (a copy of `' + doc['draft_dir'] + '` with ' + str(doc['draft_weight_names']['renamed'])
+            + ' tensors renamed `layers.<i>.*` -> `midlayer.*`: TensorRT-LLM ' + doc['trtllm_version']
+            + "'s EAGLE-3 loader reads only the module's own names)") if doc['draft_weight_names'] else ''
+    capture = ('- `eagle3_layers_to_capture`: ' + str(doc['eagle3_layers_to_capture'])
+               + " (the target layers the draft was trained on; TensorRT-LLM does not read them from the draft's "
+               "config)") if doc['eagle3_layers_to_capture'] else ''
+    guard = ('Acceptance guard: `' + str(doc['acceptance_guard']) + '`.') if doc['acceptance_guard'] \
+        else (doc['acceptance_guard_note'] or '')
+    return f"""- speculative decoding: `{doc['decoding_type']}` ({mode}), max_draft_len {doc['max_draft_len']}
+- FP8 target: `{doc['target_dir']}`
+- draft TensorRT-LLM loads: `{doc['trtllm_draft_dir']}`{copy}
+{capture}
+
+### Draft length per batch size (what TensorRT-LLM {doc['trtllm_version']} runs with these options)
+{_schedule_support(doc)}
+
+| batch size | draft tokens per step |
+|---|---|
+{table}
+
+{doc['schedule_note'] or ''}
+{guard}"""
 
 
 def _schedule_support(doc: dict) -> str:

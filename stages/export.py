@@ -71,64 +71,11 @@ def run(ctx: StageContext) -> dict:
     options = build_artifact.read_options(bpath, dep)
     version = dep["trtllm_version"]
     io = T.load_schema("triton-llmapi-model")["config_pbtxt"]
-
-    # -- production repository
-    prod = ctx.out_dir / "triton"
-    mdir = prod / sec.model_name / "1"
-    mdir.mkdir(parents=True)
     speculation = bool(options.get("speculative_config"))
-    _place(Path(dep["target_dir"]), mdir / "target_fp8", sec.weights)
-    if speculation:   # the draft as TensorRT-LLM loads it (layer names of the targeted version, see build)
-        _place(Path(dep.get("trtllm_draft_dir") or dep["draft_dir"]), mdir / "draft", sec.weights)
-    in_container = f"{sec.container_path.rstrip('/')}/{sec.model_name}/1"
-    body = {"model": f"{in_container}/target_fp8", "backend": "pytorch", **options}
-    if speculation:
-        body["speculative_config"] = {**options["speculative_config"], "speculative_model": f"{in_container}/draft"}
-    # Per-request speculative statistics: the LLM-API model returns acceptance_rate / total_accepted_draft_tokens /
-    # total_draft_tokens for requests with sampling_param_return_perf_metrics; the LLM-level flag (BaseLlmArgs,
-    # 1.2 line) also records the request timestamps those responses carry. `specpipe monitor` reads them.
-    body.setdefault("return_perf_metrics", True)
-    body["triton_config"] = {"max_batch_size": 0, "decoupled": sec.decoupled,
-                             "cancellation_check_period_ms": sec.cancellation_check_period_ms}
-    if bad := T.unknown_keys(body, version, model_yaml=True):
-        raise StageError(f"model.yaml would carry keys TensorRT-LLM {version} does not know: {bad}")
-    (mdir / "model.yaml").write_text(
-        f"# TensorRT-LLM {version} LLM-API options for Triton's llmapi model (every key but triton_config goes to LLM(...)).\n"
-        f"# Paths are inside the container: triton/ mounted at {sec.container_path}.\n"
-        "# triton_config.max_batch_size 0: the LLM-API model batches in TensorRT-LLM, not in Triton. config.pbtxt states\n"
-        "# the same max_batch_size and decoupled policy: launch_triton_server.py disables auto-complete-config.\n"
-        + T.dump_yaml(body))
-    (prod / sec.model_name / "config.pbtxt").write_text(
-        config_pbtxt(sec.model_name, io, decoupled=sec.decoupled,
-                     max_batch_size=body["triton_config"]["max_batch_size"]))
     image = compat.triton_image_for(version)
-    (prod / "launch.sh").write_text(_launch_sh(sec, dep))
-    (prod / "launch.sh").chmod(0o755)
-    (prod / "README.md").write_text(_readme(sec, dep, image, ctx.workdir))
-
-    # -- CPU repository: same interface, specpipe's runtime
-    cpu = ctx.out_dir / "triton_cpu"
+    _production_repository(ctx, dep, options, io, image, speculation)
     if sec.cpu_repository:
-        cdir = cpu / sec.model_name / "1"
-        cdir.mkdir(parents=True)
-        _place(Path(dep["target_dir"]), cdir / "target_fp8", sec.weights)
-        if speculation:   # specpipe's runtime reads the draft as train_draft/quantize wrote it
-            _place(Path(dep["draft_dir"]), cdir / "draft", sec.weights)
-        from importlib import resources
-
-        import runtime
-
-        (cdir / "model.py").write_text(resources.files("runtime.serving").joinpath("triton_model", "model.py").read_text())
-        runs = (dep.get("draft_schedule") or {}).get("runs") or [[1, 1, 0]]
-        (cdir / "specpipe_model.json").write_text(json.dumps({
-            "target": "target_fp8", "draft": "draft" if speculation else None, "algorithm": dep["algorithm"],
-            "draft_len": runs[0][2],         # the CPU model batches continuously with one k: batch 1's
-            "draft_schedule": dep.get("draft_schedule"),   # per batch size, as the TensorRT-LLM deployment runs it
-            "eos_token_ids": acc.get("eos_token_ids"),     # the stop ids validate decoded with (target.json)
-            "compute": sec.cpu_compute,                    # runtime.engine.drafts.resolve_compute on the serving machine
-            "trtllm_version": version, "specpipe_src": str(Path(runtime.__file__).resolve().parents[1])}, indent=2))
-        (cpu / sec.model_name / "config.pbtxt").write_text(
-            config_pbtxt(sec.model_name, io, decoupled=sec.decoupled))
+        _cpu_repository(ctx, dep, acc, io, speculation)
 
     vllm = None
     if sec.speculators and speculation:
@@ -150,6 +97,81 @@ def run(ctx: StageContext) -> dict:
     return {"model_name": sec.model_name, "trtllm_version": version, "triton_image": image or "custom",
             "cpu_repository": sec.cpu_repository, "config_pbtxt_checked": sum(v == "parsed" for v in parsed.values()),
             "speculators": vllm["speculators_model_type"] if vllm else None}
+
+
+def _production_repository(ctx: StageContext, dep: dict, options: dict, io: dict, image: str | None,
+                           speculation: bool) -> None:
+    """triton/: Triton's TensorRT-LLM LLM-API model (model.yaml, config.pbtxt, the checkpoints), launch.sh, README."""
+    from runtime.trtllm import options as T
+
+    sec: Config = ctx.section
+    version = dep["trtllm_version"]
+    prod = ctx.out_dir / "triton"
+    mdir = prod / sec.model_name / "1"
+    mdir.mkdir(parents=True)
+    _place(Path(dep["target_dir"]), mdir / "target_fp8", sec.weights)
+    if speculation:   # the draft as TensorRT-LLM loads it (layer names of the targeted version, see build)
+        _place(Path(dep.get("trtllm_draft_dir") or dep["draft_dir"]), mdir / "draft", sec.weights)
+    body = _model_yaml(sec, options, version)
+    (mdir / "model.yaml").write_text(
+        f"# TensorRT-LLM {version} LLM-API options for Triton's llmapi model (every key but triton_config goes to LLM(...)).\n"
+        f"# Paths are inside the container: triton/ mounted at {sec.container_path}.\n"
+        "# triton_config.max_batch_size 0: the LLM-API model batches in TensorRT-LLM, not in Triton. config.pbtxt states\n"
+        "# the same max_batch_size and decoupled policy: launch_triton_server.py disables auto-complete-config.\n"
+        + T.dump_yaml(body))
+    (prod / sec.model_name / "config.pbtxt").write_text(
+        config_pbtxt(sec.model_name, io, decoupled=sec.decoupled,
+                     max_batch_size=body["triton_config"]["max_batch_size"]))
+    (prod / "launch.sh").write_text(_launch_sh(sec, dep))
+    (prod / "launch.sh").chmod(0o755)
+    (prod / "README.md").write_text(_readme(sec, dep, image, ctx.workdir))
+
+
+def _model_yaml(sec: Config, options: dict, version: str) -> dict:
+    """The body of `tensorrt_llm/1/model.yaml`: the LLM-API options with the paths inside the container, plus
+    `triton_config`. Every key must exist in `version`'s schema."""
+    from runtime.trtllm import options as T
+
+    in_container = f"{sec.container_path.rstrip('/')}/{sec.model_name}/1"
+    body = {"model": f"{in_container}/target_fp8", "backend": "pytorch", **options}
+    if options.get("speculative_config"):
+        body["speculative_config"] = {**options["speculative_config"], "speculative_model": f"{in_container}/draft"}
+    # Per-request speculative statistics: the LLM-API model returns acceptance_rate / total_accepted_draft_tokens /
+    # total_draft_tokens for requests with sampling_param_return_perf_metrics; the LLM-level flag (BaseLlmArgs,
+    # 1.2 line) also records the request timestamps those responses carry. `specpipe monitor` reads them.
+    body.setdefault("return_perf_metrics", True)
+    body["triton_config"] = {"max_batch_size": 0, "decoupled": sec.decoupled,
+                             "cancellation_check_period_ms": sec.cancellation_check_period_ms}
+    if bad := T.unknown_keys(body, version, model_yaml=True):
+        raise StageError(f"model.yaml would carry keys TensorRT-LLM {version} does not know: {bad}")
+    return body
+
+
+def _cpu_repository(ctx: StageContext, dep: dict, acc: dict, io: dict, speculation: bool) -> None:
+    """triton_cpu/: the same model name and interface, a Python-backend model running specpipe's runtime."""
+    from importlib import resources
+
+    import runtime
+
+    sec: Config = ctx.section
+    cpu = ctx.out_dir / "triton_cpu"
+    cdir = cpu / sec.model_name / "1"
+    cdir.mkdir(parents=True)
+    _place(Path(dep["target_dir"]), cdir / "target_fp8", sec.weights)
+    if speculation:   # specpipe's runtime reads the draft as train_draft/quantize wrote it
+        _place(Path(dep["draft_dir"]), cdir / "draft", sec.weights)
+    (cdir / "model.py").write_text(resources.files("runtime.serving").joinpath("triton_model", "model.py").read_text())
+    runs = (dep.get("draft_schedule") or {}).get("runs") or [[1, 1, 0]]
+    (cdir / "specpipe_model.json").write_text(json.dumps({
+        "target": "target_fp8", "draft": "draft" if speculation else None, "algorithm": dep["algorithm"],
+        "draft_len": runs[0][2],         # the CPU model batches continuously with one k: batch 1's
+        "draft_schedule": dep.get("draft_schedule"),   # per batch size, as the TensorRT-LLM deployment runs it
+        "eos_token_ids": acc.get("eos_token_ids"),     # the stop ids validate decoded with (target.json)
+        "compute": sec.cpu_compute,                    # runtime.engine.drafts.resolve_compute on the serving machine
+        "trtllm_version": dep["trtllm_version"], "specpipe_src": str(Path(runtime.__file__).resolve().parents[1])},
+        indent=2))
+    (cpu / sec.model_name / "config.pbtxt").write_text(
+        config_pbtxt(sec.model_name, io, decoupled=sec.decoupled))
 
 
 def _speculators(ctx: StageContext, dep: dict, options: dict) -> dict:

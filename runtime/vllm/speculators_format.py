@@ -187,176 +187,276 @@ def _check_layer_ids(ids: list[int], n_target_layers: int | None, what: str, whe
 # ---------------------------------------------------------------------------------------------- writing
 
 
+@dataclass
+class _Verifier:
+    """The target checkpoint the draft is written for (speculators' `verifier`)."""
+
+    dir: Path
+    cfg: dict                 # its config.json (the text model's, for a multimodal checkpoint)
+    name_or_path: str         # what vLLM and speculators' loader open as the verifier
+    architectures: list
+
+    @property
+    def num_layers(self) -> int | None:
+        return self.cfg.get("num_hidden_layers")
+
+    def as_config(self) -> dict:
+        return {"name_or_path": self.name_or_path, "architectures": self.architectures}
+
+
+@dataclass
+class _Converted:
+    """One algorithm's speculators form of the draft: config.json (less `speculators_config`) and the tensors."""
+
+    algorithm: str
+    doc: dict
+    tensors: dict
+    modelopt_layer_ids: list[int]
+    draft_vocab_size: int
+    vocab_size: int
+    has_d2t: bool = False
+    block_size: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def aux_hidden_state_layer_ids(self) -> list[int]:
+        """speculators / vLLM number a state by the layer it enters, ModelOpt by the layer it leaves."""
+        return [i + 1 for i in self.modelopt_layer_ids]
+
+
+def _read_verifier(target_dir: Path, name_or_path: str | None) -> _Verifier:
+    path = target_dir / "config.json"
+    if not path.exists():
+        raise SpeculatorsFormatError(f"{target_dir}: no config.json; the verifier must be a checkpoint directory")
+    full = json.loads(path.read_text())
+    return _Verifier(dir=target_dir, cfg=full.get("text_config") or full,
+                     name_or_path=name_or_path or str(target_dir.resolve()),
+                     architectures=full.get("architectures") or [])
+
+
+def _stored_dtype(cfg: dict, sd: dict) -> str | None:
+    """The dtype the weights are stored in (a loader casts to the config's dtype: a wrong claim rounds them)."""
+    stored = {str(v.dtype).replace("torch.", "") for v in sd.values() if v.is_floating_point()}
+    return stored.pop() if len(stored) == 1 else (cfg.get("torch_dtype") or cfg.get("dtype"))
+
+
+def _check_fc(sd: dict, hidden: int, mo_ids: list[int], layers: str, where: str) -> None:
+    if tuple(sd["fc.weight"].shape) != (hidden, len(mo_ids) * hidden):
+        raise SpeculatorsFormatError(f"{where}: fc.weight is {tuple(sd['fc.weight'].shape)}, expected "
+                                     f"({hidden}, {len(mo_ids)} x {hidden}) for {layers}")
+
+
+def _check_verifier_vocab(verifier: _Verifier, vocab_size: int, where: str) -> None:
+    tv = verifier.cfg.get("vocab_size")
+    if tv is not None and int(tv) != vocab_size:
+        raise SpeculatorsFormatError(f"{where}: draft vocab_size {vocab_size} != the verifier's {tv}")
+
+
+# -- EAGLE-3
+
+
+def _check_eagle3_config(cfg: dict, n_target: int | None, where: str) -> list[int]:
+    """ModelOpt's eagle_config as the speculators EAGLE-3 model can express it; returns the capture layers."""
+    ec = cfg.get("eagle_config") or {}
+    _require(cfg, ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                   "intermediate_size", "vocab_size"), where)
+    for flag, want in (("use_aux_hidden_state", True), ("use_last_layernorm", True),
+                       ("use_input_layernorm_in_first_layer", True)):
+        if bool(ec.get(flag, want)) != want:
+            raise SpeculatorsFormatError(f"{where}: eagle_config.{flag} is {ec.get(flag)}; the speculators EAGLE-3 "
+                                         f"model always behaves as {flag}={want}")
+    if int(ec.get("parallel_draft_step", 1)) != 1:
+        raise SpeculatorsFormatError(f"{where}: eagle_config.parallel_draft_step {ec['parallel_draft_step']} "
+                                     "(parallel drafting) has no speculators EAGLE-3 equivalent")
+    return _check_layer_ids(ec.get("eagle_aux_hidden_state_layer_ids") or [], n_target,
+                            "eagle_config.eagle_aux_hidden_state_layer_ids", where)
+
+
+def _check_eagle3_tensors(sd: dict, H: int, L: int, dv: int, mo_ids: list[int], where: str) -> None:
+    required = {"fc.weight", "norm.weight", "lm_head.weight", "layers.0.hidden_norm.weight"}
+    required |= {f"layers.{i}.{n}.weight" for i in range(L) for n in _LAYER_TENSORS}
+    _check_tensors(sd, required, {"d2t"}, where)
+    _check_fc(sd, H, mo_ids, f"the capture layers {mo_ids}", where)
+    if sd["layers.0.self_attn.q_proj.weight"].shape[1] != 2 * H:
+        raise SpeculatorsFormatError(f"{where}: layers.0.self_attn.q_proj takes "
+                                     f"{sd['layers.0.self_attn.q_proj.weight'].shape[1]} inputs, expected 2 x {H}")
+    if sd["lm_head.weight"].shape[0] != dv:
+        raise SpeculatorsFormatError(f"{where}: lm_head has {sd['lm_head.weight'].shape[0]} rows, draft_vocab_size {dv}")
+
+
+def _verifier_embeddings(target_dir: Path, V: int, H: int):
+    embed = _verifier_tensor(target_dir, "embed_tokens.weight")
+    if tuple(embed.shape) != (V, H):
+        raise SpeculatorsFormatError(f"{target_dir}: embed_tokens is {tuple(embed.shape)}, the draft needs ({V}, {H})")
+    return embed.contiguous()
+
+
+def _vocab_map(sd: dict, dv: int, V: int, where: str) -> dict:
+    """`d2t` (int64) and `t2d` (bool over the target vocabulary) for a reduced draft vocabulary; {} for a full one."""
+    import torch
+
+    if dv >= V:
+        if "d2t" in sd and bool((sd["d2t"] != 0).any()):
+            raise SpeculatorsFormatError(f"{where}: a non-zero d2t with draft_vocab_size == vocab_size")
+        return {}
+    if "d2t" not in sd:
+        raise SpeculatorsFormatError(f"{where}: draft_vocab_size {dv} < vocab_size {V} but there is no d2t: "
+                                     "draft ids cannot be mapped to target ids")
+    d2t = sd["d2t"].to(torch.int64).contiguous()
+    if tuple(d2t.shape) != (dv,):
+        raise SpeculatorsFormatError(f"{where}: d2t has shape {tuple(d2t.shape)}, expected ({dv},)")
+    target_ids = torch.arange(dv) + d2t
+    if int(target_ids.min()) < 0 or int(target_ids.max()) >= V or target_ids.unique().numel() != dv:
+        raise SpeculatorsFormatError(f"{where}: d2t does not map the {dv} draft ids to distinct target ids in [0, {V})")
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[target_ids] = True
+    return {"d2t": d2t, "t2d": t2d}
+
+
+def _eagle3_notes(ids: list[int], mo_ids: list[int], n_target: int | None) -> list[str]:
+    notes = []
+    if len(ids) != 3:
+        notes.append(f"{len(ids)} capture layers: a vLLM whose llama_eagle3.py sizes fc as 3 x hidden (as at "
+                     "vllm-project/vllm 00bd1493) cannot load this draft; speculators 0.9 sizes fc from "
+                     "eagle_aux_hidden_state_layer_ids")
+    if n_target is not None and max(ids) == int(n_target):
+        notes.append(f"capture id {max(ids)} is the target's final hidden state (ModelOpt layer {max(mo_ids)}): only "
+                     "vLLM versions that capture after a layer (`layer_idx + 1 in aux_hidden_state_layers`) provide it")
+    notes.append("first layer: vLLM and speculators compute hidden_norm(h) for the hidden half; ModelOpt trained "
+                 "hidden_norm(input_layernorm(h)) (validate's first_layer_norm `serving` measures this computation)")
+    return notes
+
+
+def _eagle3(cfg: dict, sd: dict, verifier: _Verifier, dtype: str | None, where: str) -> _Converted:
+    mo_ids = _check_eagle3_config(cfg, verifier.num_layers, where)
+    H, L, V = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]), int(cfg["vocab_size"])
+    dv = int(cfg.get("draft_vocab_size") or V)
+    _check_eagle3_tensors(sd, H, L, dv, mo_ids, where)
+    _check_verifier_vocab(verifier, V, where)
+    tensors = {k: v.contiguous() for k, v in sd.items() if k != "d2t"}
+    tensors["embed_tokens.weight"] = _verifier_embeddings(verifier.dir, V, H)
+    tensors.update(_vocab_map(sd, dv, V, where))
+    conv = _Converted("eagle3", {}, tensors, mo_ids, dv, V, has_d2t=dv < V)
+    ids = conv.aux_hidden_state_layer_ids
+    conv.notes = _eagle3_notes(ids, mo_ids, verifier.num_layers)
+    conv.doc = {
+        "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+        "speculators_version": SPECULATORS_VERSION,
+        "transformer_layer_config": _decoder_config(cfg, "llama", V, dtype),
+        "draft_vocab_size": dv, "norm_before_residual": False, "norm_before_fc": False, "fc_norm": False,
+        "norm_output": False, "embed_requires_grad": False,
+        "target_hidden_size": int(verifier.cfg.get("hidden_size") or H), "eagle_aux_hidden_state_layer_ids": ids,
+    }
+    return conv
+
+
+# -- DFlash
+
+
+def _check_dflash_config(cfg: dict, n_target: int | None, where: str) -> list[int]:
+    """ModelOpt's dflash_config as the speculators DFlash model can express it; returns target_layer_ids."""
+    dc = cfg.get("dflash_config") or {}
+    _require(cfg, ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                   "intermediate_size", "vocab_size", "block_size"), where)
+    if dc.get("mask_token_id") is None:
+        raise SpeculatorsFormatError(f"{where}: dflash_config.mask_token_id is missing")
+    if dc.get("causal"):
+        raise SpeculatorsFormatError(f"{where}: dflash_config.causal is true; speculators' DFlash attends "
+                                     "bidirectionally inside the block in full-attention layers, so a causal draft "
+                                     "has no speculators form")
+    if bad := [k for k in ("use_swa", "attention_sink_bias", "projector_type") if dc.get(k)]:
+        raise SpeculatorsFormatError(f"{where}: dflash_config uses {bad}, which the speculators DFlash model "
+                                     "does not implement")
+    if any(t != "full_attention" for t in (cfg.get("layer_types") or [])):
+        raise SpeculatorsFormatError(f"{where}: layer_types {cfg['layer_types']}: only full-attention DFlash "
+                                     "drafts are written")
+    return _check_layer_ids(dc.get("target_layer_ids") or [], n_target, "dflash_config.target_layer_ids", where)
+
+
+def _dflash(cfg: dict, sd: dict, verifier: _Verifier, dtype: str | None, speculative_tokens: int,
+            where: str) -> _Converted:
+    mo_ids = _check_dflash_config(cfg, verifier.num_layers, where)
+    H, L, V = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]), int(cfg["vocab_size"])
+    block_size = int(cfg["block_size"])
+    if speculative_tokens > dflash_max_draft_len(block_size):
+        raise SpeculatorsFormatError(f"speculative_tokens {speculative_tokens} > block_size - 1 = {block_size - 1}, "
+                                     "what one DFlash block drafts")
+    required = {"fc.weight", "hidden_norm.weight", "norm.weight"}
+    required |= {f"layers.{i}.{n}.weight" for i in range(L)
+                 for n in (*_LAYER_TENSORS, "self_attn.q_norm", "self_attn.k_norm")}
+    _check_tensors(sd, required, set(), where)
+    _check_fc(sd, H, mo_ids, f"target_layer_ids {mo_ids}", where)
+    _check_verifier_vocab(verifier, V, where)
+    conv = _Converted("dflash", {}, {k: v.contiguous() for k, v in sd.items()}, mo_ids, V, V, block_size=block_size)
+    tl = _decoder_config(cfg, "qwen3", V, dtype)
+    tl.update(use_sliding_window=False, sliding_window=None, max_window_layers=L, layer_types=["full_attention"] * L)
+    if speculative_tokens < dflash_max_draft_len(block_size):
+        conv.notes.append(f"vLLM queries 1 + num_speculative_tokens = {speculative_tokens + 1} positions per request, "
+                          f"the draft was trained and validated with blocks of {block_size}: its drafts can differ "
+                          f"from the validated ones unless num_speculative_tokens is {block_size - 1}")
+    conv.doc = {
+        "architectures": ["DFlashSpeculator"], "speculators_model_type": "dflash",
+        "speculators_version": SPECULATORS_VERSION, "transformer_layer_config": tl,
+        "draft_vocab_size": V, "block_size": block_size, "target_hidden_size": int(verifier.cfg.get("hidden_size") or H),
+        "aux_hidden_state_layer_ids": conv.aux_hidden_state_layer_ids,
+        "mask_token_id": int(cfg["dflash_config"]["mask_token_id"]),
+        "sliding_window_non_causal": True, "sample_from_anchor": False,
+    }
+    return conv
+
+
+# -- the files
+
+
+def _speculators_config(algorithm: str, speculative_tokens: int, verifier: _Verifier) -> dict:
+    """One greedy proposal method with the tuned draft length (vLLM's num_speculative_tokens), and the verifier."""
+    return {
+        "algorithm": algorithm,
+        "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens),
+                              "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+        "default_proposal_method": "greedy",
+        "verifier": verifier.as_config(),
+    }
+
+
+def _save(out_dir: Path, tensors: dict, doc: dict) -> None:
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
+    (out_dir / WEIGHTS_FILE).chmod(0o644)      # safetensors writes 0600: a container user other than ours must read it
+    (out_dir / "config.json").write_text(json.dumps(doc, indent=2) + "\n")
+
+
 def write_speculators_draft(draft_dir: str | Path, out_dir: str | Path, *, target_dir: str | Path,
                             speculative_tokens: int, verifier_name_or_path: str | None = None) -> SpeculatorsExport:
     """Write `out_dir/config.json` + `out_dir/model.safetensors`: the ModelOpt draft in `draft_dir` in the
     speculators format, for the verifier (target) in `target_dir`, proposing `speculative_tokens` tokens.
     `verifier_name_or_path` (default: `target_dir` resolved) is what `vllm serve <out_dir>` and speculators'
     loader open as the verifier."""
-    import torch
-    from safetensors.torch import save_file
-
     from runtime.engine.drafts import DFLASH_ARCH, EAGLE3_ARCH
 
     draft_dir, out_dir, target_dir = Path(draft_dir), Path(out_dir), Path(target_dir)
     if speculative_tokens < 1:
         raise SpeculatorsFormatError(f"speculative_tokens must be >= 1, got {speculative_tokens}")
     cfg, sd = _read_draft(draft_dir)
-    tcfg_path = target_dir / "config.json"
-    if not tcfg_path.exists():
-        raise SpeculatorsFormatError(f"{target_dir}: no config.json; the verifier must be a checkpoint directory")
-    tcfg = json.loads(tcfg_path.read_text())
-    tcfg = tcfg.get("text_config") or tcfg
+    verifier = _read_verifier(target_dir, verifier_name_or_path)
     archs = cfg.get("architectures") or []
-    n_target = tcfg.get("num_hidden_layers")
-    verifier = verifier_name_or_path or str(target_dir.resolve())
-    verifier_cfg = {"name_or_path": verifier,
-                    "architectures": json.loads(tcfg_path.read_text()).get("architectures") or []}
-    notes: list[str] = []
     where = str(draft_dir)
-    # the dtype the weights are stored in (a loader casts to the config's dtype: a wrong claim rounds them)
-    stored = {str(v.dtype).replace("torch.", "") for v in sd.values() if v.is_floating_point()}
-    dtype = stored.pop() if len(stored) == 1 else (cfg.get("torch_dtype") or cfg.get("dtype"))
-
+    dtype = _stored_dtype(cfg, sd)
     if EAGLE3_ARCH in archs:
-        algo = "eagle3"
-        ec = cfg.get("eagle_config") or {}
-        _require(cfg, ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                       "intermediate_size", "vocab_size"), where)
-        for flag, want in (("use_aux_hidden_state", True), ("use_last_layernorm", True),
-                           ("use_input_layernorm_in_first_layer", True)):
-            if bool(ec.get(flag, want)) != want:
-                raise SpeculatorsFormatError(f"{where}: eagle_config.{flag} is {ec.get(flag)}; the speculators EAGLE-3 "
-                                             f"model always behaves as {flag}={want}")
-        if int(ec.get("parallel_draft_step", 1)) != 1:
-            raise SpeculatorsFormatError(f"{where}: eagle_config.parallel_draft_step {ec['parallel_draft_step']} "
-                                         "(parallel drafting) has no speculators EAGLE-3 equivalent")
-        mo_ids = _check_layer_ids(ec.get("eagle_aux_hidden_state_layer_ids") or [], n_target,
-                                  "eagle_config.eagle_aux_hidden_state_layer_ids", where)
-        H, L, V = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]), int(cfg["vocab_size"])
-        dv = int(cfg.get("draft_vocab_size") or V)
-        required = {"fc.weight", "norm.weight", "lm_head.weight", "layers.0.hidden_norm.weight"}
-        required |= {f"layers.{i}.{n}.weight" for i in range(L) for n in _LAYER_TENSORS}
-        _check_tensors(sd, required, {"d2t"}, where)
-        if tuple(sd["fc.weight"].shape) != (H, len(mo_ids) * H):
-            raise SpeculatorsFormatError(f"{where}: fc.weight is {tuple(sd['fc.weight'].shape)}, expected "
-                                         f"({H}, {len(mo_ids)} x {H}) for the capture layers {mo_ids}")
-        if sd["layers.0.self_attn.q_proj.weight"].shape[1] != 2 * H:
-            raise SpeculatorsFormatError(f"{where}: layers.0.self_attn.q_proj takes "
-                                         f"{sd['layers.0.self_attn.q_proj.weight'].shape[1]} inputs, expected 2 x {H}")
-        if sd["lm_head.weight"].shape[0] != dv:
-            raise SpeculatorsFormatError(f"{where}: lm_head has {sd['lm_head.weight'].shape[0]} rows, draft_vocab_size {dv}")
-        tv = tcfg.get("vocab_size")
-        if tv is not None and int(tv) != V:
-            raise SpeculatorsFormatError(f"{where}: draft vocab_size {V} != the verifier's {tv}")
-        out = {k: v.contiguous() for k, v in sd.items() if k != "d2t"}
-        embed = _verifier_tensor(target_dir, "embed_tokens.weight")
-        if tuple(embed.shape) != (V, H):
-            raise SpeculatorsFormatError(f"{target_dir}: embed_tokens is {tuple(embed.shape)}, the draft needs ({V}, {H})")
-        out["embed_tokens.weight"] = embed.contiguous()
-        has_d2t = dv < V
-        if has_d2t:
-            if "d2t" not in sd:
-                raise SpeculatorsFormatError(f"{where}: draft_vocab_size {dv} < vocab_size {V} but there is no d2t: "
-                                             "draft ids cannot be mapped to target ids")
-            d2t = sd["d2t"].to(torch.int64).contiguous()
-            if tuple(d2t.shape) != (dv,):
-                raise SpeculatorsFormatError(f"{where}: d2t has shape {tuple(d2t.shape)}, expected ({dv},)")
-            target_ids = torch.arange(dv) + d2t
-            if int(target_ids.min()) < 0 or int(target_ids.max()) >= V or target_ids.unique().numel() != dv:
-                raise SpeculatorsFormatError(f"{where}: d2t does not map the {dv} draft ids to distinct target ids in [0, {V})")
-            t2d = torch.zeros(V, dtype=torch.bool)
-            t2d[target_ids] = True
-            out["d2t"], out["t2d"] = d2t, t2d
-        elif "d2t" in sd and bool((sd["d2t"] != 0).any()):
-            raise SpeculatorsFormatError(f"{where}: a non-zero d2t with draft_vocab_size == vocab_size")
-        ids = [i + 1 for i in mo_ids]
-        if len(ids) != 3:
-            notes.append(f"{len(ids)} capture layers: a vLLM whose llama_eagle3.py sizes fc as 3 x hidden (as at "
-                         "vllm-project/vllm 00bd1493) cannot load this draft; speculators 0.9 sizes fc from "
-                         "eagle_aux_hidden_state_layer_ids")
-        if n_target is not None and max(ids) == int(n_target):
-            notes.append(f"capture id {max(ids)} is the target's final hidden state (ModelOpt layer {max(mo_ids)}): only "
-                         "vLLM versions that capture after a layer (`layer_idx + 1 in aux_hidden_state_layers`) provide it")
-        notes.append("first layer: vLLM and speculators compute hidden_norm(h) for the hidden half; ModelOpt trained "
-                     "hidden_norm(input_layernorm(h)) (validate's first_layer_norm `serving` measures this computation)")
-        doc = {
-            "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
-            "speculators_version": SPECULATORS_VERSION,
-            "transformer_layer_config": _decoder_config(cfg, "llama", V, dtype),
-            "draft_vocab_size": dv, "norm_before_residual": False, "norm_before_fc": False, "fc_norm": False,
-            "norm_output": False, "embed_requires_grad": False,
-            "target_hidden_size": int(tcfg.get("hidden_size") or H), "eagle_aux_hidden_state_layer_ids": ids,
-        }
-        block_size = None
+        conv = _eagle3(cfg, sd, verifier, dtype, where)
     elif DFLASH_ARCH in archs:
-        algo = "dflash"
-        dc = cfg.get("dflash_config") or {}
-        _require(cfg, ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                       "intermediate_size", "vocab_size", "block_size"), where)
-        if dc.get("mask_token_id") is None:
-            raise SpeculatorsFormatError(f"{where}: dflash_config.mask_token_id is missing")
-        if dc.get("causal"):
-            raise SpeculatorsFormatError(f"{where}: dflash_config.causal is true; speculators' DFlash attends "
-                                         "bidirectionally inside the block in full-attention layers, so a causal draft "
-                                         "has no speculators form")
-        if bad := [k for k in ("use_swa", "attention_sink_bias", "projector_type") if dc.get(k)]:
-            raise SpeculatorsFormatError(f"{where}: dflash_config uses {bad}, which the speculators DFlash model "
-                                         "does not implement")
-        if any(t != "full_attention" for t in (cfg.get("layer_types") or [])):
-            raise SpeculatorsFormatError(f"{where}: layer_types {cfg['layer_types']}: only full-attention DFlash "
-                                         "drafts are written")
-        mo_ids = _check_layer_ids(dc.get("target_layer_ids") or [], n_target, "dflash_config.target_layer_ids", where)
-        H, L, V = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]), int(cfg["vocab_size"])
-        dv = V
-        block_size = int(cfg["block_size"])
-        if speculative_tokens > dflash_max_draft_len(block_size):
-            raise SpeculatorsFormatError(f"speculative_tokens {speculative_tokens} > block_size - 1 = {block_size - 1}, "
-                                         "what one DFlash block drafts")
-        required = {"fc.weight", "hidden_norm.weight", "norm.weight"}
-        required |= {f"layers.{i}.{n}.weight" for i in range(L)
-                     for n in (*_LAYER_TENSORS, "self_attn.q_norm", "self_attn.k_norm")}
-        _check_tensors(sd, required, set(), where)
-        if tuple(sd["fc.weight"].shape) != (H, len(mo_ids) * H):
-            raise SpeculatorsFormatError(f"{where}: fc.weight is {tuple(sd['fc.weight'].shape)}, expected "
-                                         f"({H}, {len(mo_ids)} x {H}) for target_layer_ids {mo_ids}")
-        tv = tcfg.get("vocab_size")
-        if tv is not None and int(tv) != V:
-            raise SpeculatorsFormatError(f"{where}: draft vocab_size {V} != the verifier's {tv}")
-        out = {k: v.contiguous() for k, v in sd.items()}
-        has_d2t = False
-        ids = [i + 1 for i in mo_ids]
-        tl = _decoder_config(cfg, "qwen3", V, dtype)
-        tl.update(use_sliding_window=False, sliding_window=None, max_window_layers=L, layer_types=["full_attention"] * L)
-        if speculative_tokens < dflash_max_draft_len(block_size):
-            notes.append(f"vLLM queries 1 + num_speculative_tokens = {speculative_tokens + 1} positions per request, "
-                         f"the draft was trained and validated with blocks of {block_size}: its drafts can differ "
-                         f"from the validated ones unless num_speculative_tokens is {block_size - 1}")
-        doc = {
-            "architectures": ["DFlashSpeculator"], "speculators_model_type": "dflash",
-            "speculators_version": SPECULATORS_VERSION, "transformer_layer_config": tl,
-            "draft_vocab_size": dv, "block_size": block_size, "target_hidden_size": int(tcfg.get("hidden_size") or H),
-            "aux_hidden_state_layer_ids": ids, "mask_token_id": int(dc["mask_token_id"]),
-            "sliding_window_non_causal": True, "sample_from_anchor": False,
-        }
+        conv = _dflash(cfg, sd, verifier, dtype, speculative_tokens, where)
     else:
         raise SpeculatorsFormatError(f"{where}: architectures {archs} is neither {EAGLE3_ARCH} nor {DFLASH_ARCH}")
-
-    doc["speculators_config"] = {
-        "algorithm": algo,
-        "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens),
-                              "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-        "default_proposal_method": "greedy",
-        "verifier": verifier_cfg,
-    }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(out, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
-    (out_dir / WEIGHTS_FILE).chmod(0o644)      # safetensors writes 0600: a container user other than ours must read it
-    (out_dir / "config.json").write_text(json.dumps(doc, indent=2) + "\n")
-    return SpeculatorsExport(path=out_dir, algorithm=algo, speculative_tokens=int(speculative_tokens),
-                             aux_hidden_state_layer_ids=ids, modelopt_layer_ids=mo_ids, draft_vocab_size=dv,
-                             vocab_size=V, has_d2t=has_d2t, verifier=verifier, block_size=block_size,
-                             tensors=sorted(out), notes=notes)
+    conv.doc["speculators_config"] = _speculators_config(conv.algorithm, speculative_tokens, verifier)
+    _save(out_dir, conv.tensors, conv.doc)
+    return SpeculatorsExport(path=out_dir, algorithm=conv.algorithm, speculative_tokens=int(speculative_tokens),
+                             aux_hidden_state_layer_ids=conv.aux_hidden_state_layer_ids,
+                             modelopt_layer_ids=conv.modelopt_layer_ids, draft_vocab_size=conv.draft_vocab_size,
+                             vocab_size=conv.vocab_size, has_d2t=conv.has_d2t, verifier=verifier.name_or_path,
+                             block_size=conv.block_size, tensors=sorted(conv.tensors), notes=conv.notes)
 
 
 # ---------------------------------------------------------------------------------------------- vLLM command
