@@ -105,7 +105,7 @@ def eval_prompts(workdir: Path, n: int) -> list[str]:
     try:
         per_domain = read_eval(workdir / "artifacts" / "data")
     except StageError as e:
-        sys.exit(f"{workdir}: {e}")
+        sys.exit(f"cannot read the evaluation prompts: {e}")
     prompts = [p.prompt for domain in per_domain.values() for p in domain]
     return list(dict.fromkeys(prompts))[:max(1, n)]
 
