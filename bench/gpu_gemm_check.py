@@ -118,7 +118,7 @@ def time_stack(stack: GemmStack, rows: int, use_graph: bool, iters: int) -> floa
     return statistics.median(times)
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpu", default="h200", choices=sorted(GPUS))
     ap.add_argument("--out", default="bench_out")
@@ -127,20 +127,117 @@ def main() -> int:
     ap.add_argument("--no-graph", action="store_true", help="time eager launches instead of one CUDA graph")
     ap.add_argument("--no-profile", action="store_true", help="skip the runtime.cost.profile calibration")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script, not a GPU)")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def device_and_dtype(smoke: bool):
+    """(device, GEMM dtype): the CPU in float32 for --smoke, else the GPU in FP8 (BF16 before compute capability
+    8.9); None without a CUDA device."""
+    import torch
+
+    if smoke:
+        return torch.device("cpu"), "float32"
+    if not torch.cuda.is_available():
+        return None
+    return torch.device("cuda"), "fp8" if torch.cuda.get_device_capability() >= (8, 9) else "bfloat16"
+
+
+def calibrate(args: argparse.Namespace, shapes: dict[str, cm.ModelShape], dtype: str, device, rows: list[int],
+              t0: float):
+    """runtime.cost.profile's microbenchmarks on the first stack's shapes: (calibration, the machine it gives), or
+    (None, None) with --no-profile or when a calibration kernel is refused."""
+    from runtime.cost import profile as P
+
+    if args.no_profile:
+        return None, None
+    first = next(iter(shapes.values()))
+    try:
+        cal = P.calibrate(first, dtype, device, context=1024 if not args.smoke else 32,
+                          peak_rows=4096 if not args.smoke else 256, curve_rows=rows)
+    except RuntimeError as e:   # keep the datasheet comparison even if a calibration kernel is refused
+        print(f"calibration failed, continuing without it: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
+        return None, None
+    calibrated = P.machine_from_calibration(cal, dtype, P.device_name(device))
+    print(f"calibration ({time.time() - t0:.0f}s): "
+          + json.dumps({k: v for k, v in cal.items() if k != "benchmarks"}), file=sys.stderr)
+    return cal, calibrated
+
+
+def point(name: str, shape: cm.ModelShape, m: int, t: float, prec: cm.Precision, machines: dict) -> dict:
+    """One measured point against the cost model on each of `machines` (datasheet, default efficiencies,
+    calibrated when there is one), printed."""
+    ops = gemm_ops(shape, m, prec)
+    p = {"rows": m, "measured_ms": t * 1e3, "datasheet_ms": cm.step_time(ops, machines["datasheet"]) * 1e3,
+         "default_efficiency_ms": cm.step_time(ops, machines["default_efficiency"]) * 1e3}
+    if machines["calibrated"] is not None:
+        p["calibrated_ms"] = cm.step_time(ops, machines["calibrated"]) * 1e3
+    for k in ("datasheet_ms", "default_efficiency_ms", "calibrated_ms"):
+        if k in p:
+            p[k.replace("_ms", "_error")] = p[k] / p["measured_ms"] - 1
+    flops = sum(o.flops * o.count for o in ops)
+    byts = sum(o.bytes * o.count for o in ops)
+    p["achieved_tflops"], p["achieved_tb_s"] = flops / t / 1e12, byts / t / 1e12
+    print(f"{name} M={m:5d}: {p['measured_ms']:9.3f} ms  datasheet {p['datasheet_ms']:9.3f} "
+          f"({100 * p['datasheet_error']:+5.1f}%)  default-eff {p['default_efficiency_ms']:9.3f} "
+          f"({100 * p['default_efficiency_error']:+5.1f}%)  {p['achieved_tflops']:7.1f} TFLOP/s "
+          f"{p['achieved_tb_s']:5.2f} TB/s", file=sys.stderr)
+    return p
+
+
+def measure_stack(args: argparse.Namespace, name: str, shape: cm.ModelShape, dtype: str, device, rows: list[int],
+                  prec: cm.Precision, machines: dict) -> dict:
+    """The measurement loop of one stack: its GEMMs timed at every M (a shape the kernel refuses is skipped)."""
+    import torch
+
+    stack = GemmStack(shape, dtype, device)
+    pts = []
+    for m in rows:
+        try:
+            t = time_stack(stack, m, not args.no_graph, args.iters)
+        except RuntimeError as e:   # e.g. an FP8 GEMM shape the kernel refuses
+            print(f"{name} M={m}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+            continue
+        pts.append(point(name, shape, m, t, prec, machines))
+    del stack
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"layers": shape.num_layers, "weight_params": shape.weight_params(), "points": pts}
+
+
+def hardware_profile(args: argparse.Namespace, cal: dict, device, dtype: str, prec: cm.Precision) -> dict:
+    """A specpipe hardware profile (`hardware.profile`) from the calibration."""
+    import torch
+
+    from runtime.cost import profile as P
+
+    gpu = GPUS[args.gpu]
+    prof = {"format": P.FORMAT, "device": P.device_name(device), "gpu_table_entry": args.gpu,
+            "memory_gb": gpu.memory_gb, "torch": torch.__version__, "gemm_dtype": dtype,
+            "machine": {"peak_tflops": {prec.gemm_dtype: cal["peak_tflops"]},
+                        "bandwidth_tb_s": cal["bandwidth_tb_s"], "attn_bandwidth_tb_s": cal["attn_bandwidth_tb_s"],
+                        "attn_tflops": cal["attn_tflops"], "elem_bandwidth_tb_s": cal["elem_bandwidth_tb_s"],
+                        "overlap": cal["overlap"], "attn_overlap": 1.0, "op_overhead_us": cal["op_overhead_us"],
+                        "cache_bytes": cal["cache_bytes"], "cache_bandwidth_tb_s": cal["cache_bandwidth_tb_s"],
+                        "gemm_row_factors": cal["gemm_row_factors"],
+                        "footprint_bandwidth_tb_s": cal["footprint_bandwidth_tb_s"], "link_gb_s": None},
+            "calibration": cal, "source": "bench/gpu_gemm_check.py"}
+    if not args.smoke:
+        prof["machine"]["link_gb_s"] = gpu.link_gb_s
+    return prof
+
+
+def main() -> int:
+    args = parse_args()
 
     import torch
 
     from runtime.cost import profile as P
 
-    if args.smoke:
-        device, dtype = torch.device("cpu"), "float32"
-    else:
-        if not torch.cuda.is_available():
-            print("no CUDA device: this check needs the GPU (use --smoke to test the script on a CPU)", file=sys.stderr)
-            return 2
-        device = torch.device("cuda")
-        dtype = "fp8" if torch.cuda.get_device_capability() >= (8, 9) else "bfloat16"
+    dev = device_and_dtype(args.smoke)
+    if dev is None:
+        print("no CUDA device: this check needs the GPU (use --smoke to test the script on a CPU)", file=sys.stderr)
+        return 2
+    device, dtype = dev
     rows = [int(r) for r in args.rows.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -151,67 +248,18 @@ def main() -> int:
     default = cm.machine_from_gpu(gpu, compute_efficiency=0.8, memory_efficiency=0.85, op_overhead_us=2.0)
     t0 = time.time()
     shapes = stacks(args.smoke)
-    calibrated = None
-    cal = None
-    if not args.no_profile:
-        first = next(iter(shapes.values()))
-        try:
-            cal = P.calibrate(first, dtype, device, context=1024 if not args.smoke else 32,
-                              peak_rows=4096 if not args.smoke else 256, curve_rows=rows)
-        except RuntimeError as e:   # keep the datasheet comparison even if a calibration kernel is refused
-            print(f"calibration failed, continuing without it: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
-        else:
-            calibrated = P.machine_from_calibration(cal, dtype, P.device_name(device))
-            print(f"calibration ({time.time() - t0:.0f}s): "
-                  + json.dumps({k: v for k, v in cal.items() if k != "benchmarks"}), file=sys.stderr)
+    cal, calibrated = calibrate(args, shapes, dtype, device, rows, t0)
     results = {"device": P.device_name(device), "gpu_table_entry": args.gpu, "dtype": dtype, "cuda_graph": not args.no_graph,
                "torch": torch.__version__, "datasheet": {"fp8_tflops": gpu.fp8_tflops, "bf16_tflops": gpu.bf16_tflops,
                                                          "hbm_tb_s": gpu.hbm_tb_s, "source": gpu.source},
                "ridge_rows_datasheet": sheet.ridge_rows(prec), "calibration": cal, "stacks": {}}
+    machines = {"datasheet": sheet, "default_efficiency": default, "calibrated": calibrated}
     for name, shape in shapes.items():
-        stack = GemmStack(shape, dtype, device)
-        pts = []
-        for m in rows:
-            try:
-                t = time_stack(stack, m, not args.no_graph, args.iters)
-            except RuntimeError as e:   # e.g. an FP8 GEMM shape the kernel refuses
-                print(f"{name} M={m}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
-                continue
-            ops = gemm_ops(shape, m, prec)
-            p = {"rows": m, "measured_ms": t * 1e3, "datasheet_ms": cm.step_time(ops, sheet) * 1e3,
-                 "default_efficiency_ms": cm.step_time(ops, default) * 1e3}
-            if calibrated is not None:
-                p["calibrated_ms"] = cm.step_time(ops, calibrated) * 1e3
-            for k in ("datasheet_ms", "default_efficiency_ms", "calibrated_ms"):
-                if k in p:
-                    p[k.replace("_ms", "_error")] = p[k] / p["measured_ms"] - 1
-            flops = sum(o.flops * o.count for o in ops)
-            byts = sum(o.bytes * o.count for o in ops)
-            p["achieved_tflops"], p["achieved_tb_s"] = flops / t / 1e12, byts / t / 1e12
-            pts.append(p)
-            print(f"{name} M={m:5d}: {p['measured_ms']:9.3f} ms  datasheet {p['datasheet_ms']:9.3f} "
-                  f"({100 * p['datasheet_error']:+5.1f}%)  default-eff {p['default_efficiency_ms']:9.3f} "
-                  f"({100 * p['default_efficiency_error']:+5.1f}%)  {p['achieved_tflops']:7.1f} TFLOP/s "
-                  f"{p['achieved_tb_s']:5.2f} TB/s", file=sys.stderr)
-        results["stacks"][name] = {"layers": shape.num_layers, "weight_params": shape.weight_params(), "points": pts}
-        del stack
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        results["stacks"][name] = measure_stack(args, name, shape, dtype, device, rows, prec, machines)
     results["wall_s"] = time.time() - t0
     (out / "gemm_check.json").write_text(json.dumps(results, indent=2))
     if cal is not None:
-        prof = {"format": P.FORMAT, "device": P.device_name(device), "gpu_table_entry": args.gpu,
-                "memory_gb": gpu.memory_gb, "torch": torch.__version__, "gemm_dtype": dtype,
-                "machine": {"peak_tflops": {prec.gemm_dtype: cal["peak_tflops"]},
-                            "bandwidth_tb_s": cal["bandwidth_tb_s"], "attn_bandwidth_tb_s": cal["attn_bandwidth_tb_s"],
-                            "attn_tflops": cal["attn_tflops"], "elem_bandwidth_tb_s": cal["elem_bandwidth_tb_s"],
-                            "overlap": cal["overlap"], "attn_overlap": 1.0, "op_overhead_us": cal["op_overhead_us"],
-                            "cache_bytes": cal["cache_bytes"], "cache_bandwidth_tb_s": cal["cache_bandwidth_tb_s"],
-                            "gemm_row_factors": cal["gemm_row_factors"],
-                            "footprint_bandwidth_tb_s": cal["footprint_bandwidth_tb_s"], "link_gb_s": None},
-                "calibration": cal, "source": "bench/gpu_gemm_check.py"}
-        if not args.smoke:
-            prof["machine"]["link_gb_s"] = gpu.link_gb_s
+        prof = hardware_profile(args, cal, device, dtype, prec)
         (out / f"{args.gpu}_profile.json").write_text(json.dumps(prof, indent=2, default=str))
     print(markdown(results))
     return 0

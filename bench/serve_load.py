@@ -72,7 +72,7 @@ def counters(metrics_url: str) -> dict[str, float]:
     return out
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workdir", required=True, type=Path, help="a run with a committed export (CPU repository)")
     ap.add_argument("--concurrency", default="1,2,4,8,16")
@@ -84,27 +84,34 @@ def main() -> int:
     ap.add_argument("--modes", default="speculative,plain")
     ap.add_argument("--protocols", default="grpc,http")
     ap.add_argument("--out", type=Path, default=None, help="where the profiles and results.json go (default: a temp dir)")
-    a = ap.parse_args()
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    return ap.parse_args()
 
-    from runtime.serving import triton_server
-    from runtime.serving.adapter import ServingEngine
 
-    conc = [int(c) for c in a.concurrency.split(",")]
-    repo = a.workdir / "artifacts" / "export" / "triton_cpu"
+def exported_model(workdir: Path) -> tuple[Path, Path, dict]:
+    """(the CPU repository, its model version directory, specpipe_model.json) of the run's export."""
+    repo = workdir / "artifacts" / "export" / "triton_cpu"
     model_dir = repo / "tensorrt_llm" / "1"
     if not (model_dir / "specpipe_model.json").exists():
-        sys.exit(f"{a.workdir}: no exported CPU repository ({repo}); run `specpipe build <config>` first")
-    spec = json.loads((model_dir / "specpipe_model.json").read_text())
-    prompts = []
-    for f in sorted((a.workdir / "artifacts" / "data" / "eval").glob("*.jsonl")):
-        prompts += [json.loads(x)["prompt"] for x in f.read_text().splitlines() if x.strip()]
-    per = max(1, a.prompts)
-    prompts = list(dict.fromkeys(prompts))[:per]
-    out = a.out or Path(tempfile.mkdtemp(prefix="serve_load-"))
-    out.mkdir(parents=True, exist_ok=True)
+        sys.exit(f"{workdir}: no exported CPU repository ({repo}); run `specpipe build <config>` first")
+    return repo, model_dir, json.loads((model_dir / "specpipe_model.json").read_text())
 
-    # what every greedy response must be: the runtime's own generate() on each prompt alone
+
+def eval_prompts(workdir: Path, n: int) -> list[str]:
+    """The first `n` (at least 1) distinct evaluation prompts, every domain's in turn (domains sorted), through the
+    data artifact's reader."""
+    from pipeline.artifacts.data import read_eval
+    from pipeline.errors import StageError
+
+    try:
+        per_domain = read_eval(workdir / "artifacts" / "data")
+    except StageError as e:
+        sys.exit(f"cannot read the evaluation prompts: {e}")
+    prompts = [p.prompt for domain in per_domain.values() for p in domain]
+    return list(dict.fromkeys(prompts))[:max(1, n)]
+
+
+def measured_modes(a: argparse.Namespace, spec: dict) -> list[str]:
+    """The --modes that can be measured: without an exported draft only plain (an error if that leaves nothing)."""
     wanted = a.modes.split(",")
     if not spec.get("draft") and "speculative" in wanted:
         # tune found that no draft length pays for this pair and export deployed the target alone
@@ -113,67 +120,127 @@ def main() -> int:
                      f"artifacts/tune/tuning.json); only --modes plain can be measured")
         print(f"{a.workdir}: the exported pair does not speculate (tune turned it off): measuring plain only")
         wanted = [m for m in wanted if m != "speculative"]
-    a.modes = ",".join(wanted)
+    return wanted
+
+
+def reference_outputs(model_dir: Path, spec: dict, modes: list[str], prompts: list[str],
+                      max_tokens: int) -> tuple[dict[str, int], dict[int, dict[str, tuple[str, int]]]]:
+    """The draft length of each mode, and what every greedy response must be at each draft length measured: the
+    runtime's own generate() on each prompt alone, as (text, tokens)."""
+    from runtime.serving.adapter import ServingEngine
+
     ref = ServingEngine(model_dir / spec["target"], model_dir / spec["draft"] if spec.get("draft") else None,
                         draft_len=spec["draft_len"], eos_token_ids=spec.get("eos_token_ids"),
                         compute=spec.get("compute", "fp32"))
-    modes = {"speculative": ref.draft_len, "plain": 0}
+    draft_lens = {"speculative": ref.draft_len, "plain": 0}
     expected: dict[int, dict[str, tuple[str, int]]] = {}
-    for k in {modes[m] for m in a.modes.split(",")}:
+    for k in {draft_lens[m] for m in modes}:
         expected[k] = {}
         for p in prompts:
-            g = ref.engine.generate([ref.encode(p)], max_new_tokens=a.max_tokens, draft_len=k,
+            g = ref.engine.generate([ref.encode(p)], max_new_tokens=max_tokens, draft_len=k,
                                     eos_token_id=ref.eos_token_ids)
             expected[k][p] = (ref.decode(g.tokens[0]), len(g.tokens[0]))
-    del ref
+    return draft_lens, expected
+
+
+def write_input_data(out: Path, proto: str, prompts: list[str], max_tokens: int, streaming: bool) -> Path:
+    """perf_analyzer's --input-data file: one request per prompt."""
+    data = {"data": [{"text_input": {"content": [p], "shape": [1]},
+                      "sampling_param_max_tokens": {"content": [max_tokens], "shape": [1]},
+                      **({"streaming": {"content": [True], "shape": [1]}} if streaming else {})} for p in prompts]}
+    data_f = out / f"input-{proto}.json"
+    data_f.write_text(json.dumps(data))
+    return data_f
+
+
+def perf_command(pa: str, a: argparse.Namespace, url: str, proto: str, streaming: bool, data_f: Path, c: int,
+                 prof: Path) -> list[str]:
+    return [pa, "-m", "tensorrt_llm", "-u", url, "-i", proto,
+            *(["--streaming"] if streaming else []), "--input-data", str(data_f),
+            "--concurrency-range", f"{c}:{c}", "--measurement-mode", "count_windows",
+            "--measurement-request-count", str(a.requests), "--stability-percentage", str(a.stability),
+            "--max-trials", str(a.max_trials), "--profile-export-file", str(prof)]
+
+
+def run_perf_analyzer(cmd: list[str], env: dict, srv, prof: Path, log: Path, label: str):
+    """Run perf_analyzer once, and once more if it exits 0 with an empty profile export (perf_analyzer 2.51 now and
+    then does). Returns (the last CompletedProcess, attempts, model counters before, after)."""
+    for attempt in (1, 2):
+        prof.unlink(missing_ok=True)
+        m0 = counters(srv.metrics_url)
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+        m1 = counters(srv.metrics_url)
+        log.write_text(f"rc {r.returncode}\n{r.stdout}{r.stderr}")
+        if r.returncode != 0 or (prof.exists() and prof.stat().st_size > 0):
+            break
+        print(f"{label}: perf_analyzer exited 0 with an empty profile export; "
+              f"{'running it again' if attempt == 1 else 'giving up'}", file=sys.stderr)
+    return r, attempt, m0, m1
+
+
+def measure_point(pa: str, env: dict, a: argparse.Namespace, srv, out: Path, mode: str, k: int, proto: str,
+                  data_f: Path, c: int, expected: dict[str, tuple[str, int]]) -> tuple[dict, str, int]:
+    """One (mode, protocol, concurrency) point on a running server: (its row, the command, failures counted)."""
+    streaming = proto == "grpc"
+    prof = out / f"{mode}-{proto}-c{c}.json"
+    cmd = perf_command(pa, a, srv.grpc_url if streaming else srv.http_url, proto, streaming, data_f, c, prof)
+    r, attempt, m0, m1 = run_perf_analyzer(cmd, env, srv, prof, out / f"{mode}-{proto}-c{c}.log",
+                                           f"{mode} {proto} c={c}")
+    row = summarize(prof, expected, streaming, m0, m1, rc=r.returncode)
+    row["attempts"] = attempt
+    row.update(mode=mode, protocol=f"{proto}{' streaming' if streaming else ''}", concurrency=c, draft_len=k)
+    if r.returncode != 0:
+        print(f"perf_analyzer failed ({mode} {proto} c={c}):\n{(r.stdout + r.stderr)[-2000:]}", file=sys.stderr)
+    # a point without a readable profile export (perf_analyzer's own summary is in its .log) fails the
+    # run too, but is not a lost response: nothing says a request went unanswered
+    bad = row["lost"] + row["mismatches"] + (r.returncode != 0) + row["no_profile"]
+    print(f"{mode:11s} {proto:4s} c={c:<3d} {row['throughput_tok_s']} tok/s, TPOT p50 {row['tpot_p50_ms']} ms "
+          f"p99 {row['tpot_p99_ms']} ms, rows/forward {row['rows_per_forward']}, lost {row['lost']}, "
+          f"mismatches {row['mismatches']}", file=sys.stderr)
+    return row, " ".join(shlex.quote(x) for x in cmd), bad
+
+
+def measure(a: argparse.Namespace, repo: Path, modes: list[str], draft_lens: dict[str, int], conc: list[int],
+            prompts: list[str], expected: dict[int, dict[str, tuple[str, int]]],
+            out: Path) -> tuple[list[dict], list[str], int]:
+    """The measurement loop: per mode and protocol a fresh Triton server, perf_analyzer at each concurrency.
+    Returns (rows, perf_analyzer commands, failures counted)."""
+    from runtime.serving import triton_server
 
     env = dict(os.environ, LD_LIBRARY_PATH=os.pathsep.join(p for p in (cudart_dir(), os.environ.get("LD_LIBRARY_PATH", "")) if p))
     pa = perf_analyzer()
     rows, cmds, bad = [], [], 0
-    for mode in a.modes.split(","):
-        k = modes[mode]
+    for mode in modes:
+        k = draft_lens[mode]
         for proto in a.protocols.split(","):
             streaming = proto == "grpc"
-            data = {"data": [{"text_input": {"content": [p], "shape": [1]},
-                              "sampling_param_max_tokens": {"content": [a.max_tokens], "shape": [1]},
-                              **({"streaming": {"content": [True], "shape": [1]}} if streaming else {})} for p in prompts]}
-            data_f = out / f"input-{proto}.json"
-            data_f.write_text(json.dumps(data))
+            data_f = write_input_data(out, proto, prompts, a.max_tokens, streaming)
             params = {"specpipe_max_batch": str(max(conc)), "specpipe_max_queue": str(max(conc)), "specpipe_draft_len": str(k)}
             srv = triton_server.start(repo, model_parameters=params, decoupled=streaming, ready_timeout=120)
             try:
                 for c in conc:
-                    prof = out / f"{mode}-{proto}-c{c}.json"
-                    cmd = [pa, "-m", "tensorrt_llm", "-u", srv.grpc_url if streaming else srv.http_url, "-i", proto,
-                           *(["--streaming"] if streaming else []), "--input-data", str(data_f),
-                           "--concurrency-range", f"{c}:{c}", "--measurement-mode", "count_windows",
-                           "--measurement-request-count", str(a.requests), "--stability-percentage", str(a.stability),
-                           "--max-trials", str(a.max_trials), "--profile-export-file", str(prof)]
-                    cmds.append(" ".join(shlex.quote(x) for x in cmd))
-                    for attempt in (1, 2):   # perf_analyzer 2.51 now and then leaves an empty profile export
-                        prof.unlink(missing_ok=True)
-                        m0 = counters(srv.metrics_url)
-                        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
-                        m1 = counters(srv.metrics_url)
-                        (out / f"{mode}-{proto}-c{c}.log").write_text(f"rc {r.returncode}\n{r.stdout}{r.stderr}")
-                        if r.returncode != 0 or (prof.exists() and prof.stat().st_size > 0):
-                            break
-                        print(f"{mode} {proto} c={c}: perf_analyzer exited 0 with an empty profile export; "
-                              f"{'running it again' if attempt == 1 else 'giving up'}", file=sys.stderr)
-                    row = summarize(prof, expected[k], streaming, m0, m1, rc=r.returncode)
-                    row["attempts"] = attempt
-                    row.update(mode=mode, protocol=f"{proto}{' streaming' if streaming else ''}", concurrency=c, draft_len=k)
-                    if r.returncode != 0:
-                        print(f"perf_analyzer failed ({mode} {proto} c={c}):\n{(r.stdout + r.stderr)[-2000:]}", file=sys.stderr)
-                    # a point without a readable profile export (perf_analyzer's own summary is in its .log) fails the
-                    # run too, but is not a lost response: nothing says a request went unanswered
-                    bad += row["lost"] + row["mismatches"] + (r.returncode != 0) + row["no_profile"]
+                    row, cmd, failed = measure_point(pa, env, a, srv, out, mode, k, proto, data_f, c, expected[k])
                     rows.append(row)
-                    print(f"{mode:11s} {proto:4s} c={c:<3d} {row['throughput_tok_s']} tok/s, TPOT p50 {row['tpot_p50_ms']} ms "
-                          f"p99 {row['tpot_p99_ms']} ms, rows/forward {row['rows_per_forward']}, lost {row['lost']}, "
-                          f"mismatches {row['mismatches']}", file=sys.stderr)
+                    cmds.append(cmd)
+                    bad += failed
             finally:
                 srv.stop()
+    return rows, cmds, bad
+
+
+def main() -> int:
+    a = parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+    conc = [int(c) for c in a.concurrency.split(",")]
+    repo, model_dir, spec = exported_model(a.workdir)
+    prompts = eval_prompts(a.workdir, a.prompts)
+    out = a.out or Path(tempfile.mkdtemp(prefix="serve_load-"))
+    out.mkdir(parents=True, exist_ok=True)
+    modes = measured_modes(a, spec)
+    draft_lens, expected = reference_outputs(model_dir, spec, modes, prompts, a.max_tokens)
+
+    rows, cmds, bad = measure(a, repo, modes, draft_lens, conc, prompts, expected, out)
     (out / "results.json").write_text(json.dumps({"workdir": str(a.workdir), "rows": rows, "commands": cmds}, indent=1))
     print(table(a, rows, spec))
     print(f"\nprofiles and results: {out}")

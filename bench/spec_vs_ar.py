@@ -84,7 +84,8 @@ def isolated_costs(model, draft, k: int, ctx_len: int, reps: int = 50) -> dict:
     return {"target_1": t1, "target_verify": tv, "draft_step": td}
 
 
-def main(argv=None) -> dict:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The options; with --workdir the pair, the BF16 target and the prompts default to the run's artifacts."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", type=Path)
     ap.add_argument("--target", type=Path)
@@ -98,19 +99,6 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", type=Path, help="also write the results here")
     a = ap.parse_args(argv)
-
-    import torch
-
-    from runtime.engine.speculative import (
-        SpeculativeEngine,
-        load_pair,
-        load_target,
-        lossless_diff,
-        predicted_speedup,
-        tie_margins,
-    )
-
-    torch.set_num_threads(a.threads)
     if a.workdir:
         arts = a.workdir / "artifacts"
         q = json.loads((arts / "quantize" / "quantize.json").read_text())
@@ -119,29 +107,49 @@ def main(argv=None) -> dict:
         a.prompts_from = a.prompts_from or arts / "data" / "eval"
     if not (a.target and a.draft and a.prompts_from):
         ap.error("give --workdir, or --target, --draft and --prompts-from")
-    prompts = _prompts(a.prompts_from, a.prompts)
-    model, draft = load_pair(a.target, a.draft)
-    eng = SpeculativeEngine(model, draft)
-    k, N = a.draft_len, a.max_new_tokens
-    parallel = draft.algorithm == "dflash"
+    return a
 
-    # batch 1, request after request: the latency setting speculative decoding targets
+
+def _merged(gens):
+    """The decoding stats of several generate() results, merged."""
+    st = gens[0].stats
+    for g in gens[1:]:
+        st = st.merge(g.stats)
+    return st
+
+
+def decode_both(eng, prompts: list[list[int]], N: int, k: int, repeats: int):
+    """The measurement loop: every prompt decoded autoregressively, then speculatively (batch 1, request after
+    request: the latency setting speculative decoding targets), each timed over `repeats`.
+    Returns (t_ar, ar results, t_sp, speculative results, output tokens of one pass)."""
     def run(spec: bool):
         return [eng.generate([p], max_new_tokens=N, draft_len=k if spec else 0, speculative=spec) for p in prompts]
 
-    t_ar, ar = _timed(lambda: run(False), a.repeats)
-    t_sp, sp = _timed(lambda: run(True), a.repeats)
+    t_ar, ar = _timed(lambda: run(False), repeats)
+    t_sp, sp = _timed(lambda: run(True), repeats)
     toks = sum(len(g.tokens[0]) for g in ar)
     assert toks == sum(len(g.tokens[0]) for g in sp) == N * len(prompts)
+    return t_ar, ar, t_sp, sp, toks
+
+
+def lossless_check(model, prompts: list[list[int]], ar, sp) -> str:
+    """Whether speculative decoding gave the autoregressive tokens: `identical`, or how many outputs differ and the
+    target's top-2 logit margins where they diverge (a tiny margin marks a numerical tie)."""
+    from runtime.engine.speculative import lossless_diff, tie_margins
+
     bad = tie_margins(model, prompts, [g.tokens[0] for g in ar],
                       lossless_diff([g.tokens[0] for g in sp], [g.tokens[0] for g in ar]))
-    lossless = "identical" if not bad else f"{len(bad)} differ, top-2 margins {[round(b['margin'], 6) for b in bad]}"
-    st_ar = ar[0].stats
-    for g in ar[1:]:
-        st_ar = st_ar.merge(g.stats)
-    st_sp = sp[0].stats
-    for g in sp[1:]:
-        st_sp = st_sp.merge(g.stats)
+    return "identical" if not bad else f"{len(bad)} differ, top-2 margins {[round(b['margin'], 6) for b in bad]}"
+
+
+def speed_results(a: argparse.Namespace, draft, prompts: list[list[int]], t_ar: float, t_sp: float, toks: int,
+                  st_ar, st_sp, lossless: str) -> tuple[dict, float]:
+    """The measured speeds and the speedup predicted from the step costs measured in the decoding loop.
+    Returns (results, the unrounded prediction)."""
+    from runtime.engine.speculative import predicted_speedup
+
+    k, N = a.draft_len, a.max_new_tokens
+    parallel = draft.algorithm == "dflash"
     passes = 1 if parallel else k
     t_target1 = st_ar.target_s / len(st_ar.rows_per_step)
     t_verify = st_sp.target_s / st_sp.steps
@@ -160,38 +168,53 @@ def main(argv=None) -> dict:
         "speedup_predicted": round(pred, 3), "lossless": lossless,
     }
     res["fraction_of_predicted"] = round(res["speedup_measured"] / pred, 3)
-    ctx_len = int(sum(len(p) for p in prompts) / len(prompts) + N / 2)
+    return res, pred
+
+
+def add_isolated_prediction(res: dict, model, draft, k: int, ctx_len: int, acceptance_length: float) -> float:
+    """Adds the step costs timed in isolation at `ctx_len` and the speedup they predict to `res`; returns that
+    prediction unrounded."""
     iso = isolated_costs(model, draft, k, ctx_len)
-    pred_iso = st_sp.acceptance_length * iso["target_1"] / (iso["draft_step"] + iso["target_verify"])
+    pred_iso = acceptance_length * iso["target_1"] / (iso["draft_step"] + iso["target_verify"])
     res["isolated_step_ms"] = {key: round(1e3 * v, 3) for key, v in iso.items()} | {"context": ctx_len}
     res["speedup_predicted_isolated"] = round(pred_iso, 3)
     res["fraction_of_predicted_isolated"] = round(res["speedup_measured"] / pred_iso, 3)
+    return pred_iso
 
-    if a.bf16_target:
-        bf = load_target(a.bf16_target)
-        e2 = SpeculativeEngine(bf, drafter=None)
-        t_ours, ours = _timed(lambda: [e2.generate([p], max_new_tokens=N).tokens[0] for p in prompts], a.repeats)
 
-        def hf():
-            out = []
-            for p in prompts:
-                x = torch.tensor([p])
-                y = bf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=N, min_new_tokens=N,
-                                do_sample=False, pad_token_id=bf.config.eos_token_id)
-                out.append(y[0, len(p):].tolist())
-            return out
+def hf_comparison(bf16_target: Path, prompts: list[list[int]], N: int, repeats: int, toks: int) -> dict:
+    """The BF16 target's plain decoding in this runtime against Hugging Face `generate`, greedy, same tokens."""
+    import torch
 
-        with torch.no_grad():
-            t_hf, hf_out = _timed(hf, a.repeats)
-        res.update({"bf16_target": str(a.bf16_target), "ar_bf16_tokens_per_s": round(toks / t_ours, 1),
-                    "hf_generate_tokens_per_s": round(toks / t_hf, 1), "ar_vs_hf_generate": round(t_hf / t_ours, 3),
-                    "ar_equals_hf_generate": ours == hf_out})
+    from runtime.engine.speculative import SpeculativeEngine, load_target
 
-    print(f"pair: {a.target} + {a.draft} ({draft.algorithm}), {len(prompts)} prompts x {N} new tokens, batch 1, "
-          f"{a.threads} thread(s)")
+    bf = load_target(bf16_target)
+    e2 = SpeculativeEngine(bf, drafter=None)
+    t_ours, ours = _timed(lambda: [e2.generate([p], max_new_tokens=N).tokens[0] for p in prompts], repeats)
+
+    def hf():
+        out = []
+        for p in prompts:
+            x = torch.tensor([p])
+            y = bf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=N, min_new_tokens=N,
+                            do_sample=False, pad_token_id=bf.config.eos_token_id)
+            out.append(y[0, len(p):].tolist())
+        return out
+
+    with torch.no_grad():
+        t_hf, hf_out = _timed(hf, repeats)
+    return {"bf16_target": str(bf16_target), "ar_bf16_tokens_per_s": round(toks / t_ours, 1),
+            "hf_generate_tokens_per_s": round(toks / t_hf, 1), "ar_vs_hf_generate": round(t_hf / t_ours, 3),
+            "ar_equals_hf_generate": ours == hf_out}
+
+
+def print_summary(a: argparse.Namespace, res: dict, pred: float, pred_iso: float) -> None:
+    k, ctx_len = a.draft_len, res["isolated_step_ms"]["context"]
+    print(f"pair: {a.target} + {a.draft} ({res['algorithm']}), {res['prompts']} prompts x {a.max_new_tokens} new tokens, "
+          f"batch 1, {a.threads} thread(s)")
     print(f"autoregressive      {res['ar_tokens_per_s']:8.1f} tok/s")
     print(f"speculative (k={k})  {res['spec_tokens_per_s']:8.1f} tok/s   AL {res['acceptance_length']:.2f}, "
-          f"lossless {lossless}")
+          f"lossless {res['lossless']}")
     print(f"speedup measured {res['speedup_measured']:.3f}, predicted {pred:.3f} "
           f"(step ms: target {res['step_ms']['target_1']}, verify {res['step_ms']['target_verify']}, "
           f"draft pass {res['step_ms']['draft_pass']}) -> {100 * res['fraction_of_predicted']:.0f}% of predicted")
@@ -202,6 +225,31 @@ def main(argv=None) -> dict:
         print(f"BF16 target: this runtime {res['ar_bf16_tokens_per_s']:.1f} tok/s vs HF generate "
               f"{res['hf_generate_tokens_per_s']:.1f} tok/s (x{res['ar_vs_hf_generate']:.2f}; same tokens: "
               f"{res['ar_equals_hf_generate']})")
+
+
+def main(argv=None) -> dict:
+    a = parse_args(argv)
+
+    import torch
+
+    from runtime.engine.speculative import SpeculativeEngine, load_pair
+
+    torch.set_num_threads(a.threads)
+    prompts = _prompts(a.prompts_from, a.prompts)
+    model, draft = load_pair(a.target, a.draft)
+    eng = SpeculativeEngine(model, draft)
+    k, N = a.draft_len, a.max_new_tokens
+
+    t_ar, ar, t_sp, sp, toks = decode_both(eng, prompts, N, k, a.repeats)
+    lossless = lossless_check(model, prompts, ar, sp)
+    st_ar, st_sp = _merged(ar), _merged(sp)
+    res, pred = speed_results(a, draft, prompts, t_ar, t_sp, toks, st_ar, st_sp, lossless)
+    ctx_len = int(sum(len(p) for p in prompts) / len(prompts) + N / 2)
+    pred_iso = add_isolated_prediction(res, model, draft, k, ctx_len, st_sp.acceptance_length)
+    if a.bf16_target:
+        res.update(hf_comparison(a.bf16_target, prompts, N, a.repeats, toks))
+
+    print_summary(a, res, pred, pred_iso)
     if a.json:
         a.json.write_text(json.dumps(res, indent=2))
     return res
