@@ -15,19 +15,25 @@ from runtime.errors import RuntimeFailure
 RERUN = "rerun `specpipe build CONFIG --force data`"
 
 
-def read_token_rows(path: str | Path, *, limit: int | None = None,
-                    max_len: int | None = None) -> list[tuple[list[int], list[int]]]:
-    """(input_ids, loss_mask) of the first `limit` rows of a token-row parquet, each truncated to `max_len`."""
+def read_token_rows(path: str | Path, *, limit: int | None = None, max_len: int | None = None,
+                    skip_untrained: bool = False) -> list[tuple[list[int], list[int]]]:
+    """(input_ids, loss_mask) of the first `limit` rows of a token-row parquet, each truncated to `max_len`.
+    `skip_untrained`: a row without a token to train on is left out instead of refused, and `limit` counts the rows
+    kept (the draft-training worker also reads hand-made datasets, whose truncated rows can lose their response)."""
     import pyarrow.parquet as pq
 
     path = Path(path)
     if not path.is_file():
         raise RuntimeFailure(f"{path} is missing; the data stage's artifact contract promises it")
     table = pq.read_table(str(path), columns=["input_ids", "loss_mask"])
-    if limit is not None:
+    if limit is not None and not skip_untrained:
         table = table.slice(0, limit)
     out = []
     for i, (ids, mask) in enumerate(zip(table.column("input_ids").to_pylist(), table.column("loss_mask").to_pylist())):
+        if limit is not None and len(out) == limit:
+            break
+        if skip_untrained and not any(mask):
+            continue
         if len(ids) < 2 or len(mask) != len(ids) or not any(mask):
             raise RuntimeFailure(f"{path} row {i}: {len(ids)} tokens, {len(mask)} mask entries, {sum(mask)} trained on; "
                                  f"the data contract needs >= 2 tokens, one mask entry per token and one token to train "

@@ -399,6 +399,11 @@ def _rope_scaling(sec: Config, target_positions: int, serving: int) -> dict:
     return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": target_positions}
 
 
+# the target's shape as the job carries it (target.json's fields)
+_TARGET_SHAPE = ("num_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "vocab_size")
+
+
 def make_job(ctx: StageContext) -> dict:
     """The JSON job the runtime executes (in-process or under torchrun)."""
     from transformers import AutoTokenizer
@@ -410,45 +415,16 @@ def make_job(ctx: StageContext) -> dict:
     trust = bool(ctx.config.target.trust_remote_code)
     tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust)
     algo = _resolve(ctx, summary, tok)
-    device = ctx.config.run.device
-    if device == "auto":
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    train_dtype = sec.dtype if sec.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
-    target_dtype = sec.target_dtype if sec.target_dtype != "auto" else train_dtype
-    if (train_dtype, target_dtype) == ("bfloat16", "float32"):
-        raise StageError(f"train_draft.target_dtype: float32 under a bfloat16 training dtype ({sec.dtype} on {device}) "
-                         "would run the target above the draft's own precision; set target_dtype: bfloat16 or auto, "
-                         "or dtype: float32")
+    device = _device(ctx)
+    train_dtype, target_dtype = _dtypes(sec, device)
     positions = summary.get("max_position_embeddings") or 2048
     serving = sec.serving_context or positions
     eval_files = {p.stem: str(p) for p in sorted((data.path / "eval").glob("*.jsonl"))}
-    n_train = data.metrics.get("train_samples")
-    if sec.epochs is not None:
-        if not n_train:
-            import pyarrow.parquet as pq
-
-            n_train = pq.ParquetFile(str(data.path / "train.parquet")).metadata.num_rows
-        n = min(n_train, sec.max_samples or n_train)
-        steps = max(1, int(sec.epochs * n / sec.batch_size + 0.999))
-    else:
-        steps = sec.steps
+    steps = _step_count(sec, data)
     d2t = algo["name"] == "eagle3" and algo["draft_vocab_size"] != summary["vocab_size"]
     return {
         "algorithm": algo,
-        "target": {
-            k: summary[k]
-            for k in (
-                "num_layers",
-                "hidden_size",
-                "intermediate_size",
-                "num_attention_heads",
-                "num_key_value_heads",
-                "head_dim",
-                "vocab_size",
-            )
-        },
+        "target": {k: summary[k] for k in _TARGET_SHAPE},
         "target_dir": str(model_dir),
         "train_parquet": str(data.path / "train.parquet"),
         "eval_files": eval_files,
@@ -469,31 +445,73 @@ def make_job(ctx: StageContext) -> dict:
         "fsdp": sec.launcher.kind == "torchrun" and sec.launcher.fsdp,
         "export_rope_scaling": _rope_scaling(sec, positions, serving),
         "serving_context": serving,
-        "train": {
-            "optimizer": sec.optimizer,
-            "lr": sec.lr,
-            "weight_decay": sec.weight_decay,
-            "betas": list(sec.betas),
-            "schedule": sec.schedule,
-            "warmup_steps": min(sec.warmup_steps, steps),
-            "min_lr_ratio": sec.min_lr_ratio,
-            "grad_clip": sec.grad_clip,
-            "steps": steps,
-            "batch_size": sec.batch_size,
-            "seq_len": sec.seq_len,
-            "seed": sec.seed,
-            "checkpoint_every": sec.checkpoint_every,
-            "log_every": sec.log_every,
-        },
-        "eval": {
-            "estimator": sec.eval.estimator,
-            "prompts_per_domain": sec.eval.prompts_per_domain,
-            "osl": sec.eval.osl,
-            "draft_len": sec.eval.draft_len or algo["trained_draft_len"],
-            "batch_size": sec.eval.batch_size,
-            # every id that ends a generation (an instruct model's end-of-turn and its eos)
-            "eos_token_ids": [e for e in (summary.get("eos_token_ids") or [summary.get("eos_token_id")]) if e is not None],
-        },
+        "train": _train_options(sec, steps),
+        "eval": _eval_options(sec, algo, summary),
+    }
+
+
+def _device(ctx: StageContext) -> str:
+    """run.device, with auto resolved: cuda when a GPU is visible, else cpu."""
+    device = ctx.config.run.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def _dtypes(sec: Config, device: str) -> tuple[str, str]:
+    """(training dtype, target dtype) with auto resolved; StageError for a target above the training precision."""
+    train_dtype = sec.dtype if sec.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    target_dtype = sec.target_dtype if sec.target_dtype != "auto" else train_dtype
+    if (train_dtype, target_dtype) == ("bfloat16", "float32"):
+        raise StageError(f"train_draft.target_dtype: float32 under a bfloat16 training dtype ({sec.dtype} on {device}) "
+                         "would run the target above the draft's own precision; set target_dtype: bfloat16 or auto, "
+                         "or dtype: float32")
+    return train_dtype, target_dtype
+
+
+def _step_count(sec: Config, data) -> int:
+    """`steps`, or `epochs` passes over the (first max_samples) training rows in global batches."""
+    if sec.epochs is None:
+        return sec.steps
+    n_train = data.metrics.get("train_samples")
+    if not n_train:
+        import pyarrow.parquet as pq
+
+        n_train = pq.ParquetFile(str(data.path / "train.parquet")).metadata.num_rows
+    n = min(n_train, sec.max_samples or n_train)
+    return max(1, int(sec.epochs * n / sec.batch_size + 0.999))
+
+
+def _train_options(sec: Config, steps: int) -> dict:
+    return {
+        "optimizer": sec.optimizer,
+        "lr": sec.lr,
+        "weight_decay": sec.weight_decay,
+        "betas": list(sec.betas),
+        "schedule": sec.schedule,
+        "warmup_steps": min(sec.warmup_steps, steps),
+        "min_lr_ratio": sec.min_lr_ratio,
+        "grad_clip": sec.grad_clip,
+        "steps": steps,
+        "batch_size": sec.batch_size,
+        "seq_len": sec.seq_len,
+        "seed": sec.seed,
+        "checkpoint_every": sec.checkpoint_every,
+        "log_every": sec.log_every,
+    }
+
+
+def _eval_options(sec: Config, algo: dict, summary: dict) -> dict:
+    return {
+        "estimator": sec.eval.estimator,
+        "prompts_per_domain": sec.eval.prompts_per_domain,
+        "osl": sec.eval.osl,
+        "draft_len": sec.eval.draft_len or algo["trained_draft_len"],
+        "batch_size": sec.eval.batch_size,
+        # every id that ends a generation (an instruct model's end-of-turn and its eos)
+        "eos_token_ids": [e for e in (summary.get("eos_token_ids") or [summary.get("eos_token_id")]) if e is not None],
     }
 
 
@@ -556,61 +574,16 @@ def _torchrun_cmd(sec: Config, job_path: Path, node_rank: int) -> list[str]:
 
 
 def _train_torchrun(ctx: StageContext, job: dict, bars: _Bars) -> dict:
-    from runtime.training.draft_training import PROGRESS_PREFIX
-
     sec: Config = ctx.section
-    ctx.scratch_dir.mkdir(parents=True, exist_ok=True)
-    job_path = ctx.scratch_dir / "job.json"
-    job_path.write_text(json.dumps(job, indent=2))
-    (ctx.scratch_dir / "result.json").unlink(missing_ok=True)
+    job_path = _write_job(ctx, job)
     cmd = _torchrun_cmd(sec, job_path, sec.launcher.node_rank)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.setdefault("OMP_NUM_THREADS", str(ctx.config.run.threads or 1))
-    # the repository root on the path, so `-m runtime.training.draft_training` resolves without an install
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH", "")]).rstrip(
-        os.pathsep
-    )
+    env = _worker_env(ctx)
     if sec.launcher.nnodes > 1:
-        # one self-contained shell line per other node (what the Slurm script runs there)
-        pre = ["env", f"PYTHONPATH={env['PYTHONPATH']}", "PYTHONUNBUFFERED=1", f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']}"]
-        others = [shlex.join(pre + _torchrun_cmd(sec, job_path, r)) for r in range(1, sec.launcher.nnodes)]
-        (ctx.scratch_dir / "worker_commands.sh").write_text("\n".join(others) + "\n")
-        ctx.log.info("multi-node: run on node r (1..%d), with this workdir on a shared filesystem:\n  %s",
-                     sec.launcher.nnodes - 1, "\n  ".join(others))
+        _write_worker_commands(ctx, sec, job_path, env)
     ctx.log.info("launching: %s", " ".join(cmd))
     err_log = ctx.scratch_dir / "torchrun.log"
-    errors = []
-    timed_out = threading.Event()
-    with open(err_log, "w") as err, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env) as proc:
-        def _stop():   # a hung job (a lost node, a collective that never completes) still ends
-            timed_out.set()
-            proc.terminate()
-            killer = threading.Timer(30, proc.kill)   # torchrun forwards SIGTERM to its workers; in case it hangs too
-            killer.daemon = True
-            killer.start()
-        watchdog = threading.Timer(sec.launcher.timeout_s, _stop)
-        watchdog.daemon = True
-        watchdog.start()
-        try:
-            for line in proc.stdout:
-                if line.startswith(PROGRESS_PREFIX):
-                    ev = json.loads(line[len(PROGRESS_PREFIX):])
-                    if ev.get("event") == "error":
-                        errors.append(ev["message"])
-                    bars(ev)
-                elif line.strip():
-                    ctx.log.debug("torchrun: %s", line.rstrip())
-            rc = proc.wait(timeout=60 if timed_out.is_set() else None)
-        except BaseException:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            raise
-        finally:
-            watchdog.cancel()
-    if timed_out.is_set():
+    rc, errors, timed_out = _run_torchrun(ctx, cmd, env, err_log, bars)
+    if timed_out:
         raise StageError(f"train_draft: torchrun ran past train_draft.launcher.timeout_s={sec.launcher.timeout_s} and was "
                          f"stopped (a node that never joined, or a hung collective); its log: {err_log}")
     if errors:
@@ -621,11 +594,94 @@ def _train_torchrun(ctx: StageContext, job: dict, bars: _Bars) -> dict:
     return json.loads((ctx.scratch_dir / "result.json").read_text())
 
 
-def run(ctx: StageContext) -> dict:
-    from runtime.training.draft_checks import TOKENIZER_FILES, Expect, as_dicts, check_draft, failures
+def _write_job(ctx: StageContext, job: dict) -> Path:
+    """`<scratch>/job.json` for the workers; a previous run's result.json is removed."""
+    ctx.scratch_dir.mkdir(parents=True, exist_ok=True)
+    job_path = ctx.scratch_dir / "job.json"
+    job_path.write_text(json.dumps(job, indent=2))
+    (ctx.scratch_dir / "result.json").unlink(missing_ok=True)
+    return job_path
 
-    sec: Config = ctx.section
+
+def _worker_env(ctx: StageContext) -> dict:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.setdefault("OMP_NUM_THREADS", str(ctx.config.run.threads or 1))
+    # the repository root on the path, so `-m runtime.training.draft_training` resolves without an install
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH", "")]).rstrip(
+        os.pathsep
+    )
+    return env
+
+
+def _write_worker_commands(ctx: StageContext, sec: Config, job_path: Path, env: dict) -> None:
+    """Multi-node: one self-contained shell line per other node (what the Slurm script runs there), written to
+    `<scratch>/worker_commands.sh` and logged."""
+    pre = ["env", f"PYTHONPATH={env['PYTHONPATH']}", "PYTHONUNBUFFERED=1", f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']}"]
+    others = [shlex.join(pre + _torchrun_cmd(sec, job_path, r)) for r in range(1, sec.launcher.nnodes)]
+    (ctx.scratch_dir / "worker_commands.sh").write_text("\n".join(others) + "\n")
+    ctx.log.info("multi-node: run on node r (1..%d), with this workdir on a shared filesystem:\n  %s",
+                 sec.launcher.nnodes - 1, "\n  ".join(others))
+
+
+def _run_torchrun(ctx: StageContext, cmd: list[str], env: dict, err_log: Path, bars: _Bars) -> tuple[int, list[str], bool]:
+    """torchrun with its stderr in `err_log`, stopped after launcher.timeout_s. Returns (exit status, the workers'
+    error messages, whether the time limit stopped it)."""
+    errors: list[str] = []
+    timed_out = threading.Event()
+    with open(err_log, "w") as err, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env) as proc:
+        def _stop():   # a hung job (a lost node, a collective that never completes) still ends
+            timed_out.set()
+            proc.terminate()
+            killer = threading.Timer(30, proc.kill)   # torchrun forwards SIGTERM to its workers; in case it hangs too
+            killer.daemon = True
+            killer.start()
+        watchdog = threading.Timer(ctx.section.launcher.timeout_s, _stop)
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            _follow_output(ctx, proc.stdout, bars, errors)
+            rc = proc.wait(timeout=60 if timed_out.is_set() else None)
+        except BaseException:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            raise
+        finally:
+            watchdog.cancel()
+    return rc, errors, timed_out.is_set()
+
+
+def _follow_output(ctx: StageContext, lines, bars: _Bars, errors: list[str]) -> None:
+    """Rank 0's stdout: progress events to the bars (error messages collected), other lines to the debug log."""
+    from runtime.training.draft_training import PROGRESS_PREFIX
+
+    for line in lines:
+        if line.startswith(PROGRESS_PREFIX):
+            ev = json.loads(line[len(PROGRESS_PREFIX):])
+            if ev.get("event") == "error":
+                errors.append(ev["message"])
+            bars(ev)
+        elif line.strip():
+            ctx.log.debug("torchrun: %s", line.rstrip())
+
+
+def run(ctx: StageContext) -> dict:
     job = make_job(ctx)
+    _log_plan(ctx, job)
+    result = _train(ctx, job)
+    draft_dir = Path(job["export_dir"])
+    cfg = _complete_export(draft_dir, Path(job["target_dir"]))
+    checks = _check_export(ctx, job, draft_dir)
+    acc = result.get("acceptance") or {}
+    _write_draft_json(ctx, job, cfg, draft_dir, acc)
+    _write_curve_json(ctx, job, result, acc)
+    _log_outcome(ctx, result, acc)
+    return _metrics(job, result, acc, len(checks))
+
+
+def _log_plan(ctx: StageContext, job: dict) -> None:
     a = job["algorithm"]
     ctx.log.info(
         "%s draft, %d layer(s), %s mode, %d steps of batch %d x %d tokens on %s (%s), launcher %s%s",
@@ -638,29 +694,46 @@ def run(ctx: StageContext) -> dict:
         job["device"],
         job["train_dtype"]
         + (f", target {job['target_dtype']} under autocast" if job["target_dtype"] != job["train_dtype"] else ""),
-        sec.launcher.kind,
+        ctx.section.launcher.kind,
         " with the target's layers sharded (FSDP)" if job["fsdp"] else "",
     )
+
+
+def _train(ctx: StageContext, job: dict) -> dict:
+    """The job in this process or under torchrun, its progress in the stage's bars. Returns its result."""
     bars = _Bars(ctx)
     try:
-        result = _train_torchrun(ctx, job, bars) if sec.launcher.kind == "torchrun" else _train_in_process(ctx, job, bars)
+        return _train_torchrun(ctx, job, bars) if ctx.section.launcher.kind == "torchrun" else _train_in_process(ctx, job, bars)
     finally:
         bars.close()
 
-    # tokenizer: the target's files, byte for byte
-    draft_dir = Path(job["export_dir"])
-    model_dir = Path(job["target_dir"])
+
+def _complete_export(draft_dir: Path, model_dir: Path) -> dict:
+    """The target's tokenizer files (byte for byte) beside the export, its config.json's RoPE in the form TensorRT-LLM
+    1.2 and 1.3 read. Returns that config."""
+    from runtime.training.draft_checks import TOKENIZER_FILES
+    from runtime.trtllm.hf_config import normalize_file
+
     for name in TOKENIZER_FILES:
         if (model_dir / name).exists():
             shutil.copy2(model_dir / name, draft_dir / name)
-
-    from runtime.trtllm.hf_config import normalize_file  # RoPE in the form TensorRT-LLM 1.2 and 1.3 read
     normalize_file(draft_dir / "config.json")
-    cfg = json.loads((draft_dir / "config.json").read_text())
-    capture = a["aux_layer_ids"] if a["name"] == "eagle3" else a["target_layer_ids"]
+    return json.loads((draft_dir / "config.json").read_text())
+
+
+def _capture_layers(a: dict) -> list[int]:
+    return a["aux_layer_ids"] if a["name"] == "eagle3" else a["target_layer_ids"]
+
+
+def _check_export(ctx: StageContext, job: dict, draft_dir: Path) -> list:
+    """The named export checks (`runtime.training.draft_checks`) into checks.json; StageError when any fails."""
+    from runtime.training.draft_checks import Expect, as_dicts, check_draft, failures
+
+    a = job["algorithm"]
     expect = Expect(algorithm=a["name"], num_layers=a["draft_layers"], hidden_size=job["target"]["hidden_size"],
-                    vocab_size=job["target"]["vocab_size"], capture_layer_ids=capture, serving_context=job["serving_context"],
-                    target_dir=model_dir, draft_vocab_size=a.get("draft_vocab_size"), block_size=a.get("block_size"),
+                    vocab_size=job["target"]["vocab_size"], capture_layer_ids=_capture_layers(a),
+                    serving_context=job["serving_context"], target_dir=Path(job["target_dir"]),
+                    draft_vocab_size=a.get("draft_vocab_size"), block_size=a.get("block_size"),
                     mask_token_id=a.get("mask_token_id"))
     checks = check_draft(draft_dir, expect)
     (ctx.out_dir / "checks.json").write_text(json.dumps(as_dicts(checks), indent=2))
@@ -669,11 +742,14 @@ def run(ctx: StageContext) -> dict:
         raise StageError(
             "train_draft: the exported draft failed its checks:\n" + "\n".join(f"  {c.name}: {c.message}" for c in bad)
         )
+    return checks
 
-    acc = result.get("acceptance") or {}
+
+def _write_draft_json(ctx: StageContext, job: dict, cfg: dict, draft_dir: Path, acc: dict) -> None:
+    a = job["algorithm"]
     draft = {
         "algorithm": a["name"], "num_layers": a["draft_layers"],
-        ("aux_layer_ids" if a["name"] == "eagle3" else "target_layer_ids"): capture,
+        ("aux_layer_ids" if a["name"] == "eagle3" else "target_layer_ids"): _capture_layers(a),
         "vocab_size": job["target"]["vocab_size"], "draft_vocab_size": cfg.get("draft_vocab_size", job["target"]["vocab_size"]),
         "has_d2t": "d2t" in _tensor_names(draft_dir), "block_size": a.get("block_size"), "mask_token_id": a.get("mask_token_id"),
         "trained_draft_len": a["trained_draft_len"], "max_position_embeddings": cfg.get("max_position_embeddings"),
@@ -682,12 +758,19 @@ def run(ctx: StageContext) -> dict:
         "acceptance_estimator": acc.get("estimator"),
     }
     (ctx.out_dir / "draft.json").write_text(json.dumps(draft, indent=2))
+
+
+def _write_curve_json(ctx: StageContext, job: dict, result: dict, acc: dict) -> None:
+    a = job["algorithm"]
     curve = {"algorithm": a["name"], "steps": job["train"]["steps"], "log_every": job["train"]["log_every"],
              "accuracy_positions": a["ttt_steps"] if a["name"] == "eagle3" else 1,
              "accuracy_note": "EAGLE-3: one accuracy per training-time-test step (draft position); DFlash: ModelOpt "
                               "reports the mean over the block's drafted positions",
              "points": result["curve"], "acceptance": acc}
     (ctx.out_dir / "curve.json").write_text(json.dumps(curve, indent=2))
+
+
+def _log_outcome(ctx: StageContext, result: dict, acc: dict) -> None:
     if result.get("fsdp"):
         f = result["fsdp"]
         ctx.log.info("FSDP: each of %d processes held %.1f MB of the target's %.1f MB of decoder-layer weights",
@@ -696,8 +779,12 @@ def run(ctx: StageContext) -> dict:
         ctx.log.info("acceptance length %.3f at %d draft tokens (%s, %.1f s: %s)", acc["acceptance_length"],
                      acc["draft_len"], ESTIMATORS[acc["estimator"]], result.get("eval_seconds") or 0.0,
                      ", ".join(f"{d} {v['acceptance_length']:.2f}" for d, v in acc["domains"].items()))
+
+
+def _metrics(job: dict, result: dict, acc: dict, n_checks: int) -> dict:
+    """The stage's metrics: the run's figures, the acceptance estimate, the dump's and FSDP's numbers when there."""
     return {
-        "algorithm": a["name"],
+        "algorithm": job["algorithm"]["name"],
         "mode": job["mode"],
         "steps": job["train"]["steps"],
         "world_size": result["world_size"],
@@ -711,7 +798,7 @@ def run(ctx: StageContext) -> dict:
         "acceptance_estimator": acc.get("estimator"),
         "eval_seconds": result.get("eval_seconds"),
         "acceptance_by_domain": {d: v["acceptance_length"] for d, v in acc.get("domains", {}).items()},
-        "export_checks_passed": len(checks),
+        "export_checks_passed": n_checks,
         **{k: result[k] for k in ("dump_bytes", "dump_estimate_bytes", "dump_seconds") if k in result},
         **(
             {

@@ -705,24 +705,47 @@ def _draft_plan(draft: nn.Module, compute: str) -> DraftPlan:
 
 
 def _check_eagle3(cfg: dict, sd: dict, path: Path, target: TargetShape | None, strict: bool) -> dict:
+    """An EAGLE-3 export's config and tensors checked in order: its eagle_config, the tensor names, the fc and
+    first-layer shapes, the draft vocabulary (filling in a missing `draft_vocab_size`), then the pairing with
+    `target`. Raises DraftFormatError at the first problem; returns `cfg`."""
+    ec = _eagle3_config(cfg, path)
+    ids = ec["eagle_aux_hidden_state_layer_ids"]
+    H, L = cfg["hidden_size"], cfg["num_hidden_layers"]
+    _check_eagle3_tensor_names(sd, path, L, ec.get("use_last_layernorm", True))
+    _check_eagle3_input_shapes(sd, path, H, ids)
+    _check_eagle3_vocab(cfg, sd, path, strict)
+    if target is not None:
+        _check_eagle3_pairing(cfg, ids, path, target)
+    return cfg
+
+
+def _eagle3_config(cfg: dict, path: Path) -> dict:
+    """`eagle_config`, refused unless it describes an EAGLE-3 draft (aux hidden states from listed layers)."""
     ec = cfg.get("eagle_config")
     if not isinstance(ec, dict):
         raise DraftFormatError(f"{path}/config.json: no eagle_config; not an EAGLE-3 export")
     if not ec.get("use_aux_hidden_state", False):
         raise DraftFormatError(f"{path}: eagle_config.use_aux_hidden_state is false: an EAGLE-1/2 draft, which "
                                "TensorRT-LLM's Eagle3 path cannot run")
-    ids = ec.get("eagle_aux_hidden_state_layer_ids") or []
-    if not ids:
+    if not ec.get("eagle_aux_hidden_state_layer_ids"):
         raise DraftFormatError(f"{path}: eagle_config.eagle_aux_hidden_state_layer_ids is empty")
-    H = cfg["hidden_size"]
-    L = cfg["num_hidden_layers"]
+    return ec
+
+
+def _eagle3_required_tensors(num_layers: int, use_last_layernorm: bool) -> set[str]:
     required = {"fc.weight", "norm.weight", "lm_head.weight", "layers.0.hidden_norm.weight"}
-    for i in range(L):
+    for i in range(num_layers):
         required |= {f"layers.{i}.{n}.weight" for n in (
             "input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
             "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
-    if not ec.get("use_last_layernorm", True):
+    if not use_last_layernorm:
         required.discard("norm.weight")
+    return required
+
+
+def _check_eagle3_tensor_names(sd: dict, path: Path, num_layers: int, use_last_layernorm: bool) -> None:
+    """Every tensor a serving engine loads is there, and nothing it would skip or reject."""
+    required = _eagle3_required_tensors(num_layers, use_last_layernorm)
     keys = _strip_scales(sd.keys())
     missing = sorted(required - keys)
     allowed = required | {"d2t", "norm.weight"} | {k.replace(".weight", ".bias") for k in required}
@@ -734,6 +757,10 @@ def _check_eagle3(cfg: dict, sd: dict, path: Path, target: TargetShape | None, s
     if unexpected:
         raise DraftFormatError(f"{path}: unexpected tensors {unexpected[:8]}: a serving engine would skip or "
                                "reject them; re-export with export_speculative_decoding")
+
+
+def _check_eagle3_input_shapes(sd: dict, path: Path, H: int, ids: list) -> None:
+    """fc reads one hidden state per aux layer; the first layer's attention reads [embedding, hidden]."""
     fc_in = sd["fc.weight"].shape[1]
     if fc_in != len(ids) * H:
         raise DraftFormatError(f"{path}: fc.weight takes {fc_in} inputs = {fc_in / H:g} x hidden {H}, but "
@@ -741,6 +768,11 @@ def _check_eagle3(cfg: dict, sd: dict, path: Path, target: TargetShape | None, s
     if sd["layers.0.self_attn.q_proj.weight"].shape[1] != 2 * H:
         raise DraftFormatError(f"{path}: layers.0.self_attn.q_proj takes "
                                f"{sd['layers.0.self_attn.q_proj.weight'].shape[1]} inputs, expected 2 x hidden = {2 * H}")
+
+
+def _check_eagle3_vocab(cfg: dict, sd: dict, path: Path, strict: bool) -> None:
+    """lm_head has `draft_vocab_size` rows (set to the full vocabulary when config.json lacks it); a reduced
+    vocabulary has a d2t map into the target's (only a warning without one when not `strict`)."""
     vocab = cfg["vocab_size"]
     dv = cfg.get("draft_vocab_size")
     if dv is None:
@@ -752,32 +784,40 @@ def _check_eagle3(cfg: dict, sd: dict, path: Path, target: TargetShape | None, s
     if dv > vocab:
         raise DraftFormatError(f"{path}: draft_vocab_size {dv} > vocab_size {vocab}")
     if dv < vocab:
-        if "d2t" not in sd:
-            msg = (f"{path}: draft_vocab_size {dv} < vocab_size {vocab} but there is no d2t tensor: draft token ids "
-                   "cannot be mapped to target ids (TensorRT-LLM would use them as target ids and acceptance "
-                   "collapses); export with the draft vocabulary cache loaded")
-            if strict:
-                raise DraftFormatError(msg)
-            log.warning("%s (strict=False: draft ids used as target ids)", msg)
-        else:
-            d2t = sd["d2t"]
-            if tuple(d2t.shape) != (dv,):
-                raise DraftFormatError(f"{path}: d2t has shape {tuple(d2t.shape)}, expected ({dv},) = draft_vocab_size")
-            mapped = torch.arange(dv) + d2t.long()
-            if int(mapped.min()) < 0 or int(mapped.max()) >= vocab:
-                raise DraftFormatError(f"{path}: d2t maps draft ids outside the target vocabulary [0, {vocab})")
+        _check_d2t(sd, path, dv, vocab, strict)
     elif "d2t" in sd and bool((sd["d2t"] != 0).any()):
         raise DraftFormatError(f"{path}: d2t is non-zero although draft_vocab_size == vocab_size")
-    if target is not None:
-        if H != target.hidden_size:
-            raise DraftFormatError(f"{path}: draft hidden_size {H} != target hidden_size {target.hidden_size}")
-        if vocab != target.vocab_size:
-            raise DraftFormatError(f"{path}: draft vocab_size {vocab} != target vocab_size {target.vocab_size}: "
-                                   "the draft must share the target's tokenizer")
-        bad = [i for i in ids if not 0 <= int(i) < target.num_layers]
-        if bad:
-            raise DraftFormatError(f"{path}: aux layer ids {bad} are outside the target's {target.num_layers} layers")
-    return cfg
+
+
+def _check_d2t(sd: dict, path: Path, dv: int, vocab: int, strict: bool) -> None:
+    """A reduced draft vocabulary's d2t: one offset per draft id, each mapping into [0, vocab)."""
+    if "d2t" not in sd:
+        msg = (f"{path}: draft_vocab_size {dv} < vocab_size {vocab} but there is no d2t tensor: draft token ids "
+               "cannot be mapped to target ids (TensorRT-LLM would use them as target ids and acceptance "
+               "collapses); export with the draft vocabulary cache loaded")
+        if strict:
+            raise DraftFormatError(msg)
+        log.warning("%s (strict=False: draft ids used as target ids)", msg)
+        return
+    d2t = sd["d2t"]
+    if tuple(d2t.shape) != (dv,):
+        raise DraftFormatError(f"{path}: d2t has shape {tuple(d2t.shape)}, expected ({dv},) = draft_vocab_size")
+    mapped = torch.arange(dv) + d2t.long()
+    if int(mapped.min()) < 0 or int(mapped.max()) >= vocab:
+        raise DraftFormatError(f"{path}: d2t maps draft ids outside the target vocabulary [0, {vocab})")
+
+
+def _check_eagle3_pairing(cfg: dict, ids: list, path: Path, target: TargetShape) -> None:
+    """The draft fits `target`: same hidden size and vocabulary, aux layers inside its stack."""
+    H, vocab = cfg["hidden_size"], cfg["vocab_size"]
+    if H != target.hidden_size:
+        raise DraftFormatError(f"{path}: draft hidden_size {H} != target hidden_size {target.hidden_size}")
+    if vocab != target.vocab_size:
+        raise DraftFormatError(f"{path}: draft vocab_size {vocab} != target vocab_size {target.vocab_size}: "
+                               "the draft must share the target's tokenizer")
+    bad = [i for i in ids if not 0 <= int(i) < target.num_layers]
+    if bad:
+        raise DraftFormatError(f"{path}: aux layer ids {bad} are outside the target's {target.num_layers} layers")
 
 
 # ---------------------------------------------------------------------------------------------- DFlash

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -34,7 +35,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 PROGRESS_PREFIX = "@@specpipe "
 CKPT = "ckpt"
@@ -90,15 +91,16 @@ def _torch_dtype(name: str):
 
 
 def read_samples(parquet: str | Path, max_samples: int | None = None) -> list[tuple[list[int], list[int]]]:
-    """(input_ids, loss_mask) per training sample from a token-row parquet. Rows without a token to train on are
-    skipped rather than refused (runtime.data_rows refuses them): the data stage never writes one, but the
-    training worker also reads hand-made datasets whose truncated rows can lose their response."""
-    import pyarrow.parquet as pq
+    """(input_ids, loss_mask) of the first `max_samples` training samples of a token-row parquet, the row rule checked
+    (`runtime.data_rows`). Rows without a token to train on are skipped rather than refused: the data stage never
+    writes one, but the training worker also reads hand-made datasets whose truncated rows can lose their response."""
+    from runtime.data_rows import read_token_rows
+    from runtime.errors import RuntimeFailure
 
-    t = pq.read_table(str(parquet), columns=["input_ids", "loss_mask"])
-    ids, mask = t.column("input_ids").to_pylist(), t.column("loss_mask").to_pylist()
-    out = [(a, b) for a, b in zip(ids, mask) if a and sum(b) > 0]
-    return out[:max_samples] if max_samples else out
+    try:
+        return read_token_rows(parquet, limit=max_samples or None, skip_untrained=True)
+    except RuntimeFailure as e:
+        raise JobError(str(e)) from None
 
 
 def read_prompts(eval_files: dict[str, str], per_domain: int) -> dict[str, list[list[int]]]:
@@ -605,8 +607,90 @@ def train(job: dict, emit: Callable[[dict], None] | None = None, should_stop: Ca
     """Run the whole job in this process (one rank of a torchrun group, or alone). Returns the result
     (also written to `<scratch>/result.json` by rank 0). `should_stop(step)` lets a caller end training
     early after a checkpoint, as an interruption would (used by tests of resuming)."""
+    proc = _start_process(job, emit)
+    scratch = Path(job["scratch_dir"])
+    scratch.mkdir(parents=True, exist_ok=True)
+    data = _read_training_data(job, proc.world)
+    _calibrate_d2t_once(job, data.samples, proc.rank)
+    offline = job["mode"] == "offline"
+    if offline:
+        _dump_offline(job, data, scratch, proc)
+    run = _setup_training(job, offline, scratch, proc)
+    stopped_at = _train_steps(job, run, data, scratch, proc, should_stop)
+    if stopped_at is not None:
+        return {"stopped_at": stopped_at}
+
+    # Evaluation and export run on rank 0 alone: leave the process group first, since ModelOpt's
+    # validate_online broadcasts across ranks whenever one is initialized. Under FSDP no process holds the whole
+    # target: all of them evaluate together (validate_online's broadcasts keep them in step), rank 0 exports.
+    fsdp, rank = run.fsdp, proc.rank
+    d = _dist()
+    if d is not None and not fsdp:
+        d.barrier()
+        d.destroy_process_group()
+    if rank != 0 and not fsdp:
+        return {}
+    held = [run.model]   # _finish takes the only reference: the runtime estimate frees the training model first
+    curve, step_times, step0 = run.curve, run.step_times, run.step0
+    del run   # the DDP wrapper, optimizer, schedule and parameter list with it
+    result = _finish(job, held, offline, proc.device, data.tok, curve, step_times, step0, proc.world, data.dump_info, rank)
+    held.clear()   # whatever _finish left of the model goes now, before the last barrier
+    if d is not None and fsdp:
+        d.barrier()
+        d.destroy_process_group()
+    return result if rank == 0 else {}
+
+
+@dataclasses.dataclass
+class _Process:
+    """This process of the training group (or the only one) and where it reports progress."""
+
+    rank: int
+    world: int
+    local_rank: int
+    device: Any
+    emit_fn: Callable[[dict], None]
+
+    def emit0(self, ev: dict) -> None:   # only rank 0 reports progress
+        if self.rank == 0:
+            self.emit_fn(ev)
+
+
+@dataclasses.dataclass
+class _Data:
+    """The training samples, the tokenizer's padding id and, offline, ModelOpt's dataset over the dumped records."""
+
+    samples: list
+    tok: Any
+    pad_id: int
+    dataset: Any = None
+    collator: Any = None
+    dump_info: dict = dataclasses.field(default_factory=dict)
+
+    def batch(self, idx: list[int], seq_len: int, device) -> dict:
+        if self.dataset is not None:
+            return offline_batch(self.dataset, self.collator, idx, device)
+        return online_batch(self.samples, idx, seq_len, self.pad_id, device)
+
+
+@dataclasses.dataclass
+class _Run:
+    """The model in training and everything a step and a checkpoint need; the curve so far (resumed or empty)."""
+
+    model: Any
+    ddp: Any   # the model, or its DistributedDataParallel wrapper
+    params: list
+    opt: Any
+    sched: Any
+    fsdp: bool
+    step0: int
+    curve: list
+    step_times: list
+
+
+def _start_process(job: dict, emit: Callable[[dict], None] | None) -> _Process:
+    """Join the torchrun group (when WORLD_SIZE > 1), pick this process's device and thread count."""
     import torch
-    from transformers import AutoTokenizer
 
     world_env = int(os.environ.get("WORLD_SIZE", "1"))
     device_kind = job["device"]
@@ -621,15 +705,15 @@ def train(job: dict, emit: Callable[[dict], None] | None = None, should_stop: Ca
         torch.cuda.set_device(device)
     if job.get("threads"):
         torch.set_num_threads(job["threads"])
-    emit_fn = emit or (lambda ev: None)
+    return _Process(rank, world, local_rank, device, emit or (lambda ev: None))
 
-    def emit0(ev):   # only rank 0 reports progress
-        if rank == 0:
-            emit_fn(ev)
+
+def _read_training_data(job: dict, world: int) -> _Data:
+    """The samples (refused when the global batch does not split over the processes, or none has a token to train
+    on) and the target's tokenizer for padding."""
+    from transformers import AutoTokenizer
 
     t = job["train"]
-    scratch = Path(job["scratch_dir"])
-    scratch.mkdir(parents=True, exist_ok=True)
     if t["batch_size"] % world:
         raise JobError(f"train_draft.batch_size {t['batch_size']} is not divisible by the {world} training processes")
     samples = read_samples(job["train_parquet"], job.get("max_samples"))
@@ -637,115 +721,135 @@ def train(job: dict, emit: Callable[[dict], None] | None = None, should_stop: Ca
         raise JobError(f"no training samples with a non-zero loss mask in {job['train_parquet']}")
     tok = AutoTokenizer.from_pretrained(job["target_dir"], trust_remote_code=job["trust_remote_code"])
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    return _Data(samples, tok, pad_id)
 
+
+def _calibrate_d2t_once(job: dict, samples, rank: int) -> None:
+    """EAGLE-3 with a reduced vocabulary: rank 0 writes the d2t map unless a previous run did; all wait for it."""
     if job["algorithm"]["name"] == "eagle3" and job.get("d2t_path") and rank == 0 and not Path(job["d2t_path"]).exists():
         job["d2t_stats"] = calibrate_d2t(samples, job["target"]["vocab_size"], job["algorithm"]["draft_vocab_size"],
                                          Path(job["d2t_path"]))
     _barrier()
 
-    offline = job["mode"] == "offline"
-    dump_info = {}
-    if offline:
-        tps = sum(min(len(a), t["seq_len"]) for a, _ in samples) / len(samples)
-        itemsize = torch.finfo(_torch_dtype(job["train_dtype"])).bits // 8
-        need = estimate_dump_bytes(len(samples), tps, len(capture_layer_ids(job)), job["target"]["hidden_size"], itemsize)
-        existing = sum(f.stat().st_size for f in (scratch / HIDDEN).glob("*.pt")) if (scratch / HIDDEN).exists() else 0
-        if rank == 0:
-            max_b = int(job["max_dump_gb"] * 2**30) if job.get("max_dump_gb") else None
-            dump_info = dump_preflight(max(0, need - existing), scratch, max_b)
-            dump_info["dump_estimate_bytes"] = need
-        _barrier()
-        t0 = time.monotonic()
-        files = dump_hidden_states(job, samples, device, emit0)
-        dump_info["dump_seconds"] = round(time.monotonic() - t0, 2)
-        dump_info["dump_bytes"] = sum(f.stat().st_size for f in files)
-        from modelopt.torch.speculative.eagle.utils import EagleOfflineDataCollator, OfflineSupervisedDataset
 
-        dataset = OfflineSupervisedDataset([str(f) for f in files], answer_only_loss=True)
-        collator = EagleOfflineDataCollator(t["seq_len"])
+def _dump_offline(job: dict, data: _Data, scratch: Path, proc: _Process) -> None:
+    """Offline mode: the disk preflight (rank 0, on what is not dumped yet), the hidden-state dump, and ModelOpt's
+    dataset and collator over the records, set on `data` with the dump's numbers."""
+    import torch
 
-    model = build_model(job, offline, device)
-    params = [p for p in model.parameters() if p.requires_grad]
+    t, samples = job["train"], data.samples
+    tps = sum(min(len(a), t["seq_len"]) for a, _ in samples) / len(samples)
+    itemsize = torch.finfo(_torch_dtype(job["train_dtype"])).bits // 8
+    need = estimate_dump_bytes(len(samples), tps, len(capture_layer_ids(job)), job["target"]["hidden_size"], itemsize)
+    existing = sum(f.stat().st_size for f in (scratch / HIDDEN).glob("*.pt")) if (scratch / HIDDEN).exists() else 0
+    if proc.rank == 0:
+        max_b = int(job["max_dump_gb"] * 2**30) if job.get("max_dump_gb") else None
+        data.dump_info = dump_preflight(max(0, need - existing), scratch, max_b)
+        data.dump_info["dump_estimate_bytes"] = need
+    _barrier()
+    t0 = time.monotonic()
+    files = dump_hidden_states(job, samples, proc.device, proc.emit0)
+    data.dump_info["dump_seconds"] = round(time.monotonic() - t0, 2)
+    data.dump_info["dump_bytes"] = sum(f.stat().st_size for f in files)
+    from modelopt.torch.speculative.eagle.utils import EagleOfflineDataCollator, OfflineSupervisedDataset
+
+    data.dataset = OfflineSupervisedDataset([str(f) for f in files], answer_only_loss=True)
+    data.collator = EagleOfflineDataCollator(t["seq_len"])
+
+
+def _optimizer(params: list, t: dict):
+    import torch
+
     if t["optimizer"] == "adamw":
-        opt = torch.optim.AdamW(params, lr=t["lr"], weight_decay=t["weight_decay"], betas=tuple(t["betas"]))
-    else:
-        opt = torch.optim.SGD(params, lr=t["lr"], momentum=0.9, weight_decay=t["weight_decay"])
+        return torch.optim.AdamW(params, lr=t["lr"], weight_decay=t["weight_decay"], betas=tuple(t["betas"]))
+    return torch.optim.SGD(params, lr=t["lr"], momentum=0.9, weight_decay=t["weight_decay"])
+
+
+def _setup_training(job: dict, offline: bool, scratch: Path, proc: _Process) -> _Run:
+    """The converted model, its optimizer and schedule, restored from the checkpoint when there is one (a
+    `resume` event), and the DDP wrapper over several processes without FSDP."""
+    import torch
+
+    model = build_model(job, offline, proc.device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = _optimizer(params, job["train"])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, job))
-    state = load_checkpoint(scratch, model, opt, sched, device)
+    state = load_checkpoint(scratch, model, opt, sched, proc.device)
     step0 = int(state["step"]) if state else 0
     curve: list = list(state["curve"]) if state else []
     step_times: list = list(state.get("step_times", [])) if state else []
     if state:
-        emit0({"event": "resume", "step": step0})
-
+        proc.emit0({"event": "resume", "step": step0})
     fsdp = fsdp_active(job)
     ddp = model
-    if world > 1 and not fsdp:
+    if proc.world > 1 and not fsdp:
         from torch.nn.parallel import DistributedDataParallel
 
-        ddp = DistributedDataParallel(model, device_ids=[local_rank] if device_kind == "cuda" else None,
+        ddp = DistributedDataParallel(model, device_ids=[proc.local_rank] if job["device"] == "cuda" else None,
                                       find_unused_parameters=job["algorithm"]["name"] == "dflash")
+    return _Run(model, ddp, params, opt, sched, fsdp, step0, curve, step_times)
+
+
+def _train_steps(job: dict, run: _Run, data: _Data, scratch: Path, proc: _Process,
+                 should_stop: Callable[[int], bool] | None) -> int | None:
+    """The steps from `run.step0` on, with the curve, progress and periodic checkpoints. Returns the step after
+    which `should_stop` ended training early, None when every step ran."""
+    import torch
+
+    t = job["train"]
+    rank, world = proc.rank, proc.world
     per_rank = t["batch_size"] // world
-    model.train()
-    emit0({"event": "train_start", "total": t["steps"], "done": step0, "world_size": world})
-    stopped_early = False
-    for step in range(step0, t["steps"]):
+    run.model.train()
+    proc.emit0({"event": "train_start", "total": t["steps"], "done": run.step0, "world_size": world})
+    for step in range(run.step0, t["steps"]):
         t_step = time.monotonic()
         torch.manual_seed(t["seed"] * 7919 + step * world + rank)   # DFlash anchors: a function of (seed, step, rank)
-        idx = batch_indices(step, len(samples), t["batch_size"], t["seed"])[rank * per_rank:(rank + 1) * per_rank]
-        batch = (
-            offline_batch(dataset, collator, idx, device) if offline else online_batch(samples, idx, t["seq_len"], pad_id, device)
-        )
-        with autocast(job, device):
-            out = ddp(**batch)
-        opt.zero_grad(set_to_none=True)
-        out.loss.backward()
-        if fsdp:
-            allreduce_grads(params, world)
-        if t["grad_clip"]:
-            torch.nn.utils.clip_grad_norm_(params, t["grad_clip"])
-        opt.step()
-        sched.step()
-        acc = [float(a) for a in (out.train_acc[0] if out.train_acc else [])]
-        stats = torch.tensor([float(out.loss.detach())] + acc, dtype=torch.float64)
-        if d := _dist():
-            d.all_reduce(stats)
-            stats /= world
-        dt = time.monotonic() - t_step
-        step_times.append(round(dt, 4))
-        loss_v, acc_v = float(stats[0]), [round(float(a), 4) for a in stats[1:]]
-        if (step + 1) % t["log_every"] == 0 or step + 1 == t["steps"] or step == step0:
-            curve.append({"step": step + 1, "loss": round(loss_v, 4), "accuracy": acc_v,
-                          "lr": round(sched.get_last_lr()[0], 8), "step_s": round(dt, 4)})
-        emit0({"event": "step", "step": step + 1, "loss": round(loss_v, 4), "accuracy": acc_v})
-        last = step + 1 == t["steps"]
-        if not last and (step + 1) % t["checkpoint_every"] == 0:
+        idx = batch_indices(step, len(data.samples), t["batch_size"], t["seed"])[rank * per_rank:(rank + 1) * per_rank]
+        stats = _optimizer_step(job, run, data.batch(idx, t["seq_len"], proc.device), proc)
+        _record_step(job, run, step, stats, time.monotonic() - t_step, proc)
+        if step + 1 != t["steps"] and (step + 1) % t["checkpoint_every"] == 0:
             if rank == 0:
-                save_checkpoint(scratch, model, opt, sched, step + 1, curve, {"step_times": step_times})
-                emit0({"event": "checkpoint", "step": step + 1})
+                save_checkpoint(scratch, run.model, run.opt, run.sched, step + 1, run.curve, {"step_times": run.step_times})
+                proc.emit0({"event": "checkpoint", "step": step + 1})
             _barrier()
             if should_stop and should_stop(step + 1):
-                stopped_early = True
-                break
-    if stopped_early:
-        return {"stopped_at": step + 1}
+                return step + 1
+    return None
 
-    # Evaluation and export run on rank 0 alone: leave the process group first, since ModelOpt's
-    # validate_online broadcasts across ranks whenever one is initialized. Under FSDP no process holds the whole
-    # target: all of them evaluate together (validate_online's broadcasts keep them in step), rank 0 exports.
-    d = _dist()
-    if d is not None and not fsdp:
-        d.barrier()
-        d.destroy_process_group()
-    if rank != 0 and not fsdp:
-        return {}
-    held = [model]   # _finish takes the only reference: the runtime estimate frees the training model first
-    del model, ddp, opt, sched, params, state
-    result = _finish(job, held, offline, device, tok, curve, step_times, step0, world, dump_info, rank)
-    if d is not None and fsdp:
-        d.barrier()
-        d.destroy_process_group()
-    return result if rank == 0 else {}
+
+def _optimizer_step(job: dict, run: _Run, batch: dict, proc: _Process):
+    """Forward, backward (gradients all-reduced under FSDP), clip, optimizer and schedule step. Returns
+    [loss, accuracy per position] averaged over the processes (float64)."""
+    import torch
+
+    t = job["train"]
+    with autocast(job, proc.device):
+        out = run.ddp(**batch)
+    run.opt.zero_grad(set_to_none=True)
+    out.loss.backward()
+    if run.fsdp:
+        allreduce_grads(run.params, proc.world)
+    if t["grad_clip"]:
+        torch.nn.utils.clip_grad_norm_(run.params, t["grad_clip"])
+    run.opt.step()
+    run.sched.step()
+    acc = [float(a) for a in (out.train_acc[0] if out.train_acc else [])]
+    stats = torch.tensor([float(out.loss.detach())] + acc, dtype=torch.float64)
+    if d := _dist():
+        d.all_reduce(stats)
+        stats /= proc.world
+    return stats
+
+
+def _record_step(job: dict, run: _Run, step: int, stats, dt: float, proc: _Process) -> None:
+    """The step's time, a curve point (every log_every steps, the first and the last), the `step` event."""
+    t = job["train"]
+    run.step_times.append(round(dt, 4))
+    loss_v, acc_v = float(stats[0]), [round(float(a), 4) for a in stats[1:]]
+    if (step + 1) % t["log_every"] == 0 or step + 1 == t["steps"] or step == run.step0:
+        run.curve.append({"step": step + 1, "loss": round(loss_v, 4), "accuracy": acc_v,
+                          "lr": round(run.sched.get_last_lr()[0], 8), "step_s": round(dt, 4)})
+    proc.emit0({"event": "step", "step": step + 1, "loss": round(loss_v, 4), "accuracy": acc_v})
 
 
 def _finish(job, held: list, offline, device, tok, curve, step_times, step0, world, dump_info, rank: int = 0) -> dict:
@@ -755,33 +859,47 @@ def _finish(job, held: list, offline, device, tok, curve, step_times, step0, wor
     `eval.estimator: runtime` (default): rank 0 exports, frees the training model, and measures the exported draft
     with the BF16 target through specpipe's runtime (`runtime_acceptance`, the validate stage's definition).
     `modelopt`: ModelOpt's `validate_online` on the in-memory model before the export (offline training first
-    rebuilds the online model around the trained draft, since the offline model has no decoder layers)."""
-    import gc
-
-    import torch
-    from modelopt.torch.export import export_speculative_decoding
-
-    model = held.pop()
+    rebuilds the online model around the trained draft, since the offline model has no decoder layers).
+    `held` holds the only reference to the model (so that it can be freed here)."""
     ev = job["eval"]
     estimator = ev.get("estimator", "runtime")
-    draft_len = ev["draft_len"]
     prompts = read_prompts(job["eval_files"], ev["prompts_per_domain"])
     acc, eval_s = None, 0.0
     if prompts and estimator == "modelopt":
-        t0 = time.monotonic()
-        if offline:   # the offline model has no decoder layers: rebuild the online one around the trained draft
-            sd = {k: v.detach().clone() for k, v in draft_module(model).state_dict().items()}
-            del model
-            model = build_model(job, False, device)
-            draft_module(model).load_state_dict(sd)
-        model.eval()
-        acc = acceptance(model, tok, prompts, ev["osl"], draft_len)
-        eval_s = time.monotonic() - t0
+        acc, eval_s = _modelopt_estimate(job, held, offline, device, tok, prompts)
     elif prompts and (job.get("_fsdp") or job.get("shard_target")):
         raise JobError("train_draft.eval.estimator: runtime needs the whole target in one process; with launcher.fsdp "
                        "or shard_target use eval.estimator: modelopt")
     if rank != 0:
         return {}
+    export_dir = _export_draft(job, held[0])
+    if prompts and estimator == "runtime":
+        held.clear()
+        _free_memory(device)
+        acc, eval_s = _runtime_estimate(job, export_dir, prompts, device)
+    result = _result(job, curve, step_times, step0, world, acc, eval_s, dump_info)
+    (Path(job["scratch_dir"]) / "result.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+def _modelopt_estimate(job: dict, held: list, offline: bool, device, tok, prompts: dict) -> tuple[dict, float]:
+    """ModelOpt's `acceptance` on the in-memory model (with the online model rebuilt around the trained draft
+    first when training was offline; it replaces the model in `held`). Returns (estimate, seconds)."""
+    ev = job["eval"]
+    t0 = time.monotonic()
+    if offline:   # the offline model has no decoder layers: rebuild the online one around the trained draft
+        sd = {k: v.detach().clone() for k, v in draft_module(held[0]).state_dict().items()}
+        held.clear()
+        held.append(build_model(job, False, device))
+        draft_module(held[0]).load_state_dict(sd)
+    held[0].eval()
+    acc = acceptance(held[0], tok, prompts, ev["osl"], ev["draft_len"])
+    return acc, time.monotonic() - t0
+
+
+def _export_draft(job: dict, model) -> Path:
+    """`export_speculative_decoding` into `export_dir`, in the export dtype. Returns the directory."""
+    from modelopt.torch.export import export_speculative_decoding
 
     export_dir = Path(job["export_dir"])
     export_dir.mkdir(parents=True, exist_ok=True)
@@ -795,18 +913,32 @@ def _finish(job, held: list, offline, device, tok, curve, step_times, step0, wor
         export_speculative_decoding(model, export_dir=str(export_dir))
     else:
         export_speculative_decoding(model, dtype=dtype, export_dir=str(export_dir))
-    if prompts and estimator == "runtime":
-        del model
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        t0 = time.monotonic()
-        acc = runtime_acceptance(job["target_dir"], export_dir, prompts, osl=ev["osl"], draft_len=draft_len,
-                                 batch_size=ev.get("batch_size", 4), eos_token_ids=ev.get("eos_token_ids") or [],
-                                 device=device.type, seed=job["train"]["seed"],
-                                 expected_capture_layers=capture_layer_ids(job))
-        eval_s = time.monotonic() - t0
+    return export_dir
 
+
+def _free_memory(device) -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _runtime_estimate(job: dict, export_dir: Path, prompts: dict, device) -> tuple[dict, float]:
+    """`runtime_acceptance` of the exported draft with the BF16 target. Returns (estimate, seconds)."""
+    ev = job["eval"]
+    t0 = time.monotonic()
+    acc = runtime_acceptance(job["target_dir"], export_dir, prompts, osl=ev["osl"], draft_len=ev["draft_len"],
+                             batch_size=ev.get("batch_size", 4), eos_token_ids=ev.get("eos_token_ids") or [],
+                             device=device.type, seed=job["train"]["seed"],
+                             expected_capture_layers=capture_layer_ids(job))
+    return acc, time.monotonic() - t0
+
+
+def _result(job: dict, curve: list, step_times: list, step0: int, world: int, acc, eval_s: float, dump_info: dict) -> dict:
+    """result.json: the run's figures, the curve and the acceptance estimate."""
     ts = step_times[1:] or step_times   # the first step pays one-time setup
     result = {
         "steps": job["train"]["steps"], "resumed_from_step": step0, "world_size": world,
@@ -818,7 +950,6 @@ def _finish(job, held: list, offline, device, tok, curve, step_times, step0, wor
     }
     if job.get("_fsdp"):
         result["fsdp"] = job["_fsdp"]
-    (Path(job["scratch_dir"]) / "result.json").write_text(json.dumps(result, indent=2))
     return result
 
 
