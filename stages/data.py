@@ -552,13 +552,42 @@ def regenerate(model_dir: Path, prompts: list[list[int]], keys: list[str], *, ba
     decoded with seed `seed + b`; each finished batch is written to `scratch` and reused on a rerun (an interrupted
     regeneration continues where it stopped). Returns (generated ids per prompt, cut after the first stop id, and
     statistics)."""
-    from pipeline.progress import Progress
-    from pipeline.store import atomic_write_text, fault_point
-
     n = len(prompts)
     order = sorted(range(n), key=lambda j: (len(prompts[j]), keys[j]))
     batches = [order[i: i + batch_size] for i in range(0, n, batch_size)]
     results: list[list[int] | None] = [None] * n
+    todo, resumed, resumed_batches = _resume_batches(batches, keys, scratch, results, log)
+    if resumed:
+        log.info("regeneration: resumed %d finished batches (%d prompts) from %s; %d prompts left", resumed_batches, resumed,
+                 scratch, n - resumed)
+    run = _generate_batches(model_dir, prompts, keys, todo, results, resumed=resumed, max_new_tokens=max_new_tokens,
+                            temperature=temperature, top_p=top_p, stop_ids=stop_ids, seed=seed, scratch=scratch,
+                            log=log, stage=stage)
+    stop = set(stop_ids)
+    outs = [t or [] for t in results]
+    ended = sum(1 for t in outs if t and t[-1] in stop)
+    gen_s, new_tokens, generated = run["gen_s"], run["new_tokens"], run["generated"]
+    stats = {
+        "engine": "runtime.engine.speculative (autoregressive, KV cache, draft_len 0)",
+        "prompts": n, "batches": len(batches), "batch_size": batch_size, "resumed_prompts": resumed,
+        "resumed_batches": resumed_batches, "generated_prompts": generated, "max_new_tokens": max_new_tokens,
+        "temperature": temperature, "top_p": top_p, "stop_ids": list(stop_ids),
+        "load_seconds": round(run["load_s"], 3), "seconds": round(gen_s, 3),
+        "new_tokens": new_tokens,
+        "prompts_per_s": round(generated / gen_s, 4) if gen_s else None,
+        "new_tokens_per_s": round(new_tokens / gen_s, 3) if gen_s else None,
+        "mean_new_tokens": round(sum(len(t) for t in outs) / n, 2) if n else 0.0,
+        "ended_at_stop": ended,
+        "hit_max_new_tokens": sum(1 for t in outs if len(t) >= max_new_tokens and not (t and t[-1] in stop)),
+        "prefill_padding_fraction": round(run["padded"] / max(1, run["padded"] + sum(len(prompts[j]) for _, idx in todo
+                                                                                     for j in idx)), 4),
+    }
+    return outs, stats
+
+
+def _resume_batches(batches: list[list[int]], keys: list[str], scratch: Path | None, results: list, log):
+    """Fill `results` from the batches a previous run finished (`scratch/batch-<b>.json` with this plan's keys).
+    Returns (the batches left as (b, prompt indices), prompts resumed, batches resumed)."""
     todo, resumed, resumed_batches = [], 0, 0
     if scratch is not None:
         scratch.mkdir(parents=True, exist_ok=True)
@@ -577,11 +606,19 @@ def regenerate(model_dir: Path, prompts: list[list[int]], keys: list[str], *, ba
                 continue
             log.warning("regeneration: %s does not match this run's batch plan; generating that batch again", f)
         todo.append((b, idx))
-    if resumed:
-        log.info("regeneration: resumed %d finished batches (%d prompts) from %s; %d prompts left", resumed_batches, resumed,
-                 scratch, n - resumed)
+    return todo, resumed, resumed_batches
+
+
+def _generate_batches(model_dir: Path, prompts: list[list[int]], keys: list[str], todo: list, results: list, *,
+                      resumed: int, max_new_tokens: int, temperature: float, top_p: float, stop_ids: list[int],
+                      seed: int, scratch: Path | None, log, stage: str) -> dict:
+    """Decode the batches in `todo` into `results` (the target is loaded at the first batch), each written to
+    `scratch` when finished. Returns the counters {"load_s", "gen_s", "new_tokens", "padded", "generated"}."""
+    from pipeline.progress import Progress
+    from pipeline.store import atomic_write_text, fault_point
+
     engine, load_s, gen_s, new_tokens, padded, done, generated = None, 0.0, 0.0, 0, 0, 0, 0
-    with Progress(log, total=n, desc="regenerate with target") as bar:
+    with Progress(log, total=len(prompts), desc="regenerate with target") as bar:
         if resumed:
             bar.update(resumed)
         for b, idx in todo:
@@ -610,24 +647,7 @@ def regenerate(model_dir: Path, prompts: list[list[int]], keys: list[str], *, ba
             done += 1
             bar.update(len(idx), tok_s=f"{new_tokens / gen_s:.1f}" if gen_s else "-")
             fault_point(stage, f"regenerate-batch-{done}")
-    stop = set(stop_ids)
-    outs = [t or [] for t in results]
-    ended = sum(1 for t in outs if t and t[-1] in stop)
-    stats = {
-        "engine": "runtime.engine.speculative (autoregressive, KV cache, draft_len 0)",
-        "prompts": n, "batches": len(batches), "batch_size": batch_size, "resumed_prompts": resumed,
-        "resumed_batches": resumed_batches, "generated_prompts": generated, "max_new_tokens": max_new_tokens,
-        "temperature": temperature, "top_p": top_p, "stop_ids": list(stop_ids),
-        "load_seconds": round(load_s, 3), "seconds": round(gen_s, 3),
-        "new_tokens": new_tokens,
-        "prompts_per_s": round(generated / gen_s, 4) if gen_s else None,
-        "new_tokens_per_s": round(new_tokens / gen_s, 3) if gen_s else None,
-        "mean_new_tokens": round(sum(len(t) for t in outs) / n, 2) if n else 0.0,
-        "ended_at_stop": ended,
-             "hit_max_new_tokens": sum(1 for t in outs if len(t) >= max_new_tokens and not (t and t[-1] in stop)),
-        "prefill_padding_fraction": round(padded / max(1, padded + sum(len(prompts[j]) for _, idx in todo for j in idx)), 4),
-    }
-    return outs, stats
+    return {"load_s": load_s, "gen_s": gen_s, "new_tokens": new_tokens, "padded": padded, "generated": generated}
 
 
 def _regenerated_rows(jobs: list[RegenJob], gens: list[list[int]]) -> list[tuple[list[int], list[int]]]:

@@ -10,16 +10,16 @@ What it does, for the recipe in `format` (then each of `fallback_formats` while 
    and the fake-quant weights are snapped to the exact E4M3 codes the export writes.
 3. With `auto_exclude.enabled`: measures every decoder layer's sensitivity on calibration samples and keeps the
    fewest, most sensitive layers in BF16 until the calibration perplexity meets `max_ppl_increase`
-   (`search_exclusions`; cost in forwards logged and recorded).
+   (`search_exclusions`, runtime.quant.exclusion; cost in forwards logged and recorded).
 4. Exports a ModelOpt unified Hugging Face checkpoint (`export_hf_checkpoint`) with `hf_quant_config.json`
    (TensorRT-LLM 1.2 ignores the FP8 scales without it) and the target's tokenizer, and runs named format checks
-   for the recipe (`check_checkpoint`).
-5. Measures quality by running the exported checkpoint itself through `runtime.engine.fp8` (TensorRT-LLM's arithmetic:
-   E4M3 activations, fused-layer scales, FP8 KV with unit scales) against the unquantized target on
-   `heldout.parquet`: perplexity before/after, next-token top-1 agreement, mean KL. The exported model is also
-   compared with ModelOpt's own fake-quant model: layer by layer on the same inputs (the executor's exactness),
-   end to end (top-1, KL), next to the FP8 model's own noise floor (its agreement with itself under a 1e-6
-   relative input perturbation). `max_ppl_increase` (relative) is the gate.
+   for the recipe (`check_checkpoint`, runtime.quant.checks).
+5. Measures quality (runtime.quant.quality) by running the exported checkpoint itself through `runtime.engine.fp8`
+   (TensorRT-LLM's arithmetic: E4M3 activations, fused-layer scales, FP8 KV with unit scales) against the
+   unquantized target on `heldout.parquet`: perplexity before/after, next-token top-1 agreement, mean KL. The
+   exported model is also compared with ModelOpt's own fake-quant model: layer by layer on the same inputs (the
+   executor's exactness), end to end (top-1, KL), next to the FP8 model's own noise floor (its agreement with
+   itself under a 1e-6 relative input perturbation). `max_ppl_increase` (relative) is the gate.
 6. With `draft: fp8`, rebuilds ModelOpt's EAGLE-3 model around the target from the exported draft
    (`train_draft/draft`, verified by re-exporting it bit-exactly), quantizes only the draft part (per-tensor FP8),
    calibrates it with the training-time forward (all TTT steps) and exports it with `export_speculative_decoding`
@@ -31,10 +31,7 @@ Artifact (see docs/architecture.md): `target_fp8/` (the shipped recipe), `draft_
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import json
-import math
-import re
 import shutil
 import time
 from pathlib import Path
@@ -46,6 +43,16 @@ from pipeline.artifacts import data as data_artifact
 from pipeline.artifacts import target as target_artifact
 from pipeline.errors import StageError
 from pipeline.stage import StageContext, StageSection, Strict
+from runtime.errors import RuntimeFailure
+from runtime.quant.checks import check_checkpoint, read_hf_quant_config
+from runtime.quant.modules import fused_groups, quantized_linears
+from runtime.quant.modules import matches as _matches
+from runtime.quant.quality import (
+    fake_quant_reference,
+    layerwise_agreement,  # noqa: F401 (tests import it from here)
+    measure_quality,
+    modulewise_agreement,  # noqa: F401 (tests import it from here)
+)
 
 NAME = "quantize"
 CONSUMES: tuple[str, ...] = ("target", "data", "train_draft")
@@ -151,48 +158,14 @@ def run(ctx: StageContext) -> dict:
     export_dtype = getattr(torch, tinfo.get("dtype") or "bfloat16")
     device = _device(ctx)
     calib_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    calib = read_samples(data, "calib", sec.calib_samples, sec.calib_seq_len)
-    heldout = read_samples(data, "heldout", sec.eval_samples, None)
-    if not heldout:
-        raise StageError(f"quantize: {data / 'heldout.parquet'} has no samples; quality cannot be measured "
-                         "(raise data.eval_fraction)")
-    ctx.log.info("calibrating on %d samples (<= %d tokens each), measuring on %d held-out samples, device %s",
-                 len(calib), sec.calib_seq_len, len(heldout), device)
+    calib, heldout = _read_calib_and_heldout(ctx, sec, data, device)
 
-    recipes = [sec.format] + list(sec.fallback_formats)
-    tried: list[dict] = []
-    shipped = None
     t_all = time.monotonic()
-    for recipe in recipes:
-        ctx.log.info("recipe %s (%s weights, %s activations, ModelOpt %s)", recipe, RECIPES[recipe]["weights"],
-                     RECIPES[recipe]["activations"], RECIPES[recipe]["preset"])
-        cand = _try_recipe(ctx, sec, recipe, target_dir, calib, heldout, device, calib_dtype, export_dtype)
-        tried.append(cand)
-        if cand["gate_problems"]:
-            ctx.log.warning("recipe %s misses the gate: %s", recipe, "; ".join(cand["gate_problems"]))
-            continue
-        shipped = cand
-        break
+    tried, shipped = _try_recipes(ctx, sec, target_dir, calib, heldout, device, calib_dtype, export_dtype)
     chosen = shipped or min(tried, key=lambda c: c["quality"]["ppl_increase"])
-    out_target = ctx.out_dir / "target_fp8"
-    shutil.move(str(chosen["path"]), str(out_target))
-    for c in tried:  # the candidates not shipped were written to scratch
-        if c is not chosen:
-            shutil.rmtree(c["path"], ignore_errors=True)
-
-    quality = dict(chosen["quality"])
-    quality.update(target_dir=str(target_dir), checkpoint="target_fp8", format=chosen["recipe"],
-                   quant_algo=RECIPES[chosen["recipe"]]["quant_algo"],
-                   runtime="runtime.engine.fp8 (emulated E4M3 on " + device.type + ", TensorRT-LLM 1.2 semantics: fused-layer "
-                   "scales, FP8 KV with unit scales)", kv_cache=sec.kv_cache, max_ppl_increase=sec.max_ppl_increase,
-                   recipes=[_recipe_row(c) for c in tried])
-    ctx.log.info("quality (%s): perplexity %.4f -> %.4f (%+.3f%%), top-1 agreement %.4f, mean KL %.3g nats; export vs "
-                 "ModelOpt fake-quant: top-1 %.4f, KL %.3g (FP8 noise floor: top-1 %.4f, KL %.3g), layer-wise max "
-                 "relative error %.2g", chosen["recipe"], quality["ppl_bf16"], quality["ppl_fp8"],
-                 100 * quality["ppl_increase"], quality["top1_agreement"], quality["mean_kl"],
-                 quality["export_vs_fakequant_top1_agreement"], quality["export_vs_fakequant_kl"],
-                 quality["noise_floor_top1_agreement"], quality["noise_floor_kl"],
-                 quality["layerwise_max_rel_err"])
+    out_target = _keep_chosen(ctx, chosen, tried)
+    quality = _quality_doc(sec, chosen, tried, target_dir, device)
+    _log_quality(ctx, chosen["recipe"], quality)
 
     # the draft
     draft_rel = "train_draft/draft"
@@ -203,32 +176,104 @@ def run(ctx: StageContext) -> dict:
         quality["draft"] = draft_metrics
 
     (ctx.out_dir / "quality.json").write_text(json.dumps(quality, indent=2))
-    hq = _hf_quant(out_target)
+    _write_quantize_json(ctx, sec, chosen, tried, out_target, draft_rel, n_calib=len(calib))
+    metrics = _stage_metrics(sec, quality, chosen, tried, draft_rel, draft_metrics,
+                             seconds=round(time.monotonic() - t_all, 2))
+    if shipped is None:  # the measured numbers stay visible in status --json (failed_metrics) and the report
+        msg = " | ".join(f"{c['recipe']}: " + "; ".join(c["gate_problems"]) for c in tried)
+        raise StageError("quantize: FP8 quality gate failed for every recipe tried: " + msg,
+                         metrics={**metrics, "max_ppl_increase": sec.max_ppl_increase,
+                                  "min_top1_agreement": sec.min_top1_agreement, "gate_passed": False})
+    return metrics
+
+
+def _read_calib_and_heldout(ctx: StageContext, sec: Config, data: Path, device) -> tuple[list[dict], list[dict]]:
+    """The calibration and held-out samples of the data artifact; StageError when there is nothing to measure on."""
+    calib = read_samples(data, "calib", sec.calib_samples, sec.calib_seq_len)
+    heldout = read_samples(data, "heldout", sec.eval_samples, None)
+    if not heldout:
+        raise StageError(f"quantize: {data / 'heldout.parquet'} has no samples; quality cannot be measured "
+                         "(raise data.eval_fraction)")
+    ctx.log.info("calibrating on %d samples (<= %d tokens each), measuring on %d held-out samples, device %s",
+                 len(calib), sec.calib_seq_len, len(heldout), device)
+    return calib, heldout
+
+
+def _try_recipes(ctx: StageContext, sec: Config, target_dir: Path, calib, heldout, device, calib_dtype,
+                 export_dtype) -> tuple[list[dict], dict | None]:
+    """`format`, then each of `fallback_formats` while the gate is missed: (every candidate tried, the one that
+    meets the gate or None)."""
+    tried: list[dict] = []
+    for recipe in [sec.format] + list(sec.fallback_formats):
+        ctx.log.info("recipe %s (%s weights, %s activations, ModelOpt %s)", recipe, RECIPES[recipe]["weights"],
+                     RECIPES[recipe]["activations"], RECIPES[recipe]["preset"])
+        cand = _try_recipe(ctx, sec, recipe, target_dir, calib, heldout, device, calib_dtype, export_dtype)
+        tried.append(cand)
+        if cand["gate_problems"]:
+            ctx.log.warning("recipe %s misses the gate: %s", recipe, "; ".join(cand["gate_problems"]))
+            continue
+        return tried, cand
+    return tried, None
+
+
+def _keep_chosen(ctx: StageContext, chosen: dict, tried: list[dict]) -> Path:
+    """Move the chosen candidate's checkpoint to `target_fp8/`, remove the others from scratch; its new path."""
+    out_target = ctx.out_dir / "target_fp8"
+    shutil.move(str(chosen["path"]), str(out_target))
+    for c in tried:  # the candidates not shipped were written to scratch
+        if c is not chosen:
+            shutil.rmtree(c["path"], ignore_errors=True)
+    return out_target
+
+
+def _quality_doc(sec: Config, chosen: dict, tried: list[dict], target_dir: Path, device) -> dict:
+    """quality.json (without the draft): the chosen candidate's measurement, what was measured, every recipe tried."""
+    quality = dict(chosen["quality"])
+    quality.update(target_dir=str(target_dir), checkpoint="target_fp8", format=chosen["recipe"],
+                   quant_algo=RECIPES[chosen["recipe"]]["quant_algo"],
+                   runtime="runtime.engine.fp8 (emulated E4M3 on " + device.type + ", TensorRT-LLM 1.2 semantics: fused-layer "
+                   "scales, FP8 KV with unit scales)", kv_cache=sec.kv_cache, max_ppl_increase=sec.max_ppl_increase,
+                   recipes=[_recipe_row(c) for c in tried])
+    return quality
+
+
+def _log_quality(ctx: StageContext, recipe: str, quality: dict) -> None:
+    ctx.log.info("quality (%s): perplexity %.4f -> %.4f (%+.3f%%), top-1 agreement %.4f, mean KL %.3g nats; export vs "
+                 "ModelOpt fake-quant: top-1 %.4f, KL %.3g (FP8 noise floor: top-1 %.4f, KL %.3g), layer-wise max "
+                 "relative error %.2g", recipe, quality["ppl_bf16"], quality["ppl_fp8"],
+                 100 * quality["ppl_increase"], quality["top1_agreement"], quality["mean_kl"],
+                 quality["export_vs_fakequant_top1_agreement"], quality["export_vs_fakequant_kl"],
+                 quality["noise_floor_top1_agreement"], quality["noise_floor_kl"],
+                 quality["layerwise_max_rel_err"])
+
+
+def _write_quantize_json(ctx: StageContext, sec: Config, chosen: dict, tried: list[dict], out_target: Path,
+                         draft_rel: str, *, n_calib: int) -> None:
+    hq = read_hf_quant_config(out_target)
     (ctx.out_dir / "quantize.json").write_text(json.dumps({
         "format": chosen["recipe"], "quant_algo": hq.get("quant_algo"), "kv_cache": sec.kv_cache,
         "target_dir": "quantize/target_fp8", "draft_dir": draft_rel,
         "draft_format": sec.draft if sec.draft == "fp8" else "bf16", "exclude_modules": hq.get("exclude_modules"),
         "auto_excluded": chosen["auto_excluded"], "recipes_tried": [c["recipe"] for c in tried],
-        "calib_samples": len(calib), "calib_seq_len": sec.calib_seq_len, "checks": chosen["checks"],
+        "calib_samples": n_calib, "calib_seq_len": sec.calib_seq_len, "checks": chosen["checks"],
     }, indent=2))
 
+
+def _stage_metrics(sec: Config, quality: dict, chosen: dict, tried: list[dict], draft_rel: str, draft_metrics: dict, *,
+                   seconds: float) -> dict:
+    """The stage's metrics: the quality figures, what shipped, and the draft's headline figures."""
     metrics = {k: quality[k] for k in ("ppl_bf16", "ppl_fp8", "ppl_fakequant", "ppl_increase", "top1_agreement", "mean_kl",
                                        "max_abs_logit_diff", "export_vs_fakequant_max_abs_logit_diff",
                                        "export_vs_fakequant_top1_agreement", "export_vs_fakequant_kl",
                                        "noise_floor_top1_agreement", "noise_floor_kl", "layerwise_max_rel_err",
                                        "eval_tokens")}
     metrics.update(format=chosen["recipe"], quant_algo=quality["quant_algo"], kv_cache=sec.kv_cache, draft=draft_rel,
-                   quantize_seconds=round(time.monotonic() - t_all, 2), checks_passed=len(chosen["checks"]),
+                   quantize_seconds=seconds, checks_passed=len(chosen["checks"]),
                    recipes_tried=[c["recipe"] for c in tried], kept_bf16=chosen["auto_excluded"],
                    search_forwards=(chosen.get("search") or {}).get("forwards", 0))
     for k in ("draft_top1_bf16", "draft_top1_fp8", "draft_export_vs_fakequant_loss_diff"):
         if k in draft_metrics:
             metrics[k] = draft_metrics[k]
-    if shipped is None:  # the measured numbers stay visible in status --json (failed_metrics) and the report
-        msg = " | ".join(f"{c['recipe']}: " + "; ".join(c["gate_problems"]) for c in tried)
-        raise StageError("quantize: FP8 quality gate failed for every recipe tried: " + msg,
-                         metrics={**metrics, "max_ppl_increase": sec.max_ppl_increase,
-                                  "min_top1_agreement": sec.min_top1_agreement, "gate_passed": False})
     return metrics
 
 
@@ -264,7 +309,7 @@ def _try_recipe(ctx: StageContext, sec: Config, recipe: str, target_dir: Path, c
                                    dtype=calib_dtype, progress=ctx.progress, log=ctx.log)
         auto = search["kept_bf16"]
         disable_quantizers(fq_model, auto)
-    with kv_unit_scales(fq_model):  # the reference computes what TensorRT-LLM computes for the KV cache
+    with kv_unit_scales(fq_model), _stage_errors():  # the reference computes what TensorRT-LLM computes for the KV cache
         fq_ref = fake_quant_reference(fq_model, heldout, device=device, keep=sec.fidelity_samples)
     out = ctx.scratch_dir / f"target_{recipe}"
     shutil.rmtree(out, ignore_errors=True)
@@ -279,7 +324,8 @@ def _try_recipe(ctx: StageContext, sec: Config, recipe: str, target_dir: Path, c
 
     ref = load_causal_lm(target_dir, device=device, compute_dtype=calib_dtype, spread=True)
     fp8 = load_causal_lm(out, device=device, compute_dtype=calib_dtype, spread=True)
-    quality = measure_quality(ref, fp8, heldout, device=device, fake_quant=fq_ref, progress=ctx.progress)
+    with _stage_errors():
+        quality = measure_quality(ref, fp8, heldout, device=device, fake_quant=fq_ref, progress=ctx.progress)
     del ref, fp8
     torch.cuda.empty_cache() if device.type == "cuda" else None
     problems = quality_gate(quality, sec.max_ppl_increase, sec.min_top1_agreement)
@@ -287,7 +333,7 @@ def _try_recipe(ctx: StageContext, sec: Config, recipe: str, target_dir: Path, c
                  quality["ppl_bf16"], quality["ppl_fp8"], 100 * quality["ppl_increase"], quality["top1_agreement"],
                  quality["mean_kl"], auto or "none")
     return {"recipe": recipe, "path": out, "quality": quality, "checks": checks, "auto_excluded": auto,
-            "exclude_modules": _hf_quant(out).get("exclude_modules"), "search": search, "gate_problems": problems,
+            "exclude_modules": read_hf_quant_config(out).get("exclude_modules"), "search": search, "gate_problems": problems,
             "seconds": round(time.monotonic() - t0, 1)}
 
 
@@ -308,6 +354,16 @@ def _device(ctx: StageContext):
     if want == "cuda" and not torch.cuda.is_available():
         raise StageError("run.device is cuda but torch sees no CUDA device")
     return torch.device("cuda" if want in ("auto", "cuda") and torch.cuda.is_available() else "cpu")
+
+
+@contextlib.contextmanager
+def _stage_errors():
+    """runtime.quant's failures (`RuntimeFailure`: a target that cannot be placed or has no decoder-layer list) as
+    the stage's: StageError("quantize: <message>")."""
+    try:
+        yield
+    except RuntimeFailure as e:
+        raise StageError(f"quantize: {e}") from None
 
 
 def _raise_failed(checks: list[dict], what: str) -> None:
@@ -383,27 +439,6 @@ def quantize_model(model_dir: Path, calib: list[dict], *, fmt="fp8", kv_cache="f
     return model
 
 
-def quantized_linears(model) -> dict:
-    """{name: module} of every module whose ModelOpt weight quantizer is enabled."""
-    return {n: m for n, m in model.named_modules()
-            if getattr(m, "weight_quantizer", None) is not None and getattr(m.weight_quantizer, "is_enabled", False)
-            and hasattr(m, "weight")}
-
-
-def _fused_groups(names) -> list[list[str]]:
-    """TensorRT-LLM's fused GEMMs among `names`: q/k/v and gate/up of one block (runtime.engine.fp8.FUSED_GROUPS)."""
-    from runtime.engine.fp8 import FUSED_GROUPS
-
-    names = set(names)
-    groups = []
-    for parent in sorted({n.rpartition(".")[0] for n in names}):
-        for g in FUSED_GROUPS:
-            members = [f"{parent}.{leaf}" if parent else leaf for leaf in g]
-            if all(m in names for m in members):
-                groups.append(members)
-    return groups
-
-
 def align_with_deployment(model, log=None) -> dict:
     """Make ModelOpt's calibrated fake-quant model compute what the exported checkpoint computes on TensorRT-LLM.
 
@@ -425,7 +460,7 @@ def align_with_deployment(model, log=None) -> dict:
 
     lin = quantized_linears(model)
     fused = 0
-    for group in _fused_groups(lin):
+    for group in fused_groups(lin):
         mods = [lin[n] for n in group]
         if all(m.weight_quantizer.amax is not None and m.weight_quantizer.amax.numel() == 1 for m in mods):
             with torch.no_grad():
@@ -480,234 +515,6 @@ def kv_unit_scales(model):
             q.amax = a
 
 
-def decoder_layers(model) -> tuple[str, list]:
-    """(module path, layers) of the model's decoder-layer list (`model.layers` for Llama-family models)."""
-    from torch import nn
-
-    n_layers = getattr(model.config.get_text_config(), "num_hidden_layers", None)
-    for name, mod in model.named_modules():
-        if isinstance(mod, nn.ModuleList) and len(mod) == n_layers and name.endswith("layers"):
-            return name, list(mod)
-    raise StageError("quantize: cannot find the model's decoder layers (a ModuleList named '*layers' with "
-                     f"num_hidden_layers={n_layers} entries)")
-
-
-# ---------------------------------------------------------------------------------------------- BF16 exclusion search
-
-
-class _SearchModel:
-    """The unquantized target with, per decoder layer, its linears switchable between the original (BF16) modules
-    and `runtime.engine.fp8.FP8Linear`s built from the calibrated ModelOpt model (the same codes and scales the export
-    writes), plus the FP8 KV cache (unit scales, as TensorRT-LLM runs it) on every layer."""
-
-    def __init__(self, fq_model, target_dir: Path, recipe: str, kv_cache: str, device, dtype):
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        from runtime.engine.fp8 import FP8_MAX, FP8Linear, quantize_weight
-
-        self.model = _place(AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype), device).eval()
-        self.prefix, self.layers = decoder_layers(self.model)
-        mods = dict(self.model.named_modules())
-        dynamic = RECIPES[recipe]["quant_algo"] == "FP8_PER_CHANNEL_PER_TOKEN"
-        self.units: dict[int, list[tuple[str, object, object]]] = {}
-        for name, m in quantized_linears(fq_model).items():
-            match = re.match(rf"{re.escape(self.prefix)}\.(\d+)\.", name)
-            if match is None or name not in mods:
-                continue  # not inside a decoder layer: never a search unit
-            scale = (m.weight_quantizer.amax.float() / FP8_MAX).reshape(-1)
-            iq = getattr(m, "input_quantizer", None)
-            static = None if dynamic or iq is None or not iq.is_enabled else (iq.amax.float() / FP8_MAX).reshape(())
-            with torch.no_grad():
-                lin = FP8Linear(quantize_weight(m.weight.detach(), scale), scale, static,
-                                None if m.bias is None else m.bias.detach(), dynamic_per_token=dynamic,
-                                compute_dtype=dtype).to(device)
-            self.units.setdefault(int(match.group(1)), []).append((name, mods[name], lin))
-        self.kv = kv_cache == "fp8"
-        self.forwards = 0.0
-
-    def set(self, quantized: set[int], kv: bool) -> None:
-        """Quantize exactly the decoder layers in `quantized`; FP8 KV on every layer when `kv`."""
-        import torch
-
-        from runtime.engine.fp8 import KV_ATTN_IMPL, enable_fp8_kv
-
-        for i, entries in self.units.items():
-            for name, orig, lin in entries:
-                parent, _, child = name.rpartition(".")
-                setattr(self.model.get_submodule(parent), child, lin if i in quantized else orig)
-        want = kv and self.kv
-        if want:
-            for layer in self.layers:
-                a = layer.self_attn
-                for attr in ("fp8_k_scale", "fp8_v_scale"):
-                    if getattr(a, attr, None) is None:
-                        a.register_buffer(attr, torch.ones((), device=self.model.device))
-            enable_fp8_kv(self.model)
-        elif str(self.model.config._attn_implementation).startswith(KV_ATTN_IMPL):
-            self.model.config._attn_implementation = "sdpa"
-
-    def logprobs(self, samples, start: int = 0, inputs=None) -> list:
-        """Log-probabilities at each sample's scored positions. With `start`/`inputs` (from `layer_inputs`), run
-        only decoder layers start.. on the captured hidden states (partial forward)."""
-        import torch
-
-        out = []
-        with torch.no_grad():
-            for k, s in enumerate(samples):
-                if inputs is None:
-                    logits = self.model(input_ids=s["input_ids"][None].to(self.model.device), use_cache=False).logits
-                    self.forwards += 1
-                else:
-                    h, kw = inputs[k][start]
-                    for layer in self.layers[start:]:
-                        h = layer(h, **kw)
-                        h = h[0] if isinstance(h, tuple) else h
-                    logits = self.model.lm_head(self.model.model.norm(h))
-                    self.forwards += (len(self.layers) - start) / len(self.layers)
-                _, mask = _positions(s, logits.device)
-                out.append(logits[0, :-1].float().log_softmax(-1)[mask])
-        return out
-
-    def layer_inputs(self, samples) -> list:
-        """[sample][layer] = (hidden states entering the layer, its keyword arguments), from an unquantized pass."""
-        import torch
-
-        caught: list = []
-
-        def pre(i):
-            def hook(mod, args, kwargs):
-                h = args[0] if args else kwargs["hidden_states"]
-                kw = {k: v for k, v in kwargs.items() if k != "hidden_states"}
-                kw.update(past_key_values=None, use_cache=False)
-                caught[-1][i] = (h.detach(), kw)
-            return hook
-
-        hs = [layer.register_forward_pre_hook(pre(i), with_kwargs=True) for i, layer in enumerate(self.layers)]
-        try:
-            with torch.no_grad():
-                for s in samples:
-                    caught.append({})
-                    self.model(input_ids=s["input_ids"][None].to(self.model.device), use_cache=False)
-                    self.forwards += 1
-        finally:
-            for h in hs:
-                h.remove()
-        return caught
-
-
-def _compare(ref: list, test: list, samples) -> tuple[float, float]:
-    """(relative perplexity increase, mean KL(ref || test)) over the scored positions."""
-    nll_r = nll_t = kl = 0.0
-    n = 0
-    for a, b, s in zip(ref, test, samples):
-        tgt, mask = _positions(s, a.device)
-        t = tgt[mask][:, None]
-        nll_r -= a.gather(1, t).sum().item()
-        nll_t -= b.gather(1, t).sum().item()
-        kl += (a.exp() * (a - b)).sum().item()
-        n += a.shape[0]
-    return math.exp((nll_t - nll_r) / max(n, 1)) - 1, kl / max(n, 1)
-
-
-def search_exclusions(fq_model, target_dir: Path, calib: list[dict], *, recipe: str, kv_cache: str,
-                      max_ppl_increase: float, opts: AutoExclude, device=None, dtype=None, progress=None,
-                      log=None) -> dict:
-    """The fewest decoder layers to keep in BF16 so that FP8 meets `max_ppl_increase` on calibration samples.
-
-    1. Check: the fully quantized model on `check_samples` calibration samples (truncated to `seq_len`; the last
-       ones, disjoint from the sensitivity samples when there are enough); if its perplexity increase is within
-       `headroom * max_ppl_increase`, nothing is excluded. The increase is estimated as exp(mean KL) - 1: on text
-       the target itself would write (the data stage's regenerated responses) the expected increase of the next-token
-       NLL is exactly KL(p_bf16 || p_fp8), and KL carries none of the noise of the observed token (the measured
-       perplexity increase of a dozen samples moves by +-0.5 % from one candidate to the next on SmolLM2, the KL
-       decreases monotonically); the measured increase is recorded next to it.
-    2. Sensitivity of each decoder layer: KL(unquantized || only that layer's linears in FP8) on
-       `sensitivity_samples` samples, run from the layer's captured unquantized input onward (a partial forward;
-       the FP8 KV cache is left out here: it is global in TensorRT-LLM, never a choice per layer).
-    3. Greedy in sensitivity order: keep the k most sensitive layers in BF16, k = 1, 2, 4, ... up to `max_layers`,
-       then bisect between the last k that missed and the first that met the target, checking each on the
-       check samples with everything else (and the FP8 KV cache) quantized.
-    Cost: (1 + L/2) * sensitivity_samples + (1 + #checks) * check_samples forward passes for L layers
-    (`forwards` in the result, counted in full-forward equivalents). The held-out measurement that follows is
-    the verification. Returns {"kept_bf16": [patterns], "layers", "sensitivity", "checks", "passed_on_calibration",
-    "forwards", "seconds"}."""
-    import torch
-
-    t0 = time.monotonic()
-    target = opts.headroom * max_ppl_increase
-    sm = _SearchModel(fq_model, target_dir, recipe, kv_cache, device or torch.device("cpu"), dtype or torch.float32)
-    trunc = [{"input_ids": s["input_ids"][:opts.seq_len], "loss_mask": s["loss_mask"][:opts.seq_len]} for s in calib]
-    # samples whose truncation leaves scored (loss_mask) tokens: the gate is on those, not on prompts
-    trunc = [s for s in trunc if int(s["loss_mask"][1:].sum()) >= 8] or trunc
-    # the ranking and the acceptance checks use different samples when there are enough (less selection bias)
-    sens_s = trunc[:opts.sensitivity_samples]
-    check_s = trunc[-opts.check_samples:] if len(trunc) >= opts.sensitivity_samples + opts.check_samples \
-        else trunc[:opts.check_samples]
-    all_layers = set(sm.units)
-    sm.set(set(), kv=False)
-    ref_check = sm.logprobs(check_s)
-    checks: list[dict] = []
-
-    def check(keep: set[int]) -> float:
-        sm.set(all_layers - keep, kv=True)
-        inc, kl = _compare(ref_check, sm.logprobs(check_s), check_s)
-        est = math.exp(kl) - 1
-        checks.append({"kept_layers": sorted(keep), "ppl_increase_estimate": round(est, 6),
-                       "ppl_increase": round(inc, 6), "mean_kl": round(kl, 6)})
-        if log:
-            log.info("auto_exclude: %d layer(s) in BF16 %s -> calibration perplexity increase %+.3f%% (exp(KL) - 1; "
-                     "measured %+.3f%%), target %+.3f%%", len(keep), sorted(keep), 100 * est, 100 * inc, 100 * target)
-        return est
-
-    result = {"target_ppl_increase": round(target, 6), "checks": checks, "layers": [], "kept_bf16": [],
-              "sensitivity": {}, "order": []}
-    if check(set()) <= target:
-        result.update(passed_on_calibration=True)
-    else:
-        # sensitivity, one partial forward per layer and sample
-        sm.set(set(), kv=False)
-        inputs = sm.layer_inputs(sens_s)
-        ref_sens = [lp for lp in sm.logprobs(sens_s)]
-        sens = {}
-        with (progress(total=len(all_layers), desc="layer sensitivity") if progress else contextlib.nullcontext()) as bar:
-            for i in sorted(all_layers):
-                sm.set({i}, kv=False)
-                sens[i] = _compare(ref_sens, sm.logprobs(sens_s, start=i, inputs=inputs), sens_s)[1]
-                if progress:
-                    bar.update(1)
-        del inputs
-        order = sorted(sens, key=lambda i: -sens[i])
-        result.update(sensitivity={str(i): round(v, 6) for i, v in sens.items()}, order=order)
-        if log:
-            log.info("auto_exclude: layer sensitivity (KL, only that layer in FP8): %s", ", ".join(
-                f"{i}: {sens[i]:.2g}" for i in order[:8]) + (" ..." if len(order) > 8 else ""))
-        cap = min(opts.max_layers, len(order))
-        lo, hi, k = 0, None, 1   # lo: largest k known to miss; hi: smallest k known to meet
-        while k <= cap:
-            if check(set(order[:k])) <= target:
-                hi = k
-                break
-            lo = k
-            k = cap if k < cap and 2 * k > cap else 2 * k
-        if hi is not None:
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                if check(set(order[:mid])) <= target:
-                    hi = mid
-                else:
-                    lo = mid
-        keep = order[:hi if hi is not None else cap]
-        result.update(passed_on_calibration=hi is not None, layers=sorted(keep),
-                      kept_bf16=[f"{sm.prefix}.{i}.*" for i in sorted(keep)])
-    result.update(forwards=round(sm.forwards, 1), seconds=round(time.monotonic() - t0, 1))
-    if log:
-        log.info("auto_exclude: %s in BF16 (%s on calibration), %.0f forward passes, %.0f s",
-                 result["kept_bf16"] or "nothing", "meets the target" if result["passed_on_calibration"] else
-                 f"misses the target even with {opts.max_layers} layers", result["forwards"], result["seconds"])
-    return result
-
-
 def export_target(model, out_dir: Path, source_dir: Path, dtype) -> None:
     """`export_hf_checkpoint` + the source model's tokenizer files (the deployment loads them from here)."""
     import torch
@@ -760,407 +567,24 @@ def copy_tokenizer(src: Path, dst: Path) -> list[str]:
     return copied
 
 
-# ---------------------------------------------------------------------------------------------- format checks
+# ---------------------------------------------------------------------------------------------- checks, search, quality
+# The format checks (runtime.quant.checks), the BF16 exclusion search (runtime.quant.exclusion) and the quality
+# measurement (runtime.quant.quality) are the runtime's; the stage runs them for its recipes and gates on them.
 
 
-def _hf_quant(path: Path) -> dict:
-    f = Path(path) / "hf_quant_config.json"
-    if not f.exists():
-        return {}
-    doc = json.loads(f.read_text())
-    return doc.get("quantization", doc)
+def search_exclusions(fq_model, target_dir: Path, calib: list[dict], *, recipe: str, kv_cache: str,
+                      max_ppl_increase: float, opts: AutoExclude, device=None, dtype=None, progress=None,
+                      log=None) -> dict:
+    """The fewest decoder layers to keep in BF16 so that `recipe` (a key of RECIPES) meets `max_ppl_increase` on
+    calibration samples: `runtime.quant.exclusion.search_exclusions` (the method and its cost are described there),
+    its failures as StageError."""
+    from runtime.quant import exclusion
 
-
-def _matches(name: str, patterns) -> bool:
-    return any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(name, p + ".*") or name.startswith(p + ".")
-               for p in patterns)
-
-
-def check_checkpoint(path: Path, *, kv_cache: bool, exclude: list[str] = (), quant_algo: str = "FP8") -> list[dict]:
-    """Named format checks of a ModelOpt FP8 unified checkpoint (target or draft), as TensorRT-LLM loads it.
-
-    `quant_algo`: the recipe's (RECIPES): "FP8" wants per FP8 linear a float32 scalar weight_scale and input_scale
-    (TensorRT-LLM FP8QDQLinearMethod); "FP8_PER_CHANNEL_PER_TOKEN" wants a float32 weight_scale with one entry per
-    output channel ([out] as ModelOpt writes it, or [out, 1]) and no static input_scale (FP8RowwiseLinearMethod
-    quantizes activations per token at run time).
-    Returns [{"name", "passed", "message"}] for: hf_quant_config, config_agrees, fp8_linears_have_scales,
-    quantized_coverage, excluded_high_precision, fused_groups_consistent, kv_scales, finite_scales. Never raises
-    on a bad checkpoint."""
-    import torch
-
-    from runtime.engine.fp8 import FP8_DTYPE, read_safetensors
-
-    path = Path(path)
-    res: list[dict] = []
-    want = str(quant_algo).upper()
-
-    def add(name, ok, msg_bad, msg_ok=""):
-        res.append({"name": name, "passed": bool(ok), "message": msg_ok if ok else msg_bad})
-
-    hq_file = path / "hf_quant_config.json"
-    q = {}
-    if not hq_file.exists():
-        add("hf_quant_config", False, f"{hq_file} is missing: TensorRT-LLM 1.2 would load the model unquantized")
-    else:
-        try:
-            q = _hf_quant(path)
-            ok = str(q.get("quant_algo")).upper() == want
-            add("hf_quant_config", ok, f"quant_algo is {q.get('quant_algo')!r}, expected {want!r}", f"quant_algo {want}")
-        except (json.JSONDecodeError, AttributeError) as e:
-            add("hf_quant_config", False, f"{hq_file} is not valid JSON ({e})")
-    cfg = json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else {}
-    qc = cfg.get("quantization_config")
-    if not isinstance(qc, dict):
-        add("config_agrees", False, "config.json has no quantization_config")
-    else:
-        if isinstance(qc.get("quantization"), dict):  # export_speculative_decoding embeds the hf_quant_config form
-            qc = qc["quantization"]
-        problems = []
-        if str(qc.get("quant_algo")).upper() != str(q.get("quant_algo")).upper():
-            problems.append(f"quant_algo {qc.get('quant_algo')!r} vs hf_quant_config {q.get('quant_algo')!r}")
-        kv_cfg = "FP8" if isinstance(qc.get("kv_cache_scheme"),
-                                     dict) or str(qc.get("kv_cache_quant_algo")).upper() == "FP8" else None
-        if kv_cfg != (q.get("kv_cache_quant_algo") or None):
-            problems.append(f"KV cache {kv_cfg} vs hf_quant_config {q.get('kv_cache_quant_algo')}")
-        ign = qc.get("ignore", qc.get("exclude_modules"))
-        if ign is not None and sorted(ign) != sorted(q.get("exclude_modules") or []):
-            problems.append(f"ignore {ign} vs exclude_modules {q.get('exclude_modules')}")
-        add("config_agrees", not problems, "config.json quantization_config disagrees with hf_quant_config.json: "
-            + "; ".join(problems), "config.json and hf_quant_config.json agree")
-
-    try:
-        sd = read_safetensors(path)
-    except FileNotFoundError as e:
-        add("fp8_linears_have_scales", False, str(e))
-        return res
-    fp8_mods = sorted(k[:-7] for k, v in sd.items() if k.endswith(".weight") and v.dtype == FP8_DTYPE)
-    missing = []
-    per_channel = want == "FP8_PER_CHANNEL_PER_TOKEN"
-    for m in fp8_mods:
-        out_features = sd[f"{m}.weight"].shape[0]
-        ws, xs = sd.get(f"{m}.weight_scale"), sd.get(f"{m}.input_scale")
-        if ws is None:
-            missing.append(f"{m}.weight_scale")
-        elif ws.dtype != torch.float32 or (tuple(ws.shape) not in ((out_features,), (out_features, 1)) if per_channel
-                                           else ws.numel() != 1):
-            missing.append(f"{m}.weight_scale ({ws.dtype}, shape {tuple(ws.shape)}; expected float32 "
-                           + (f"[{out_features}] (per output channel)" if per_channel else "scalar") + ")")
-        if per_channel:
-            if xs is not None and (xs.dtype != torch.float32 or xs.numel() != 1):
-                missing.append(f"{m}.input_scale ({xs.dtype}, shape {tuple(xs.shape)}; per-token recipes need none)")
-        elif xs is None:
-            missing.append(f"{m}.input_scale")
-        elif xs.dtype != torch.float32 or xs.numel() != 1:
-            missing.append(f"{m}.input_scale ({xs.dtype}, shape {tuple(xs.shape)}; expected a float32 scalar)")
-    what = ("float32 per-channel weight_scale, activations per token" if per_channel
-            else "float32 weight_scale and input_scale")
-    add("fp8_linears_have_scales", fp8_mods and not missing,
-        "no FP8 weights at all" if not fp8_mods else f"{len(missing)} scale(s) missing or malformed: {missing[:6]}",
-        f"{len(fp8_mods)} FP8 linears, each with {what}")
-
-    excl = list(q.get("exclude_modules") or []) + list(exclude)
-    hp = sorted(k[:-7] for k, v in sd.items() if k.endswith(".weight") and v.ndim == 2 and v.dtype != FP8_DTYPE)
-    not_quant = [m for m in hp if not _matches(m, excl) and "embed" not in m]
-    add("quantized_coverage", not not_quant, f"linear weights left in high precision but not listed in exclude_modules: "
-        f"{not_quant[:6]} (TensorRT-LLM would read them as FP8)", "every non-excluded linear is FP8")
-    listed = list(q.get("exclude_modules") or [])
-    linears = sorted(k[:-7] for k, v in sd.items() if k.endswith(".weight") and v.ndim == 2 and "embed" not in k)
-    wrong = [m for m in fp8_mods if _matches(m, listed)]
-    problems = [f"excluded modules stored as FP8: {wrong[:6]}"] if wrong else []
-    for p in exclude:  # every module a requested pattern names must be high precision and covered by the list
-        hit = [m for m in linears if _matches(m, [p])]
-        if not hit:
-            problems.append(f"requested exclusion '{p}' matches no linear module")
-        elif [m for m in hit if m in fp8_mods]:
-            problems.append(f"'{p}' was excluded but {[m for m in hit if m in fp8_mods][:4]} are FP8")
-        elif [m for m in hit if not _matches(m, listed)]:
-            problems.append(f"'{p}' modules {[m for m in hit if not _matches(m, listed)][:4]} are missing from exclude_modules")
-    add("excluded_high_precision", not problems, "; ".join(problems), "excluded modules are high precision and listed")
-
-    # TensorRT-LLM runs q/k/v and gate/up of a block as one GEMM with one quantization method: all FP8 or none
-    fp8_set = set(fp8_mods)
-    split = [g for g in _fused_groups(linears) if 0 < sum(m in fp8_set for m in g) < len(g)]
-    add("fused_groups_consistent", not split, f"fused groups with FP8 and high-precision members (TensorRT-LLM runs "
-        f"each as one GEMM, so exclude all or none of them): {split[:4]}", "q/k/v and gate/up groups are uniform")
-
-    k_scales = {k[: -len(".k_proj.k_scale")] for k in sd if k.endswith("k_proj.k_scale")}
-    v_scales = {k[: -len(".v_proj.v_scale")] for k in sd if k.endswith("v_proj.v_scale")}
-    attns = {k[: -len(".k_proj.weight")] for k in sd if k.endswith("k_proj.weight")}
-    if kv_cache:
-        bad = sorted((attns - k_scales) | (attns - v_scales))
-        algo = q.get("kv_cache_quant_algo")
-        add("kv_scales", not bad and str(algo).upper() == "FP8",
-            f"FP8 KV cache asked for but kv_cache_quant_algo={algo!r}, attention modules without k_scale/v_scale: {bad[:6]}",
-            f"{len(k_scales)} attention modules with k_scale and v_scale")
-    else:
-        add("kv_scales", not k_scales and not v_scales and not q.get("kv_cache_quant_algo"),
-            "KV cache quantization not asked for but the checkpoint has KV scales or kv_cache_quant_algo",
-            "no FP8 KV (as asked)")
-
-    bad_scales = [k for k, v in sd.items() if k.rsplit(".", 1)[-1] in ("weight_scale", "input_scale", "k_scale", "v_scale")
-                  and not (torch.isfinite(v.float()).all() and (v.float() > 0).all())]
-    add("finite_scales", not bad_scales, f"non-finite or non-positive scales: {bad_scales[:6]}", "all scales finite and > 0")
-    return res
-
-
-# ---------------------------------------------------------------------------------------------- quality
-
-
-def _positions(s: dict, device):
-    """Next-token targets and the mask of scored positions (loss_mask of the target token; all when none)."""
-    import torch
-
-    tgt = s["input_ids"][1:].to(device)
-    mask = s["loss_mask"][1:].to(device).bool()
-    return tgt, (mask if mask.any() else torch.ones_like(tgt, dtype=torch.bool))
-
-
-def _kl_top1(a, b) -> tuple[float, int, int]:
-    """(sum of KL(softmax a || softmax b), argmax agreements, positions) over the rows of two logit matrices."""
-    la, lb = a.float().log_softmax(-1), b.float().log_softmax(-1)
-    return (la.exp() * (la - lb)).sum().item(), int((a.argmax(-1) == b.argmax(-1)).sum()), a.shape[0]
-
-
-def fake_quant_reference(model, samples: list[dict], *, device=None, keep: int = 4, capture_tokens: int = 128,
-                         capture_rows: int = 32) -> dict:
-    """Run ModelOpt's fake-quant model BEFORE export (export rewrites its weights to FP8 in place) on the first
-    `keep` samples: their logits and perplexity. For the first sample (<= `capture_tokens` tokens) it also keeps,
-    to replay on the exported checkpoint with exactly the same inputs: the input, keyword arguments and output of
-    every decoder layer (`layerwise_agreement`), and the input and output rows (the first `capture_rows` tokens)
-    of every quantized linear (`modulewise_agreement`)."""
-    import torch
-
-    device = device or torch.device("cpu")
-    nll, n, logits = 0.0, 0, []
-    _, layers = decoder_layers(model)
-    caught: dict[int, list] = {}
-    mods: dict[str, tuple] = {}
-
-    def pre(i):
-        def hook(mod, args, kwargs):
-            h = args[0] if args else kwargs["hidden_states"]
-            kw = {k: v for k, v in kwargs.items() if k != "hidden_states"}
-            kw.update(past_key_values=None, use_cache=False)
-            caught[i] = [h.detach().clone(), kw, None]
-        return hook
-
-    def post(i):
-        def hook(mod, args, kwargs, out):
-            o = out[0] if isinstance(out, tuple) else out
-            caught[i][2] = o.detach().clone()
-        return hook
-
-    def lin_hook(name):
-        def hook(mod, args, out):
-            x = args[0]
-            iq = getattr(mod, "input_quantizer", None)
-            # the activation ModelOpt's GEMM saw, quantized in its own shape (per-token amax reduces the last dim)
-            xq = iq(x) if iq is not None and iq.is_enabled else x
-            mods[name] = tuple(t.reshape(-1, t.shape[-1])[:capture_rows].detach().clone() for t in (x, xq, out))
-        return hook
-
-    with torch.no_grad():
-        hooks = [layer.register_forward_pre_hook(pre(i), with_kwargs=True) for i, layer in enumerate(layers)]
-        hooks += [layer.register_forward_hook(post(i), with_kwargs=True) for i, layer in enumerate(layers)]
-        hooks += [m.register_forward_hook(lin_hook(nm)) for nm, m in quantized_linears(model).items()]
-        try:
-            if samples:
-                model(input_ids=samples[0]["input_ids"][:capture_tokens][None].to(device), use_cache=False)
-        finally:
-            for h in hooks:
-                h.remove()
-        for s in samples[:keep]:
-            lf = model(input_ids=s["input_ids"][None].to(device), use_cache=False).logits[0, :-1].float()
-            tgt, mask = _positions(s, device)
-            nll -= lf.log_softmax(-1)[mask].gather(1, tgt[mask][:, None]).sum().item()
-            n += int(mask.sum())
-            logits.append(lf.cpu())
-    return {"ppl": math.exp(nll / max(n, 1)), "logits": logits, "layers": [caught[i] for i in sorted(caught)],
-            "modules": mods}
-
-
-def _rel(a, b) -> float:
-    a, b = a.float(), b.float().to(a.device)
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def _near_boundary(v, rel: float = 1e-5):
-    """True where E4M3 rounding of v (already divided by its scale) changes within +-rel: v sits on (or within
-    float32 noise of) a rounding boundary, where two correct arithmetics may pick different neighbours."""
-
-    from runtime.engine.fp8 import FP8_DTYPE, FP8_MAX
-
-    lo = (v * (1 - rel)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float()
-    hi = (v * (1 + rel)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float()
-    return lo != hi
-
-
-def modulewise_agreement(test, captured: dict) -> dict[str, dict]:
-    """Every FP8 linear of `test` (the exported checkpoint in runtime.engine.fp8) against ModelOpt's fake-quant module,
-    both fed the same input rows, without any amplification by later layers:
-
-    - `act_mismatch`: activation E4M3 codes that differ although the value is not at a rounding boundary (must be
-      0); `act_boundary`: codes that differ at a boundary, where ModelOpt's x * (448 / amax) and TensorRT-LLM's
-      x * (1 / scale) (static) or x / scale (per token) break an exact tie differently (activations that are
-      themselves FP8 values, e.g. the first token's attention output, hit such ties);
-    - `gemm_rel_err`: the module's output from ModelOpt's quantized activation and the checkpoint's weight and
-      scales, against ModelOpt's output (weights, scales and GEMM: float rounding only, ~1e-7);
-    - `out_rel_err`: the executor's own output against ModelOpt's (includes the boundary flips)."""
-    import torch
-    import torch.nn.functional as F
-
-    from runtime.engine.fp8 import FP8_DTYPE, FP8_MAX, FP8_MIN_TOKEN_SCALE, FP8Linear
-
-    out = {}
-    mods = dict(test.named_modules())
-    with torch.no_grad():
-        for name, (x, xq_fq, y) in captured.items():
-            m = mods.get(name)
-            if not isinstance(m, FP8Linear):   # quantized in ModelOpt but not FP8 in the checkpoint
-                out[name] = {"act_mismatch": -1, "act_boundary": 0, "gemm_rel_err": float("inf"),
-                             "out_rel_err": float("inf")}
-                continue
-            dev = m.weight.device
-            x, xq_fq, y = x.to(dev).float(), xq_fq.to(dev).float(), y.to(dev).float()
-            if m.activation == "dynamic_per_token":
-                s = torch.clamp(x.abs().amax(-1, keepdim=True) / FP8_MAX, min=FP8_MIN_TOKEN_SCALE)
-                v = x / s
-            elif m.activation == "static":
-                s = m.input_scale.float()
-                v = x * (1.0 / s)
-            else:
-                s, v = None, None
-            if s is not None:
-                code_rt = v.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float()
-                code_fq = (xq_fq / s).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float()
-                diff = code_rt != code_fq
-                edge = _near_boundary(v)
-                mismatch, boundary = int((diff & ~edge).sum()), int((diff & edge).sum())
-            else:
-                mismatch = int((xq_fq != x).sum())
-                boundary = 0
-            bias = None if m.bias is None else m.bias.float()
-            gemm = F.linear(xq_fq, m.dequantized_weight().float(), bias)
-            out[name] = {"act_mismatch": mismatch, "act_boundary": boundary, "gemm_rel_err": _rel(gemm, y),
-                         "out_rel_err": _rel(m(x), y)}
-    return out
-
-
-def layerwise_agreement(test, captured: list) -> list[float]:
-    """Relative L2 error ||test_layer(x) - fq_layer(x)|| / ||fq_layer(x)|| of every decoder layer of `test` (the
-    exported checkpoint in runtime.engine.fp8) fed exactly the input ModelOpt's fake-quant layer got: the GEMMs plus the
-    attention with its FP8 KV cache. A rounding flip that `modulewise_agreement` allows can be amplified inside a
-    sensitive layer (softmax, SwiGLU); a systematic error shows in every layer."""
-    import torch
-
-    _, layers = decoder_layers(test)
-    errs = []
-    with torch.no_grad():
-        for layer, (h, kw, ref) in zip(layers, captured):
-            dev = next(iter(list(layer.parameters()) + list(layer.buffers()))).device
-            kw = {k: (v.to(dev) if torch.is_tensor(v) else tuple(t.to(dev) for t in v) if isinstance(v, tuple) else v)
-                  for k, v in kw.items()}
-            out = layer(h.to(dev), **kw)
-            errs.append(_rel((out[0] if isinstance(out, tuple) else out), ref))
-    return errs
-
-
-NOISE_REL = 2.0 ** -20   # relative perturbation of the input embeddings for the FP8 noise floor (~1e-6)
-
-
-def noise_floor(test, samples: list[dict], base_logits: list, *, device=None) -> tuple[float, float]:
-    """(top-1 agreement, mean KL) between `test` and itself with its input embeddings scaled by 1 + 2^-20.
-    The unquantized model does not notice such a change (top-1 1.0, KL ~1e-10 on SmolLM2); an FP8 model turns it
-    into whole E4M3 rounding steps that grow over the layers. It is the level below which two FP8 executions of
-    the same checkpoint (a GPU kernel and an emulation, or two batch shapes) cannot be expected to agree."""
-    import torch
-
-    device = device or torch.device("cpu")
-    emb = test.get_input_embeddings()
-    h = emb.register_forward_hook(lambda mod, args, out: out * (1.0 + NOISE_REL))
-    kl = agree = n = 0.0
-    try:
-        with torch.no_grad():
-            for s, base in zip(samples, base_logits):
-                lp = test(input_ids=s["input_ids"][None].to(device), use_cache=False).logits[0, :-1].float().to(device)
-                _, mask = _positions(s, device)
-                a, g, k = _kl_top1(base.to(device)[mask], lp[mask])
-                kl, agree, n = kl + a, agree + g, n + k
-    finally:
-        h.remove()
-    return agree / max(n, 1), kl / max(n, 1)
-
-
-def measure_quality(ref, test, samples: list[dict], *, device=None, fake_quant: dict | None = None, progress=None) -> dict:
-    """Quality of `test` (the FP8 model) against `ref` (unquantized) on held-out samples.
-
-    Scored positions: those whose target token has loss_mask 1 (all positions when a sample has none).
-    ppl = exp(mean next-token NLL); top-1 agreement = share of positions where both argmaxes agree;
-    mean KL = mean over positions of KL(p_ref || p_test), nats; max_abs_logit_diff = the largest |logit change|
-    FP8 causes. With `fake_quant` (`fake_quant_reference`): export fidelity on its samples: ModelOpt's fake-quant
-    perplexity, top-1 agreement and mean KL(p_fakequant || p_test) at the scored positions, the largest |logit
-    difference|, next to the FP8 noise floor (`noise_floor`) and the layer-wise relative errors
-    (`layerwise_agreement`)."""
-    import torch
-
-    device = device or torch.device("cpu")
-    nll_r = nll_t = kl = agree = 0.0
-    n = 0
-    max_diff = max_effect = 0.0
-    fq_kl = fq_agree = fq_n = 0.0
-    per_sample = []
-    fq_logits = (fake_quant or {}).get("logits", [])
-    kept_test = []
-    ctxm = progress(total=len(samples), desc="quality") if progress else contextlib.nullcontext()
-    with torch.no_grad(), ctxm as bar:
-        for i, s in enumerate(samples):
-            ids = s["input_ids"][None].to(device)
-            lr = ref(input_ids=ids).logits[0, :-1].float().to(device)    # a model spread over GPUs may
-            lt = test(input_ids=ids).logits[0, :-1].float().to(device)   # return them on its last one
-            max_effect = max(max_effect, (lr - lt).abs().max().item())
-            tgt, mask = _positions(s, device)
-            if i < len(fq_logits):
-                lf = fq_logits[i].to(device)
-                max_diff = max(max_diff, (lf - lt).abs().max().item())
-                a, g, k = _kl_top1(lf[mask], lt[mask])
-                fq_kl, fq_agree, fq_n = fq_kl + a, fq_agree + g, fq_n + k
-                kept_test.append(lt.cpu())
-            lpr, lpt = lr.log_softmax(-1)[mask], lt.log_softmax(-1)[mask]
-            t = tgt[mask]
-            a = -lpr.gather(1, t[:, None]).sum().item()
-            b = -lpt.gather(1, t[:, None]).sum().item()
-            nll_r += a
-            nll_t += b
-            kl += (lpr.exp() * (lpr - lpt)).sum().item()
-            agree += (lpr.argmax(-1) == lpt.argmax(-1)).sum().item()
-            k = int(mask.sum())
-            n += k
-            per_sample.append([round(math.exp(a / k), 4), round(math.exp(b / k), 4)])
-            if progress:
-                bar.update(1)
-    ppl_r, ppl_t = math.exp(nll_r / n), math.exp(nll_t / n)
-    out = {"ppl_bf16": round(ppl_r, 4), "ppl_fp8": round(ppl_t, 4), "ppl_increase": round(ppl_t / ppl_r - 1, 6),
-           "top1_agreement": round(agree / n, 6), "mean_kl": round(kl / n, 8), "eval_tokens": n,
-           "eval_samples": len(samples), "max_abs_logit_diff": round(max_effect, 6), "per_sample_ppl": per_sample}
-    if fake_quant is not None:
-        floor_top1, floor_kl = noise_floor(test, samples[:len(kept_test)], kept_test, device=device)
-        errs = layerwise_agreement(test, fake_quant.get("layers") or [])
-        merrs = modulewise_agreement(test, fake_quant.get("modules") or {})
-        out.update({"ppl_fakequant": round(fake_quant["ppl"], 4),
-                    "export_vs_fakequant_max_abs_logit_diff": round(max_diff, 6),
-                    "export_vs_fakequant_top1_agreement": round(fq_agree / max(1, fq_n), 6),
-                    "export_vs_fakequant_kl": round(fq_kl / max(1, fq_n), 8),
-                    "export_vs_fakequant_samples": len(fq_logits),
-                    "noise_floor_top1_agreement": round(floor_top1, 6), "noise_floor_kl": round(floor_kl, 8),
-                    "layerwise_rel_err": [round(e, 8) for e in errs],
-                    "layerwise_max_rel_err": round(max(errs), 8) if errs else None,
-                    "layerwise_median_rel_err": round(sorted(errs)[len(errs) // 2], 8) if errs else None,
-                    "modulewise_checked": len(merrs),
-                    "modulewise_act_mismatch": sum(abs(v["act_mismatch"]) for v in merrs.values()),
-                    "modulewise_act_boundary": sum(v["act_boundary"] for v in merrs.values()),
-                    "modulewise_max_gemm_rel_err": max((v["gemm_rel_err"] for v in merrs.values()), default=None),
-                    "modulewise_max_out_rel_err": max((v["out_rel_err"] for v in merrs.values()), default=None)})
-    return out
+    with _stage_errors():
+        return exclusion.search_exclusions(
+            fq_model, target_dir, calib, per_token=RECIPES[recipe]["quant_algo"] == "FP8_PER_CHANNEL_PER_TOKEN",
+            kv_cache=kv_cache, max_ppl_increase=max_ppl_increase, opts=opts, device=device, dtype=dtype,
+            progress=progress, log=log)
 
 
 def quality_gate(q: dict, max_ppl_increase: float, min_top1: float | None = None) -> list[str]:
@@ -1274,9 +698,6 @@ def quantize_eagle_checkpoint(target_dir: Path, draft_dir: Path, out: Path, cali
     and compare its EAGLE loss with the fake-quant model's: the export's consistency check."""
     import modelopt.torch.quantization as mtq
     import torch
-    from modelopt.torch.export import export_speculative_decoding
-
-    from runtime.engine.fp8 import enable_fp8_kv, load_fp8_state_dict, read_safetensors
 
     device = device or torch.device("cpu")
     dtype = dtype or torch.float32
@@ -1300,23 +721,10 @@ def quantize_eagle_checkpoint(target_dir: Path, draft_dir: Path, out: Path, cali
     model.eval()
     align_with_deployment(model.eagle_module, log=log)  # one scale per fused q/k/v, gate/up; the export's codes
     acc_fp8, loss_fp8 = _draft_eval(model, heldout, device)
-    export_speculative_decoding(model, dtype=torch.float32, export_dir=out)  # exact FP8 weights; see export_target
-    exported = json.loads((out / "config.json").read_text())
-    dcfg = dict(dcfg, quantization_config=exported.get("quantization_config"))
-    (out / "config.json").write_text(json.dumps(dcfg, indent=4))   # RoPE as train_draft normalized it
-    orig = read_safetensors(draft_dir)
-    cast_high_precision(out, lambda k, v: orig[k].dtype if k in orig else v.dtype)
-    copy_tokenizer(draft_dir, out)
-
+    _export_eagle_draft(model, dcfg, draft_dir, out)
     # consistency: the written FP8 draft, run through runtime.engine.fp8, against ModelOpt's fake-quant draft
-    check_model, _, _ = _eagle_model(target_dir, draft_dir, device, dtype)
-    sd = read_safetensors(out)
-    if not has_lm_head:
-        sd.pop("lm_head.weight", None)
-    info = load_fp8_state_dict(check_model.eagle_module, sd, compute_dtype=dtype)
-    if info["kv_scales"]:
-        enable_fp8_kv(check_model.eagle_module)
-    _, loss_export = _draft_eval(check_model, heldout, device)
+    loss_export, info = _exported_draft_loss(target_dir, draft_dir, out, heldout, has_lm_head=has_lm_head,
+                                             device=device, dtype=dtype)
     m = {"draft_top1_bf16": round(acc_bf16, 6), "draft_top1_fp8": round(acc_fp8, 6),
          "draft_loss_bf16": round(loss_bf16, 6), "draft_loss_fp8": round(loss_fp8, 6),
          "draft_loss_fp8_exported": round(loss_export, 6),
@@ -1327,6 +735,40 @@ def quantize_eagle_checkpoint(target_dir: Path, draft_dir: Path, out: Path, cali
         log.info("draft FP8: first-step top-1 vs target %.4f -> %.4f, EAGLE loss %.4f -> %.4f (exported %.4f)",
                  acc_bf16, acc_fp8, loss_bf16, loss_fp8, loss_export)
     return m
+
+
+def _export_eagle_draft(model, dcfg: dict, draft_dir: Path, out: Path) -> None:
+    """`export_speculative_decoding` of the quantized EAGLE model into `out`, with the original draft config (plus
+    `quantization_config`), the draft's own dtypes for high-precision tensors, and its tokenizer."""
+    import torch
+    from modelopt.torch.export import export_speculative_decoding
+
+    from runtime.engine.fp8 import read_safetensors
+
+    export_speculative_decoding(model, dtype=torch.float32, export_dir=out)  # exact FP8 weights; see export_target
+    exported = json.loads((out / "config.json").read_text())
+    dcfg = dict(dcfg, quantization_config=exported.get("quantization_config"))
+    (out / "config.json").write_text(json.dumps(dcfg, indent=4))   # RoPE as train_draft normalized it
+    orig = read_safetensors(draft_dir)
+    cast_high_precision(out, lambda k, v: orig[k].dtype if k in orig else v.dtype)
+    copy_tokenizer(draft_dir, out)
+
+
+def _exported_draft_loss(target_dir: Path, draft_dir: Path, out: Path, heldout, *, has_lm_head: bool, device,
+                         dtype) -> tuple[float, dict]:
+    """(EAGLE loss on `heldout`, load info) of the FP8 draft written to `out`, run through runtime.engine.fp8 inside
+    a freshly rebuilt EAGLE model."""
+    from runtime.engine.fp8 import enable_fp8_kv, load_fp8_state_dict, read_safetensors
+
+    check_model, _, _ = _eagle_model(target_dir, draft_dir, device, dtype)
+    sd = read_safetensors(out)
+    if not has_lm_head:
+        sd.pop("lm_head.weight", None)
+    info = load_fp8_state_dict(check_model.eagle_module, sd, compute_dtype=dtype)
+    if info["kv_scales"]:
+        enable_fp8_kv(check_model.eagle_module)
+    _, loss_export = _draft_eval(check_model, heldout, device)
+    return loss_export, info
 
 
 

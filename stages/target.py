@@ -318,89 +318,20 @@ def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path):
 
 
 def _bootstrap_tiny(ctx: StageContext, sec: Config, model_dir: Path) -> dict:
+    """Build the tiny target: a corpus of standard-library sources, a BPE tokenizer trained on it, a small Llama
+    pretrained on it (resumable), saved to `model_dir`. Returns the pretraining metrics."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     t = sec.tiny
     torch.manual_seed(t.seed)
-    files = stdlib_corpus(int(t.corpus_mb * 2**20))
-    if len(files) < 10:
-        raise StageError("target.bootstrap: found fewer than 10 standard-library sources to build the tiny corpus")
-    train_files = [(r, x) for r, x in files if not _is_heldout(r, t.heldout_fraction)]
-    held_files = [(r, x) for r, x in files if _is_heldout(r, t.heldout_fraction)]
-    corpus_dir = ctx.out_dir / "corpus"
-    corpus_dir.mkdir(parents=True)
-    for name, items in (("train", train_files), ("heldout", held_files)):
-        with open(corpus_dir / f"{name}.jsonl", "w") as f:
-            for rel, text in items:
-                f.write(json.dumps({"path": rel, "text": text}) + "\n")
-    ctx.log.info("corpus: %d files for pretraining, %d held out (%.1f MB)", len(train_files), len(held_files),
-                 sum(len(x) for _, x in files) / 2**20)
-
+    files, train_files, held_files = _write_tiny_corpus(ctx, t)
     tok = train_tokenizer([x for _, x in train_files], t.vocab_size, model_dir)
-    eos = tok.eos_token_id
-    ids = []
-    for _, text in train_files:
-        ids.extend(tok(text)["input_ids"] + [eos])
-    data = torch.tensor(ids, dtype=torch.long)
-    held = []
-    for _, text in held_files:
-        held.extend(tok(text)["input_ids"] + [eos])
-    held_t = torch.tensor(held, dtype=torch.long)
+    data = _token_stream(tok, train_files)
+    held_t = _token_stream(tok, held_files)
     ctx.log.info("tokenizer: vocab %d; %d training tokens, %d held-out tokens", len(tok), len(data), len(held_t))
 
-    cfg = LlamaConfig(
-        vocab_size=len(tok), hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
-        num_hidden_layers=t.num_layers, num_attention_heads=t.num_heads, num_key_value_heads=t.num_kv_heads,
-        max_position_embeddings=t.max_position_embeddings, bos_token_id=tok.bos_token_id, eos_token_id=eos,
-        pad_token_id=tok.pad_token_id, tie_word_embeddings=False, rope_theta=10000.0,
-    )
-    cfg.architectures = ["LlamaForCausalLM"]
-    model = LlamaForCausalLM(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=0.01, betas=(0.9, 0.95))
-    gen = torch.Generator().manual_seed(t.seed)
-    step0 = 0
-    ckpt = ctx.scratch_dir / "pretrain.pt"
-    if ckpt.exists():
-        state = torch.load(ckpt, weights_only=True)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        gen.set_state(state["gen"])
-        step0 = int(state["step"])
-        ctx.log.info("resuming pretraining from step %d (checkpoint %s)", step0, ckpt)
-
-    def lr_at(step: int) -> float:
-        if step < t.warmup_steps:
-            return t.lr * (step + 1) / t.warmup_steps
-        prog = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
-        return t.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * prog)))
-
-    n = len(data) - t.seq_len - 1
-    model.train()
-    t0 = time.monotonic()
-    loss_v = float("nan")
-    first_loss = None
-    with ctx.progress(total=t.steps, desc="pretrain tiny target") as bar:
-        bar.update(step0)
-        for step in range(step0, t.steps):
-            starts = torch.randint(0, n, (t.batch_size,), generator=gen)
-            x = torch.stack([data[s: s + t.seq_len] for s in starts])
-            for g in opt.param_groups:
-                g["lr"] = lr_at(step)
-            loss = model(input_ids=x, labels=x).loss
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            loss_v = loss.item()
-            first_loss = loss_v if first_loss is None else first_loss
-            bar.update(1, loss=f"{loss_v:.3f}")
-            if (step + 1) % t.checkpoint_every == 0 and step + 1 < t.steps:
-                tmp = ckpt.with_suffix(".tmp")
-                torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(), "step": step + 1}, tmp)
-                os.replace(tmp, ckpt)
-    train_s = time.monotonic() - t0
-
+    model = _tiny_llama(tok, t)
+    loss_v, first_loss, train_s = _pretrain(ctx, t, model, data)
     held_loss = _eval_loss(model, held_t, t.seq_len)
     dtype = getattr(torch, sec.dtype)
     model.to(dtype).save_pretrained(model_dir, safe_serialization=True)
@@ -417,6 +348,109 @@ def _bootstrap_tiny(ctx: StageContext, sec: Config, model_dir: Path) -> dict:
         "heldout_tokens": len(held_t),
         "corpus_files": len(files),
     }
+
+
+def _write_tiny_corpus(ctx: StageContext, t: TinyConfig) -> tuple[list, list, list]:
+    """Standard-library sources split into pretraining and held-out files, written to `corpus/{train,heldout}.jsonl`.
+    Returns (all files, training files, held-out files), each a list of (relative path, text)."""
+    files = stdlib_corpus(int(t.corpus_mb * 2**20))
+    if len(files) < 10:
+        raise StageError("target.bootstrap: found fewer than 10 standard-library sources to build the tiny corpus")
+    train_files = [(r, x) for r, x in files if not _is_heldout(r, t.heldout_fraction)]
+    held_files = [(r, x) for r, x in files if _is_heldout(r, t.heldout_fraction)]
+    corpus_dir = ctx.out_dir / "corpus"
+    corpus_dir.mkdir(parents=True)
+    for name, items in (("train", train_files), ("heldout", held_files)):
+        with open(corpus_dir / f"{name}.jsonl", "w") as f:
+            for rel, text in items:
+                f.write(json.dumps({"path": rel, "text": text}) + "\n")
+    ctx.log.info("corpus: %d files for pretraining, %d held out (%.1f MB)", len(train_files), len(held_files),
+                 sum(len(x) for _, x in files) / 2**20)
+    return files, train_files, held_files
+
+
+def _token_stream(tok, items: list):
+    """The files' token ids, each followed by eos, as one LongTensor."""
+    import torch
+
+    ids = []
+    for _, text in items:
+        ids.extend(tok(text)["input_ids"] + [tok.eos_token_id])
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def _tiny_llama(tok, t: TinyConfig):
+    """A freshly initialised Llama of the configured tiny shape for tokenizer `tok` (the global torch seed decides
+    its weights)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=len(tok), hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
+        num_hidden_layers=t.num_layers, num_attention_heads=t.num_heads, num_key_value_heads=t.num_kv_heads,
+        max_position_embeddings=t.max_position_embeddings, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id, tie_word_embeddings=False, rope_theta=10000.0,
+    )
+    cfg.architectures = ["LlamaForCausalLM"]
+    return LlamaForCausalLM(cfg)
+
+
+def _lr_at(t: TinyConfig, step: int) -> float:
+    """Linear warmup, then cosine decay to a tenth of `lr`."""
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    prog = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
+    return t.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * prog)))
+
+
+def _pretrain(ctx: StageContext, t: TinyConfig, model, data) -> tuple[float, float | None, float]:
+    """Pretrain `model` on random windows of `data` for `t.steps` steps, resuming from (and checkpointing to) the
+    scratch directory. Returns (last loss, first loss of this run, seconds)."""
+    import torch
+
+    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=0.01, betas=(0.9, 0.95))
+    gen = torch.Generator().manual_seed(t.seed)
+    ckpt = ctx.scratch_dir / "pretrain.pt"
+    step0 = _resume_pretraining(ctx, ckpt, model, opt, gen)
+    n = len(data) - t.seq_len - 1
+    model.train()
+    t0 = time.monotonic()
+    loss_v = float("nan")
+    first_loss = None
+    with ctx.progress(total=t.steps, desc="pretrain tiny target") as bar:
+        bar.update(step0)
+        for step in range(step0, t.steps):
+            starts = torch.randint(0, n, (t.batch_size,), generator=gen)
+            x = torch.stack([data[s: s + t.seq_len] for s in starts])
+            for g in opt.param_groups:
+                g["lr"] = _lr_at(t, step)
+            loss = model(input_ids=x, labels=x).loss
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            loss_v = loss.item()
+            first_loss = loss_v if first_loss is None else first_loss
+            bar.update(1, loss=f"{loss_v:.3f}")
+            if (step + 1) % t.checkpoint_every == 0 and step + 1 < t.steps:
+                tmp = ckpt.with_suffix(".tmp")
+                torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(), "step": step + 1}, tmp)
+                os.replace(tmp, ckpt)
+    return loss_v, first_loss, time.monotonic() - t0
+
+
+def _resume_pretraining(ctx: StageContext, ckpt: Path, model, opt, gen) -> int:
+    """Load model, optimizer and sampler state from `ckpt` when it exists; the step to continue from (0 if not)."""
+    import torch
+
+    if not ckpt.exists():
+        return 0
+    state = torch.load(ckpt, weights_only=True)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
+    gen.set_state(state["gen"])
+    step0 = int(state["step"])
+    ctx.log.info("resuming pretraining from step %d (checkpoint %s)", step0, ckpt)
+    return step0
 
 
 def _eval_loss(model, ids, seq_len: int, max_windows: int = 32) -> float:

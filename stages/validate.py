@@ -250,10 +250,9 @@ def _device(ctx) -> str:
 def _run_reference(ctx, sec: Config, deployed: dict, bf16: dict | None, prompts: dict, eos, *, same: bool = False) -> dict:
     import torch
 
-    from runtime.engine.drafts import DraftFormatError, summarize
+    from runtime.engine.drafts import summarize
     from runtime.engine.lossless import InvariantTally
-    from runtime.engine.speculative import SpeculativeEngine, load_pair
-    from runtime.trtllm.draft_schedule import dflash_max_draft_len
+    from runtime.engine.speculative import SpeculativeEngine
 
     dev = _device(ctx)
     pairs = [("fp8", deployed)] + ([("bf16", bf16)] if bf16 else [])
@@ -266,31 +265,14 @@ def _run_reference(ctx, sec: Config, deployed: dict, bf16: dict | None, prompts:
     n_runs = len(measured) * len(prompts) + (len(pairs) * len(prompts) if sec.lossless_prompts else 0)
     with ctx.progress(total=n_runs, desc="validate") as bar:
         for label, pair in pairs:
-            try:
-                model, draft = load_pair(pair["target_dir"], pair["draft_dir"], device=dev,
-                                         first_layer_norm=sec.first_layer_norm, expected_capture_layers=expected)
-            except DraftFormatError as e:
-                raise StageError(f"validate: the {label} draft does not load as exported: {e}") from None
-            if draft.algorithm == "dflash" and K > dflash_max_draft_len(draft.block_size):
-                kmax = dflash_max_draft_len(draft.block_size)
-                ctx.log.warning("DFlash block_size %d drafts at most %d tokens: measuring %d positions, not %d",
-                                draft.block_size, kmax, kmax, K)
-                K = kmax
+            model, draft = _load_measured_pair(sec, label, pair, dev, expected)
+            K = _dflash_draft_len(ctx, draft, K)
             res.setdefault("draft", summarize(draft))
             res.setdefault("fp8_info", getattr(model, "fp8_info", {}))
             eng = SpeculativeEngine(model, draft)
             tally = tallies[label]
             if label in measured:
-                total = None
-                for d, ps in prompts.items():
-                    st = _measure(eng, ps, sec, K, eos, speculative=True, tally=tally, run=f"{label}/{d}")[0]
-                    res["domains"][d][label] = st.as_dict()
-                    total = st if total is None else total.merge(st)
-                    ctx.log.info("%s %s: AL %.3f over %d steps, acceptance rate %s, per position %s", label, d,
-                                 st.acceptance_length, st.steps, res["domains"][d][label]["draft_acceptance_rate"],
-                                 res["domains"][d][label]["per_position"])
-                    bar.update(1)
-                res["overall"][label] = total.as_dict()
+                res["overall"][label] = _acceptance_per_domain(ctx, eng, sec, K, eos, prompts, tally, label, res, bar)
             if label == "fp8":
                 ll, res["tokens_per_s"], res["step_ms"] = _lossless_and_speed(
                     ctx, eng, sec, K, eos, prompts, bar, draft.algorithm, tally, exact=same)
@@ -311,6 +293,45 @@ def _run_reference(ctx, sec: Config, deployed: dict, bf16: dict | None, prompts:
     res["lossless"] = ll
     res["draft_len"] = K
     return res
+
+
+def _load_measured_pair(sec: Config, label: str, pair: dict, dev, expected):
+    """(target, draft) of one pair through runtime.engine.speculative; StageError when the draft does not load."""
+    from runtime.engine.drafts import DraftFormatError
+    from runtime.engine.speculative import load_pair
+
+    try:
+        return load_pair(pair["target_dir"], pair["draft_dir"], device=dev, first_layer_norm=sec.first_layer_norm,
+                         expected_capture_layers=expected)
+    except DraftFormatError as e:
+        raise StageError(f"validate: the {label} draft does not load as exported: {e}") from None
+
+
+def _dflash_draft_len(ctx, draft, K: int) -> int:
+    """`K`, or the most a DFlash draft of its block size drafts when that is fewer (logged)."""
+    from runtime.trtllm.draft_schedule import dflash_max_draft_len
+
+    if draft.algorithm == "dflash" and K > dflash_max_draft_len(draft.block_size):
+        kmax = dflash_max_draft_len(draft.block_size)
+        ctx.log.warning("DFlash block_size %d drafts at most %d tokens: measuring %d positions, not %d",
+                        draft.block_size, kmax, kmax, K)
+        return kmax
+    return K
+
+
+def _acceptance_per_domain(ctx, eng, sec: Config, K: int, eos, prompts: dict, tally, label: str, res: dict, bar) -> dict:
+    """Speculative decoding of every domain's prompts with the pair `label`: each domain's statistics into
+    res["domains"][domain][label]; returns the statistics over all domains."""
+    total = None
+    for d, ps in prompts.items():
+        st = _measure(eng, ps, sec, K, eos, speculative=True, tally=tally, run=f"{label}/{d}")[0]
+        res["domains"][d][label] = st.as_dict()
+        total = st if total is None else total.merge(st)
+        ctx.log.info("%s %s: AL %.3f over %d steps, acceptance rate %s, per position %s", label, d,
+                     st.acceptance_length, st.steps, res["domains"][d][label]["draft_acceptance_rate"],
+                     res["domains"][d][label]["per_position"])
+        bar.update(1)
+    return total.as_dict()
 
 
 def _other_norm(ctx, sec: Config, model, pair, expected, K, eos, prompts, res, dev, tally) -> None:
