@@ -1,10 +1,9 @@
 """The `target` artifact: `model/` (the HF checkpoint) and `target.json` (the model's shapes and stop ids)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from pipeline.errors import StageError
+from pipeline.artifacts import read_json
 
 MODEL_DIR = "model"
 INFO = "target.json"
@@ -15,10 +14,7 @@ def model_dir(art: Path) -> Path:
 
 
 def read_info(art: Path) -> dict:
-    f = Path(art) / INFO
-    if not f.is_file():
-        raise StageError(f"{f} is missing: the target artifact is incomplete; rerun `specpipe build CONFIG --force target`")
-    return json.loads(f.read_text())
+    return read_json(art, INFO)
 
 
 def stop_ids(info: dict) -> list[int]:

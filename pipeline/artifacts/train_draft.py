@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from pipeline.artifacts import read_json
 from pipeline.errors import StageError
 
 DRAFT_DIR = "draft"
@@ -15,10 +16,7 @@ def draft_dir(art: Path) -> Path:
 
 
 def read_info(art: Path) -> dict:
-    f = Path(art) / INFO
-    if not f.is_file():
-        raise StageError(f"{f} is missing: the train_draft artifact is incomplete; rerun train_draft")
-    return json.loads(f.read_text())
+    return read_json(art, INFO)
 
 
 def read_draft_config(art: Path) -> dict:
