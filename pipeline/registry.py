@@ -1,13 +1,14 @@
 """The explicit, ordered stage registry: the one place the pipeline core learns about concrete stages."""
 from __future__ import annotations
 
-import hashlib
 import importlib
-import inspect
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 from types import ModuleType
 from typing import Callable
+
+from pipeline import codehash
 
 # Order is execution order. A stage may only consume stages listed before it.
 STAGE_MODULES: tuple[str, ...] = (
@@ -30,16 +31,11 @@ class StageSpec:
     uses: tuple[str, ...]          # shared config sections (e.g. "hardware") that enter the fingerprint
     packages: tuple[str, ...]
     version: str
-    code_hash: str
+    code: dict[str, str]           # {file: sha256} of the stage module and the runtime code it reaches (codehash.py)
     required: bool                 # the section must appear in the config file
     check: Callable | None
     report: Callable | None
     fingerprint_extra: Callable | None
-
-
-def _code_hash(module: ModuleType) -> str:
-    src = inspect.getsource(module).encode()
-    return hashlib.sha256(src).hexdigest()[:16]
 
 
 @lru_cache(maxsize=1)
@@ -57,7 +53,7 @@ def stages() -> tuple[StageSpec, ...]:
         seen.add(m.NAME)
         out.append(StageSpec(
             name=m.NAME, module=m, consumes=tuple(m.CONSUMES), uses=tuple(getattr(m, "USES", ())),
-            packages=tuple(m.PACKAGES), version=str(m.VERSION), code_hash=_code_hash(m),
+            packages=tuple(m.PACKAGES), version=str(m.VERSION), code=codehash.code_digests(Path(m.__file__).resolve()),
             required=bool(getattr(m, "REQUIRED", False)), check=getattr(m, "check", None),
             report=getattr(m, "report", None), fingerprint_extra=getattr(m, "fingerprint_extra", None),
         ))

@@ -19,7 +19,7 @@ from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
 
-from pipeline import registry
+from pipeline import codehash, registry
 from pipeline.config import section_dict
 from pipeline.errors import StageError, UsageError
 from pipeline.stage import StageContext
@@ -55,7 +55,7 @@ def fingerprint_inputs(spec: registry.StageSpec, cfg, upstream: dict[str, str]) 
     doc = {
         "stage": spec.name,
         "version": spec.version,
-        "code": spec.code_hash,
+        "code": spec.code,
         "params": params,
         "uses": {u: section_dict(cfg, u) for u in spec.uses},
         "inputs": {d: upstream[d] for d in spec.consumes},
@@ -95,8 +95,12 @@ def stale_reason(old_doc: dict | None, new_doc: dict) -> str:
         reasons.append("params changed: " + ", ".join(p))
     if changed := [d for d in new_doc["inputs"] if old_doc.get("inputs", {}).get(d) != new_doc["inputs"][d]]:
         reasons.append("input changed: " + ", ".join(changed))
-    if old_doc.get("code") != new_doc["code"] or old_doc.get("version") != new_doc["version"]:
-        reasons.append("code changed")
+    if old_doc.get("version") != new_doc["version"]:
+        reasons.append(f"code changed: VERSION {old_doc.get('version')} -> {new_doc['version']}")
+    elif old_doc.get("code") != new_doc["code"]:
+        files = codehash.changed_files(old_doc.get("code"), new_doc["code"])
+        reasons.append("code changed" + (": " + ", ".join(files[:4]) + (f" (+{len(files) - 4} more)" if len(files) > 4 else "")
+                                         if files else ""))
     if p := [k for k in new_doc["packages"] if old_doc.get("packages", {}).get(k) != new_doc["packages"][k]]:
         reasons.append("packages changed: " + ", ".join(
             f"{k} {old_doc.get('packages', {}).get(k)} -> {new_doc['packages'][k]}" for k in p))

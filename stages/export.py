@@ -207,15 +207,16 @@ def _speculators(ctx: StageContext, dep: dict, options: dict) -> dict:
 
 
 def fingerprint_extra(section: Config) -> dict | None:
-    """The CPU repository carries a copy of runtime/serving/triton_model/model.py: its content enters the fingerprint,
-    so a changed serving model is re-exported."""
+    """The CPU repository carries a copy of runtime/serving/triton_model/model.py, which runs specpipe's runtime: that
+    file and the runtime code it imports enter the fingerprint, so a changed serving model or engine is re-exported."""
     if not section.cpu_repository:
         return None
-    import hashlib
     from importlib import resources
 
-    text = resources.files("runtime.serving").joinpath("triton_model", "model.py").read_bytes()
-    return {"runtime/serving/triton_model/model.py": hashlib.sha256(text).hexdigest()}
+    from pipeline import codehash
+
+    model = Path(str(resources.files("runtime.serving").joinpath("triton_model", "model.py"))).resolve()
+    return codehash.code_digests(model)
 
 
 def _require_gate(acc: dict) -> None:
