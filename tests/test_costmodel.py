@@ -301,7 +301,7 @@ def test_measured_footprint_bandwidth_replaces_the_cache_blend():
 
 
 def test_attention_solve_reproduces_both_measurements():
-    from runtime.cost.profile import _solve_attention
+    from runtime.cost.calibrate import _solve_attention
 
     bw, pk = 20e9, 50e9
     pts = [(b / bw + f / pk, f, b) for f, b in ((1.7e7, 1.7e7), (1.36e8, 1.76e7))]
