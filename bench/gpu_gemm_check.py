@@ -7,7 +7,7 @@ root, on a machine with CUDA torch:
     python bench/gpu_gemm_check.py --gpu h200 --out "${OUT:-bench_out}"
 
 It writes `<out>/gemm_check.json` (every point: measured, datasheet prediction, prediction at the default
-efficiencies, and the model calibrated from `runtime.cost.profile` microbenchmarks) and `<out>/h200_profile.json`
+efficiencies, and the model calibrated from `runtime.cost.calibrate` microbenchmarks) and `<out>/h200_profile.json`
 (a specpipe hardware profile: `hardware.profile: <out>/h200_profile.json` makes `tune` use measured rates),
 and prints a Markdown table for docs/benchmarks.md. `--smoke` runs tiny shapes on the CPU to check the
 script itself (no GPU needed).
@@ -57,7 +57,7 @@ class GemmStack:
     def __init__(self, shape: cm.ModelShape, dtype: str, device):
         import torch
 
-        from runtime.cost.profile import Matmul
+        from runtime.cost.measure import Matmul
 
         gen = torch.Generator().manual_seed(0)
         self.layers = [[Matmul(g.k, g.n, dtype, device, gen) for g in shape.layer_gemms] for _ in range(shape.num_layers)]
@@ -125,7 +125,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--rows", default=",".join(map(str, ROWS)))
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--no-graph", action="store_true", help="time eager launches instead of one CUDA graph")
-    ap.add_argument("--no-profile", action="store_true", help="skip the runtime.cost.profile calibration")
+    ap.add_argument("--no-profile", action="store_true", help="skip the runtime.cost.calibrate calibration")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script, not a GPU)")
     return ap.parse_args()
 
@@ -144,20 +144,21 @@ def device_and_dtype(smoke: bool):
 
 def calibrate(args: argparse.Namespace, shapes: dict[str, cm.ModelShape], dtype: str, device, rows: list[int],
               t0: float):
-    """runtime.cost.profile's microbenchmarks on the first stack's shapes: (calibration, the machine it gives), or
+    """runtime.cost.calibrate's microbenchmarks on the first stack's shapes: (calibration, the machine it gives), or
     (None, None) with --no-profile or when a calibration kernel is refused."""
+    from runtime.cost import calibrate as C
     from runtime.cost import profile as P
 
     if args.no_profile:
         return None, None
     first = next(iter(shapes.values()))
     try:
-        cal = P.calibrate(first, dtype, device, context=1024 if not args.smoke else 32,
+        cal = C.calibrate(first, dtype, device, context=1024 if not args.smoke else 32,
                           peak_rows=4096 if not args.smoke else 256, curve_rows=rows)
     except RuntimeError as e:   # keep the datasheet comparison even if a calibration kernel is refused
         print(f"calibration failed, continuing without it: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
         return None, None
-    calibrated = P.machine_from_calibration(cal, dtype, P.device_name(device))
+    calibrated = C.machine_from_calibration(cal, dtype, P.device_name(device))
     print(f"calibration ({time.time() - t0:.0f}s): "
           + json.dumps({k: v for k, v in cal.items() if k != "benchmarks"}), file=sys.stderr)
     return cal, calibrated
@@ -232,6 +233,7 @@ def main() -> int:
     import torch
 
     from runtime.cost import profile as P
+    from runtime.cost.measure import precision_for
 
     dev = device_and_dtype(args.smoke)
     if dev is None:
@@ -242,7 +244,7 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     gpu = GPUS[args.gpu]
-    prec = P.precision_for(dtype) if args.smoke else cm.Precision("fp8" if dtype == "fp8" else "bf16",
+    prec = precision_for(dtype) if args.smoke else cm.Precision("fp8" if dtype == "fp8" else "bf16",
                                                                   1.0 if dtype == "fp8" else 2.0, 1.0)
     sheet = cm.machine_from_gpu(gpu, compute_efficiency=1.0, memory_efficiency=1.0, op_overhead_us=0.0)
     default = cm.machine_from_gpu(gpu, compute_efficiency=0.8, memory_efficiency=0.85, op_overhead_us=2.0)

@@ -25,9 +25,9 @@ from pipeline.artifacts import quantize as quantize_artifact
 from pipeline.artifacts import target as target_artifact
 from pipeline.artifacts import train_draft as train_draft_artifact
 from pipeline.artifacts import validate as validate_artifact
-from pipeline.artifacts.quantize import QuantizeInfo
 from pipeline.errors import StageError
 from pipeline.stage import StageContext, StageSection, Strict
+from runtime.errors import RuntimeFailure
 
 NAME = "tune"
 CONSUMES: tuple[str, ...] = ("target", "train_draft", "quantize", "validate")
@@ -167,7 +167,9 @@ def check(cfg) -> list[tuple[str, str]]:
 
 
 def run(ctx: StageContext) -> dict:
-    from runtime.cost import costmodel as cm
+    from pipeline.hardware import GPUS
+    from runtime.cost import draft_length as dl
+    from runtime.cost import tuning
     from runtime.trtllm import compat
 
     sec: Config = ctx.section
@@ -182,19 +184,24 @@ def run(ctx: StageContext) -> dict:
 
     if (p := compat.algorithm_problem(version, str(draft.get("algorithm")))) is not None:
         raise StageError(p)
-    dep, hw_doc = deployment(ctx, sec, hw, target, draft, draft_art.path, quant)
-    curves, weights, K = acceptance_curves(acc, sec, draft, ctx.log)
+    draft_cfg = train_draft_artifact.read_draft_config(draft_art.path)
+    dep, hw_doc = _priced(tuning.deployment, target, draft, draft_cfg, quant, gpu_key=hw.gpu, gpu=GPUS[hw.gpu],
+                          profile=hw.profile, tp=hw.tensor_parallel_size, context_length=sec.context_length,
+                          efficiency=sec.efficiency, log=ctx.log)
+    curves, weights, K = _priced(tuning.acceptance_curves, acc, draft, domain_weights=sec.domain_weights,
+                                 max_draft_len=sec.max_draft_len, log=ctx.log)
     ctx.log.info("cost model: %s, TP %d, context %d; target %s weights / %s KV, draft %s; ridge %.0f rows",
-                 hw_doc["machine"], dep.tp, dep.context, dep.target_prec.gemm_dtype, _kv_name(dep.target_prec),
+                 hw_doc["machine"], dep.tp, dep.context, dep.target_prec.gemm_dtype, tuning.kv_name(dep.target_prec),
                  dep.draft_prec.gemm_dtype, dep.machine.ridge_rows(dep.target_prec))
     ctx.log.info("acceptance (FP8 pair) per domain, positions 1..%d: %s; traffic weights %s", K,
                  {d: [round(a, 3) for a in c[:K]] for d, c in curves.items()}, weights)
 
-    max_batch, capacity = batch_limit(dep, sec, hw)
+    max_batch, capacity = _priced(tuning.batch_limit, dep, want=sec.max_batch_size or sec.batch_sizes[-1],
+                                  context_length=sec.context_length, kv_cache_memory_fraction=sec.kv_cache_memory_fraction)
     ctx.log.info("max_batch_size %d (KV memory holds %s sequences of %d tokens)", max_batch,
                  capacity if capacity is not None else "any number of", sec.context_length)
     kw = dict(min_speedup=sec.min_speedup, tie_tolerance=sec.tie_tolerance)
-    table = [_row(dep, cm.choose_k(dep, curves, weights, b, K, **kw), curves, weights, max_batch)
+    table = [tuning.table_row(dep, dl.choose_k(dep, curves, weights, b, K, **kw), curves, weights, max_batch)
              for b in sec.batch_sizes]
     for r in table:
         ctx.log.info("batch %4d: k=%d, predicted speedup %.2fx (k=0..%d: %s), B(1+k)/ridge %.2f%s", r["batch"], r["k"],
@@ -202,7 +209,7 @@ def run(ctx: StageContext) -> dict:
                      "" if r["within_max_batch_size"] else " [above max_batch_size]")
 
     mode = rel.mode(str(draft.get("algorithm")), eagle3_one_model(ctx.config))
-    schedule, policy = choose_schedule(dep, curves, weights, max_batch, K, rel, mode, sec, kw)
+    schedule, policy = dl.choose_schedule(dep, curves, weights, max_batch, K, rel, mode, sec.batch_sizes, kw)
     ctx.log.info("TensorRT-LLM %s, %s: %s", version, mode.replace("_", "-"), policy["note"])
     for r in table:   # what the deployment runs at each table batch size; say where that overrules the table
         r["deployed_k"] = schedule.k_at(r["batch"]) if r["within_max_batch_size"] else None
@@ -211,9 +218,9 @@ def run(ctx: StageContext) -> dict:
             ctx.log.info("batch %d: k=%d deployed as %d (%s)", r["batch"], r["k"], r["deployed_k"], policy["name"])
     runs = schedule.bounded(max_batch)
     points = [hi for _, hi, _ in runs] + [lo for lo, _, _ in runs]
-    graphs = cm.cuda_graph_batch_sizes(max_batch, points)
+    graphs = tuning.cuda_graph_batch_sizes(max_batch, points)
     kmax = schedule.max_draft_len(max_batch)
-    num_tokens = cm.max_num_tokens(max_batch, kmax, sec.min_num_tokens)
+    num_tokens = tuning.max_num_tokens(max_batch, kmax, sec.min_num_tokens)
     for lo, hi, k in runs:
         ctx.log.info("batch %d-%d: draft length %d%s", lo, hi, k, " (speculation off)" if k == 0 else "")
     if kmax == 0:
@@ -231,8 +238,9 @@ def run(ctx: StageContext) -> dict:
         "context_length": sec.context_length,
         "kv_capacity_sequences": capacity,
         "hardware": hw_doc,
-        "models": {"target": _shape(dep.target), "draft": _shape(dep.draft), "algorithm": dep.algorithm,
-                   "target_precision": vars(dep.target_prec), "draft_precision": vars(dep.draft_prec)},
+        "models": {"target": tuning.shape_summary(dep.target), "draft": tuning.shape_summary(dep.draft),
+                   "algorithm": dep.algorithm, "target_precision": vars(dep.target_prec),
+                   "draft_precision": vars(dep.draft_prec)},
         "acceptance": {"per_position": {d: c[:K] for d, c in curves.items()}, "weights": weights, "K": K,
                        "source_max_draft_len": acc.get("max_draft_len")},
         "predicted": table,
@@ -248,193 +256,13 @@ def run(ctx: StageContext) -> dict:
     }
 
 
-def choose_schedule(dep, curves, weights, max_batch: int, K: int, rel, mode: str, sec: Config, kw: dict):
-    """The draft length per batch size the deployment runs, fitted to what `rel` does in `mode`
-    (runtime/trtllm/compat.py, SOURCES per_batch_draft_len_1_2 and zero_draft_len_one_engine), and a description."""
-    from runtime.cost import costmodel as cm
-    from runtime.trtllm.draft_schedule import DraftSchedule
-
-    line = f"TensorRT-LLM {rel.line}"
-    if mode not in rel.per_batch_draft_len:
-        batches = [b for b in sec.batch_sizes if b <= max_batch] or [max_batch]
-        k, gm = cm.best_constant_k(dep, curves, weights, batches, K, **kw)
-        return DraftSchedule.constant(k), {
-            "name": "constant", "per_batch_draft_len": False,
-            "note": (f"{line} in {mode.replace('_', '-')} mode uses one draft length at every batch size (it applies "
-                     "draft_len_schedule and max_concurrency only with a two-model drafter): "
-                     + (f"k={k} at every batch size, the best geometric-mean predicted speedup ({gm:.3f}x) over batch "
-                        f"sizes {batches}" if k else "no constant draft length pays on average: no speculation"))}
-    ideal = cm.k_by_batch(dep, curves, weights, max_batch, K, **kw)
-    if mode in rel.zero_draft_len_ok or not any(ideal):
-        sched = DraftSchedule.from_ks(ideal)
-        return sched, {"name": "per_batch", "per_batch_draft_len": True,
-                       "note": f"{line} applies the draft length per batch size: {sched.describe(max_batch)}"}
-    floored = cm.k_by_batch(dep, curves, weights, max_batch, K, **kw, min_k=1)
-    sched = DraftSchedule.from_ks(floored)
-    off = [b for b, k in enumerate(ideal, start=1) if k == 0]
-    note = f"{line} applies the draft length per batch size: {sched.describe(max_batch)}"
-    if off:
-        note += (f"; batch sizes {off[0]}-{off[-1]} would do better without speculation, but a draft length of 0 in "
-                 "one-engine mode corrupts the drafter's state and acceptance collapses once speculation resumes "
-                 "(TensorRT-LLM PR #16888), and max_concurrency is translated into such a schedule: they keep the "
-                 "best k >= 1 instead")
-    return sched, {"name": "per_batch_min1", "per_batch_draft_len": True, "note": note}
-
-
-def deployment(ctx, sec: Config, hw, target: dict, draft: dict, draft_art: Path, quant: QuantizeInfo):
-    """Shapes, precisions and machine of the deployment, and a description of them for tuning.json."""
-    from pipeline.hardware import GPUS
-    from runtime.cost import costmodel as cm
-
-    draft_cfg = train_draft_artifact.read_draft_config(draft_art)
-    algo = draft.get("algorithm")
-    if algo not in ("eagle3", "dflash"):
-        raise StageError(f"draft.json algorithm is {algo!r}; tune prices eagle3 and dflash drafts")
-    gpu = GPUS[hw.gpu]
-    weight_fmt = _weight_format(quant.format)
-    kv_bytes = 1.0 if quant.kv_cache_fp8 else 2.0
-    draft_fp8 = quant.draft_is_fp8
-    if hw.profile is not None:
-        profile = json.loads(Path(hw.profile).read_text())
-        machine = cm.machine_from_profile(profile, memory_gb=float(profile.get("memory_gb") or gpu.memory_gb))
-        measured = set(profile["machine"]["peak_tflops"])
-        if weight_fmt not in measured:
-            ctx.log.warning("profile %s measured %s GEMMs, not %s: its rate stands in for %s GEMMs",
-                            hw.profile, ", ".join(sorted(measured)), weight_fmt, weight_fmt)
-        desc = f"profile {hw.profile} ({profile.get('device')})"
-    else:
-        if weight_fmt == "fp8" and not gpu.has_fp8:
-            raise StageError(f"{gpu.name} has no FP8 tensor cores but the target is FP8 ({quant.format}); "
-                             "choose an FP8-capable hardware.gpu or a BF16 quantize.format")
-        e = sec.efficiency
-        machine = cm.machine_from_gpu(gpu, compute_efficiency=e.compute, memory_efficiency=e.memory,
-                                      op_overhead_us=e.op_overhead_us)
-        desc = f"{gpu.name} datasheet x efficiency (compute {e.compute}, memory {e.memory})"
-    tprec = cm.Precision(weight_fmt, 1.0 if weight_fmt == "fp8" else 2.0, kv_bytes)
-    dprec = cm.Precision("fp8" if draft_fp8 and gpu.has_fp8 else "bf16", 1.0 if draft_fp8 else 2.0, kv_bytes)
-    tshape = cm.target_shape(target)
-    dshape = cm.draft_shape(draft, draft_cfg, target["hidden_size"])
-    max_pos = target.get("max_position_embeddings")
-    if max_pos and sec.context_length > max_pos:
-        raise StageError(f"tune.context_length {sec.context_length} exceeds the target's max_position_embeddings "
-                         f"{max_pos}; use the context the deployment will actually serve")
-    dmax = draft.get("max_position_embeddings") or draft_cfg.get("max_position_embeddings")
-    if dmax and sec.context_length > dmax:
-        ctx.log.warning("tune.context_length %d is beyond the draft's max_position_embeddings %s: acceptance may "
-                        "collapse past it in production", sec.context_length, dmax)
-    tp = hw.tensor_parallel_size
-    for name, shape in (("target", tshape), ("draft", dshape)):
-        if shape.heads % tp or (shape.kv_heads % tp and tp % shape.kv_heads):
-            raise StageError(f"hardware.tensor_parallel_size {tp} does not divide the {name}'s {shape.heads} "
-                             f"attention heads / {shape.kv_heads} KV heads")
-    dep = cm.Deployment(tshape, dshape, algo, tprec, dprec, machine, tp, sec.context_length)
-    hw_doc = {"gpu": hw.gpu, "gpu_name": gpu.name, "datasheet_source": gpu.source, "tensor_parallel_size": tp,
-              "profile": str(hw.profile) if hw.profile else None, "machine": desc,
-              "peak_tflops": {k: v / 1e12 for k, v in machine.peak_flops.items()},
-              "bandwidth_tb_s": machine.bandwidth / 1e12, "op_overhead_us": machine.op_overhead_s * 1e6,
-              "ridge_rows": machine.ridge_rows(tprec)}
-    return dep, hw_doc
-
-
-def _weight_format(fmt) -> str:
-    f = str(fmt or "bf16").lower()
-    if "fp8" in f:
-        return "fp8"
-    if f in ("bf16", "bfloat16", "fp16", "float16", "none", "auto"):
-        return "bf16"
-    raise StageError(f"quantize.json format {fmt!r}: tune models FP8 and BF16 weights only")
-
-
-def _kv_name(p) -> str:
-    return "fp8" if p.kv_bytes == 1 else "bf16"
-
-
-def acceptance_curves(acc: dict, sec: Config, draft: dict, log=None):
-    """Per-domain conditional acceptance of the FP8 pair, the traffic weights, and the longest k to consider.
-
-    A position no step reached (None) counts as 0: it adds nothing to the expected tokens either way. Where
-    validate measured only acceptance lengths (its TensorRT-LLM runtime reports no per-position rates), the
-    curve is the flat rate a with (1 - a^(K+1)) / (1 - a) = AL at the measured K."""
-    from runtime.cost.costmodel import flat_acceptance
-
-    domains = acc.get("domains") or {}
-    curves: dict[str, list[float]] = {}
-    for d, v in domains.items():
-        fp8 = (v or {}).get("fp8") or {}
-        pp = fp8.get("per_position")
-        if not pp:
-            al, K = fp8.get("acceptance_length"), acc.get("max_draft_len")
-            if not isinstance(al, (int, float)) or not K:
-                raise StageError(f"acceptance.json: domain '{d}' has neither fp8.per_position nor an acceptance_length "
-                                 "with max_draft_len; rerun validate")
-            a = flat_acceptance(float(al), int(K))
-            pp = [a] * int(K)
-            if log:
-                log.info("domain %s: no per-position rates; flat acceptance %.3f from AL %.3f at k=%d", d, a, al, K)
-        pp = [0.0 if a is None else a for a in pp]
-        if any(not isinstance(a, (int, float)) or not 0 <= a <= 1 for a in pp):
-            raise StageError(f"acceptance.json: domain '{d}' fp8.per_position must hold rates in [0, 1], found {pp}")
-        curves[d] = [float(a) for a in pp]
-    if not curves:
-        raise StageError("acceptance.json has no domains; validate must measure at least one")
-    if sec.domain_weights is None:
-        weights = {d: 1.0 for d in curves}
-    else:
-        unknown = sorted(set(sec.domain_weights) - set(curves))
-        if unknown:
-            raise StageError(f"tune.domain_weights names {', '.join(unknown)}, which validate did not measure; "
-                             f"measured domains: {', '.join(sorted(curves))}")
-        weights = {d: float(w) for d, w in sec.domain_weights.items() if w > 0}
-    K = min(len(c) for c in curves.values())
-    if sec.max_draft_len:
-        K = min(K, sec.max_draft_len)
-    if draft.get("algorithm") == "dflash" and draft.get("block_size"):
-        from runtime.trtllm.draft_schedule import dflash_max_draft_len
-
-        K = min(K, dflash_max_draft_len(int(draft["block_size"])))
-    return curves, weights, K
-
-
-def batch_limit(dep, sec: Config, hw) -> tuple[int, int | None]:
-    """max_batch_size: the configured (or largest table) batch, capped by how many sequences of
-    `context_length` tokens the KV cache of all TP ranks holds next to the weights."""
-    want = sec.max_batch_size or sec.batch_sizes[-1]
-    mem = dep.machine.memory_bytes * dep.tp
-    if not mem:
-        return want, None
-    weights = dep.target.weight_params() * dep.target_prec.weight_bytes
-    if dep.draft is not None:
-        weights += dep.draft.weight_params() * dep.draft_prec.weight_bytes
-    per_seq = (dep.target.kv_bytes_per_token(dep.target_prec.kv_bytes)
-               + (dep.draft.kv_bytes_per_token(dep.draft_prec.kv_bytes) if dep.draft else 0)) * sec.context_length
-    free = (mem - weights) * sec.kv_cache_memory_fraction
-    capacity = int(free // per_seq) if free > 0 else 0
-    if capacity < 1:
-        raise StageError(f"the weights ({weights / 1e9:.1f} GB) leave no room for one sequence's KV cache "
-                         f"({per_seq / 1e9:.2f} GB at {sec.context_length} tokens) on {dep.tp} x {mem / dep.tp / 1e9:.0f} GB; "
-                         "raise hardware.tensor_parallel_size or lower tune.context_length")
-    return min(want, capacity), capacity
-
-
-def _row(dep, choice, curves, weights, max_batch: int) -> dict:
-    from runtime.cost import costmodel as cm
-
-    b, k = choice.batch, choice.k
-    t1 = dep.target_time(b, 1)
-    ts = dep.spec_time(b, k)
-    e = cm.mix_expected_tokens(curves, weights, k)
-    return {"batch": b, "k": k, "speedup": choice.speedup, "speedups_by_k": choice.speedups,
-            "domain_speedups": choice.domain_speedups, "tokens_per_step": e,
-            "target_step_ms": t1 * 1e3, "spec_step_ms": ts * 1e3, "draft_ms": dep.draft_time(b, k) * 1e3,
-            "tokens_per_s": b * e / ts, "rows_over_ridge": choice.rows_over_ridge,
-            "within_max_batch_size": b <= max_batch}
-
-
-def _shape(s) -> dict | None:
-    if s is None:
-        return None
-    return {"num_layers": s.num_layers, "hidden": s.hidden, "heads": s.heads, "kv_heads": s.kv_heads,
-            "head_dim": s.head_dim, "weight_params": s.weight_params()}
+def _priced(fn, *args, **kw):
+    """runtime.cost's failures (RuntimeFailure: an artifact fact or a setting tune cannot price) as the stage's
+    StageError, with the same message."""
+    try:
+        return fn(*args, **kw)
+    except RuntimeFailure as e:
+        raise StageError(str(e)) from None
 
 
 # ---------------------------------------------------------------------------------------------- report

@@ -1,4 +1,5 @@
-"""The roofline cost model (runtime.cost.costmodel), the GPU table, and `specpipe profile` (runtime.cost.profile).
+"""The roofline cost model (runtime.cost.costmodel), the draft-length optimiser (runtime.cost.draft_length), TensorRT-LLM's
+sizes (runtime.cost.tuning), the GPU table, and `specpipe profile` (runtime.cost.profile, calibrate, measure).
 
 No timed assertions: measured numbers are only checked for shape and sanity; the accuracy of the fitted model
 is measured and reported in docs/benchmarks.md, not asserted here.
@@ -12,6 +13,8 @@ import pytest
 
 from pipeline.hardware import GPUS
 from runtime.cost import costmodel as cm
+from runtime.cost import draft_length as dl
+from runtime.cost import tuning
 
 from conftest import run_cli, tiny_overrides
 
@@ -112,20 +115,20 @@ def test_expected_tokens_matches_the_closed_form():
     for a in (0.0, 0.3, 0.8, 0.95):
         for k in range(0, 7):
             closed = (1 - a ** (k + 1)) / (1 - a)
-            assert cm.expected_tokens([a] * k, k) == pytest.approx(closed)
-    assert cm.expected_tokens([0.9, 0.0, 0.9], 3) == pytest.approx(1.9)
-    a = cm.flat_acceptance(2.5, 4)
-    assert cm.expected_tokens([a] * 4, 4) == pytest.approx(2.5, abs=1e-9)
-    assert cm.mix_expected_tokens({"x": [1.0] * 2, "y": [0.0] * 2}, {"x": 3, "y": 1}, 2) == pytest.approx(0.75 * 3 + 0.25)
+            assert dl.expected_tokens([a] * k, k) == pytest.approx(closed)
+    assert dl.expected_tokens([0.9, 0.0, 0.9], 3) == pytest.approx(1.9)
+    a = dl.flat_acceptance(2.5, 4)
+    assert dl.expected_tokens([a] * 4, 4) == pytest.approx(2.5, abs=1e-9)
+    assert dl.mix_expected_tokens({"x": [1.0] * 2, "y": [0.0] * 2}, {"x": 3, "y": 1}, 2) == pytest.approx(0.75 * 3 + 0.25)
 
 
 def test_choose_k_prefers_shorter_within_tolerance_and_turns_off_below_min():
     m = datasheet("h200", 0.85, 2.0)
     dep = cm.Deployment(L8B, None, "eagle3", FP8, FP8, m, context=1024)   # no draft cost: longer k always >=
-    c = cm.choose_k(dep, {"d": [0.9, 0.9, 0.9, 0.01]}, {"d": 1}, 1, 4, tie_tolerance=0.01)
+    c = dl.choose_k(dep, {"d": [0.9, 0.9, 0.9, 0.01]}, {"d": 1}, 1, 4, tie_tolerance=0.01)
     assert c.k == 3                                          # position 4 adds ~0.3 %: not useful
-    assert cm.choose_k(dep, {"d": [0.9, 0.9, 0.9, 0.01]}, {"d": 1}, 1, 4, tie_tolerance=0.0).k == 4
-    off = cm.choose_k(dep, {"d": [0.05] * 3}, {"d": 1}, 1, 3, min_speedup=1.2)
+    assert dl.choose_k(dep, {"d": [0.9, 0.9, 0.9, 0.01]}, {"d": 1}, 1, 4, tie_tolerance=0.0).k == 4
+    off = dl.choose_k(dep, {"d": [0.05] * 3}, {"d": 1}, 1, 3, min_speedup=1.2)
     assert off.k == 0 and off.speedup == 1.0
 
 
@@ -165,22 +168,22 @@ def test_schedule_round_trip_for_every_step_function():
 def test_choose_k_floor_and_best_constant_k():
     m = datasheet("h200", 0.85, 2.0)
     dep = cm.Deployment(L8B, L8B, "eagle3", FP8, FP8, m, context=128)     # a draft as large as the target: never pays
-    off = cm.choose_k(dep, {"d": [0.5] * 3}, {"d": 1}, 1, 3)
+    off = dl.choose_k(dep, {"d": [0.5] * 3}, {"d": 1}, 1, 3)
     assert off.k == 0
-    floor = cm.choose_k(dep, {"d": [0.5] * 3}, {"d": 1}, 1, 3, min_k=1)
+    floor = dl.choose_k(dep, {"d": [0.5] * 3}, {"d": 1}, 1, 3, min_k=1)
     assert floor.k == 1 and floor.speedup == floor.speedups[1] < 1            # the least bad k >= 1
-    assert cm.best_constant_k(dep, {"d": [0.5] * 3}, {"d": 1}, [1, 8], 3) == (0, 1.0)
+    assert dl.best_constant_k(dep, {"d": [0.5] * 3}, {"d": 1}, [1, 8], 3) == (0, 1.0)
     cheap = cm.Deployment(L8B, None, "eagle3", FP8, FP8, m, context=1024)
-    k, gm = cm.best_constant_k(cheap, {"d": [0.9, 0.9, 0.9, 0.01]}, {"d": 1}, [1, 2, 4], 4)
+    k, gm = dl.best_constant_k(cheap, {"d": [0.9, 0.9, 0.9, 0.01]}, {"d": 1}, [1, 2, 4], 4)
     assert k == 3 and gm > 1
 
 
 def test_cuda_graph_sizes_and_token_budget():
-    g = cm.cuda_graph_batch_sizes(90, [34, 35, 61, 62])
+    g = tuning.cuda_graph_batch_sizes(90, [34, 35, 61, 62])
     assert g[:3] == [1, 2, 4] and {34, 35, 61, 62, 90} <= set(g) and max(g) == 90 and g == sorted(set(g))
-    assert max(cm.cuda_graph_batch_sizes(1000, [])) == 1000 and 512 in cm.cuda_graph_batch_sizes(1000, [])
-    assert cm.max_num_tokens(256, 5, 8192) >= 256 * 6 and cm.max_num_tokens(256, 5, 8192) % 64 == 0
-    assert cm.max_num_tokens(4, 3, 100) == 128
+    assert max(tuning.cuda_graph_batch_sizes(1000, [])) == 1000 and 512 in tuning.cuda_graph_batch_sizes(1000, [])
+    assert tuning.max_num_tokens(256, 5, 8192) >= 256 * 6 and tuning.max_num_tokens(256, 5, 8192) % 64 == 0
+    assert tuning.max_num_tokens(4, 3, 100) == 128
 
 
 def test_overlap_and_cache_terms():
@@ -298,7 +301,7 @@ def test_measured_footprint_bandwidth_replaces_the_cache_blend():
 
 
 def test_attention_solve_reproduces_both_measurements():
-    from runtime.cost.profile import _solve_attention
+    from runtime.cost.calibrate import _solve_attention
 
     bw, pk = 20e9, 50e9
     pts = [(b / bw + f / pk, f, b) for f, b in ((1.7e7, 1.7e7), (1.36e8, 1.76e7))]

@@ -1,7 +1,8 @@
-"""Roofline cost model of one decoding step of a target and its draft, and the draft-length optimiser.
+"""Roofline cost model of one decoding step of a target and its draft.
 
-Pure functions, no torch: `tune` uses them to choose the draft length per batch size, `build` may reuse them,
-and `specpipe profile` compares them with measured step times.
+Pure functions, no torch: `tune` prices a deployment with them (runtime.cost.tuning), the draft-length optimiser
+(runtime.cost.draft_length) compares step times at each draft length, `build` may reuse them, and
+`specpipe profile` compares them with measured step times.
 
 The model (anchors.md, "Formulas"):
 - every GEMM with M token rows and a K x N weight does 2 M K N FLOPs and moves K N weight bytes plus the
@@ -14,16 +15,14 @@ The model (anchors.md, "Formulas"):
   small enough to stay cached (a tiny model on a CPU); the datasheet model uses none of them;
 - a step is the sum over its operations (layers are identical, so one layer is costed and multiplied).
 
-Speculation (one verification step with draft length k at batch B, context L):
-  tokens/step E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j   (a_j: conditional acceptance at draft position j)
-  speedup S(B, k) = E(k) * T_target(B, 1) / (T_target(B, 1+k) + T_draft(B, k))
+One verification step with draft length k at batch B costs T_target(B, 1+k) + T_draft(B, k) (`Deployment`).
 EAGLE-3 drafts serially (one pass over the 1+k verified rows, then k-1 one-row passes); DFlash drafts all k
 positions in one parallel pass.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 # ------------------------------------------------------------------------------------------ shapes
 
@@ -156,12 +155,12 @@ class Machine:
     cache_bytes: float = 0.0
     cache_bandwidth: float = 0.0
     # Measured GEMM efficiency by row count: ((rows, factor), ...) sorted by rows, factor = measured time of a
-    # GEMM at that many rows / this model's time for it (`runtime.cost.profile.calibrate`). Kernels change with M
+    # GEMM at that many rows / this model's time for it (`runtime.cost.calibrate.calibrate`). Kernels change with M
     # (a CPU runs one row as a GEMV and two or more as a packed GEMM at twice the cost; a GPU picks tiles by
     # M); between the measured row counts the factor is interpolated in log(rows). Empty: factor 1.
     gemm_row_factors: tuple = ()
     # Measured weight-streaming rate by working set: ((bytes, bytes/s), ...) sorted by bytes, from a GEMV cycling
-    # through that many bytes of weights (`runtime.cost.profile.calibrate`). Replaces the cache_bytes blend above
+    # through that many bytes of weights (`runtime.cost.calibrate.calibrate`). Replaces the cache_bytes blend above
     # when present: how much of a working set a real cache keeps is measured, not assumed. Interpolated in
     # log-log; below the smallest point its rate, above the largest the streaming `bandwidth`.
     footprint_bandwidth: tuple = ()
@@ -372,127 +371,3 @@ class Deployment:
 
     def spec_time(self, batch: int, k: int) -> float:
         return self.target_time(batch, 1 + k) + self.draft_time(batch, k)
-
-
-# ------------------------------------------------------------------------------------------ acceptance
-
-
-def expected_tokens(per_position: list[float], k: int) -> float:
-    """E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j: tokens emitted per verification step with draft length k."""
-    e, run = 1.0, 1.0
-    for a in per_position[:k]:
-        run *= min(1.0, max(0.0, float(a)))
-        e += run
-    return e
-
-
-def flat_acceptance(acceptance_length: float, k: int) -> float:
-    """The constant per-position rate a with E(k) = (1 - a^(k+1)) / (1 - a) = acceptance_length."""
-    target = min(max(acceptance_length, 1.0), k + 1.0)
-    lo, hi = 0.0, 1.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        if expected_tokens([mid] * k, k) < target:
-            lo = mid
-        else:
-            hi = mid
-    return (lo + hi) / 2
-
-
-def mix_expected_tokens(curves: dict[str, list[float]], weights: dict[str, float], k: int) -> float:
-    tot = sum(weights.values())
-    return sum(w / tot * expected_tokens(curves[d], k) for d, w in weights.items() if w > 0)
-
-
-# ------------------------------------------------------------------------------------------ optimiser
-
-
-@dataclass
-class Choice:
-    batch: int
-    k: int
-    speedup: float                    # predicted for the traffic mix at the chosen k (1.0 when k == 0)
-    speedups: list[float]             # mix speedup for k = 0..K
-    rows_over_ridge: float            # B (1+k) / M* at the chosen k
-    domain_speedups: dict = field(default_factory=dict)   # domain -> speedup at the chosen k
-
-
-def choose_k(dep: Deployment, curves: dict[str, list[float]], weights: dict[str, float], batch: int, K: int,
-             *, min_speedup: float = 1.0, tie_tolerance: float = 0.01, min_k: int = 0) -> Choice:
-    """The best draft length at one batch size.
-
-    Among k = 1..K take the best predicted speedup, then prefer a shorter k while it stays within
-    `tie_tolerance` of the best (a draft token that buys almost nothing still costs token budget and is
-    the first to hurt when acceptance drifts). Speculation is off (k = 0) when even the best falls below
-    `min_speedup`, unless `min_k` >= 1: a deployment that cannot switch speculation off at one batch size
-    (TensorRT-LLM one-engine mode, see runtime.trtllm.compat) gets the best k >= min_k there instead.
-    """
-    base = dep.target_time(batch, 1)
-    sp = [1.0] + [mix_expected_tokens(curves, weights, k) * base / dep.spec_time(batch, k) for k in range(1, K + 1)]
-    lo = min(max(0, min_k), K)      # 0: "no speculation" competes (its speedup is 1.0)
-    best = max(range(lo, K + 1), key=lambda k: (sp[k], -k)) if K else 0
-    k = best
-    while k > max(1, min_k) and sp[k - 1] >= sp[best] * (1 - tie_tolerance):
-        k -= 1
-    if min_k == 0 and (k == 0 or sp[k] < min_speedup):
-        k = 0
-    ridge = dep.machine.ridge_rows(dep.target_prec)
-    dom = {d: (expected_tokens(c, k) * base / dep.spec_time(batch, k) if k else 1.0) for d, c in curves.items()}
-    return Choice(batch, k, sp[k], sp, batch * (1 + k) / ridge, dom)
-
-
-def k_by_batch(dep: Deployment, curves, weights, max_batch: int, K: int, **kw) -> list[int]:
-    """Chosen k at every batch size 1..max_batch (index 0 = batch 1), made non-increasing: a longer draft at a
-    larger batch only happens through model noise, and TensorRT-LLM's schedule formats are read as steps."""
-    ks = [choose_k(dep, curves, weights, b, K, **kw).k for b in range(1, max_batch + 1)]
-    out, cur = [], K
-    for k in ks:
-        cur = min(cur, k)
-        out.append(cur)
-    return out
-
-
-def best_constant_k(dep: Deployment, curves, weights, batches: list[int], K: int, *, min_speedup: float = 1.0,
-                    tie_tolerance: float = 0.01) -> tuple[int, float]:
-    """One draft length for every batch size (a deployment that applies no per-batch schedule): the k in 1..K
-    with the best geometric-mean predicted speedup over `batches` (each listed batch size weighs the same), the
-    shortest within `tie_tolerance` of it; 0 (no speculation) when that mean is below `min_speedup`.
-    Returns (k, geometric-mean speedup at k)."""
-    if not K or not batches:
-        return 0, 1.0
-    logs = [0.0] * (K + 1)
-    for b in batches:
-        sp = choose_k(dep, curves, weights, b, K, min_speedup=0.0).speedups
-        for k in range(1, K + 1):
-            logs[k] += math.log(max(sp[k], 1e-12)) / len(batches)
-    gm = [1.0] + [math.exp(x) for x in logs[1:]]
-    best = max(range(1, K + 1), key=lambda k: (gm[k], -k))
-    k = best
-    while k > 1 and gm[k - 1] >= gm[best] * (1 - tie_tolerance):
-        k -= 1
-    if gm[k] < min_speedup:
-        return 0, 1.0
-    return k, gm[k]
-
-
-# ------------------------------------------------------------------------------------------ TensorRT-LLM sizes
-
-
-def cuda_graph_batch_sizes(max_batch: int, schedule_points: list[int]) -> list[int]:
-    """Batch sizes to capture: TensorRT-LLM's padded default ([1, 2, 4] + multiples of 8 up to 128, then
-    powers of two) up to max_batch, plus max_batch and every schedule boundary, so that the batch where
-    the draft length changes has a graph of its own instead of being padded across the boundary."""
-    base = [1, 2, 4] + list(range(8, 129, 8))
-    p = 256
-    while p < max_batch:
-        base.append(p)
-        p *= 2
-    pts = {b for b in base if b <= max_batch} | {max_batch} | {b for b in schedule_points if 1 <= b <= max_batch}
-    return sorted(pts)
-
-
-def max_num_tokens(max_batch: int, max_draft_len: int, floor: int, multiple: int = 64) -> int:
-    """Token budget per iteration: every generation request needs 1 + max_draft_len rows, and the budget
-    keeps at least `floor` for chunked prefill."""
-    need = max(floor, max_batch * (1 + max_draft_len))
-    return int(math.ceil(need / multiple) * multiple)
