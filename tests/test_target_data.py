@@ -24,7 +24,7 @@ def local_model(tmp_path_factory) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from stages.target import stdlib_corpus, train_tokenizer
+    from runtime.target.corpus import stdlib_corpus, train_tokenizer
 
     d = tmp_path_factory.mktemp("local_model")
     tok = train_tokenizer([t for _, t in stdlib_corpus(300_000)], 512, d)
