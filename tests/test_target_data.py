@@ -497,7 +497,7 @@ def test_regeneration_sampling_honours_temperature_top_p_and_seed(real_model):
 
     from transformers import AutoTokenizer
 
-    from stages.data import regenerate
+    from runtime.data.regenerate import regenerate
 
     tok = AutoTokenizer.from_pretrained(real_model["model_dir"])
     prompts = [list(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
