@@ -4,7 +4,7 @@ Two routes:
 - `target.model`: a local directory or a hub id, loaded with transformers (`trust_remote_code` only if set).
 - `target.bootstrap: tiny`: build a small Llama from scratch: a byte-level BPE tokenizer (with a mask token
   and a chat template) trained on the running Python's standard-library sources, then a short pretraining
-  so that the next-token distribution is real (a random target makes acceptance meaningless).
+  so that the next-token distribution is real (a random target makes acceptance meaningless): runtime/target/.
 
 Artifact: `model/` (HF checkpoint + tokenizer), `target.json` (shape summary later stages read), and for the
 bootstrap route `corpus/{train,heldout}.jsonl` (the pretraining corpus and the files it never saw).
@@ -17,13 +17,10 @@ logged; `eos_token_id` (kept for older readers) is the first stop id, the end of
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
 import shutil
-import sysconfig
-import time
 from pathlib import Path
 from typing import Literal
 
@@ -31,24 +28,13 @@ from pydantic import Field, model_validator
 
 from pipeline.errors import StageError
 from pipeline.stage import StageContext, StageSection, Strict
+from runtime.errors import RuntimeFailure
 
 NAME = "target"
 CONSUMES: tuple[str, ...] = ()
 VERSION = "2"   # 2: target.json gains eos_token_ids, end_of_turn, eos_sources, eos_rejected
 PACKAGES = ("torch", "transformers", "tokenizers", "safetensors")
 REQUIRED = True
-
-SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>", "<|mask|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
-# `{% generation %}` marks the assistant tokens, so the data stage can train on them alone.
-CHAT_TEMPLATE = (
-    "{% for m in messages %}"
-    "{% if m['role'] == 'system' %}<|system|>{{ m['content'] }}<|end|>"
-    "{% elif m['role'] == 'user' %}<|user|>{{ m['content'] }}<|end|>"
-    "{% elif m['role'] == 'assistant' %}<|assistant|>{% generation %}{{ m['content'] }}<|end|>{% endgeneration %}"
-    "{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
-
 
 class TinyConfig(Strict):
     """The built-in tiny Llama. Defaults: ~5M parameters, pretrained in a few minutes on 2 cores."""
@@ -113,7 +99,13 @@ def run(ctx: StageContext) -> dict:
     sec: Config = ctx.section
     model_dir = ctx.out_dir / "model"
     if sec.bootstrap == "tiny":
-        metrics = _bootstrap_tiny(ctx, sec, model_dir)
+        from runtime.target.tiny import bootstrap_tiny
+
+        try:
+            metrics = bootstrap_tiny(sec.tiny, model_dir, corpus_dir=ctx.out_dir / "corpus", scratch_dir=ctx.scratch_dir,
+                                     dtype=sec.dtype, log=ctx.log, progress=ctx.progress)
+        except RuntimeFailure as e:
+            raise StageError(f"target.bootstrap: {e}") from None
         source = "bootstrap:tiny"
     else:
         metrics = _resolve_model(ctx, sec, model_dir)
@@ -268,201 +260,6 @@ def _download(ctx: StageContext, sec: Config, model_dir: Path) -> dict:
     _check_local(dl, sec)
     shutil.move(str(dl), model_dir)
     return {"downloaded": True}
-
-
-# ---------------------------------------------------------------------------------------------- tiny bootstrap
-
-
-def stdlib_corpus(max_bytes: int) -> list[tuple[str, str]]:
-    """(relative path, text) of standard-library .py files, sorted, up to max_bytes. Same on every machine
-    with the same Python version: deterministic for a given seed and corpus."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    out, total = [], 0
-    for p in sorted(root.rglob("*.py")):
-        rel = p.relative_to(root).as_posix()
-        if rel.startswith(("site-packages", "test/", "idlelib/idle_test", "lib2to3/tests")) or "/tests/" in rel:
-            continue
-        try:
-            text = p.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue
-        if not text.strip():
-            continue
-        out.append((rel, text))
-        total += len(text.encode())
-        if total >= max_bytes:
-            break
-    return out
-
-
-def _is_heldout(rel: str, frac: float) -> bool:
-    return int(hashlib.sha256(rel.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF < frac
-
-
-def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(texts, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|end|>",
-                                   pad_token="<|pad|>", mask_token="<|mask|>", unk_token=None)
-    fast.chat_template = CHAT_TEMPLATE
-    fast.model_max_length = 1 << 30
-    fast.save_pretrained(out_dir)
-    return fast
-
-
-def _bootstrap_tiny(ctx: StageContext, sec: Config, model_dir: Path) -> dict:
-    """Build the tiny target: a corpus of standard-library sources, a BPE tokenizer trained on it, a small Llama
-    pretrained on it (resumable), saved to `model_dir`. Returns the pretraining metrics."""
-    import torch
-
-    t = sec.tiny
-    torch.manual_seed(t.seed)
-    files, train_files, held_files = _write_tiny_corpus(ctx, t)
-    tok = train_tokenizer([x for _, x in train_files], t.vocab_size, model_dir)
-    data = _token_stream(tok, train_files)
-    held_t = _token_stream(tok, held_files)
-    ctx.log.info("tokenizer: vocab %d; %d training tokens, %d held-out tokens", len(tok), len(data), len(held_t))
-
-    model = _tiny_llama(tok, t)
-    loss_v, first_loss, train_s = _pretrain(ctx, t, model, data)
-    held_loss = _eval_loss(model, held_t, t.seq_len)
-    dtype = getattr(torch, sec.dtype)
-    model.to(dtype).save_pretrained(model_dir, safe_serialization=True)
-    ctx.log.info("pretrained %d steps in %.0fs: loss %.3f, held-out perplexity "
-                 "%.1f", t.steps, train_s, loss_v, math.exp(held_loss))
-    return {
-        "pretrain_steps": t.steps,
-        "pretrain_first_loss": round(first_loss, 4) if first_loss is not None else None,
-        "pretrain_final_loss": round(loss_v, 4),
-        "heldout_loss": round(held_loss, 4),
-        "heldout_perplexity": round(math.exp(held_loss), 3),
-        "pretrain_seconds": round(train_s, 2),
-        "train_tokens": len(data),
-        "heldout_tokens": len(held_t),
-        "corpus_files": len(files),
-    }
-
-
-def _write_tiny_corpus(ctx: StageContext, t: TinyConfig) -> tuple[list, list, list]:
-    """Standard-library sources split into pretraining and held-out files, written to `corpus/{train,heldout}.jsonl`.
-    Returns (all files, training files, held-out files), each a list of (relative path, text)."""
-    files = stdlib_corpus(int(t.corpus_mb * 2**20))
-    if len(files) < 10:
-        raise StageError("target.bootstrap: found fewer than 10 standard-library sources to build the tiny corpus")
-    train_files = [(r, x) for r, x in files if not _is_heldout(r, t.heldout_fraction)]
-    held_files = [(r, x) for r, x in files if _is_heldout(r, t.heldout_fraction)]
-    corpus_dir = ctx.out_dir / "corpus"
-    corpus_dir.mkdir(parents=True)
-    for name, items in (("train", train_files), ("heldout", held_files)):
-        with open(corpus_dir / f"{name}.jsonl", "w") as f:
-            for rel, text in items:
-                f.write(json.dumps({"path": rel, "text": text}) + "\n")
-    ctx.log.info("corpus: %d files for pretraining, %d held out (%.1f MB)", len(train_files), len(held_files),
-                 sum(len(x) for _, x in files) / 2**20)
-    return files, train_files, held_files
-
-
-def _token_stream(tok, items: list):
-    """The files' token ids, each followed by eos, as one LongTensor."""
-    import torch
-
-    ids = []
-    for _, text in items:
-        ids.extend(tok(text)["input_ids"] + [tok.eos_token_id])
-    return torch.tensor(ids, dtype=torch.long)
-
-
-def _tiny_llama(tok, t: TinyConfig):
-    """A freshly initialised Llama of the configured tiny shape for tokenizer `tok` (the global torch seed decides
-    its weights)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=len(tok), hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
-        num_hidden_layers=t.num_layers, num_attention_heads=t.num_heads, num_key_value_heads=t.num_kv_heads,
-        max_position_embeddings=t.max_position_embeddings, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id, tie_word_embeddings=False, rope_theta=10000.0,
-    )
-    cfg.architectures = ["LlamaForCausalLM"]
-    return LlamaForCausalLM(cfg)
-
-
-def _lr_at(t: TinyConfig, step: int) -> float:
-    """Linear warmup, then cosine decay to a tenth of `lr`."""
-    if step < t.warmup_steps:
-        return t.lr * (step + 1) / t.warmup_steps
-    prog = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
-    return t.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * prog)))
-
-
-def _pretrain(ctx: StageContext, t: TinyConfig, model, data) -> tuple[float, float | None, float]:
-    """Pretrain `model` on random windows of `data` for `t.steps` steps, resuming from (and checkpointing to) the
-    scratch directory. Returns (last loss, first loss of this run, seconds)."""
-    import torch
-
-    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=0.01, betas=(0.9, 0.95))
-    gen = torch.Generator().manual_seed(t.seed)
-    ckpt = ctx.scratch_dir / "pretrain.pt"
-    step0 = _resume_pretraining(ctx, ckpt, model, opt, gen)
-    n = len(data) - t.seq_len - 1
-    model.train()
-    t0 = time.monotonic()
-    loss_v = float("nan")
-    first_loss = None
-    with ctx.progress(total=t.steps, desc="pretrain tiny target") as bar:
-        bar.update(step0)
-        for step in range(step0, t.steps):
-            starts = torch.randint(0, n, (t.batch_size,), generator=gen)
-            x = torch.stack([data[s: s + t.seq_len] for s in starts])
-            for g in opt.param_groups:
-                g["lr"] = _lr_at(t, step)
-            loss = model(input_ids=x, labels=x).loss
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            loss_v = loss.item()
-            first_loss = loss_v if first_loss is None else first_loss
-            bar.update(1, loss=f"{loss_v:.3f}")
-            if (step + 1) % t.checkpoint_every == 0 and step + 1 < t.steps:
-                tmp = ckpt.with_suffix(".tmp")
-                torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(), "step": step + 1}, tmp)
-                os.replace(tmp, ckpt)
-    return loss_v, first_loss, time.monotonic() - t0
-
-
-def _resume_pretraining(ctx: StageContext, ckpt: Path, model, opt, gen) -> int:
-    """Load model, optimizer and sampler state from `ckpt` when it exists; the step to continue from (0 if not)."""
-    import torch
-
-    if not ckpt.exists():
-        return 0
-    state = torch.load(ckpt, weights_only=True)
-    model.load_state_dict(state["model"])
-    opt.load_state_dict(state["opt"])
-    gen.set_state(state["gen"])
-    step0 = int(state["step"])
-    ctx.log.info("resuming pretraining from step %d (checkpoint %s)", step0, ckpt)
-    return step0
-
-
-def _eval_loss(model, ids, seq_len: int, max_windows: int = 32) -> float:
-    import torch
-
-    model.eval()
-    losses = []
-    with torch.no_grad():
-        for i in range(0, min(len(ids) - seq_len - 1, max_windows * seq_len), seq_len):
-            x = ids[i: i + seq_len].unsqueeze(0)
-            losses.append(model(input_ids=x, labels=x).loss.item())
-    return sum(losses) / max(1, len(losses))
 
 
 def report(artifact) -> str:

@@ -226,7 +226,7 @@ def test_token_across_the_header_boundary_is_a_sample_error(smol_dir):
 def test_generation_tags_are_used_exactly_and_agree_with_the_derivation(tmp_path):
     """The tiny target's template has {% generation %} tags: its mask is transformers' assistant mask, unchanged;
     the same template without the tags gives the same mask by derivation."""
-    from stages.target import CHAT_TEMPLATE, stdlib_corpus, train_tokenizer
+    from runtime.target.corpus import CHAT_TEMPLATE, stdlib_corpus, train_tokenizer
 
     tok = train_tokenizer([t for _, t in stdlib_corpus(100_000)], 400, tmp_path)
     r = ChatRenderer(tok)

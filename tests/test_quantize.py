@@ -27,7 +27,7 @@ SEQ = 64
 def _tiny_target(root: Path) -> tuple[Path, list[list[int]]]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from stages.target import stdlib_corpus, train_tokenizer
+    from runtime.target.corpus import stdlib_corpus, train_tokenizer
 
     texts = [t for _, t in stdlib_corpus(400_000)]
     model_dir = root / "target" / "model"

@@ -29,7 +29,7 @@ H, LAYERS, VOCAB = 64, 4, 512
 
 
 def _corpus_ids(tok, n_bytes=300_000):
-    from stages.target import stdlib_corpus
+    from runtime.target.corpus import stdlib_corpus
 
     ids = []
     for _, text in stdlib_corpus(n_bytes):
@@ -64,7 +64,7 @@ def tiny_assets() -> dict:
     from modelopt.torch.export import export_speculative_decoding
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from stages.target import stdlib_corpus, train_tokenizer
+    from runtime.target.corpus import stdlib_corpus, train_tokenizer
 
     root = Path(tempfile.mkdtemp(prefix="specpipe-rt-"))
     atexit.register(shutil.rmtree, root, True)

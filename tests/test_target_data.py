@@ -24,7 +24,7 @@ def local_model(tmp_path_factory) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from stages.target import stdlib_corpus, train_tokenizer
+    from runtime.target.corpus import stdlib_corpus, train_tokenizer
 
     d = tmp_path_factory.mktemp("local_model")
     tok = train_tokenizer([t for _, t in stdlib_corpus(300_000)], 512, d)
@@ -497,7 +497,7 @@ def test_regeneration_sampling_honours_temperature_top_p_and_seed(real_model):
 
     from transformers import AutoTokenizer
 
-    from stages.data import regenerate
+    from runtime.data.regenerate import regenerate
 
     tok = AutoTokenizer.from_pretrained(real_model["model_dir"])
     prompts = [list(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,

@@ -1,0 +1,229 @@
+"""Regeneration of the responses by the target (`data.regenerate`, the EAGLE recipe: a draft learns what its target
+writes): what the target continues for each sample (a conversation without its last assistant turn, a prompt, the
+first half of a text), batched decoding through specpipe's runtime (`runtime.engine.speculative`, draft_len 0) with
+resumable finished batches, the rows of prompt + generated ids (loss on the generated ones), and the check that the
+chat template renders exactly those rows."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from runtime.data.render import need_template, render_prompt, template_error
+from runtime.data.sources import Malformed, Sample
+
+
+@dataclass
+class RegenJob:
+    """One prompt for the target to continue, and the sample it came from."""
+
+    sample: Sample
+    prompt: list[int]
+    context: list[dict] | None      # the messages the prompt renders (chat prompts): the template consistency check
+
+
+def _regen_job(r, tok, s: Sample, max_length: int) -> RegenJob:
+    """What the target continues: the conversation without its last assistant turn (earlier turns stay as context),
+    a prompt as a user turn (or raw), the first half of a text sample."""
+    if s.fmt == "messages":
+        need_template(r, s)
+        msgs = list(s.content)
+        if msgs[-1]["role"] == "assistant":
+            msgs = msgs[:-1]
+        if not msgs:
+            raise ValueError("a conversation of one assistant message has no prompt to regenerate from")
+    elif s.fmt == "prompt" and s.chat or s.fmt == "text" and s.chat:
+        need_template(r, s)
+        text = s.content if s.fmt == "prompt" else render_prompt(None, tok, Sample("text", s.content, s.domain, s.origin))
+        msgs = [{"role": "user", "content": text}]
+    elif s.fmt == "prompt":
+        return RegenJob(s, tok(s.content, add_special_tokens=False)["input_ids"], None)
+    else:
+        ids = tok(s.content, add_special_tokens=False)["input_ids"]
+        return RegenJob(s, ids[: max(4, min(len(ids) // 2, max_length // 2))], None)
+    return RegenJob(s, r.prompt_ids(msgs), msgs)
+
+
+def select_jobs(r, tok, candidates: list[Sample], limit: int, budget: int, max_length: int, bad: Malformed,
+                info: dict) -> tuple[list[RegenJob], int]:
+    """Up to `limit` jobs from `candidates` in order; prompts longer than `budget` tokens are skipped (counted)."""
+    import jinja2
+
+    from runtime.text.chat_template import ChatTemplateError
+
+    jobs, skipped = [], 0
+    for s in candidates:
+        if len(jobs) >= limit:
+            break
+        try:
+            job = _regen_job(r, tok, s, max_length)
+        except ChatTemplateError as e:
+            if e.kind == "template":
+                raise template_error(s, e, info) from None
+            bad.add(s.origin, f"regeneration prompt: {e}")
+            continue
+        except (ValueError, jinja2.TemplateError) as e:
+            bad.add(s.origin, f"regeneration prompt: {e}")
+            continue
+        if not job.prompt:
+            bad.add(s.origin, "regeneration prompt: empty")
+        elif len(job.prompt) > budget:
+            skipped += 1
+        else:
+            jobs.append(job)
+    return jobs, skipped
+
+
+def regenerate(model_dir: Path, prompts: list[list[int]], keys: list[str], *, batch_size: int, max_new_tokens: int,
+               temperature: float, top_p: float, stop_ids: list[int], seed: int, scratch: Path | None, log,
+               progress=None, on_batch=None) -> tuple[list[list[int]], dict]:
+    """The target's continuation of every prompt, through specpipe's runtime (`runtime.engine.speculative`: batched
+    KV-cache decoding, draft_len 0). Prompts are sorted by (length, key) into batches of `batch_size`; batch b is
+    decoded with seed `seed + b`; each finished batch is written to `scratch` and reused on a rerun (an interrupted
+    regeneration continues where it stopped). `progress(total=, desc=)`: a progress context (none when None);
+    `on_batch(n)`: called after the n-th batch this run decoded (the stage's fault points). Returns (generated ids per
+    prompt, cut after the first stop id, and statistics)."""
+    n = len(prompts)
+    order = sorted(range(n), key=lambda j: (len(prompts[j]), keys[j]))
+    batches = [order[i: i + batch_size] for i in range(0, n, batch_size)]
+    results: list[list[int] | None] = [None] * n
+    todo, resumed, resumed_batches = _resume_batches(batches, keys, scratch, results, log)
+    if resumed:
+        log.info("regeneration: resumed %d finished batches (%d prompts) from %s; %d prompts left", resumed_batches, resumed,
+                 scratch, n - resumed)
+    run = _generate_batches(model_dir, prompts, keys, todo, results, resumed=resumed, max_new_tokens=max_new_tokens,
+                            temperature=temperature, top_p=top_p, stop_ids=stop_ids, seed=seed, scratch=scratch,
+                            log=log, progress=progress, on_batch=on_batch)
+    stop = set(stop_ids)
+    outs = [t or [] for t in results]
+    ended = sum(1 for t in outs if t and t[-1] in stop)
+    gen_s, new_tokens, generated = run["gen_s"], run["new_tokens"], run["generated"]
+    stats = {
+        "engine": "runtime.engine.speculative (autoregressive, KV cache, draft_len 0)",
+        "prompts": n, "batches": len(batches), "batch_size": batch_size, "resumed_prompts": resumed,
+        "resumed_batches": resumed_batches, "generated_prompts": generated, "max_new_tokens": max_new_tokens,
+        "temperature": temperature, "top_p": top_p, "stop_ids": list(stop_ids),
+        "load_seconds": round(run["load_s"], 3), "seconds": round(gen_s, 3),
+        "new_tokens": new_tokens,
+        "prompts_per_s": round(generated / gen_s, 4) if gen_s else None,
+        "new_tokens_per_s": round(new_tokens / gen_s, 3) if gen_s else None,
+        "mean_new_tokens": round(sum(len(t) for t in outs) / n, 2) if n else 0.0,
+        "ended_at_stop": ended,
+        "hit_max_new_tokens": sum(1 for t in outs if len(t) >= max_new_tokens and not (t and t[-1] in stop)),
+        "prefill_padding_fraction": round(run["padded"] / max(1, run["padded"] + sum(len(prompts[j]) for _, idx in todo
+                                                                                     for j in idx)), 4),
+    }
+    return outs, stats
+
+
+def _resume_batches(batches: list[list[int]], keys: list[str], scratch: Path | None, results: list, log):
+    """Fill `results` from the batches a previous run finished (`scratch/batch-<b>.json` with this plan's keys).
+    Returns (the batches left as (b, prompt indices), prompts resumed, batches resumed)."""
+    todo, resumed, resumed_batches = [], 0, 0
+    if scratch is not None:
+        scratch.mkdir(parents=True, exist_ok=True)
+    for b, idx in enumerate(batches):
+        f = scratch / f"batch-{b:05d}.json" if scratch is not None else None
+        if f is not None and f.exists():
+            try:
+                rec = json.loads(f.read_text())
+            except (OSError, json.JSONDecodeError):
+                rec = None
+            if rec and rec.get("keys") == [keys[j] for j in idx] and len(rec.get("tokens", [])) == len(idx):
+                for j, t in zip(idx, rec["tokens"]):
+                    results[j] = t
+                resumed += len(idx)
+                resumed_batches += 1
+                continue
+            log.warning("regeneration: %s does not match this run's batch plan; generating that batch again", f)
+        todo.append((b, idx))
+    return todo, resumed, resumed_batches
+
+
+def _generate_batches(model_dir: Path, prompts: list[list[int]], keys: list[str], todo: list, results: list, *,
+                      resumed: int, max_new_tokens: int, temperature: float, top_p: float, stop_ids: list[int],
+                      seed: int, scratch: Path | None, log, progress, on_batch) -> dict:
+    """Decode the batches in `todo` into `results` (the target is loaded at the first batch), each written to
+    `scratch` when finished. Returns the counters {"load_s", "gen_s", "new_tokens", "padded", "generated"}."""
+    engine, load_s, gen_s, new_tokens, padded, done, generated = None, 0.0, 0.0, 0, 0, 0, 0
+    bars = progress(total=len(prompts), desc="regenerate with target") if progress else contextlib.nullcontext()
+    with bars as bar:
+        if resumed and progress:
+            bar.update(resumed)
+        for b, idx in todo:
+            if engine is None:
+                from runtime.engine.speculative import SpeculativeEngine, load_target
+
+                t0 = time.perf_counter()
+                engine = SpeculativeEngine(load_target(model_dir))
+                load_s = time.perf_counter() - t0
+                log.info("regeneration: target loaded through runtime.engine.speculative in %.1fs", load_s)
+            batch = [prompts[j] for j in idx]
+            t0 = time.perf_counter()
+            g = engine.generate(batch, max_new_tokens=max_new_tokens, draft_len=0, temperature=temperature, top_p=top_p,
+                                eos_token_id=stop_ids, seed=seed + b)
+            dt = time.perf_counter() - t0
+            for j, t in zip(idx, g.tokens):
+                results[j] = t
+            if scratch is not None:
+                _write_atomic(scratch / f"batch-{b:05d}.json",
+                                  json.dumps({"keys": [keys[j] for j in idx], "tokens": g.tokens, "seconds": round(dt, 3)}))
+            gen_s += dt
+            generated += len(idx)
+            new_tokens += sum(len(t) for t in g.tokens)
+            width = max(len(p) for p in batch)
+            padded += sum(width - len(p) for p in batch)
+            done += 1
+            if progress:
+                bar.update(len(idx), tok_s=f"{new_tokens / gen_s:.1f}" if gen_s else "-")
+            if on_batch is not None:
+                on_batch(done)
+    return {"load_s": load_s, "gen_s": gen_s, "new_tokens": new_tokens, "padded": padded, "generated": generated}
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """`path` holds `text` whole or not at all (a temporary file in the same directory, fsynced, then renamed)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def regenerated_rows(jobs: list[RegenJob], gens: list[list[int]]) -> list[tuple[list[int], list[int]]]:
+    """prompt ids + generated ids exactly as the target produced them; loss on the generated ids (end of turn included)."""
+    return [(j.prompt + g, [0] * len(j.prompt) + [1] * len(g)) for j, g in zip(jobs, gens)]
+
+
+def template_consistency(r, tok, jobs: list[RegenJob], gens: list[list[int]], eot_id: int | None) -> dict:
+    """For responses that ended at the template's end of turn: does the template, rendering the conversation with
+    the decoded response as the assistant turn, give exactly this sample (ids and mask, up to the end of turn)?
+    A mismatch is not an error (a model may emit a non-canonical tokenization); it is counted and shown."""
+    from runtime.text.chat_template import ChatTemplateError
+
+    checked, same, first = 0, 0, None
+    for j, g in zip(jobs, gens):
+        if j.context is None or eot_id is None or not g or g[-1] != eot_id:
+            continue
+        checked += 1
+        content = tok.decode(g[:-1], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        row = j.prompt + g
+        try:
+            ids, mask = r.encode([*j.context, {"role": "assistant", "content": content}])
+            ok = ids[: len(row)] == row and mask[: len(row)] == [0] * len(j.prompt) + [1] * len(g)
+        except ChatTemplateError:
+            ok = False
+        same += ok
+        if not ok and first is None:
+            first = j.sample.origin
+    return {"checked": checked, "consistent": same, "first_inconsistent": first}
