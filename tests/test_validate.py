@@ -637,7 +637,8 @@ def real_fp8(real_model, tmp_path_factory):
     through stages/quantize.py, calibrated on 8 ShareGPT chats, exported; plus chat prompts of two domains."""
     from transformers import AutoTokenizer
 
-    from stages.quantize import export_target, quantize_model
+    from runtime.quant.export import export_target
+    from runtime.quant.ptq import quantize_model
 
     tok = AutoTokenizer.from_pretrained(real_model["model_dir"])
 
