@@ -4,14 +4,14 @@ What it does, for the recipe in `format` (then each of `fallback_formats` while 
 1. Loads the target in float32 (bfloat16 on CUDA), inserts ModelOpt quantizers (`mtq.quantize` with the recipe's
    preset: `fp8` = FP8_DEFAULT_CFG, per-tensor weights and static activations; `fp8_per_channel_per_token` =
    FP8_PER_CHANNEL_PER_TOKEN_CFG, per-channel weights and dynamic per-token activations; optionally FP8 KV) and
-   calibrates them (max calibration) on the `data` stage's `calib.parquet`.
-2. Aligns the calibrated model with what TensorRT-LLM will execute (`align_with_deployment`): per-tensor q/k/v and
+   calibrates them (max calibration) on the `data` stage's `calib.parquet` (runtime.quant.ptq).
+2. Aligns the calibrated model with what TensorRT-LLM will execute (`align_with_deployment`, ptq): per-tensor q/k/v and
    gate/up share one weight scale (TensorRT-LLM fuses them into one GEMM and would re-quantize them at load),
    and the fake-quant weights are snapped to the exact E4M3 codes the export writes.
 3. With `auto_exclude.enabled`: measures every decoder layer's sensitivity on calibration samples and keeps the
    fewest, most sensitive layers in BF16 until the calibration perplexity meets `max_ppl_increase`
    (`search_exclusions`, runtime.quant.exclusion; cost in forwards logged and recorded).
-4. Exports a ModelOpt unified Hugging Face checkpoint (`export_hf_checkpoint`) with `hf_quant_config.json`
+4. Exports a ModelOpt unified Hugging Face checkpoint (runtime.quant.export) with `hf_quant_config.json`
    (TensorRT-LLM 1.2 ignores the FP8 scales without it) and the target's tokenizer, and runs named format checks
    for the recipe (`check_checkpoint`, runtime.quant.checks).
 5. Measures quality (runtime.quant.quality) by running the exported checkpoint itself through `runtime.engine.fp8`
@@ -23,7 +23,7 @@ What it does, for the recipe in `format` (then each of `fallback_formats` while 
 6. With `draft: fp8`, rebuilds ModelOpt's EAGLE-3 model around the target from the exported draft
    (`train_draft/draft`, verified by re-exporting it bit-exactly), quantizes only the draft part (per-tensor FP8),
    calibrates it with the training-time forward (all TTT steps) and exports it with `export_speculative_decoding`
-   to `draft_fp8/`.
+   to `draft_fp8/` (runtime.quant.eagle_draft).
 
 Artifact (see docs/architecture.md): `target_fp8/` (the shipped recipe), `draft_fp8/` (only with `draft: fp8`),
 `quantize.json`, `quality.json` (with `recipes`: one row per recipe tried).
@@ -45,33 +45,18 @@ from pipeline.errors import StageError
 from pipeline.stage import StageContext, StageSection, Strict
 from runtime.errors import RuntimeFailure
 from runtime.quant.checks import check_checkpoint, read_hf_quant_config
-from runtime.quant.modules import fused_groups, quantized_linears
-from runtime.quant.modules import matches as _matches
-from runtime.quant.quality import (
-    fake_quant_reference,
-    layerwise_agreement,  # noqa: F401 (tests import it from here)
-    measure_quality,
-    modulewise_agreement,  # noqa: F401 (tests import it from here)
-)
+from runtime.quant.eagle_draft import DraftRebuildError, quantize_eagle_checkpoint
+from runtime.quant.exclusion import search_exclusions
+from runtime.quant.export import export_target
+from runtime.quant.ptq import RECIPES, align_with_deployment, disable_quantizers, kv_unit_scales, quantize_model
+from runtime.quant.quality import fake_quant_reference, measure_quality
 
 NAME = "quantize"
 CONSUMES: tuple[str, ...] = ("target", "data", "train_draft")
 VERSION = "2"
 PACKAGES = ("torch", "transformers", "nvidia-modelopt", "safetensors")
 
-WEIGHT_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json", "hf_quant_config.json")
-
 Recipe = Literal["fp8", "fp8_per_channel_per_token"]
-# recipe -> (ModelOpt 0.47 preset in modelopt.torch.quantization, hf_quant_config.json quant_algo it exports,
-# TensorRT-LLM 1.2 linear method that executes it)
-RECIPES: dict[str, dict] = {
-    "fp8": {"preset": "FP8_DEFAULT_CFG", "quant_algo": "FP8", "trtllm": "FP8QDQLinearMethod",
-            "weights": "per-tensor", "activations": "static per-tensor (calibrated input_scale)"},
-    "fp8_per_channel_per_token": {"preset": "FP8_PER_CHANNEL_PER_TOKEN_CFG", "quant_algo": "FP8_PER_CHANNEL_PER_TOKEN",
-                                  "trtllm": "FP8RowwiseLinearMethod", "weights": "per-channel",
-                                  "activations": "dynamic per-token (computed at run time)"},
-}
-
 
 class AutoExclude(Strict):
     """Automatic search for the fewest decoder layers to keep in BF16 so that FP8 meets `max_ppl_increase`."""
@@ -298,15 +283,18 @@ def _try_recipe(ctx: StageContext, sec: Config, recipe: str, target_dir: Path, c
 
     t0 = time.monotonic()
     kv = sec.kv_cache
-    fq_model = quantize_model(target_dir, calib, fmt=recipe, kv_cache=kv, exclude=sec.exclude_modules,
-                              device=device, dtype=calib_dtype, progress=ctx.progress, log=ctx.log)
+    with _stage_errors():
+        fq_model = quantize_model(target_dir, calib, fmt=recipe, kv_cache=kv, exclude=sec.exclude_modules,
+                                  device=device, dtype=calib_dtype, progress=ctx.progress, log=ctx.log)
     align_with_deployment(fq_model, log=ctx.log)
     auto: list[str] = []
     search = None
     if sec.auto_exclude.enabled:
-        search = search_exclusions(fq_model, target_dir, calib, recipe=recipe, kv_cache=kv,
-                                   max_ppl_increase=sec.max_ppl_increase, opts=sec.auto_exclude, device=device,
-                                   dtype=calib_dtype, progress=ctx.progress, log=ctx.log)
+        with _stage_errors():  # the method and its cost: runtime.quant.exclusion
+            search = search_exclusions(fq_model, target_dir, calib, per_token=RECIPES[recipe]["quant_algo"] ==
+                                       "FP8_PER_CHANNEL_PER_TOKEN", kv_cache=kv, max_ppl_increase=sec.max_ppl_increase,
+                                       opts=sec.auto_exclude, device=device, dtype=calib_dtype, progress=ctx.progress,
+                                       log=ctx.log)
         auto = search["kept_bf16"]
         disable_quantizers(fq_model, auto)
     with kv_unit_scales(fq_model), _stage_errors():  # the reference computes what TensorRT-LLM computes for the KV cache
@@ -337,16 +325,6 @@ def _try_recipe(ctx: StageContext, sec: Config, recipe: str, target_dir: Path, c
             "seconds": round(time.monotonic() - t0, 1)}
 
 
-def _place(model, device):
-    """On `device`, or spread over all visible GPUs when it does not fit one (a 70B target)."""
-    from runtime.engine.placement import PlacementError, place
-
-    try:
-        return place(model, device)
-    except PlacementError as e:
-        raise StageError(f"quantize: {e}") from None
-
-
 def _device(ctx: StageContext):
     import torch
 
@@ -358,10 +336,13 @@ def _device(ctx: StageContext):
 
 @contextlib.contextmanager
 def _stage_errors():
-    """runtime.quant's failures (`RuntimeFailure`: a target that cannot be placed or has no decoder-layer list) as
-    the stage's: StageError("quantize: <message>")."""
+    """runtime.quant's failures as the stage's: a draft that cannot be rebuilt as StageError("quantize.draft: <message>"),
+    any other `RuntimeFailure` (a target that cannot be placed, no calibration samples, no decoder-layer list) as
+    StageError("quantize: <message>")."""
     try:
         yield
+    except DraftRebuildError as e:
+        raise StageError(f"quantize.draft: {e}") from None
     except RuntimeFailure as e:
         raise StageError(f"quantize: {e}") from None
 
@@ -383,208 +364,7 @@ def read_samples(data_art: Path, split: str, limit: int, max_len: int | None) ->
             for ids, mask in data_artifact.read_rows(data_art, split, limit=limit, max_len=max_len)]
 
 
-# ---------------------------------------------------------------------------------------------- quantization
-
-
-def quant_config(fmt: str, kv_cache: str, exclude: list[str], *, only_under: str | None = None,
-                 other_top_modules: list[str] = ()) -> dict:
-    """The ModelOpt quant config: the recipe's preset (`RECIPES`), + FP8 KV, + disabled quantizers for excluded
-    modules. `only_under`/`other_top_modules`: quantize only that submodule (used for the draft)."""
-    import copy
-
-    import modelopt.torch.quantization as mtq
-
-    if fmt not in RECIPES:  # the Literal already guarantees this; a new recipe adds its preset to RECIPES
-        raise ValueError(f"unknown format {fmt}")
-    cfg = copy.deepcopy(getattr(mtq, RECIPES[fmt]["preset"]))
-    entries = list(cfg["quant_cfg"])
-    if kv_cache == "fp8":
-        entries += copy.deepcopy(mtq.FP8_KV_CFG["quant_cfg"])
-    for pat in exclude:
-        # only the linear quantizers: an excluded attention block keeps its KV-cache scales (the KV cache dtype is
-        # global in TensorRT-LLM; a layer without k_scale/v_scale would run FP8 KV with scale 1.0)
-        base = pat if pat.endswith("*") else pat + "."
-        entries += [{"quantizer_name": f"{base}{q}", "enable": False} for q in ("weight_quantizer", "input_quantizer")]
-    if only_under:
-        entries += [{"quantizer_name": f"{name}.*", "enable": False} for name in other_top_modules if name != only_under]
-    cfg["quant_cfg"] = entries
-    return cfg
-
-
-def quantize_model(model_dir: Path, calib: list[dict], *, fmt="fp8", kv_cache="fp8", exclude=(), device=None,
-                   dtype=None, progress=None, log=None):
-    """Load a HF causal LM and return it quantized and calibrated by ModelOpt (fake-quant, ready to export)."""
-    import modelopt.torch.quantization as mtq
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    device = device or torch.device("cpu")
-    model = _place(AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or torch.float32), device).eval()
-    if not calib:
-        raise StageError("quantize: no calibration samples (data's calib.parquet is empty)")
-
-    def forward_loop(m):
-        with torch.no_grad():
-            it = progress(calib, total=len(calib), desc="calibrate") if progress else contextlib.nullcontext()
-            with it as bar:
-                for s in calib:
-                    m(input_ids=s["input_ids"][None].to(device))
-                    if progress:
-                        bar.update(1)
-
-    model = mtq.quantize(model, quant_config(fmt, kv_cache, list(exclude)), forward_loop)
-    if log:
-        n = sum(1 for n_, mod in model.named_modules() if n_.endswith("weight_quantizer") and mod.is_enabled)
-        log.info("ModelOpt inserted and calibrated %d weight quantizers (%s, kv_cache %s)", n, fmt, kv_cache)
-    return model
-
-
-def align_with_deployment(model, log=None) -> dict:
-    """Make ModelOpt's calibrated fake-quant model compute what the exported checkpoint computes on TensorRT-LLM.
-
-    1. Per-tensor q/k/v and gate/up get one shared weight (and input) amax, with ModelOpt's own
-       `preprocess_linear_fusion`. TensorRT-LLM runs each group as one GEMM with one weight scale: given separate
-       scales it re-quantizes the members onto the largest at load time (runtime.engine.fp8.trtllm_fuse_scales), a second
-       rounding the calibrated model never saw. ModelOpt 0.47's export skips this fusion for FP8
-       (unified_export_hf.py `_fuse_shared_input_modules` excludes QUANTIZATION_FP8), so the stage does it.
-       Per-channel scales are concatenated by TensorRT-LLM unchanged: nothing to do there.
-    2. Every quantized weight is replaced by its exact E4M3 dequantization as the export computes it
-       (`weight / (amax / 448)` rounded to nearest even, runtime.engine.fp8.quantize_weight), so the fake-quant model
-       holds the checkpoint's codes: its own `weight * (448 / amax)` breaks exact rounding ties the other way
-       (about 1% of SmolLM2's weights, which sit on a 4-bit grid, lie exactly on a tie).
-    Returns {"fused_groups": n, "snapped_weights": n}."""
-    import torch
-    from modelopt.torch.export.quant_utils import preprocess_linear_fusion
-
-    from runtime.engine.fp8 import FP8_MAX, dequantize_weight, quantize_weight
-
-    lin = quantized_linears(model)
-    fused = 0
-    for group in fused_groups(lin):
-        mods = [lin[n] for n in group]
-        if all(m.weight_quantizer.amax is not None and m.weight_quantizer.amax.numel() == 1 for m in mods):
-            with torch.no_grad():
-                preprocess_linear_fusion(mods)
-            fused += 1
-    snapped = 0
-    with torch.no_grad():
-        for m in lin.values():
-            amax = m.weight_quantizer.amax
-            if amax is None:
-                continue
-            scale = (amax.float() / FP8_MAX).reshape(-1)
-            w = m.weight
-            m.weight.copy_(dequantize_weight(quantize_weight(w, scale), scale, w.dtype))
-            snapped += 1
-    if log:
-        log.info("aligned with the deployment: %d fused groups share one scale, %d weights snapped to the export's "
-                 "E4M3 codes", fused, snapped)
-    return {"fused_groups": fused, "snapped_weights": snapped}
-
-
-def disable_quantizers(model, patterns: list[str]) -> list[str]:
-    """Disable the weight and input quantizers of every quantized linear matching `patterns` (fnmatch, as in
-    `exclude_modules`): those modules are exported in high precision. Calibration is unaffected (ModelOpt
-    calibrates on unquantized activations). Returns the module names."""
-    names = [n for n in quantized_linears(model) if _matches(n, patterns)]
-    mods = dict(model.named_modules())
-    for n in names:
-        mods[n].weight_quantizer.disable()
-        iq = getattr(mods[n], "input_quantizer", None)
-        if iq is not None and iq.is_enabled:
-            iq.disable()
-    return names
-
-
-@contextlib.contextmanager
-def kv_unit_scales(model):
-    """Within the block, ModelOpt's KV quantizers use scale 1 (amax 448): TensorRT-LLM 1.2's PyTorch backend
-    quantizes the FP8 KV cache with unit scales whatever k_scale/v_scale say (see runtime.engine.fp8.attach_kv_scales).
-    The calibrated amax is restored afterwards, so the export still writes the calibrated k_scale/v_scale."""
-    import torch
-
-    saved = []
-    for n, q in model.named_modules():
-        if n.endswith(("k_bmm_quantizer", "v_bmm_quantizer")) and getattr(q, "is_enabled", False) and q.amax is not None:
-            saved.append((q, q.amax.detach().clone()))
-            q.amax = torch.full_like(q.amax, 448.0)
-    try:
-        yield len(saved)
-    finally:
-        for q, a in saved:
-            q.amax = a
-
-
-def export_target(model, out_dir: Path, source_dir: Path, dtype) -> None:
-    """`export_hf_checkpoint` + the source model's tokenizer files (the deployment loads them from here)."""
-    import torch
-    from modelopt.torch.export import export_hf_checkpoint
-
-    # FP8 weights are computed as weight.to(export dtype) / weight_scale: in bfloat16 that division rounds twice
-    # (bf16, then E4M3) and ~2% of weights land one FP8 step away from what was calibrated. Export in float32
-    # (exact division, the same E4M3 values as ModelOpt's fake-quant model), then store the rest in `dtype`.
-    export_hf_checkpoint(model, dtype=torch.float32, export_dir=out_dir)
-    cast_high_precision(out_dir, lambda k, v: dtype)
-    cfg = json.loads((out_dir / "config.json").read_text())
-    cfg["dtype"] = str(dtype).replace("torch.", "")
-    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
-    from runtime.trtllm.hf_config import normalize_file  # RoPE in the form TensorRT-LLM 1.2 and 1.3 read
-    normalize_file(out_dir / "config.json")
-    copy_tokenizer(source_dir, out_dir)
-
-
-def cast_high_precision(out: Path, dtype_for) -> int:
-    """ModelOpt's exporters store the tensors they do not quantize (embeddings, lm_head, norms, excluded
-    modules) in the calibration dtype (float32 on CPU) whatever `dtype` says; store them as `dtype_for(name,
-    tensor)` (the deployment dtype). FP8 weights and float32 scales are left alone. Returns how many changed."""
-    from safetensors.torch import save_file
-
-    from runtime.engine.fp8 import FP8_DTYPE, SCALE_SUFFIXES, read_safetensors
-
-    sd = read_safetensors(out)
-    n = 0
-    for k, v in sd.items():
-        if v.dtype == FP8_DTYPE or not v.is_floating_point() or k.rsplit(".", 1)[-1] in SCALE_SUFFIXES:
-            continue
-        want = dtype_for(k, v)
-        if v.dtype != want:
-            sd[k] = v.to(want)
-            n += 1
-    if n:
-        for f in out.glob("*.safetensors"):
-            f.unlink()
-        (out / "model.safetensors.index.json").unlink(missing_ok=True)
-        save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return n
-
-
-def copy_tokenizer(src: Path, dst: Path) -> list[str]:
-    copied = []
-    for p in sorted(Path(src).iterdir()):
-        if p.is_file() and p.suffix != ".safetensors" and p.name not in WEIGHT_FILES and not (dst / p.name).exists():
-            shutil.copy2(p, dst / p.name)
-            copied.append(p.name)
-    return copied
-
-
-# ---------------------------------------------------------------------------------------------- checks, search, quality
-# The format checks (runtime.quant.checks), the BF16 exclusion search (runtime.quant.exclusion) and the quality
-# measurement (runtime.quant.quality) are the runtime's; the stage runs them for its recipes and gates on them.
-
-
-def search_exclusions(fq_model, target_dir: Path, calib: list[dict], *, recipe: str, kv_cache: str,
-                      max_ppl_increase: float, opts: AutoExclude, device=None, dtype=None, progress=None,
-                      log=None) -> dict:
-    """The fewest decoder layers to keep in BF16 so that `recipe` (a key of RECIPES) meets `max_ppl_increase` on
-    calibration samples: `runtime.quant.exclusion.search_exclusions` (the method and its cost are described there),
-    its failures as StageError."""
-    from runtime.quant import exclusion
-
-    with _stage_errors():
-        return exclusion.search_exclusions(
-            fq_model, target_dir, calib, per_token=RECIPES[recipe]["quant_algo"] == "FP8_PER_CHANNEL_PER_TOKEN",
-            kv_cache=kv_cache, max_ppl_increase=max_ppl_increase, opts=opts, device=device, dtype=dtype,
-            progress=progress, log=log)
+# ---------------------------------------------------------------------------------------------- gate, draft
 
 
 def quality_gate(q: dict, max_ppl_increase: float, min_top1: float | None = None) -> list[str]:
@@ -605,172 +385,15 @@ def quantize_eagle_draft(ctx: StageContext, sec: Config, target_dir: Path, calib
     """Quantize train_draft's EAGLE-3 draft to FP8 into `draft_fp8/`, check its format, return its metrics."""
     draft_dir = ctx.input("train_draft").path / "draft"
     out = ctx.out_dir / "draft_fp8"
-    res = quantize_eagle_checkpoint(target_dir, draft_dir, out, calib, heldout, kv_cache=sec.kv_cache,
-                                    exclude=sec.exclude_modules, device=device, dtype=dtype, export_dtype=export_dtype,
-                                    log=ctx.log)
+    with _stage_errors():
+        res = quantize_eagle_checkpoint(target_dir, draft_dir, out, calib, heldout, kv_cache=sec.kv_cache,
+                                        exclude=sec.exclude_modules, device=device, dtype=dtype,
+                                        export_dtype=export_dtype, log=ctx.log)
     # quantize.exclude_modules name target modules; the draft is checked against its own exclude_modules
     checks = check_checkpoint(out, kv_cache=sec.kv_cache == "fp8")
     _raise_failed(checks, "draft_fp8")
     res["checks"] = checks
     return res
-
-
-def _eagle_cfg_from_export(dcfg: dict, has_lm_head: bool) -> dict:
-    """The ModelOpt EAGLE-3 convert config that produced an exported draft config.json."""
-    import copy
-
-    import modelopt.torch.speculative as mtsp
-
-    cfg = copy.deepcopy(mtsp.EAGLE3_DEFAULT_CFG["config"])
-    arch = cfg["eagle_architecture_config"]
-    for k in ("num_hidden_layers", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-              "hidden_act", "rms_norm_eps", "mlp_bias", "attention_bias", "initializer_range", "draft_vocab_size"):
-        if dcfg.get(k) is not None:
-            arch[k] = dcfg[k]
-    for k, v in (dcfg.get("eagle_config") or {}).items():
-        if k in arch and v is not None:
-            arch[k] = v
-    theta = dcfg.get("rope_theta") or (dcfg.get("rope_scaling") or {}).get("rope_theta") or arch["rope_theta"]
-    # the exported rope_scaling is ModelOpt's export-time override (YaRN); training used the default rope
-    arch["rope_scaling"] = {"rope_type": "default", "rope_theta": theta}
-    arch["rope_theta"] = theta
-    arch["has_lm_head"] = has_lm_head
-    cfg["eagle_use_torch_compile"] = False
-    return cfg
-
-
-def _eagle_model(target_dir: Path, draft_dir: Path, device, dtype):
-    """Target + ModelOpt EAGLE-3 module rebuilt from an exported draft, weights loaded and verified: re-exporting
-    the rebuilt module must give back the draft's tensors bit for bit."""
-    import modelopt.torch.speculative as mtsp
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from runtime.engine.fp8 import FP8_DTYPE, read_safetensors
-
-    dcfg = json.loads((draft_dir / "config.json").read_text())
-    if "LlamaForCausalLMEagle3" not in (dcfg.get("architectures") or []):
-        raise StageError(f"quantize.draft: fp8 supports EAGLE-3 drafts (LlamaForCausalLMEagle3); {draft_dir} is "
-                         f"{dcfg.get('architectures')}. Use quantize.draft: none")
-    dsd = read_safetensors(draft_dir)
-    if any(v.dtype == FP8_DTYPE for v in dsd.values()):
-        raise StageError(f"quantize.draft: {draft_dir} is already FP8")
-    base = _place(AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype), device)
-    base_head = base.get_output_embeddings().weight
-    lm = dsd.get("lm_head.weight")
-    has_lm_head = lm is not None and (lm.shape != base_head.shape or not torch.equal(lm.to(base_head.dtype).cpu(),
-                                                                                     base_head.detach().cpu()))
-    mtsp.convert(base, [("eagle", _eagle_cfg_from_export(dcfg, has_lm_head))])
-    esd = {f"eagle_module.{k}": v for k, v in dsd.items() if k != "lm_head.weight" or has_lm_head}
-    res = base.load_state_dict(esd, strict=False)
-    missing = [k for k in res.missing_keys if k.startswith("eagle_module.")]
-    if missing or res.unexpected_keys:
-        raise StageError(f"quantize.draft: could not rebuild the EAGLE-3 module from {draft_dir}: missing {missing[:5]}, "
-                         f"unexpected {res.unexpected_keys[:5]}")
-    again = base.get_exporter()._extract_state_dict(base.state_dict())
-    diff = sorted(set(again) ^ set(dsd)) + [k for k in dsd if k in again and not torch.equal(again[k].to(dsd[k].dtype).cpu(),
-                                                                                             dsd[k])]
-    if diff:
-        raise StageError(f"quantize.draft: the rebuilt EAGLE-3 module does not reproduce {draft_dir} (differs at {diff[:5]}); "
-                         "the draft was exported with options this stage does not know")
-    return base.eval(), dcfg, has_lm_head
-
-
-def _draft_eval(model, samples, device) -> tuple[float, float]:
-    """(top-1 accuracy of the draft's first step vs the target's next-token argmax, mean EAGLE loss), eval forward."""
-    import torch
-
-    acc = loss = 0.0
-    with torch.no_grad():
-        for s in samples:
-            out = model(input_ids=s["input_ids"][None].to(device), loss_mask=s["loss_mask"][None].to(device))
-            acc += out.train_acc[0][0]
-            loss += float(out.eagle_loss)
-    return acc / len(samples), loss / len(samples)
-
-
-def quantize_eagle_checkpoint(target_dir: Path, draft_dir: Path, out: Path, calib, heldout, *, kv_cache="fp8",
-                              exclude=(), device=None, dtype=None, export_dtype=None, log=None) -> dict:
-    """FP8-quantize an exported EAGLE-3 draft: rebuild ModelOpt's EAGLE model around the target, quantize only the
-    draft (`eagle_module`), calibrate with the training-time forward (every TTT step runs the draft on its own
-    outputs, as speculative decoding does), export with `export_speculative_decoding`, keep the original draft
-    config (plus `quantization_config`) and tokenizer. Then load the written draft back through `runtime.engine.fp8`
-    and compare its EAGLE loss with the fake-quant model's: the export's consistency check."""
-    import modelopt.torch.quantization as mtq
-    import torch
-
-    device = device or torch.device("cpu")
-    dtype = dtype or torch.float32
-    model, dcfg, has_lm_head = _eagle_model(target_dir, draft_dir, device, dtype)
-    acc_bf16, loss_bf16 = _draft_eval(model, heldout, device)
-    others = [n for n, _ in model.named_children() if n != "eagle_module"]
-    qcfg = quant_config("fp8", kv_cache, list(exclude), only_under="eagle_module", other_top_modules=others)
-
-    def forward_loop(m):
-        m.train()  # training forward: all TTT steps; no gradients, no parameter updates
-        with torch.no_grad():
-            for s in calib:
-                # ModelOpt caches the training-time-test masks per step for one sequence length (training pads
-                # to a fixed length); calibration samples vary in length, so drop the cache each time
-                if isinstance(getattr(m, "_cached_attn_blk_masks", None), dict):
-                    m._cached_attn_blk_masks = {}
-                m(input_ids=s["input_ids"][None].to(device), loss_mask=s["loss_mask"][None].to(device))
-        m.eval()
-
-    model = mtq.quantize(model, qcfg, forward_loop)
-    model.eval()
-    align_with_deployment(model.eagle_module, log=log)  # one scale per fused q/k/v, gate/up; the export's codes
-    acc_fp8, loss_fp8 = _draft_eval(model, heldout, device)
-    _export_eagle_draft(model, dcfg, draft_dir, out)
-    # consistency: the written FP8 draft, run through runtime.engine.fp8, against ModelOpt's fake-quant draft
-    loss_export, info = _exported_draft_loss(target_dir, draft_dir, out, heldout, has_lm_head=has_lm_head,
-                                             device=device, dtype=dtype)
-    m = {"draft_top1_bf16": round(acc_bf16, 6), "draft_top1_fp8": round(acc_fp8, 6),
-         "draft_loss_bf16": round(loss_bf16, 6), "draft_loss_fp8": round(loss_fp8, 6),
-         "draft_loss_fp8_exported": round(loss_export, 6),
-         "draft_export_vs_fakequant_loss_diff": round(abs(loss_export - loss_fp8), 8),
-         "draft_fp8_linears": len(info["fp8_linears"]), "draft_kv_scales": info["kv_scales"],
-         "calibration_forward": "training-mode (all TTT steps)"}
-    if log:
-        log.info("draft FP8: first-step top-1 vs target %.4f -> %.4f, EAGLE loss %.4f -> %.4f (exported %.4f)",
-                 acc_bf16, acc_fp8, loss_bf16, loss_fp8, loss_export)
-    return m
-
-
-def _export_eagle_draft(model, dcfg: dict, draft_dir: Path, out: Path) -> None:
-    """`export_speculative_decoding` of the quantized EAGLE model into `out`, with the original draft config (plus
-    `quantization_config`), the draft's own dtypes for high-precision tensors, and its tokenizer."""
-    import torch
-    from modelopt.torch.export import export_speculative_decoding
-
-    from runtime.engine.fp8 import read_safetensors
-
-    export_speculative_decoding(model, dtype=torch.float32, export_dir=out)  # exact FP8 weights; see export_target
-    exported = json.loads((out / "config.json").read_text())
-    dcfg = dict(dcfg, quantization_config=exported.get("quantization_config"))
-    (out / "config.json").write_text(json.dumps(dcfg, indent=4))   # RoPE as train_draft normalized it
-    orig = read_safetensors(draft_dir)
-    cast_high_precision(out, lambda k, v: orig[k].dtype if k in orig else v.dtype)
-    copy_tokenizer(draft_dir, out)
-
-
-def _exported_draft_loss(target_dir: Path, draft_dir: Path, out: Path, heldout, *, has_lm_head: bool, device,
-                         dtype) -> tuple[float, dict]:
-    """(EAGLE loss on `heldout`, load info) of the FP8 draft written to `out`, run through runtime.engine.fp8 inside
-    a freshly rebuilt EAGLE model."""
-    from runtime.engine.fp8 import enable_fp8_kv, load_fp8_state_dict, read_safetensors
-
-    check_model, _, _ = _eagle_model(target_dir, draft_dir, device, dtype)
-    sd = read_safetensors(out)
-    if not has_lm_head:
-        sd.pop("lm_head.weight", None)
-    info = load_fp8_state_dict(check_model.eagle_module, sd, compute_dtype=dtype)
-    if info["kv_scales"]:
-        enable_fp8_kv(check_model.eagle_module)
-    _, loss_export = _draft_eval(check_model, heldout, device)
-    return loss_export, info
-
-
 
 
 def report(artifact) -> str:

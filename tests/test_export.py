@@ -238,8 +238,9 @@ def test_real_model_deployment_is_the_targeted_versions(real_model, tmp_path):
     from modelopt.torch.export import export_speculative_decoding
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from runtime.quant.export import export_target
+    from runtime.quant.ptq import quantize_model
     from runtime.training.draft_training import convert_config
-    from stages import quantize
 
     md = real_model["model_dir"]
     cfg = json.loads((md / "config.json").read_text())
@@ -249,8 +250,8 @@ def test_real_model_deployment_is_the_targeted_versions(real_model, tmp_path):
     (arts / "target" / "model").mkdir(parents=True)
     (arts / "target" / "model" / "config.json").write_text((md / "config.json").read_text())
     calib = [{"input_ids": torch.tensor(tok(t)["input_ids"])} for t in ("def add(a, b):", "The capital of France is")]
-    tq = quantize.quantize_model(md, calib, kv_cache="fp8")
-    quantize.export_target(tq, arts / "quantize" / "target_fp8", md, torch.bfloat16)
+    tq = quantize_model(md, calib, kv_cache="fp8")
+    export_target(tq, arts / "quantize" / "target_fp8", md, torch.bfloat16)
     del tq
     aux = [1, 14, 26]
     m = AutoModelForCausalLM.from_pretrained(md, dtype=torch.float32)

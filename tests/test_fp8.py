@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from runtime.engine import fp8
-from stages.quantize import align_with_deployment, cast_high_precision, export_target, kv_unit_scales
+from runtime.quant.export import cast_high_precision, export_target
+from runtime.quant.ptq import align_with_deployment, kv_unit_scales
 
 VOCAB = 512
 
@@ -70,7 +71,7 @@ def ckpts(tmp_path_factory):
         with torch.no_grad():
             out[f"fq_{dtype}"] = m(input_ids=x).logits  # before export: export rewrites the weights in place
         d = root / f"fp8_{str(dtype)[6:]}"
-        # ModelOpt's own dtype argument, then what stages.quantize.export_target deploys (float32 export + cast)
+        # ModelOpt's own dtype argument, then what runtime.quant.export.export_target deploys (float32 export + cast)
         export_hf_checkpoint(m, dtype=dtype, export_dir=d)
         cast_high_precision(d, lambda k, v: dtype)
         out[str(dtype)[6:]] = d
@@ -205,7 +206,7 @@ def test_per_channel_per_token_checkpoint_loads_and_matches_fake_quant(ckpts, tm
     kernel's x / (amax/448) break those ties differently), and the GEMMs agree to float rounding."""
     from transformers import LlamaForCausalLM
 
-    from stages.quantize import fake_quant_reference, modulewise_agreement
+    from runtime.quant.quality import fake_quant_reference, modulewise_agreement
 
     m = _quantize(LlamaForCausalLM.from_pretrained(ckpts["root"] / "ref", dtype=torch.float32).eval(), True,
                   ckpts["calib"], preset="FP8_PER_CHANNEL_PER_TOKEN_CFG")

@@ -19,6 +19,12 @@ import torch
 from pipeline.errors import StageError
 from pipeline.stage import Artifact, StageContext
 from runtime.engine import fp8
+from runtime.quant import export as qexport
+from runtime.quant import ptq
+from runtime.quant.checks import check_checkpoint
+from runtime.quant.exclusion import search_exclusions
+from runtime.quant.modules import matches
+from runtime.quant.quality import fake_quant_reference, layerwise_agreement, measure_quality, modulewise_agreement
 from stages import quantize as Q
 
 SEQ = 64
@@ -93,8 +99,8 @@ def _eagle_draft(root: Path, model_dir: Path, samples) -> Path:
     d = root / "train_draft" / "draft"
     export_speculative_decoding(m.eval(), dtype=torch.bfloat16, export_dir=d)
     # train_draft stores bf16 (its export dtype); ModelOpt leaves the exported tensors in the training dtype
-    Q.cast_high_precision(d, lambda k, v: torch.bfloat16)
-    Q.copy_tokenizer(model_dir, d)
+    qexport.cast_high_precision(d, lambda k, v: torch.bfloat16)
+    qexport.copy_tokenizer(model_dir, d)
     return d
 
 
@@ -241,7 +247,7 @@ def test_each_format_check_fails_on_a_broken_checkpoint(built, tmp_path, what):
     sd = fp8.read_safetensors(d)
     brk(sd, d)
     save_file(sd, str(d / "model.safetensors"))
-    res = {c["name"]: c for c in Q.check_checkpoint(d, kv_cache=True, exclude=["model.layers.1.mlp.down_proj"])}
+    res = {c["name"]: c for c in check_checkpoint(d, kv_cache=True, exclude=["model.layers.1.mlp.down_proj"])}
     assert not res[name]["passed"], res[name]
     assert res[name]["message"]
     with pytest.raises(StageError, match=rf"\[{name}\]"):
@@ -251,12 +257,12 @@ def test_each_format_check_fails_on_a_broken_checkpoint(built, tmp_path, what):
 def test_kv_check_fails_when_fp8_kv_asked_but_absent(built, tmp_path):
     """A checkpoint quantized without FP8 KV: the kv_scales check passes when none was asked and fails otherwise."""
     samples = Q.read_samples(built.root / "data", "calib", 4, 32)
-    m = Q.quantize_model(built.model_dir, samples, kv_cache="none")
-    Q.export_target(m, tmp_path / "nokv", built.model_dir, torch.bfloat16)
+    m = ptq.quantize_model(built.model_dir, samples, kv_cache="none")
+    qexport.export_target(m, tmp_path / "nokv", built.model_dir, torch.bfloat16)
     assert not any(k.endswith(("k_scale", "v_scale")) for k in fp8.read_safetensors(tmp_path / "nokv"))
-    ok = {c["name"]: c["passed"] for c in Q.check_checkpoint(tmp_path / "nokv", kv_cache=False)}
+    ok = {c["name"]: c["passed"] for c in check_checkpoint(tmp_path / "nokv", kv_cache=False)}
     assert all(ok.values()), ok
-    asked = {c["name"]: c["passed"] for c in Q.check_checkpoint(tmp_path / "nokv", kv_cache=True)}
+    asked = {c["name"]: c["passed"] for c in check_checkpoint(tmp_path / "nokv", kv_cache=True)}
     assert asked["kv_scales"] is False
 
 
@@ -314,15 +320,15 @@ def test_report_section(built):
 
 def test_excluding_a_whole_layer_keeps_its_kv_scales(built, tmp_path):
     samples = Q.read_samples(built.root / "data", "calib", 4, 32)
-    m = Q.quantize_model(built.model_dir, samples, kv_cache="fp8", exclude=["model.layers.0.*"])
-    Q.export_target(m, tmp_path / "ex", built.model_dir, torch.bfloat16)
+    m = ptq.quantize_model(built.model_dir, samples, kv_cache="fp8", exclude=["model.layers.0.*"])
+    qexport.export_target(m, tmp_path / "ex", built.model_dir, torch.bfloat16)
     sd = fp8.read_safetensors(tmp_path / "ex")
     assert sd["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
     assert sd["model.layers.1.self_attn.q_proj.weight"].dtype == torch.float8_e4m3fn
     assert "model.layers.0.self_attn.k_proj.k_scale" in sd
-    res = {c["name"]: c for c in Q.check_checkpoint(tmp_path / "ex", kv_cache=True, exclude=["model.layers.0.*"])}
+    res = {c["name"]: c for c in check_checkpoint(tmp_path / "ex", kv_cache=True, exclude=["model.layers.0.*"])}
     assert all(c["passed"] for c in res.values()), res
-    typo = {c["name"]: c for c in Q.check_checkpoint(tmp_path / "ex", kv_cache=True, exclude=["model.layer.0.*"])}
+    typo = {c["name"]: c for c in check_checkpoint(tmp_path / "ex", kv_cache=True, exclude=["model.layer.0.*"])}
     assert not typo["excluded_high_precision"]["passed"] and "matches no linear" in typo["excluded_high_precision"]["message"]
 
 
@@ -389,9 +395,9 @@ def _fidelity(model, heldout) -> dict:
     """Module-wise, layer-wise and end-to-end agreement of an exported checkpoint with the fake-quant reference."""
     fq = model["fq_ref"]
     ex = fp8.load_causal_lm(model["path"])
-    mods = Q.modulewise_agreement(ex, fq["modules"])
-    layers = Q.layerwise_agreement(ex, fq["layers"])
-    q = Q.measure_quality(fp8.load_causal_lm(model["target"]), ex, heldout[:len(fq["logits"])], fake_quant=fq)
+    mods = modulewise_agreement(ex, fq["modules"])
+    layers = layerwise_agreement(ex, fq["layers"])
+    q = measure_quality(fp8.load_causal_lm(model["target"]), ex, heldout[:len(fq["logits"])], fake_quant=fq)
     return {"model": ex, "modules": mods, "layers": layers, "quality": q}
 
 
@@ -406,11 +412,11 @@ def smol(real_model, tmp_path_factory):
     heldout = _chat_samples(target, chats, 2, 192, skip=5000)
     out = {"root": root, "target": target, "calib": calib, "heldout": heldout}
     for recipe in ("fp8", "fp8_per_channel_per_token"):
-        m = Q.quantize_model(target, calib, fmt=recipe, kv_cache="fp8")
-        Q.align_with_deployment(m)
-        with Q.kv_unit_scales(m):
-            ref = Q.fake_quant_reference(m, heldout, keep=2)
-        Q.export_target(m, root / recipe, target, torch.bfloat16)
+        m = ptq.quantize_model(target, calib, fmt=recipe, kv_cache="fp8")
+        ptq.align_with_deployment(m)
+        with ptq.kv_unit_scales(m):
+            ref = fake_quant_reference(m, heldout, keep=2)
+        qexport.export_target(m, root / recipe, target, torch.bfloat16)
         out[recipe] = {"path": root / recipe, "fq_ref": ref, "target": target}
         del m
     return out
@@ -464,9 +470,9 @@ def test_real_model_per_channel_per_token_recipe_exported_and_executed_exactly(s
     assert sd["model.layers.0.mlp.gate_proj.weight_scale"].shape == (1536,)
     assert sd["model.layers.0.self_attn.k_proj.weight_scale"].shape == (192,)
     assert not any(k.endswith("input_scale") for k in sd)
-    checks = {c["name"]: c for c in Q.check_checkpoint(d, kv_cache=True, quant_algo="FP8_PER_CHANNEL_PER_TOKEN")}
+    checks = {c["name"]: c for c in check_checkpoint(d, kv_cache=True, quant_algo="FP8_PER_CHANNEL_PER_TOKEN")}
     assert all(c["passed"] for c in checks.values()), checks
-    wrong = {c["name"]: c["passed"] for c in Q.check_checkpoint(d, kv_cache=True, quant_algo="FP8")}
+    wrong = {c["name"]: c["passed"] for c in check_checkpoint(d, kv_cache=True, quant_algo="FP8")}
     assert not wrong["hf_quant_config"] and not wrong["fp8_linears_have_scales"]
     res = _fidelity(smol["fp8_per_channel_per_token"], smol["heldout"])
     assert res["model"].fp8_info["activation"] == "dynamic_per_token"
@@ -518,29 +524,29 @@ def test_real_model_auto_exclude_finds_the_sensitive_layer_and_meets_the_gate(sm
     the format checks with it excluded, keep its FP8 KV cache, and meet the gate on held-out samples too. Cost: logged
     in forward passes (about 30 short ones here)."""
     target = smol["target"]
-    m = Q.quantize_model(target, smol["calib"], fmt="fp8", kv_cache="fp8")
-    Q.align_with_deployment(m)
+    m = ptq.quantize_model(target, smol["calib"], fmt="fp8", kv_cache="fp8")
+    ptq.align_with_deployment(m)
     for _, mod in m.model.layers[17].named_modules():
         iq = getattr(mod, "input_quantizer", None)
         if iq is not None and iq.is_enabled:
             iq.amax = iq.amax / 1000
     opts = Q.AutoExclude(enabled=True, max_layers=4, sensitivity_samples=1, check_samples=4, seq_len=128)
-    res = Q.search_exclusions(m, target, smol["calib"], recipe="fp8", kv_cache="fp8", max_ppl_increase=0.08, opts=opts)
+    res = search_exclusions(m, target, smol["calib"], per_token=False, kv_cache="fp8", max_ppl_increase=0.08, opts=opts)
     assert res["checks"][0]["ppl_increase_estimate"] > 0.08 and res["checks"][0]["ppl_increase"] > 0.08  # broken
     assert res["order"][0] == 17 and res["passed_on_calibration"]
     assert res["kept_bf16"][0] == "model.layers.17.*" and 17 in res["layers"] and len(res["layers"]) <= 4
     assert res["checks"][-1]["ppl_increase_estimate"] <= 0.75 * 0.08 and 0 < res["forwards"] < 60
-    names = Q.disable_quantizers(m, res["kept_bf16"])
+    names = ptq.disable_quantizers(m, res["kept_bf16"])
     assert len(names) == 7 * len(res["layers"])
-    Q.export_target(m, tmp_path / "ex", target, torch.bfloat16)
+    qexport.export_target(m, tmp_path / "ex", target, torch.bfloat16)
     hq = json.loads((tmp_path / "ex" / "hf_quant_config.json").read_text())["quantization"]
-    assert Q._matches("model.layers.17.mlp.down_proj", hq["exclude_modules"])
-    assert Q._matches("model.layers.17.self_attn.q_proj", hq["exclude_modules"])
-    assert not Q._matches("model.layers.16.mlp.down_proj", hq["exclude_modules"])
-    checks = {c["name"]: c for c in Q.check_checkpoint(tmp_path / "ex", kv_cache=True, exclude=res["kept_bf16"])}
+    assert matches("model.layers.17.mlp.down_proj", hq["exclude_modules"])
+    assert matches("model.layers.17.self_attn.q_proj", hq["exclude_modules"])
+    assert not matches("model.layers.16.mlp.down_proj", hq["exclude_modules"])
+    checks = {c["name"]: c for c in check_checkpoint(tmp_path / "ex", kv_cache=True, exclude=res["kept_bf16"])}
     assert all(c["passed"] for c in checks.values()), checks
     sd = fp8.read_safetensors(tmp_path / "ex")
     assert sd["model.layers.17.mlp.down_proj.weight"].dtype == torch.bfloat16
     assert sd["model.layers.17.self_attn.k_proj.k_scale"].numel() == 1   # the KV cache stays FP8 (global in TRT-LLM)
-    q = Q.measure_quality(fp8.load_causal_lm(target), fp8.load_causal_lm(tmp_path / "ex"), smol["heldout"])
+    q = measure_quality(fp8.load_causal_lm(target), fp8.load_causal_lm(tmp_path / "ex"), smol["heldout"])
     assert q["ppl_increase"] <= 0.08, q

@@ -20,8 +20,9 @@ from pipeline.artifacts.target import stop_ids
 from pipeline.errors import StageError
 from pipeline.stage import Artifact, StageContext
 from runtime.engine.speculative import Drafter, SpeculativeEngine, TargetRunner, load_pair, load_target
+from runtime.validate.lossless_arms import STATISTIC, exact_check, lossless_and_speed
+from runtime.validate.trtllm import trtllm_available, trtllm_llm_kwargs, trtllm_sampling_kwargs
 from stages import validate as V
-from stages.validate import STATISTIC
 
 from test_runtime import _batches, tiny_assets
 
@@ -179,7 +180,7 @@ def test_runtime_choice(monkeypatch):
 
 def test_trtllm_is_unavailable_without_its_package(monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorrt_llm", None)
-    ok, why = V.trtllm_available()
+    ok, why = trtllm_available()
     assert not ok and why
 
 
@@ -216,8 +217,8 @@ def test_trtllm_arguments_match_schema(shared):
     _schema = functools.partial(_schema_file, shared=shared)
     s12 = _schema("trtllm-1.2-llmapi.json")
     llm_fields = set(s12["classes"]["TorchLlmArgs"]["fields"])
-    kw = V.trtllm_llm_kwargs("/m/target_fp8", "/m/draft", algorithm="eagle3", max_draft_len=4, num_target_layers=4,
-                             aux_layer_ids=[0, 1], batch_size=8, max_seq_len=512)
+    kw = trtllm_llm_kwargs("/m/target_fp8", "/m/draft", algorithm="eagle3", max_draft_len=4, num_target_layers=4,
+                           aux_layer_ids=[0, 1], batch_size=8, max_seq_len=512)
     assert set(kw) <= llm_fields, set(kw) - llm_fields
     spec = dict(kw["speculative_config"])
     assert s12["decoding_types"][spec.pop("decoding_type")] == "Eagle3DecodingConfig"
@@ -228,20 +229,20 @@ def test_trtllm_arguments_match_schema(shared):
     # draft's fc for 3 layers, raising for L <= 5 (runtime/trtllm/compat.py SOURCES["layers_to_capture"] names the
     # llm_args.py / modeling_speculative.py versions read)
     assert spec["eagle3_layers_to_capture"] == [0, 1]
-    kw2 = V.trtllm_llm_kwargs("/t", "/d", algorithm="eagle3", max_draft_len=3, num_target_layers=32,
-                              aux_layer_ids=[1, 15, 28], batch_size=1, max_seq_len=64)
+    kw2 = trtllm_llm_kwargs("/t", "/d", algorithm="eagle3", max_draft_len=3, num_target_layers=32,
+                            aux_layer_ids=[1, 15, 28], batch_size=1, max_seq_len=64)
     assert kw2["speculative_config"]["eagle3_layers_to_capture"] == [1, 15, 28]   # the default tuple, still written
     with pytest.raises(ValueError, match="eagle_aux_hidden_state_layer_ids"):
-        V.trtllm_llm_kwargs("/t", "/d", algorithm="eagle3", max_draft_len=3, num_target_layers=32,
-                            aux_layer_ids=None, batch_size=1, max_seq_len=64)
+        trtllm_llm_kwargs("/t", "/d", algorithm="eagle3", max_draft_len=3, num_target_layers=32,
+                          aux_layer_ids=None, batch_size=1, max_seq_len=64)
     s13 = _schema("trtllm-1.3-specdec.json")
-    kd = V.trtllm_llm_kwargs("/t", "/d", algorithm="dflash", max_draft_len=7, num_target_layers=4, aux_layer_ids=None,
-                             batch_size=2, max_seq_len=64)["speculative_config"]
+    kd = trtllm_llm_kwargs("/t", "/d", algorithm="dflash", max_draft_len=7, num_target_layers=4, aux_layer_ids=None,
+                           batch_size=2, max_seq_len=64)["speculative_config"]
     assert set(kd) <= set(s13["classes"]["DFlashDecodingConfig"]["all_field_names"])
     assert "DFlash" not in s12["decoding_types"]                              # hence 1.3+ for DFlash
     names = {i["name"] for i in _schema("triton-llmapi-model.json")["config_pbtxt"]["inputs"]}
     for t in (0.0, 0.7):
-        sp = V.trtllm_sampling_kwargs(max_new_tokens=32, temperature=t, seed=0)
+        sp = trtllm_sampling_kwargs(max_new_tokens=32, temperature=t, seed=0)
         assert sp["return_perf_metrics"] is True
         assert {f"sampling_param_{k}" for k in sp} <= names, {f"sampling_param_{k}" for k in sp} - names
 
@@ -483,9 +484,10 @@ def test_self_consistent_cache_bug_passes_the_invariant_but_not_the_gate(tiny):
     sec = V.Config(max_new_tokens=20, batch_size=3, lossless_prompts=5)
     model, draft = load_pair(tiny["target_dir"], tiny["eagle_dir"])
     ctx = _LogCtx()
-    ex = V._exact(ctx, engine_cls(model, draft), sec, 3, [], tiny["prompts"], InvariantTally(), "bf16")
+    s = V.measure_settings(sec)
+    ex = exact_check(ctx.log, engine_cls(model, draft), s, 3, [], tiny["prompts"], InvariantTally(), "bf16")
     assert not ex["passed"] and ex["differ"] >= 1 and not any(m["tie"] for m in ex["mismatches"]), ex
-    ok = V._exact(ctx, SpeculativeEngine(model, draft), sec, 3, [], tiny["prompts"], InvariantTally(), "bf16")
+    ok = exact_check(ctx.log, SpeculativeEngine(model, draft), s, 3, [], tiny["prompts"], InvariantTally(), "bf16")
     assert ok["passed"] and ok["identical"]
 
 
@@ -637,7 +639,8 @@ def real_fp8(real_model, tmp_path_factory):
     through stages/quantize.py, calibrated on 8 ShareGPT chats, exported; plus chat prompts of two domains."""
     from transformers import AutoTokenizer
 
-    from stages.quantize import export_target, quantize_model
+    from runtime.quant.export import export_target
+    from runtime.quant.ptq import quantize_model
 
     tok = AutoTokenizer.from_pretrained(real_model["model_dir"])
 
@@ -683,7 +686,7 @@ def test_real_fp8_pair_passes_where_token_equality_fails(real_fp8):
     sec = V.Config(max_new_tokens=20, batch_size=4, lossless_prompts=3, max_draft_len=3)
     tally = InvariantTally()
     eng = SpeculativeEngine(fp8, drafter=_ModelDrafter(bf16, first.pop()))
-    ll, tps, _ = V._lossless_and_speed(_LogCtx(), eng, sec, 3, eos, prompts, _Bar(), "eagle3", tally)
+    ll, tps, _ = lossless_and_speed(_LogCtx.log, eng, V.measure_settings(sec), 3, eos, prompts, _Bar(), "eagle3", tally)
     st = ll["statistical"]
     noise = st["noise"]
     # the defect: the FP8 target against itself, no speculation involved, diverges at large margins
@@ -697,7 +700,7 @@ def test_real_fp8_pair_passes_where_token_equality_fails(real_fp8):
     btally = InvariantTally()
     beng = SpeculativeEngine(bf16, drafter=_ModelDrafter(fp8, prompts["gsm8k"][0][0]))
     sub = [p for ps in prompts.values() for p in ps[:1]]
-    ex = V._exact(_LogCtx(), beng, sec, 3, eos, sub, btally, "bf16")
+    ex = exact_check(_LogCtx.log, beng, V.measure_settings(sec), 3, eos, sub, btally, "bf16")
     assert ex["passed"] and ex["identical"] and ex["generated_tokens"] > 2 * 10, ex
     b = btally.as_dict()
     assert b["violations"] == 0 and b["drafted"] > 0

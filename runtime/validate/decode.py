@@ -1,0 +1,48 @@
+"""The measurement settings of the validate stage and the one way it decodes: a prompt set in batches, every
+generate call checked by the acceptance-rule invariant (`runtime.engine.lossless.checked_generate`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MeasureSettings:
+    """What a measurement runs with (the validate stage builds it from its section and gates)."""
+
+    max_draft_len: int
+    max_new_tokens: int
+    batch_size: int
+    temperature: float
+    seed: int
+    lossless_prompts: int          # per domain, for the exact and statistical checks (0: skip them)
+    noise_prefill_chunk: int       # the chunk size of the noise floor's chunked-prefill arm
+    measure_bf16: bool             # also measure the unquantized pair's acceptance
+    first_layer_norm: str          # EAGLE-3 first-layer norm: "modelopt" or "serving"
+    measure_other_norm: bool       # EAGLE-3: the deployed pair once more with the other norm
+    tie_margin: float              # exact check: a divergence below this logit gap is an fp32 tie
+    max_divergence_ratio: float    # statistical check: H0 rate_speculative <= ratio x rate_noise
+    divergence_alpha: float        # statistical check: fail when H0 is rejected at this p-value
+
+
+def measure(eng, prompts, s: MeasureSettings, K: int, eos, *, speculative: bool, temperature: float | None = None,
+            batch_size: int | None = None, tally=None, run: str = ""):
+    """Decode `prompts` in batches; every generate call is checked by the acceptance-rule invariant (`tally`).
+    Returns (the merged RunStats, the output tokens per prompt)."""
+    from runtime.engine.lossless import checked_generate
+    from runtime.engine.speculative import RunStats
+
+    bs = batch_size or s.batch_size
+    total, outs = RunStats(K if speculative else 0), []
+    for i in range(0, len(prompts), bs):
+        g, _ = checked_generate(eng, prompts[i:i + bs], tally=tally, run=run, max_new_tokens=s.max_new_tokens,
+                                draft_len=K if speculative else 0,
+                                temperature=s.temperature if temperature is None else temperature,
+                                eos_token_id=eos, seed=s.seed + i, speculative=speculative)
+        total = total.merge(g.stats)
+        outs += g.tokens
+    return total, outs
+
+
+def lossless_subset(prompts: dict, s: MeasureSettings) -> list[list[int]]:
+    """The first `lossless_prompts` prompts of every domain: what the exact and statistical checks decode."""
+    return [p for ps in prompts.values() for p in ps[:s.lossless_prompts]]

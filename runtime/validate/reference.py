@@ -1,0 +1,123 @@
+"""Acceptance of a target + draft pair per evaluation domain on specpipe's reference runtime
+(`runtime.engine.speculative`): each pair loaded from its exported files, speculative decoding of every domain's
+prompts (acceptance length, per-position acceptance), the lossless check and speed on the deployed pair
+(lossless_arms.py), the other EAGLE-3 first-layer norm, and the acceptance-rule invariant tallied over every run."""
+from __future__ import annotations
+
+from runtime.errors import RuntimeFailure
+from runtime.validate.decode import MeasureSettings, lossless_subset, measure
+from runtime.validate.lossless_arms import exact_check, lossless_and_speed
+
+
+class DraftLoadError(RuntimeFailure):
+    """A pair's draft does not load as exported (`runtime.engine.drafts.DraftFormatError`)."""
+
+
+def run_reference(s: MeasureSettings, deployed: dict, bf16: dict | None, prompts: dict, eos, *, device: str,
+                  expected, log, progress, same: bool = False) -> dict:
+    """Measure the deployed pair (label "fp8") and, when given, the unquantized pair ("bf16") on `prompts`
+    ({domain: [prompt ids]}). `expected`: the capture layers training used (None: unchecked); `progress`: a
+    progress-bar factory (`progress(total=, desc=)`, a context manager); `same`: the deployed pair is the
+    unquantized one (the exact check runs on it). Returns {"domains", "overall", "lossless", "draft_len", ...}."""
+    import torch
+
+    from runtime.engine.drafts import summarize
+    from runtime.engine.lossless import InvariantTally
+    from runtime.engine.speculative import SpeculativeEngine
+
+    dev = device
+    pairs = [("fp8", deployed)] + ([("bf16", bf16)] if bf16 else [])
+    res: dict = {"domains": {d: {} for d in prompts}, "overall": {}}
+    tallies = {label: InvariantTally() for label, _ in pairs}
+    ll: dict = {}
+    K = s.max_draft_len
+    measured = [label for label, _ in pairs if label == "fp8" or s.measure_bf16]
+    n_runs = len(measured) * len(prompts) + (len(pairs) * len(prompts) if s.lossless_prompts else 0)
+    with progress(total=n_runs, desc="validate") as bar:
+        for label, pair in pairs:
+            model, draft = load_measured_pair(s, label, pair, dev, expected)
+            K = dflash_draft_len(log, draft, K)
+            res.setdefault("draft", summarize(draft))
+            res.setdefault("fp8_info", getattr(model, "fp8_info", {}))
+            eng = SpeculativeEngine(model, draft)
+            tally = tallies[label]
+            if label in measured:
+                res["overall"][label] = acceptance_per_domain(log, eng, s, K, eos, prompts, tally, label, res, bar)
+            if label == "fp8":
+                ll, res["tokens_per_s"], res["step_ms"] = lossless_and_speed(
+                    log, eng, s, K, eos, prompts, bar, draft.algorithm, tally, exact=same)
+                if draft.algorithm == "eagle3" and s.measure_other_norm:
+                    other_norm(log, s, model, pair, expected, K, eos, prompts, res, dev, tally)
+            elif s.lossless_prompts:
+                ll["exact"] = exact_check(log, eng, s, K, eos, lossless_subset(prompts, s), tally, "bf16")
+                bar.update(len(prompts))
+            log.info("acceptance-rule invariant on the %s pair: %d violations in %d verification rows of %d runs",
+                     label, tally.violations, tally.rows, tally.generations)
+            del eng, model, draft
+            if dev == "cuda":
+                torch.cuda.empty_cache()
+    inv = {label: t.as_dict() for label, t in tallies.items()}
+    ll["invariant"] = {"passed": all(v["passed"] for v in inv.values()), "pairs": inv}
+    ll["passed"] = all(part["passed"] for part in (ll.get("exact"), ll.get("statistical"), ll["invariant"])
+                       if part is not None and part.get("passed") is not None)
+    res["lossless"] = ll
+    res["draft_len"] = K
+    return res
+
+
+def load_measured_pair(s: MeasureSettings, label: str, pair: dict, dev, expected):
+    """(target, draft) of one pair through runtime.engine.speculative; DraftLoadError when the draft does not load."""
+    from runtime.engine.drafts import DraftFormatError
+    from runtime.engine.speculative import load_pair
+
+    try:
+        return load_pair(pair["target_dir"], pair["draft_dir"], device=dev, first_layer_norm=s.first_layer_norm,
+                         expected_capture_layers=expected)
+    except DraftFormatError as e:
+        raise DraftLoadError(f"the {label} draft does not load as exported: {e}") from None
+
+
+def dflash_draft_len(log, draft, K: int) -> int:
+    """`K`, or the most a DFlash draft of its block size drafts when that is fewer (logged)."""
+    from runtime.trtllm.draft_schedule import dflash_max_draft_len
+
+    if draft.algorithm == "dflash" and K > dflash_max_draft_len(draft.block_size):
+        kmax = dflash_max_draft_len(draft.block_size)
+        log.warning("DFlash block_size %d drafts at most %d tokens: measuring %d positions, not %d",
+                    draft.block_size, kmax, kmax, K)
+        return kmax
+    return K
+
+
+def acceptance_per_domain(log, eng, s: MeasureSettings, K: int, eos, prompts: dict, tally, label: str, res: dict,
+                          bar) -> dict:
+    """Speculative decoding of every domain's prompts with the pair `label`: each domain's statistics into
+    res["domains"][domain][label]; returns the statistics over all domains."""
+    total = None
+    for d, ps in prompts.items():
+        st = measure(eng, ps, s, K, eos, speculative=True, tally=tally, run=f"{label}/{d}")[0]
+        res["domains"][d][label] = st.as_dict()
+        total = st if total is None else total.merge(st)
+        log.info("%s %s: AL %.3f over %d steps, acceptance rate %s, per position %s", label, d,
+                 st.acceptance_length, st.steps, res["domains"][d][label]["draft_acceptance_rate"],
+                 res["domains"][d][label]["per_position"])
+        bar.update(1)
+    return total.as_dict()
+
+
+def other_norm(log, s: MeasureSettings, model, pair, expected, K, eos, prompts, res, dev, tally) -> None:
+    """The deployed pair once more with the other EAGLE-3 first-layer norm: ModelOpt trains with
+    hidden_norm(input_layernorm(h)), TensorRT-LLM/vLLM/SGLang serve hidden_norm(h) (docs/stages/validate.md)."""
+    from runtime.engine.drafts import load_draft
+    from runtime.engine.speculative import SpeculativeEngine, target_shape
+
+    other = "serving" if s.first_layer_norm == "modelopt" else "modelopt"
+    draft = load_draft(pair["draft_dir"], target_shape(model), device=dev, first_layer_norm=other,
+                       expected_capture_layers=expected)
+    eng = SpeculativeEngine(model, draft)
+    for d, ps in prompts.items():
+        st = measure(eng, ps, s, K, eos, speculative=True, tally=tally, run=f"fp8_{other}_norm/{d}")[0]
+        res["domains"][d]["fp8_other_norm"] = {"first_layer_norm": other, "acceptance_length": round(st.acceptance_length, 6),
+                                               "per_position": st.as_dict()["per_position"]}
+        log.info("fp8 %s with first_layer_norm=%s: AL %.3f (vs %.3f with %s)", d, other, st.acceptance_length,
+                 res["domains"][d]["fp8"]["acceptance_length"], s.first_layer_norm)
