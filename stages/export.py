@@ -61,7 +61,7 @@ class Config(StageSection):
 
 def run(ctx: StageContext) -> dict:
     from runtime.trtllm import compat
-    from runtime.trtllm import options as T
+    from runtime.trtllm import schema as trtllm_schema
 
     sec: Config = ctx.section
     acc = validate_artifact.read_acceptance(ctx.input("validate").path)
@@ -70,7 +70,7 @@ def run(ctx: StageContext) -> dict:
     dep = build_artifact.read_deployment(bpath)
     options = build_artifact.read_options(bpath, dep)
     version = dep["trtllm_version"]
-    io = T.load_schema("triton-llmapi-model")["config_pbtxt"]
+    io = trtllm_schema.load_schema("triton-llmapi-model")["config_pbtxt"]
     speculation = bool(options.get("speculative_config"))
     image = compat.triton_image_for(version)
     _production_repository(ctx, dep, options, io, image, speculation)
@@ -130,7 +130,7 @@ def _production_repository(ctx: StageContext, dep: dict, options: dict, io: dict
 def _model_yaml(sec: Config, options: dict, version: str) -> dict:
     """The body of `tensorrt_llm/1/model.yaml`: the LLM-API options with the paths inside the container, plus
     `triton_config`. Every key must exist in `version`'s schema."""
-    from runtime.trtllm import options as T
+    from runtime.trtllm import schema as trtllm_schema
 
     in_container = f"{sec.container_path.rstrip('/')}/{sec.model_name}/1"
     body = {"model": f"{in_container}/target_fp8", "backend": "pytorch", **options}
@@ -142,7 +142,7 @@ def _model_yaml(sec: Config, options: dict, version: str) -> dict:
     body.setdefault("return_perf_metrics", True)
     body["triton_config"] = {"max_batch_size": 0, "decoupled": sec.decoupled,
                              "cancellation_check_period_ms": sec.cancellation_check_period_ms}
-    if bad := T.unknown_keys(body, version, model_yaml=True):
+    if bad := trtllm_schema.unknown_keys(body, version, model_yaml=True):
         raise StageError(f"model.yaml would carry keys TensorRT-LLM {version} does not know: {bad}")
     return body
 
