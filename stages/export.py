@@ -176,6 +176,7 @@ def _cpu_repository(ctx: StageContext, dep: dict, acc: dict, io: dict, speculati
 
 def _speculators(ctx: StageContext, dep: dict, options: dict) -> dict:
     """speculators/: the trained (BF16) draft in the speculators format, its README and `serve_vllm.sh`."""
+    from runtime.vllm import serve as V
     from runtime.vllm import speculators_format as S
 
     src = ctx.input("train_draft").path / "draft"
@@ -188,10 +189,10 @@ def _speculators(ctx: StageContext, dep: dict, options: dict) -> dict:
                          "(export.speculators: false exports without it)") from None
     qcfg = Path(dep["target_dir"]) / "hf_quant_config.json"
     kv = json.loads(qcfg.read_text()).get("quantization", {}).get("kv_cache_quant_algo") if qcfg.exists() else None
-    argv = S.vllm_serve_command(spec, target=dep["target_dir"], draft=str(final), max_model_len=dep.get("max_seq_len"),
+    argv = V.vllm_serve_command(spec, target=dep["target_dir"], draft=str(final), max_model_len=dep.get("max_seq_len"),
                                 kv_cache_fp8=str(kv).upper() == "FP8",
                                 tensor_parallel_size=int(options.get("tensor_parallel_size") or 1))
-    (spec.path / "README.md").write_text(S.readme(spec, argv, draft=str(final), source_draft=str(src.resolve()),
+    (spec.path / "README.md").write_text(V.readme(spec, argv, draft=str(final), source_draft=str(src.resolve()),
                                                   deployed_draft=dep["draft_dir"]))
     (spec.path / "serve_vllm.sh").write_text("#!/usr/bin/env bash\n# vLLM with the speculators draft beside this "
                                              "script (see README.md); extra arguments go to `vllm serve`.\n"
