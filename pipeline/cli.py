@@ -1,4 +1,6 @@
-"""`specpipe` command line. The only module that touches argv, terminal formatting and exit codes.
+"""`specpipe` command line. The only module that touches argv and exit codes: it parses the arguments, calls the
+subcommand's body (pipeline/commands/<subcommand>.py where it is more than a few lines) and turns its result and
+the project's errors into output and an exit code.
 
 Exit codes: 0 success, 1 a stage failed (or the workdir is locked), 2 usage or config error.
 """
@@ -100,26 +102,14 @@ def build(config, workdir, overrides, only, from_, force):
     except KeyboardInterrupt:
         click.echo("interrupted: nothing half-written was committed; run the same command to resume", err=True)
         sys.exit(130)
-    _print_outcomes(outcomes, store)
+    from pipeline.commands.build import print_outcomes
+
+    print_outcomes(outcomes, store)
     failed = [o for o in outcomes if o.action == "failed"]
     if failed:
         o = failed[0]
         click.echo(f"stage '{o.name}' failed: {o.error}\n  log: {o.log_file}", err=True)
         sys.exit(EXIT_FAILED)
-
-
-def _print_outcomes(outcomes, store) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    t = Table(title=f"specpipe build: {store.root}")
-    for c in ("stage", "action", "reason", "time"):
-        t.add_column(c)
-    colors = {"ran": "green", "skip": "dim", "failed": "red", "blocked": "yellow", "disabled": "dim", "excluded": "dim"}
-    for o in outcomes:
-        t.add_row(o.name, f"[{colors.get(o.action, '')}]{o.action}[/]", o.reason,
-                  f"{o.wall_s:.1f}s" if o.action in ("ran", "failed") else "")
-    Console(stderr=True, width=160).print(t)
 
 
 @cli.command()
@@ -172,35 +162,14 @@ def check(config, overrides):
 @click.option("--verify", is_flag=True, help="also re-hash every committed file against its manifest")
 def status(workdir, as_json, verify):
     """Each stage's state, fingerprint, timings and metrics."""
-    from pipeline import runner
-    from pipeline.store import Store
+    from pipeline.commands import status as C
 
     wd = _existing_workdir(workdir)
-    store = Store(wd)
-    doc = runner.status(store)
-    if verify:
-        for st in doc["stages"]:
-            if st["state"] == "committed":
-                st["verify"] = store.verify(st["name"]) or "ok"
+    doc = C.collect(wd, verify)
     if as_json:
         click.echo(json.dumps(doc, indent=2, default=str))
         return
-    from rich.console import Console
-    from rich.table import Table
-
-    t = Table(title=f"specpipe status: {wd}")
-    for c in ("stage", "state", "fingerprint", "wall", "peak RSS", "key metrics"):
-        t.add_column(c)
-    for st in doc["stages"]:
-        metrics = ", ".join(f"{k}={_short(v)}" for k, v in list(st["metrics"].items())[:4] if not isinstance(v, (dict, list)))
-        t.add_row(st["name"], st["state"], (st["fingerprint"] or "")[:12],
-                  f"{st['wall_time_s']:.1f}s" if st["wall_time_s"] is not None else "",
-                  f"{st['peak_rss_mb']:.0f} MB" if st["peak_rss_mb"] is not None else "", metrics)
-    Console(width=180).print(t)
-
-
-def _short(v) -> str:
-    return f"{v:.4g}" if isinstance(v, float) else str(v)
+    C.print_table(doc, wd)
 
 
 @cli.command()
@@ -232,52 +201,24 @@ def report(workdir, out):
                    "need --not-decoupled; streaming needs decoupled)")
 def serve(workdir, http_port, grpc_port, metrics_port, ready_timeout, max_batch, max_queue, draft_len, decoupled):
     """Serve the exported CPU Triton repository (FP8 target + draft) on 127.0.0.1 until Ctrl-C."""
-    import time
+    from pipeline.commands import serve as C
 
-    from runtime.serving import triton_server
-
-    wd = Path(workdir) if workdir else None
-    if wd is None:
-        runs = sorted(Path("runs").glob("*/artifacts/export/triton_cpu")) if Path("runs").exists() else []
-        if len(runs) != 1:
-            _fail(UsageError("give --workdir (default only when exactly one run under ./runs has an export)"))
-        wd = runs[0].parents[2]
-    repo = wd / "artifacts" / "export" / "triton_cpu"
-    if not (wd / "artifacts" / "export" / "manifest.json").exists() or not repo.is_dir():
-        _fail(UsageError(f"{wd}: no committed export with a CPU repository; run `specpipe build <config>` first"))
+    try:
+        repo = C.find_repository(workdir)
+    except UsageError as e:
+        _fail(e)
+        return
     click.echo(f"starting Triton on {repo} ...", err=True)
     try:
-        params = {k: str(v) for k, v in (("specpipe_max_batch", max_batch), ("specpipe_max_queue", max_queue),
-                                         ("specpipe_draft_len", draft_len)) if v is not None}
-        srv = triton_server.start(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
-                                  load_timeout=ready_timeout, model_parameters=params or None, decoupled=decoupled)
+        srv = C.start(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
+                      ready_timeout=ready_timeout, max_batch=max_batch, max_queue=max_queue, draft_len=draft_len,
+                      decoupled=decoupled)
     except (SpecpipeError, RuntimeFailure) as e:
         _fail(e)
         return
-    name = srv.loaded[0] if srv.loaded else "tensorrt_llm"
-    click.echo(f"Triton {', '.join(srv.loaded)} ready (pid {srv.pid})\n"
-               f"  HTTP     http://{srv.http_url}\n  gRPC     {srv.grpc_url}\n  metrics  {srv.metrics_url}\n"
-               f"  try: curl -s http://{srv.http_url}/v2/models/{name}/generate -d "
-               "'{\"text_input\": \"def add(a, b):\", \"sampling_param_max_tokens\": 32, "
-               "\"sampling_param_return_perf_metrics\": true}'\n"
-               f"  log: {srv.log_path}\nCtrl-C stops it.")
-    import signal
-
-    def _term(*_):  # `kill <pid>` stops the server too, the same way as Ctrl-C
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, _term)
-    signal.signal(signal.SIGINT, _term)   # also when started with SIGINT ignored (a background job of a script)
-    try:
-        while srv.alive():
-            time.sleep(0.5)
-        click.echo(f"error: tritonserver exited with code {srv.process.returncode}:\n{srv.log_tail()}", err=True)
-        srv.stop()
+    click.echo(C.ready_message(srv))
+    if not C.run_until_stopped(srv, click.echo):
         sys.exit(EXIT_FAILED)
-    except KeyboardInterrupt:
-        click.echo("stopping Triton ...", err=True)
-        rc = srv.stop()
-        click.echo(f"stopped (exit code {rc})", err=True)
 
 
 @cli.command()
@@ -309,10 +250,7 @@ def monitor(workdir, url, model, passive, metrics_url, once, interval, probes, d
             prompts_per_probe, timeout, prom_file, state_file, reset):
     """Watch a live endpoint's acceptance against validate's baseline (draft drift): a sequential test per
     domain, an alarm line, a Prometheus text file."""
-    import hashlib
-    import time
-
-    from pipeline import monitor as M
+    from pipeline.commands import monitor as C
 
     wd = _existing_workdir(workdir)
     if passive and not metrics_url:
@@ -320,69 +258,20 @@ def monitor(workdir, url, model, passive, metrics_url, once, interval, probes, d
     if not passive and not url:
         _fail(UsageError("give --url (the endpoint to probe) or --passive --metrics-url"))
     try:
-        run = M.read_run(wd, draft_len=draft_len, prompts_per_probe=prompts_per_probe)
-        if model:
-            run.model_name = model
-        design = M.Design(draft_len=run.draft_len, drop=drop, false_alarm=false_alarm, dispersion=dispersion)
-        target = metrics_url if passive else url
-        tag = hashlib.sha256(f"{target}|{run.model_name}".encode()).hexdigest()[:10]
-        mon = M.Monitor(run, design, url=url, metrics_url=metrics_url, passive=passive,
-                        state_path=Path(state_file) if state_file else wd / "monitor" / f"state-{tag}.json",
-                        prom_path=Path(prom_file) if prom_file else wd / "monitor" / f"specpipe_monitor-{tag}.prom",
-                        timeout=timeout, reset=reset, echo=click.echo)
+        mon = C.open_monitor(wd, url=url, model=model, passive=passive, metrics_url=metrics_url, draft_len=draft_len,
+                             drop=drop, false_alarm=false_alarm, dispersion=dispersion,
+                             prompts_per_probe=prompts_per_probe, timeout=timeout, prom_file=prom_file,
+                             state_file=state_file, reset=reset, echo=click.echo)
     except SpecpipeError as e:
         _fail(e)
         return
     click.echo(mon.describe())
-    raised = False
-    n = 0
-    try:
-        while True:
-            try:
-                alarms = mon.step()
-            except M.ProbeError as e:
-                click.echo(f"probe failed: {e}", err=True)
-                if once:
-                    sys.exit(EXIT_FAILED)
-                alarms = []
-            raised = raised or bool(alarms)
-            n += 1
-            if once:
-                missing = [d for d, t in mon.tests.items() if t.missing_stats]
-                sys.exit(EXIT_FAILED if alarms or missing else EXIT_OK)
-            if probes is not None and n >= probes:
-                break
-            time.sleep(interval)
-    except KeyboardInterrupt:
-        click.echo("stopped", err=True)
-    click.echo(f"{n} round(s); {'drift alarm raised' if raised else 'no drift alarm'}; prometheus file: {mon.prom_path}")
-    sys.exit(EXIT_FAILED if raised else EXIT_OK)
-
-
-def _profile_shapes(cfg, artifacts: Path):
-    """The shapes `specpipe profile` measures: the committed target's (and draft's, once trained), else, for the
-    built-in tiny target, its config section's. UsageError when neither is available."""
-    from pipeline.artifacts import target as target_artifact
-    from pipeline.artifacts import train_draft as train_draft_artifact
-    from runtime.cost import profile as P
-    from runtime.cost.costmodel import llama
-
-    tart, dart = artifacts / "target", artifacts / "train_draft"
-    if (tart / "manifest.json").is_file() and (tart / target_artifact.INFO).is_file():
-        tinfo, src = target_artifact.read_info(tart), str(tart / target_artifact.INFO)
-        draft = dcfg = None
-        if (dart / "manifest.json").is_file() and (dart / train_draft_artifact.INFO).is_file() \
-                and (train_draft_artifact.draft_dir(dart) / "config.json").is_file():
-            draft, dcfg = train_draft_artifact.read_info(dart), train_draft_artifact.read_draft_config(dart)
-            src += f", {dart / train_draft_artifact.INFO}"
-        return P.shapes_from_artifacts(tinfo, draft, dcfg), src
-    if cfg.target.bootstrap == "tiny":
-        t = cfg.target.tiny
-        return {"target": llama("target", num_layers=t.num_layers, hidden=t.hidden_size, heads=t.num_heads,
-                                kv_heads=t.num_kv_heads, intermediate=t.intermediate_size, vocab=t.vocab_size)}, \
-            "target.tiny (no target artifact yet)"
-    raise UsageError(f"no committed target artifact in {artifacts}: run `specpipe build CONFIG --only target` "
-                     "first (the profile measures the target's layer shapes)")
+    out = C.watch(mon, once=once, probes=probes, interval=interval, echo=click.echo)
+    if out.once_ok is not None:
+        sys.exit(EXIT_OK if out.once_ok else EXIT_FAILED)
+    click.echo(f"{out.rounds} round(s); {'drift alarm raised' if out.raised else 'no drift alarm'}; "
+               f"prometheus file: {mon.prom_path}")
+    sys.exit(EXIT_FAILED if out.raised else EXIT_OK)
 
 
 @cli.command()
@@ -398,49 +287,23 @@ def _profile_shapes(cfg, artifacts: Path):
 def profile(config, workdir, overrides, out, rows, context, rounds, dtype):
     """Measure the target's (and draft's) step time on this machine, fit the cost model, write a profile
     that `hardware.profile` can use instead of datasheet numbers."""
+    from pipeline.commands import profile as C
     from pipeline.store import Store
-    from runtime.cost import profile as P
 
     try:
         cfg = _load(config, overrides)
-        try:
-            ms = sorted({int(x) for x in rows.split(",") if x.strip()})
-        except ValueError:
-            raise UsageError(f"--rows {rows}: expected comma-separated integers") from None
-        if not ms or ms[0] < 1:
-            raise UsageError(f"--rows {rows}: expected positive integers")
+        ms = C.parse_rows(rows)
         store = Store(Path(workdir) if workdir else _default_workdir(config))
-        shapes, source = _profile_shapes(cfg, store.root / "artifacts")
-        device, gemm_dtype = P.resolve_device_dtype(cfg.run.device, dtype)
-        import torch
-
-        if cfg.run.threads:
-            torch.set_num_threads(cfg.run.threads)
-        click.echo(f"profiling {', '.join(shapes)} ({source}) on {P.device_name(device)}, {gemm_dtype} GEMMs, "
-                   f"{torch.get_num_threads()} threads, context {context}, {rounds} round(s)", err=True)
-        doc = P.profile(shapes, device=device, gemm_dtype=gemm_dtype, rows=ms, context=context, rounds=rounds,
-                        progress=lambda r, key, q, m, t: click.echo(
-                            f"  round {r + 1} {key} M={m:<5d} q={q} {t * 1e3:9.3f} ms", err=True))
+        doc, gemm_dtype = C.measure(cfg, store.root / "artifacts", rows=ms, context=context, rounds=rounds, dtype=dtype,
+                                    echo=click.echo)
     except (SpecpipeError, RuntimeFailure) as e:
         _fail(e)
         return
     path = Path(out) if out else store.root / "hardware_profile.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=2))
-    m = doc["machine"]
-    click.echo(f"machine: GEMM {m['peak_tflops'][gemm_dtype] * 1e3:.1f} GFLOP/s, {m['bandwidth_tb_s'] * 1e3:.1f} GB/s "
-               f"(cache {m['cache_bandwidth_tb_s'] * 1e3:.1f}), attention {m['attn_bandwidth_tb_s'] * 1e3:.1f} GB/s / "
-               f"{m['attn_tflops'] * 1e3:.1f} GFLOP/s, overlap p={m['overlap']:.2f}, {m['op_overhead_us']:.1f} us/op; "
-               f"ridge {doc['ridge_rows']:.1f} rows")
-    click.echo("weight streaming by working set: " + ", ".join(
-        f"{w / 2**20:.0f} MiB {b * 1e3:.1f} GB/s" for w, b in m.get("footprint_bandwidth_tb_s") or []))
-    click.echo("GEMM time factor by rows: " + ", ".join(f"M={r} {f:.2f}" for r, f in m.get("gemm_row_factors") or []))
-    for key, mod in doc["models"].items():
-        click.echo(f"{key}: {'M':>5s} {'q':>2s} {'measured ms':>12s} {'predicted ms':>13s} {'error':>7s}")
-        for p in mod["points"]:
-            click.echo(f"{'':{len(key) + 1}s} {p['rows']:5d} {p['q_len']:2d} {p['measured_ms']:12.3f} "
-                       f"{p['predicted_ms']:13.3f} {100 * p['error']:+6.1f}%")
-        click.echo(f"{key}: mean |error| {100 * mod['mean_abs_error']:.1f}%, max {100 * mod['max_abs_error']:.1f}%")
+    for line in C.summary(doc, gemm_dtype):
+        click.echo(line)
     click.echo(f"wrote {path}\nuse it: hardware.profile: {path}")
 
 
@@ -462,10 +325,8 @@ def profile(config, workdir, overrides, out, rows, context, rounds, dtype):
 @click.option("--submit", is_flag=True, help="submit the script with sbatch")
 def slurm(config, workdir, overrides, image, nodes, gpus_per_node, time_, partition, account, mounts, out, submit):
     """Write an sbatch script that runs the pipeline (in a container with --image) on one node or several."""
-    import shutil
-    import subprocess
-
-    from pipeline.slurm import SlurmJob, render
+    from pipeline.commands import slurm as C
+    from pipeline.slurm import SlurmJob
 
     try:
         cfg = _load(config, overrides)
@@ -479,16 +340,14 @@ def slurm(config, workdir, overrides, image, nodes, gpus_per_node, time_, partit
                    gpus_per_node=gpus_per_node, time=time_,
                    partition=partition, account=account, mounts=list(mounts), overrides=list(overrides))
     path = Path(out) if out else Path(wd) / "slurm" / "specpipe.sbatch"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    (Path(job.workdir) / "logs").mkdir(parents=True, exist_ok=True)   # Slurm opens --output before the script runs
-    path.write_text(render(cfg, job))
-    path.chmod(0o755)
+    C.write_script(cfg, job, path)
     click.echo(str(path))
     if submit:
-        sbatch = shutil.which("sbatch")
-        if sbatch is None:
-            _fail(UsageError(f"--submit: sbatch is not on PATH here; on a Slurm login node run: sbatch {path}"))
-        r = subprocess.run([sbatch, str(path)], capture_output=True, text=True)
+        try:
+            r = C.submit(path)
+        except UsageError as e:
+            _fail(e)
+            return
         click.echo(r.stdout.strip() or r.stderr.strip(), err=r.returncode != 0)
         if r.returncode != 0:
             sys.exit(EXIT_FAILED)

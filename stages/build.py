@@ -19,14 +19,13 @@ version the shipped Triton image pins, `runtime/trtllm/compat.py`) and in that v
 
 When `tune` found that speculation never pays, the deployment is the target alone (no speculative_config) and
 the README says why. Every key is checked against the version's field list, and the named consistency checks
-of `runtime.trtllm.options.consistency_checks` must pass (a failed check fails the stage with its message).
+of `runtime.trtllm.checks.consistency_checks` must pass (a failed check fails the stage with its message).
 Where `tensorrt_llm` imports and a CUDA GPU exists, `LLM(...)` is instantiated from the written options and a
 short generation is run; elsewhere the stage records plainly that the deployment was written, not loaded.
 """
 from __future__ import annotations
 
 import json
-import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -42,16 +41,15 @@ from pipeline.stage import Artifact, StageContext, StageSection, Strict
 from runtime.trtllm import compat
 
 if TYPE_CHECKING:
+    from runtime.trtllm.checks import Check
     from runtime.trtllm.draft_schedule import DraftSchedule
-    from runtime.trtllm.options import Check, DeploymentSpec
+    from runtime.trtllm.options import DeploymentSpec
 
 NAME = "build"
 CONSUMES: tuple[str, ...] = ("target", "data", "train_draft", "quantize", "tune")
 VERSION = "2"
 PACKAGES = ("tensorrt_llm",)
 USES = ("hardware",)
-
-NOT_LOADED = "TensorRT-LLM not available: deployment written, not loaded"
 
 
 class KvCache(Strict):
@@ -170,6 +168,7 @@ class _Bench:
 
 
 def run(ctx: StageContext) -> dict:
+    from runtime.trtllm import load, readme
     from runtime.trtllm import options as T
 
     sec: Config = ctx.section
@@ -186,13 +185,13 @@ def run(ctx: StageContext) -> dict:
         ctx.log.warning("%s", guard_note)
     checks = _checked(ctx, plan, options, ddraft)
     bench = _write_options_and_commands(ctx, plan, options, out)
-    loaded = (_try_load(sec, plan.target_dir, options, ctx) if sec.load == "auto"
+    loaded = (load.try_load(plan.target_dir, options) if sec.load == "auto"
               else {"loaded": False, "reason": "build.load: never"})
     ctx.log.info("load: %s", "loaded" if loaded["loaded"] else loaded["reason"])
     runs = _runs(plan, options)
     doc = _deployment_doc(ctx, plan, options, ddraft, runs, (guard_doc, guard_note), bench, checks, loaded)
     (ctx.out_dir / "deployment.json").write_text(json.dumps(doc, indent=2))
-    (out / "README.md").write_text(_readme(doc, options))
+    (out / "README.md").write_text(readme.readme(doc, options))
     ctx.log.info("deployment for TensorRT-LLM %s (%s): %s, %s, batch<=%d, bench %d requests (%d prompts) at "
                  "concurrency %d", version, doc["serving_image"], doc["decoding_type"] or "no speculation",
                  runs.describe(mbs), mbs, bench.requests, bench.prompts, bench.concurrency)
@@ -234,13 +233,13 @@ def _plan(ctx: StageContext) -> _Plan:
 def _deployment_draft(ctx: StageContext, plan: _Plan, out: Path) -> _DeployedDraft:
     """The EAGLE-3 draft with its layers named as the targeted loader reads them (a renamed copy in
     deployment/draft/ where that differs from ModelOpt's names); None without speculation."""
-    from runtime.trtllm import options as T
+    from runtime.trtllm.draft_weights import trtllm_draft_dir
 
     trtllm_draft, renamed = (plan.draft_src if plan.speculation else None), 0
     if plan.speculation and plan.algo == "eagle3":
         try:
-            trtllm_draft, renamed = T.trtllm_draft_dir(plan.draft_src, out / "draft", plan.rel,
-                                                  int(plan.dcfg.get("num_hidden_layers") or plan.draft.get("num_layers") or 1))
+            trtllm_draft, renamed = trtllm_draft_dir(plan.draft_src, out / "draft", plan.rel,
+                                                int(plan.dcfg.get("num_hidden_layers") or plan.draft.get("num_layers") or 1))
         except ValueError as e:
             raise StageError(f"the draft's tensor names cannot be written as TensorRT-LLM {plan.version} reads them: "
                              f"{e}") from None
@@ -256,12 +255,13 @@ def _deployment_draft(ctx: StageContext, plan: _Plan, out: Path) -> _DeployedDra
 def _deployment_spec(ctx: StageContext, plan: _Plan, ddraft: _DeployedDraft) -> DeploymentSpec:
     """The section's limits (defaults from tune and the models' positions), KV cache and CUDA graphs."""
     from runtime.trtllm import options as T
+    from runtime.trtllm.checks import draft_positions
 
     sec: Config = ctx.section
     mbs = plan.mbs
     mnt = sec.max_num_tokens or plan.tuning.get("max_num_tokens") or mbs * (1 + plan.kmax)
     positions = [p for p in (plan.tcfg.get("max_position_embeddings"),
-                             T._draft_positions(plan.dcfg) if plan.dcfg else None) if p]
+                             draft_positions(plan.dcfg) if plan.dcfg else None) if p]
     msl = sec.max_seq_len or (min(positions) if positions else 2048)
     kv = {"free_gpu_memory_fraction": sec.kv_cache.free_gpu_memory_fraction,
           "enable_block_reuse": sec.kv_cache.enable_block_reuse}
@@ -293,10 +293,10 @@ def _llm_api_options(spec: DeploymentSpec, version: str) -> dict:
 def _checked(ctx: StageContext, plan: _Plan, options: dict, ddraft: _DeployedDraft) -> list[Check]:
     """Run the named consistency checks, log each; a failed one fails the stage with its message."""
     from runtime.trtllm import hf_config
-    from runtime.trtllm import options as T
+    from runtime.trtllm.checks import consistency_checks
 
     tcfg = plan.tcfg
-    checks = T.consistency_checks(
+    checks = consistency_checks(
         options, version=plan.version, algorithm=plan.algo, target_dir=plan.target_dir, draft_dir=ddraft.dir,
         target_vocab_size=tcfg.get("vocab_size"), target_hidden_size=tcfg.get("hidden_size"),
         num_target_layers=int(tcfg.get("num_hidden_layers") or 0) or None,
@@ -316,19 +316,18 @@ def _checked(ctx: StageContext, plan: _Plan, options: dict, ddraft: _DeployedDra
 
 def _write_options_and_commands(ctx: StageContext, plan: _Plan, options: dict, out: Path) -> _Bench:
     """llm_api_options.yaml, the bench dataset, serve.sh and bench.sh."""
+    from runtime.trtllm import commands as C
     from runtime.trtllm import options as T
 
     sec: Config = ctx.section
-    (out / "llm_api_options.yaml").write_text(
-        f"# LLM-API options for TensorRT-LLM {plan.version} (PyTorch backend), written by specpipe build.\n"
-        f"# Use: trtllm-serve <target> --backend pytorch --extra_llm_api_options llm_api_options.yaml\n"
-        + T.dump_yaml(options))
+    (out / "llm_api_options.yaml").write_text(T.options_yaml(options, plan.version))
     concurrency = sec.bench.concurrency or plan.mbs
-    n_prompts, n_requests = _bench_dataset(ctx.input("data").path, out / "bench_dataset.jsonl",
-                                           sec.bench.output_tokens, sec.bench.rounds * concurrency)
-    bench_name = sec.bench.model_name or _model_name(plan.tcfg, ctx.workdir)
-    _write_script(out / "serve.sh", serve_command(plan.target_dir))
-    _write_script(out / "bench.sh", bench_command(bench_name, plan.target_dir, concurrency))
+    prompts = [(p, domain) for domain, ps in data_artifact.read_eval(ctx.input("data").path).items() for p in ps]
+    n_prompts, n_requests = C.write_bench_dataset(prompts, out / "bench_dataset.jsonl", sec.bench.output_tokens,
+                                                  sec.bench.rounds * concurrency)
+    bench_name = sec.bench.model_name or C.bench_model_name(plan.tcfg, ctx.workdir)
+    C.write_script(out / "serve.sh", C.serve_command(plan.target_dir))
+    C.write_script(out / "bench.sh", C.bench_command(bench_name, plan.target_dir, concurrency))
     return _Bench(concurrency, n_prompts, n_requests, bench_name)
 
 
@@ -396,179 +395,7 @@ def _tuned_schedule(tuning: dict, version: str, mode: str):
         raise StageError(f"tuning.json draft_schedule: {e}; rerun tune") from None
 
 
-def _model_name(tcfg: dict, workdir: Path) -> str:
-    """trtllm-bench wants a model *name* (it rejects paths; the checkpoint goes to --model_path)."""
-    name = tcfg.get("_name_or_path") or ""
-    return name if name and not Path(name).exists() and "/" in name else f"specpipe/{Path(workdir).resolve().name}-target"
-
-
-def _bench_dataset(data_art: Path, path: Path, output_tokens: int, min_requests: int) -> tuple[int, int]:
-    """trtllm-bench's dataset format (tensorrt_llm/bench/dataclasses/general.py InferenceRequest): every eval
-    prompt, then the prompts again in order until the dataset holds `min_requests` requests (bench.rounds x the
-    concurrency measured: a run with fewer requests than its concurrency never reaches that batch size).
-    Returns (distinct prompts, requests)."""
-    prompts = [(p, domain) for domain, ps in data_artifact.read_eval(data_art).items() for p in ps]
-    n = max(len(prompts), int(min_requests))
-    with open(path, "w") as f:
-        for i in range(n):
-            p, cat = prompts[i % len(prompts)]
-            f.write(json.dumps({"task_id": i, "prompt": p.prompt, "input_ids": p.prompt_ids,
-                                "output_tokens": output_tokens, "category": cat}) + "\n")
-    return len(prompts), n
-
-
-# ---------------------------------------------------------------------------------------------- command files
-
-
-_PREAMBLE = ('#!/usr/bin/env bash\n# Written by specpipe build. Paths are shell-quoted; this file can be run from anywhere.\n'
-             'set -euo pipefail\nHERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"\n')
-
-
-def serve_command(target_dir: Path) -> str:
-    return (_PREAMBLE + 'exec trtllm-serve ' + shlex.quote(str(target_dir)) + ' \\\n'
-            '  --backend pytorch --host "${HOST:-127.0.0.1}" --port "${PORT:-8000}" \\\n'
-            '  --extra_llm_api_options "$HERE/llm_api_options.yaml" "$@"\n')
-
-
-def bench_command(model_name: str, target_dir: Path, concurrency: int) -> str:
-    return (_PREAMBLE + 'exec trtllm-bench --model ' + shlex.quote(model_name) + ' --model_path '
-            + shlex.quote(str(target_dir)) + ' \\\n'
-            '  throughput --backend pytorch --dataset "$HERE/bench_dataset.jsonl" \\\n'
-            '  --extra_llm_api_options "$HERE/llm_api_options.yaml" \\\n'
-            f'  --concurrency {int(concurrency)} --report_json "${{REPORT:-$HERE/bench_report.json}}" "$@"\n')
-
-
-def _write_script(path: Path, text: str) -> None:
-    path.write_text(text)
-    path.chmod(0o755)
-
-
-# ---------------------------------------------------------------------------------------------- load
-
-
-def _try_load(sec: Config, target_dir: Path, options: dict, ctx: StageContext) -> dict:
-    """Instantiate LLM(...) from the written options where TensorRT-LLM and a GPU exist; never faked."""
-    try:
-        import tensorrt_llm  # noqa: F401
-    except ImportError:
-        return {"loaded": False, "reason": NOT_LOADED}
-    import torch
-
-    if not torch.cuda.is_available():
-        return {"loaded": False, "reason": "TensorRT-LLM imports but no CUDA GPU: deployment written, not loaded"}
-    from tensorrt_llm import LLM, SamplingParams
-    from tensorrt_llm.llmapi.llm_utils import update_llm_args_with_extra_dict
-
-    args = update_llm_args_with_extra_dict({"model": str(target_dir), "backend": "pytorch"}, options)
-    llm = LLM(**args)
-    try:
-        out = llm.generate(["def fibonacci(n):"], SamplingParams(max_tokens=32, return_perf_metrics=True))[0]
-        res = {"loaded": True, "tensorrt_llm": tensorrt_llm.__version__, "warmup_text": out.outputs[0].text}
-        sd = getattr(out.outputs[0].request_perf_metrics, "speculative_decoding", None)
-        if sd is not None and options.get("speculative_config"):
-            res.update(acceptance_rate=sd.acceptance_rate, total_draft_tokens=sd.total_draft_tokens,
-                       total_accepted_draft_tokens=sd.total_accepted_draft_tokens)
-        return res
-    finally:
-        llm.shutdown()
-
-
-# ---------------------------------------------------------------------------------------------- README / report
-
-
-def _readme(doc: dict, options: dict) -> str:
-    from runtime.trtllm import options as T
-
-    rows = "\n".join(f"| `{c['name']}` | {'ok' if c['ok'] else 'FAILED'} | {c['message']} |" for c in doc["checks"])
-    spec = _readme_deployment(doc)
-    bench = (f"{doc['bench_requests']} requests ({doc['bench_prompts']} eval prompts, repeated) at concurrency "
-             f"{doc['bench_concurrency']}")
-    return f"""# TensorRT-LLM deployment (written by specpipe build)
-
-- TensorRT-LLM **{doc['trtllm_version']}**, PyTorch backend (LLM API); container: `{doc['serving_image']}`
-{spec}
-- loaded here: {'yes' if doc['load']['loaded'] else 'no — ' + doc['load']['reason']}
-
-There is no engine build for EAGLE-3/DFlash: `LLM(...)` loads the checkpoint pair with these options and
-captures CUDA graphs / autotunes kernels at startup.
-
-## Run
-```bash
-./serve.sh                      # OpenAI-compatible server on ${{HOST:-127.0.0.1}}:${{PORT:-8000}}
-./bench.sh                      # trtllm-bench throughput: {bench}
-```
-The bench dataset repeats the evaluation prompts so that it holds at least `build.bench.rounds` x the
-concurrency; with KV block reuse on, a repeated prompt's prefill is served from cached blocks (decode
-throughput and acceptance are unaffected).
-
-In the container, mount the run directory at the same absolute path (the scripts and the options name the
-checkpoints by absolute path):
-```bash
-docker run --gpus all --rm -it --ipc=host -p 8000:8000 -e HOST=0.0.0.0 \\
-  -v {shlex.quote(doc['workdir'])}:{shlex.quote(doc['workdir'])} {doc['serving_image']} \\
-  {shlex.quote(doc['workdir'] + '/artifacts/build/deployment/serve.sh')}
-```
-`trtllm-bench` prints a `DECODING STATISTICS` block (acceptance length `[AL]`, draft acceptance rate `[DAR]`).
-
-## llm_api_options.yaml
-```yaml
-{T.dump_yaml(options).rstrip()}
-```
-
-## Consistency checks
-| check | result | detail |
-|---|---|---|
-{rows}
-"""
-
-
-def _readme_deployment(doc: dict) -> str:
-    """The README's lines on what is deployed: the speculative pair and its draft length per batch size, or the
-    target alone and why."""
-    from runtime.trtllm.draft_schedule import DraftSchedule
-
-    if not doc["speculation"]:
-        return f"""- **no speculative decoding**: `tune` predicted no speedup from any draft length at any batch size
-  ({doc['schedule_note'] or 'see tuning.json'}), so the FP8 target is deployed alone and no draft is loaded.
-- FP8 target: `{doc['target_dir']}`"""
-    runs = DraftSchedule.from_json(doc["draft_schedule"]).bounded(doc["max_batch_size"])
-    table = "\n".join(f"| {lo}-{hi} | {k if k else '0 (speculation off)'} |" for lo, hi, k in runs)
-    mode = doc['mode'].replace('_', '-')
-    copy = (' (a copy of `' + doc['draft_dir'] + '` with ' + str(doc['draft_weight_names']['renamed'])
-            + ' tensors renamed `layers.<i>.*` -> `midlayer.*`: TensorRT-LLM ' + doc['trtllm_version']
-            + "'s EAGLE-3 loader reads only the module's own names)") if doc['draft_weight_names'] else ''
-    capture = ('- `eagle3_layers_to_capture`: ' + str(doc['eagle3_layers_to_capture'])
-               + " (the target layers the draft was trained on; TensorRT-LLM does not read them from the draft's "
-               "config)") if doc['eagle3_layers_to_capture'] else ''
-    guard = ('Acceptance guard: `' + str(doc['acceptance_guard']) + '`.') if doc['acceptance_guard'] \
-        else (doc['acceptance_guard_note'] or '')
-    return f"""- speculative decoding: `{doc['decoding_type']}` ({mode}), max_draft_len {doc['max_draft_len']}
-- FP8 target: `{doc['target_dir']}`
-- draft TensorRT-LLM loads: `{doc['trtllm_draft_dir']}`{copy}
-{capture}
-
-### Draft length per batch size (what TensorRT-LLM {doc['trtllm_version']} runs with these options)
-{_schedule_support(doc)}
-
-| batch size | draft tokens per step |
-|---|---|
-{table}
-
-{doc['schedule_note'] or ''}
-{guard}"""
-
-
-def _schedule_support(doc: dict) -> str:
-    rel = compat.release(doc["trtllm_version"])
-    mode = doc["mode"]
-    if mode not in rel.per_batch_draft_len:
-        return (f"TensorRT-LLM {doc['trtllm_version']} in {mode.replace('_', '-')} mode uses one draft length at every "
-                "batch size: it applies draft_len_schedule / max_concurrency only with a two-model drafter "
-                "(build.eagle3_mode: two_model), so none is written.")
-    zero = "" if mode in rel.zero_draft_len_ok else (" A draft length of 0 is never written in one-engine mode "
-                                                      "(TensorRT-LLM PR #16888: acceptance collapses after speculation resumes).")
-    return (f"TensorRT-LLM {doc['trtllm_version']} in {mode.replace('_', '-')} mode applies the draft length per batch "
-            f"size ({rel.schedule_semantics.replace('_', ' ')} schedule keys).{zero}")
+# ---------------------------------------------------------------------------------------------- report
 
 
 def report(artifact: Artifact) -> str:

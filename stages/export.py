@@ -61,7 +61,7 @@ class Config(StageSection):
 
 def run(ctx: StageContext) -> dict:
     from runtime.trtllm import compat
-    from runtime.trtllm import options as T
+    from runtime.trtllm import schema as trtllm_schema
 
     sec: Config = ctx.section
     acc = validate_artifact.read_acceptance(ctx.input("validate").path)
@@ -70,7 +70,7 @@ def run(ctx: StageContext) -> dict:
     dep = build_artifact.read_deployment(bpath)
     options = build_artifact.read_options(bpath, dep)
     version = dep["trtllm_version"]
-    io = T.load_schema("triton-llmapi-model")["config_pbtxt"]
+    io = trtllm_schema.load_schema("triton-llmapi-model")["config_pbtxt"]
     speculation = bool(options.get("speculative_config"))
     image = compat.triton_image_for(version)
     _production_repository(ctx, dep, options, io, image, speculation)
@@ -130,7 +130,7 @@ def _production_repository(ctx: StageContext, dep: dict, options: dict, io: dict
 def _model_yaml(sec: Config, options: dict, version: str) -> dict:
     """The body of `tensorrt_llm/1/model.yaml`: the LLM-API options with the paths inside the container, plus
     `triton_config`. Every key must exist in `version`'s schema."""
-    from runtime.trtllm import options as T
+    from runtime.trtllm import schema as trtllm_schema
 
     in_container = f"{sec.container_path.rstrip('/')}/{sec.model_name}/1"
     body = {"model": f"{in_container}/target_fp8", "backend": "pytorch", **options}
@@ -142,7 +142,7 @@ def _model_yaml(sec: Config, options: dict, version: str) -> dict:
     body.setdefault("return_perf_metrics", True)
     body["triton_config"] = {"max_batch_size": 0, "decoupled": sec.decoupled,
                              "cancellation_check_period_ms": sec.cancellation_check_period_ms}
-    if bad := T.unknown_keys(body, version, model_yaml=True):
+    if bad := trtllm_schema.unknown_keys(body, version, model_yaml=True):
         raise StageError(f"model.yaml would carry keys TensorRT-LLM {version} does not know: {bad}")
     return body
 
@@ -176,6 +176,7 @@ def _cpu_repository(ctx: StageContext, dep: dict, acc: dict, io: dict, speculati
 
 def _speculators(ctx: StageContext, dep: dict, options: dict) -> dict:
     """speculators/: the trained (BF16) draft in the speculators format, its README and `serve_vllm.sh`."""
+    from runtime.vllm import serve as V
     from runtime.vllm import speculators_format as S
 
     src = ctx.input("train_draft").path / "draft"
@@ -188,10 +189,10 @@ def _speculators(ctx: StageContext, dep: dict, options: dict) -> dict:
                          "(export.speculators: false exports without it)") from None
     qcfg = Path(dep["target_dir"]) / "hf_quant_config.json"
     kv = json.loads(qcfg.read_text()).get("quantization", {}).get("kv_cache_quant_algo") if qcfg.exists() else None
-    argv = S.vllm_serve_command(spec, target=dep["target_dir"], draft=str(final), max_model_len=dep.get("max_seq_len"),
+    argv = V.vllm_serve_command(spec, target=dep["target_dir"], draft=str(final), max_model_len=dep.get("max_seq_len"),
                                 kv_cache_fp8=str(kv).upper() == "FP8",
                                 tensor_parallel_size=int(options.get("tensor_parallel_size") or 1))
-    (spec.path / "README.md").write_text(S.readme(spec, argv, draft=str(final), source_draft=str(src.resolve()),
+    (spec.path / "README.md").write_text(V.readme(spec, argv, draft=str(final), source_draft=str(src.resolve()),
                                                   deployed_draft=dep["draft_dir"]))
     (spec.path / "serve_vllm.sh").write_text("#!/usr/bin/env bash\n# vLLM with the speculators draft beside this "
                                              "script (see README.md); extra arguments go to `vllm serve`.\n"

@@ -24,7 +24,7 @@ import yaml
 
 from pipeline.errors import StageError
 from pipeline.stage import Artifact, StageContext
-from runtime.trtllm import compat, draft_schedule, hf_config
+from runtime.trtllm import checks, compat, draft_schedule, draft_weights, hf_config, load, schema
 from runtime.trtllm import options as T
 from runtime.trtllm.draft_schedule import DraftSchedule
 from stages import build
@@ -165,32 +165,32 @@ ONE_ENGINE_13 = dict(version="1.3.0rc27", schedule=DraftSchedule.from_json({"run
 ])
 def test_every_generated_key_exists_in_the_targeted_schema(version, kw):
     opts = T.llm_api_options(spec(**{**kw, "version": version}))
-    assert T.unknown_keys(opts, version) == []
+    assert schema.unknown_keys(opts, version) == []
     # and the same body as Triton's model.yaml
     body = {"model": "/m", "backend": "pytorch", **opts, "triton_config": {"max_batch_size": 0, "decoupled": True}}
-    assert T.unknown_keys(body, version, model_yaml=True) == []
+    assert schema.unknown_keys(body, version, model_yaml=True) == []
 
 
 def test_unknown_and_renamed_keys_are_reported_per_version():
     opts = T.llm_api_options(spec(**TWO_MODEL_12, acceptance_window=16, min_acceptance_rate=0.2))
     assert "acceptance_window" in opts["speculative_config"]           # 1.2 name
-    assert T.unknown_keys(opts, "1.2.1") == []
-    assert T.unknown_keys(opts, "1.3.0rc27") == ["speculative_config.acceptance_window",
+    assert schema.unknown_keys(opts, "1.2.1") == []
+    assert schema.unknown_keys(opts, "1.3.0rc27") == ["speculative_config.acceptance_window",
                                                  "speculative_config.acceptance_length_threshold"]
     opts["kv_cache_config"]["free_gpu_mem"] = 0.5
     opts["max_batch"] = 3
-    assert {"kv_cache_config.free_gpu_mem", "max_batch"} <= set(T.unknown_keys(opts, "1.2.1"))
+    assert {"kv_cache_config.free_gpu_mem", "max_batch"} <= set(schema.unknown_keys(opts, "1.2.1"))
     dflash = T.llm_api_options(spec(version="1.3.0rc27", algorithm="dflash", capture_layers=None))
-    assert T.unknown_keys(dflash, "1.2.1") == ["speculative_config.decoding_type=DFlash"]
+    assert schema.unknown_keys(dflash, "1.2.1") == ["speculative_config.decoding_type=DFlash"]
 
 
 def test_packaged_schemas_match_the_reference():
     ref = json.loads((REF_SCHEMAS / "trtllm-1.2-llmapi.json").read_text())
-    mine = T.load_schema("trtllm-1.2")
+    mine = schema.load_schema("trtllm-1.2")
     for cls in mine["classes"]:
         assert mine["classes"][cls] == ref["classes"][cls], cls
     ref13 = json.loads((REF_SCHEMAS / "trtllm-1.3-specdec.json").read_text())
-    assert T.load_schema("trtllm-1.3")["classes"]["DFlashDecodingConfig"] == ref13["classes"]["DFlashDecodingConfig"]
+    assert schema.load_schema("trtllm-1.3")["classes"]["DFlashDecodingConfig"] == ref13["classes"]["DFlashDecodingConfig"]
 
 
 # ------------------------------------------------------------------------------------------ schedules per version and mode
@@ -307,7 +307,7 @@ def test_other_config_errors():
 
 def _checks_of(opts, ck=None, **kw):
     ck = ck or {}
-    return {c.name: c for c in T.consistency_checks(
+    return {c.name: c for c in checks.consistency_checks(
         opts, version=kw.pop("version", "1.2.1"), algorithm=kw.pop("algorithm", "eagle3"),
         target_dir=ck.get("target", Path("/nonexistent")), draft_dir=kw.pop("draft_dir", ck.get("draft", Path("/nonexistent"))),
         **kw)}
@@ -316,7 +316,7 @@ def _checks_of(opts, ck=None, **kw):
 def _good(tmp_path, **kw):
     """A written deployment draft (names as 1.2 reads them) and options that pass every check."""
     ck = write_checkpoints(tmp_path, **kw)
-    ddir, _ = T.trtllm_draft_dir(ck["draft"], tmp_path / "trtllm_draft", compat.release("1.2.1"), 1)
+    ddir, _ = draft_weights.trtllm_draft_dir(ck["draft"], tmp_path / "trtllm_draft", compat.release("1.2.1"), 1)
     ck["draft"] = ddir
     opts = T.llm_api_options(spec(draft_dir=str(ddir), capture_layers=ck["aux"]))
     return opts, ck
@@ -409,11 +409,11 @@ def test_build_stage_writes_a_checked_deployment(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorrt_llm", None)   # `import tensorrt_llm` fails, whatever is installed
     ck = write_checkpoints(tmp_path)
     opts, doc, dep = run_build(tmp_path)
-    assert T.unknown_keys(opts, "1.2.1") == []
+    assert schema.unknown_keys(opts, "1.2.1") == []
     sc = opts["speculative_config"]
     assert sc["decoding_type"] == "Eagle3" and sc["max_draft_len"] == 4 and sc["eagle3_one_model"] is True
     assert opts["max_num_tokens"] >= opts["max_batch_size"] * 5
-    assert doc["load"] == {"loaded": False, "reason": build.NOT_LOADED}       # load: auto, no TensorRT-LLM
+    assert doc["load"] == {"loaded": False, "reason": load.NOT_LOADED}       # load: auto, no TensorRT-LLM
     assert doc["draft_schedule"] == {"runs": [[1, 16, 4]]} and doc["speculation"] is True
     assert doc["serving_image"] == compat.SHIPPED_TRITON_IMAGE
     assert doc["draft_dir"] == str(ck["draft"].resolve())
@@ -464,11 +464,11 @@ def test_build_names_draft_weights_as_the_targeted_loader_reads_them(tmp_path):
     assert (ck["draft"] / "model.safetensors").read_bytes() == before
     assert doc["draft_dir"] == str(ck["draft"].resolve()) and doc["draft_weight_names"]["renamed"] == 5
     ck1 = write_checkpoints(tmp_path / "one")
-    one = load_file(str(T.trtllm_draft_dir(ck1["draft"], tmp_path / "one" / "x", compat.release("1.2.1"),
+    one = load_file(str(draft_weights.trtllm_draft_dir(ck1["draft"], tmp_path / "one" / "x", compat.release("1.2.1"),
                                            1)[0] / "model.safetensors"))
     assert "midlayer.self_attn.q_proj.weight" in one                    # one layer: midlayer is the layer itself
     with pytest.raises(ValueError, match="merge"):                      # 2 layers named as 1: refused, not merged
-        T.trtllm_draft_dir(ck["draft"], tmp_path / "two-as-one", compat.release("1.2.1"), 1)
+        draft_weights.trtllm_draft_dir(ck["draft"], tmp_path / "two-as-one", compat.release("1.2.1"), 1)
     ck13 = write_checkpoints(tmp_path / "13", version="1.3.0rc27")
     opts, doc, dep = run_build(tmp_path / "13", trtllm_version="1.3.0rc27")
     assert opts["speculative_config"]["speculative_model"] == str(ck13["draft"].resolve()) and not (dep / "draft").exists()
@@ -491,7 +491,7 @@ def test_build_on_1_2_and_1_3_writes_each_versions_forms(tmp_path):
     assert (s13["acceptance_rate_window_size"], s13["acceptance_rate_threshold"]) == (64, 0.25)
     assert s12["speculative_model"].endswith("/deployment/draft") and not s13["speculative_model"].endswith("/deployment/draft")
     assert d12["draft_schedule"] == {"runs": runs12} and d13["draft_schedule"] == {"runs": [[1, 4, 4], [5, 8, 2], [9, 16, 1]]}
-    assert T.unknown_keys(o12, "1.2.1") == [] and T.unknown_keys(o13, "1.3.0rc27") == []
+    assert schema.unknown_keys(o12, "1.2.1") == [] and schema.unknown_keys(o13, "1.3.0rc27") == []
     doc = json.loads((tmp_path / "b" / ".tmp" / "build" / "deployment.json").read_text())
     assert doc["serving_image"].endswith("release:1.3.0rc27")
 
@@ -510,7 +510,7 @@ def test_build_without_speculation_deploys_the_target_alone(tmp_path):
     opts, doc, dep = run_build(tmp_path)
     assert "speculative_config" not in opts and doc["speculation"] is False and doc["decoding_type"] is None
     assert doc["trtllm_draft_dir"] is None and doc["draft_dir"] is None and not (dep / "draft").exists()
-    assert T.unknown_keys(opts, "1.2.1") == []
+    assert schema.unknown_keys(opts, "1.2.1") == []
     names = {c["name"]: c for c in doc["checks"]}
     assert names["speculation"]["ok"] and "tune predicted no speedup" in names["speculation"]["message"]
     assert "draft_vocab" not in names and all(c["ok"] for c in doc["checks"])

@@ -318,7 +318,7 @@ def test_attention_solve_reproduces_both_measurements():
 def test_profile_measures_the_committed_target_and_draft(tmp_path):
     """With committed target and train_draft artifacts, `specpipe profile` takes their shapes (read through
     pipeline.artifacts and handed to runtime.cost.profile), not the tiny config's."""
-    from pipeline.cli import _profile_shapes
+    from pipeline.commands.profile import profile_shapes
 
     from test_tune import LLAMA_8B, eagle3
 
@@ -328,7 +328,7 @@ def test_profile_measures_the_committed_target_and_draft(tmp_path):
                      "train_draft/draft/config.json": dcfg, "train_draft/manifest.json": {}}.items():
         (arts / rel).parent.mkdir(parents=True, exist_ok=True)
         (arts / rel).write_text(json.dumps(doc))
-    shapes, src = _profile_shapes(None, arts)
+    shapes, src = profile_shapes(None, arts)
     assert shapes["target"] == cm.target_shape(LLAMA_8B) and shapes["target"].hidden == LLAMA_8B["hidden_size"]
     assert shapes["draft"] == cm.draft_shape(draft, dcfg, LLAMA_8B["hidden_size"])
     assert "target.json" in src and "draft.json" in src

@@ -22,8 +22,7 @@ from tritonclient.grpc import model_config_pb2
 
 from pipeline.errors import StageError
 from pipeline.stage import Artifact, StageContext
-from runtime.trtllm import hf_config
-from runtime.trtllm import options as T
+from runtime.trtllm import draft_weights, hf_config, schema
 from stages import build, export
 
 
@@ -75,7 +74,7 @@ def test_every_config_pbtxt_parses_with_tritons_model_config(exported):
     paths = sorted(out.rglob("config.pbtxt"))
     assert [p.relative_to(out).as_posix() for p in paths] == ["triton/tensorrt_llm/config.pbtxt",
                                                               "triton_cpu/tensorrt_llm/config.pbtxt"]
-    io = T.load_schema("triton-llmapi-model")["config_pbtxt"]
+    io = schema.load_schema("triton-llmapi-model")["config_pbtxt"]
     for p in paths:
         cfg = parse(p)
         assert cfg.name == "tensorrt_llm" and cfg.backend == "python"
@@ -109,7 +108,7 @@ def test_a_broken_config_is_a_parse_error_with_its_position(tmp_path):
 def test_model_yaml_is_the_llm_api_options_plus_triton_config(exported):
     root, out, ck = exported
     body = yaml.safe_load((out / "triton" / "tensorrt_llm" / "1" / "model.yaml").read_text())
-    assert T.unknown_keys(body, "1.2.1", model_yaml=True) == []
+    assert schema.unknown_keys(body, "1.2.1", model_yaml=True) == []
     assert body["triton_config"] == {"max_batch_size": 0, "decoupled": True, "cancellation_check_period_ms": 100}
     assert body["model"] == "/opt/specpipe/triton/tensorrt_llm/1/target_fp8" and body["backend"] == "pytorch"
     assert body["speculative_config"]["speculative_model"] == "/opt/specpipe/triton/tensorrt_llm/1/draft"
@@ -124,9 +123,9 @@ def test_model_yaml_is_the_llm_api_options_plus_triton_config(exported):
     for name, src in (("target_fp8", ck["target"]), ("draft", tdraft)):
         d = out / "triton" / "tensorrt_llm" / "1" / name
         assert (d / "config.json").stat().st_ino == (src / "config.json").stat().st_ino
-    names = T.safetensors_tensors(out / "triton" / "tensorrt_llm" / "1" / "draft" / "model.safetensors")
+    names = draft_weights.safetensors_tensors(out / "triton" / "tensorrt_llm" / "1" / "draft" / "model.safetensors")
     assert not [n for n in names if n.startswith("layers.")] and "midlayer.hidden_norm.weight" in names
-    cpu = T.safetensors_tensors(out / "triton_cpu" / "tensorrt_llm" / "1" / "draft" / "model.safetensors")
+    cpu = draft_weights.safetensors_tensors(out / "triton_cpu" / "tensorrt_llm" / "1" / "draft" / "model.safetensors")
     assert "layers.0.hidden_norm.weight" in cpu           # specpipe's runtime reads ModelOpt's names
     assert (out / "triton" / "tensorrt_llm" / "1" / "target_fp8" / "hf_quant_config.json").exists()
 
@@ -167,7 +166,7 @@ def test_dflash_exports_for_1_3_with_a_custom_image_note(tmp_path):
     body = yaml.safe_load((out / "triton" / "tensorrt_llm" / "1" / "model.yaml").read_text())
     sc = body["speculative_config"]
     assert sc["decoding_type"] == "DFlash" and "eagle3_one_model" not in sc and "eagle3_layers_to_capture" not in sc
-    assert T.unknown_keys(body, "1.3.0rc27", model_yaml=True) == []
+    assert schema.unknown_keys(body, "1.3.0rc27", model_yaml=True) == []
     readme = (out / "triton" / "README.md").read_text()
     assert "custom Triton image built on nvcr.io/nvidia/tensorrt-llm/release:1.3.0rc27" in readme
     assert json.loads((out / "export.json").read_text())["triton_image"] is None
@@ -183,7 +182,7 @@ def test_export_without_speculation(tmp_path):
     mdir = out / "triton" / "tensorrt_llm" / "1"
     body = yaml.safe_load((mdir / "model.yaml").read_text())
     assert "speculative_config" not in body and not (mdir / "draft").exists() and (mdir / "target_fp8").exists()
-    assert T.unknown_keys(body, "1.2.1", model_yaml=True) == []
+    assert schema.unknown_keys(body, "1.2.1", model_yaml=True) == []
     spec = json.loads((out / "triton_cpu" / "tensorrt_llm" / "1" / "specpipe_model.json").read_text())
     assert spec["draft"] is None and spec["draft_len"] == 0
     assert not (out / "triton_cpu" / "tensorrt_llm" / "1" / "draft").exists()
@@ -202,9 +201,9 @@ def _assert_deployment_is_the_targeted_versions(arts: Path, version: str) -> dic
     sc = yaml.safe_load((arts / "build" / "deployment" / "llm_api_options.yaml").read_text())["speculative_config"]
     tcfg = json.loads(Path(dep["target_dir"], "config.json").read_text())
     assert sc["eagle3_layers_to_capture"] == sorted(set(draft["aux_layer_ids"])) == dep["eagle3_layers_to_capture"]
-    fc = T.safetensors_tensors(Path(dep["trtllm_draft_dir"]) / "model.safetensors")["fc.weight"]
+    fc = draft_weights.safetensors_tensors(Path(dep["trtllm_draft_dir"]) / "model.safetensors")["fc.weight"]
     assert fc[1] == len(sc["eagle3_layers_to_capture"]) * tcfg["hidden_size"]
-    names = T.safetensors_tensors(Path(dep["trtllm_draft_dir"]) / "model.safetensors")
+    names = draft_weights.safetensors_tensors(Path(dep["trtllm_draft_dir"]) / "model.safetensors")
     if rel.eagle3_draft_layer_prefix == "midlayer":
         assert not [n for n in names if n.startswith("layers.")] and any(n.startswith("midlayer.") for n in names)
     if version.startswith("1.2") and dep["mode"] == "one_model":

@@ -20,7 +20,7 @@ from pipeline.config import HardwareConfig
 from pipeline.errors import StageError
 from pipeline.stage import Artifact, StageContext
 from runtime.trtllm import compat, draft_schedule
-from runtime.trtllm import options as T
+from runtime.trtllm import schema as trtllm_schema
 from runtime.trtllm.draft_schedule import DraftSchedule
 from stages import tune
 
@@ -235,8 +235,9 @@ def test_one_schedule_type_written_in_each_versions_settings(tmp_path):
         assert ks_of(doc) == sched.ks(doc["max_batch_size"])
         rel = compat.release(doc["deployment"]["trtllm_version"])
         sc = draft_schedule.encode(sched, rel, doc["deployment"]["mode"], doc["max_batch_size"])
-        schema = T.load_schema(rel.schema)
-        assert set(sc) <= T._class_fields(schema, "Eagle3DecodingConfig") | T._class_fields(schema, "DecodingBaseConfig")
+        schema = trtllm_schema.load_schema(rel.schema)
+        assert set(sc) <= (trtllm_schema._class_fields(schema, "Eagle3DecodingConfig")
+                           | trtllm_schema._class_fields(schema, "DecodingBaseConfig"))
         if "draft_len_schedule" in sc:
             assert draft_schedule.schedule_problems(sc["draft_len_schedule"], sc["max_draft_len"], rel) == []
     k12, k13 = ks_of(d12), ks_of(d13)

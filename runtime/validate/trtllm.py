@@ -73,7 +73,7 @@ def run_trtllm(s: MeasureSettings, deployed: dict, bf16: dict | None, prompts: d
     from runtime.engine.drafts import draft_algorithm
     from runtime.trtllm import compat
     from runtime.trtllm.draft_schedule import dflash_max_draft_len
-    from runtime.trtllm.options import trtllm_draft_dir
+    from runtime.trtllm.draft_weights import trtllm_draft_dir
 
     res: dict = {"domains": {d: {} for d in prompts}, "overall": {}, "trtllm_version": tensorrt_llm.__version__,
                  "lossless": {"checked_prompts": 0, "passed": None, "note": "not checked by the tensorrt_llm runtime"}}

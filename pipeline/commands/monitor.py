@@ -1,0 +1,62 @@
+"""`specpipe monitor`: a drift monitor (pipeline/monitor.py) opened on a run and an endpoint, and its rounds of
+probes: once (for cron) or until a round limit or Ctrl-C."""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class Outcome:
+    rounds: int
+    raised: bool                    # a drift alarm was raised in some round
+    once_ok: bool | None = None     # --once: the round probed every domain without an alarm; None otherwise
+
+
+def open_monitor(wd: Path, *, url, model, passive, metrics_url, draft_len, drop, false_alarm, dispersion,
+                 prompts_per_probe, timeout, prom_file, state_file, reset, echo):
+    """The Monitor of `wd`'s validated pair for the endpoint (state and Prometheus files named after it)."""
+    from pipeline import monitor as M
+
+    run = M.read_run(wd, draft_len=draft_len, prompts_per_probe=prompts_per_probe)
+    if model:
+        run.model_name = model
+    design = M.Design(draft_len=run.draft_len, drop=drop, false_alarm=false_alarm, dispersion=dispersion)
+    target = metrics_url if passive else url
+    tag = hashlib.sha256(f"{target}|{run.model_name}".encode()).hexdigest()[:10]
+    return M.Monitor(run, design, url=url, metrics_url=metrics_url, passive=passive,
+                     state_path=Path(state_file) if state_file else wd / "monitor" / f"state-{tag}.json",
+                     prom_path=Path(prom_file) if prom_file else wd / "monitor" / f"specpipe_monitor-{tag}.prom",
+                     timeout=timeout, reset=reset, echo=echo)
+
+
+def watch(mon, *, once: bool, probes: int | None, interval: float, echo) -> Outcome:
+    """Rounds of probes: with `once` one round (a failed probe or a domain without statistics is not ok), else
+    until `probes` rounds or Ctrl-C; a failed probe is reported and the next round runs."""
+    import time
+
+    from pipeline import monitor as M
+
+    raised = False
+    n = 0
+    try:
+        while True:
+            try:
+                alarms = mon.step()
+            except M.ProbeError as e:
+                echo(f"probe failed: {e}", err=True)
+                if once:
+                    return Outcome(n, raised, once_ok=False)
+                alarms = []
+            raised = raised or bool(alarms)
+            n += 1
+            if once:
+                missing = [d for d, t in mon.tests.items() if t.missing_stats]
+                return Outcome(n, raised, once_ok=not (alarms or missing))
+            if probes is not None and n >= probes:
+                break
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        echo("stopped", err=True)
+    return Outcome(n, raised)

@@ -1,0 +1,278 @@
+"""Named consistency checks of a TensorRT-LLM deployment: the LLM-API options against the checkpoints they
+point at and the version that reads them (the mistakes that make a deployment load but run badly, or not load).
+Pure functions: they read config.json, hf_quant_config.json and safetensors headers, never TensorRT-LLM."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from runtime.trtllm import compat, draft_schedule, hf_config
+from runtime.trtllm.draft_schedule import DraftSchedule
+from runtime.trtllm.draft_weights import safetensors_tensors
+from runtime.trtllm.schema import unknown_keys
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    message: str
+
+
+def _draft_tensors(draft_dir: Path) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for f in sorted(Path(draft_dir).glob("*.safetensors")):
+        out.update(safetensors_tensors(f))
+    return out
+
+
+def draft_positions(dcfg: dict) -> int | None:
+    """The positions a draft's config.json covers (max_position_embeddings, or its scaled RoPE range)."""
+    mpe = dcfg.get("max_position_embeddings")
+    rs = dcfg.get("rope_scaling") or {}
+    if rs.get("factor") and rs.get("original_max_position_embeddings"):
+        return max(mpe or 0, int(rs["factor"] * rs["original_max_position_embeddings"]))
+    return mpe
+
+
+def _read_json(path: Path) -> tuple[dict, str | None]:
+    try:
+        return json.loads(Path(path).read_text()), None
+    except (OSError, ValueError) as e:
+        return {}, f"{path}: {e}"
+
+
+def _quant_algo(d: Path) -> tuple[str | None, bool]:
+    qc = Path(d) / "hf_quant_config.json"
+    if not qc.exists():
+        return None, False
+    doc, err = _read_json(qc)
+    return ("unreadable" if err else (doc.get("quantization") or {}).get("quant_algo")), True
+
+
+def consistency_checks(options: dict, *, version: str, algorithm: str, target_dir: Path, draft_dir: Path | None,
+                       target_vocab_size: int | None = None, target_hidden_size: int | None = None,
+                       num_target_layers: int | None = None, capture_layers: list[int] | None = None,
+                       schedule: DraftSchedule | None = None, target_rope_theta: float | None = None,
+                       draft_rope_theta: float | None = None) -> list[Check]:
+    """Named checks of a deployment (options + the checkpoints it points at). All run; callers decide.
+    `capture_layers`: the layers the EAGLE-3 draft was trained on (draft.json); `schedule`: the tuned draft length
+    per batch size the options must reproduce; `*_rope_theta`: the theta each model was built/trained with."""
+    rel = compat.release(version)
+    sc = options.get("speculative_config") or {}
+    mode = rel.mode(algorithm, sc.get("eagle3_one_model", True))
+    mbs, mnt = options.get("max_batch_size"), options.get("max_num_tokens")
+    checks: list[Check] = []
+
+    def add(name: str, ok: bool, msg: str) -> None:
+        checks.append(Check(name, bool(ok), msg))
+
+    k_total = sc.get("max_total_draft_tokens") or sc.get("max_draft_len") or 0
+    need = (mbs or 0) * (1 + k_total)
+    add("token_budget", mnt is not None and mbs is not None and mnt >= need,
+        f"max_num_tokens {mnt} must cover max_batch_size {mbs} x (1 + max_total_draft_tokens {k_total}) = {need} "
+        "(every generation request needs 1 + draft tokens per step)")
+
+    cg = options.get("cuda_graph_config") or {}
+    sizes = list(cg.get("batch_sizes") or []) + ([cg["max_batch_size"]] if cg.get("max_batch_size") else [])
+    over = [s for s in sizes if mbs is not None and s > mbs]
+    add("cuda_graph_batch_sizes", not over,
+        f"CUDA-graph batch sizes {sorted(sizes)} must not exceed max_batch_size {mbs}"
+        + (f"; too large: {over}" if over else ""))
+
+    algo, present = _quant_algo(target_dir)
+    add("target_quant_config", algo in rel.quant_algos,
+        f"{Path(target_dir) / 'hf_quant_config.json'} must exist with a quantization.quant_algo TensorRT-LLM {version} "
+        f"serves ({', '.join(sorted(rel.quant_algos))}); found: {algo if present else 'no file'} "
+        "(without the file TensorRT-LLM loads the target unquantized)")
+
+    tcfg, _ = _read_json(Path(target_dir) / "config.json")
+    rp = hf_config.problems(tcfg, rel.hf_rope_form, expected_theta=target_rope_theta)
+    form = 'transformers 4.57: rope_theta/rope_scaling' if rel.hf_rope_form == 'legacy' else 'transformers 5: rope_parameters'
+    add("target_rope", not rp, f"target config.json, read as TensorRT-LLM {version} reads it ({form}): "
+        + ("; ".join(rp) if rp else f"theta {hf_config.read(tcfg).theta:g}" if hf_config.read(tcfg) else ""))
+
+    if not sc:
+        add("speculation", True, "no speculative_config: tune predicted no speedup at any batch size, the target "
+                                 "is deployed alone (draft checks not applicable)")
+        add("two_model_overlap_scheduler", True, "not applicable without speculation")
+        add("no_pipeline_parallel", True, "not applicable without speculation")
+    else:
+        _draft_checks(add, options, sc, rel, version, mode, algorithm, Path(draft_dir), target_vocab_size,
+                      target_hidden_size, num_target_layers, capture_layers, schedule, draft_rope_theta)
+
+    bad = unknown_keys(options, version)
+    add("schema_keys", not bad, f"keys unknown to TensorRT-LLM {version}: "
+                                f"{bad}" if bad else f"every key exists in TensorRT-LLM {version}")
+    return checks
+
+
+def _draft_checks(add, options, sc, rel, version, mode, algorithm, draft_dir, target_vocab_size, target_hidden_size,
+                  num_target_layers, capture_layers, schedule, draft_rope_theta) -> None:
+    dcfg, err = _read_json(draft_dir / "config.json")
+    tensors = _draft_tensors(draft_dir) if not err else {}
+    k = sc.get("max_draft_len") or 0
+    if algorithm == "eagle3":
+        _eagle3_checks(add, sc, rel, version, dcfg, err, tensors, target_vocab_size, target_hidden_size,
+                       num_target_layers, capture_layers)
+    else:
+        _dflash_checks(add, algorithm, dcfg, k)
+    _draft_file_checks(add, options, rel, version, draft_dir, dcfg, draft_rope_theta)
+    _parallelism_checks(add, options, sc, algorithm)
+    _schedule_checks(add, options, sc, rel, version, mode, k, schedule)
+    _acceptance_guard_check(add, sc, rel, version, mode, k)
+
+
+def _eagle3_checks(add, sc, rel, version, dcfg, err, tensors, target_vocab_size, target_hidden_size,
+                   num_target_layers, capture_layers) -> None:
+    if err:
+        add("draft_vocab", False, f"draft config unreadable: {err}")
+    else:
+        add("draft_vocab", *_draft_vocab(dcfg, tensors, target_vocab_size))
+    # the layers TensorRT-LLM captures = the ones the draft was trained on, and fc is sized for them
+    written = sc.get("eagle3_layers_to_capture")
+    trained = capture_layers if capture_layers is not None else \
+        (dcfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    probs = _capture_layer_problems(written, trained, num_target_layers)
+    add("eagle3_capture_layers", not probs,
+        "; ".join(probs) or f"TensorRT-LLM captures target layers {sorted(written)} (the draft's)")
+    _eagle3_fc_check(add, tensors, dcfg, written, target_hidden_size)
+    _draft_weight_names_check(add, tensors, rel, version)
+
+
+def _draft_vocab(dcfg: dict, tensors: dict, target_vocab_size: int | None) -> tuple[bool, str]:
+    """A reduced draft vocabulary ships its d2t map and an lm_head of that many rows; a full one none."""
+    dvs, vs = dcfg.get("draft_vocab_size"), dcfg.get("vocab_size") or target_vocab_size
+    d2t = tensors.get("d2t")
+    lm = tensors.get("lm_head.weight")
+    if dvs is None:
+        ok = d2t is None
+        msg = ("draft config has no draft_vocab_size (TensorRT-LLM assumes the full vocab)"
+               + ("" if ok else f" but ships a d2t map of {d2t[0]} entries"))
+    elif vs is not None and dvs != vs:
+        ok = d2t is not None and d2t[0] == dvs and (lm is None or lm[0] == dvs)
+        msg = (f"draft_vocab_size {dvs} != vocab_size {vs} needs a d2t tensor of {dvs} entries "
+               f"(found {'none' if d2t is None else d2t[0]}) and an lm_head of {dvs} rows "
+               f"(found {lm[0] if lm else 'none'}); without it acceptance collapses silently")
+    else:
+        ok = d2t is None or d2t[0] == dvs
+        msg = f"draft_vocab_size {dvs} == vocab_size {vs}" + ("" if ok else f", but d2t has {d2t[0]} entries")
+    return ok, msg
+
+
+def _capture_layer_problems(written, trained, num_target_layers: int | None) -> list[str]:
+    """What is wrong with the written eagle3_layers_to_capture against the layers the draft was trained on."""
+    probs = []
+    if written is None:
+        probs.append("eagle3_layers_to_capture is not written: TensorRT-LLM would capture its default 3 layers "
+                     "(1, L//2-1, L-4), and raises 'Not enough hidden layers for default EAGLE3 capture' for L <= 5")
+    elif trained is None:
+        probs.append("the draft's capture layers are unknown (draft.json aux_layer_ids / eagle_config)")
+    else:
+        want = sorted(set(int(i) for i in trained))
+        if sorted(written) != want:
+            probs.append(f"eagle3_layers_to_capture {sorted(written)} != the draft's capture layers {want}")
+        if len(want) != len(trained):
+            probs.append(f"the draft's capture layers {list(trained)} repeat a layer: TensorRT-LLM captures a set "
+                         f"({want}) and would feed fc {len(want)} hidden states")
+        if len(want) < 2:
+            probs.append(f"{len(want)} capture layer: TensorRT-LLM builds the draft's fc only for 2 or more")
+        if num_target_layers and any(i < 0 or i >= num_target_layers for i in want):
+            probs.append(f"capture layers {want} must lie in 0..{num_target_layers - 1}")
+    return probs
+
+
+def _eagle3_fc_check(add, tensors: dict, dcfg: dict, written, target_hidden_size: int | None) -> None:
+    fc = tensors.get("fc.weight")
+    n = len(set(written)) if written else 3   # unset, TensorRT-LLM sizes fc for 3 capture layers
+    hid = dcfg.get("hidden_size")
+    tin = dcfg.get("target_hidden_size") or target_hidden_size or hid
+    if fc is None:
+        add("eagle3_fc_shape", False, "the draft has no fc.weight")
+    else:
+        ok = tin is not None and fc[1] == n * tin and (hid is None or fc[0] == hid)
+        add("eagle3_fc_shape", ok, f"fc.weight {fc} must be [{hid}, {n} capture layers x {tin} target hidden = "
+                                   f"{n * (tin or 0)}] (TensorRT-LLM sizes fc as hidden x number of capture layers)")
+
+
+def _draft_weight_names_check(add, tensors: dict, rel: compat.Release, version: str) -> None:
+    layer_names = [t for t in tensors if t.startswith(("layers.", "midlayer"))]
+    stale = [t for t in layer_names if t.startswith("layers.")] if rel.eagle3_draft_layer_prefix == "midlayer" else []
+    add("draft_weight_names", layer_names and not stale,
+        (f"{len(stale)} tensor(s) named layers.<i>.* (e.g. {stale[0]}): TensorRT-LLM {version}'s EAGLE-3 module is "
+         "midlayer and its loader does not remap them, so they would be skipped silently" if stale else
+         "the draft has no decoder-layer tensors" if not layer_names else
+         f"decoder-layer tensors named as TensorRT-LLM {version} reads them "
+         "(" + ('midlayer.*' if rel.eagle3_draft_layer_prefix == 'midlayer'
+                else 'layers.<i>.* remapped by the loader, or midlayer.*') + ")"))
+
+
+def _dflash_checks(add, algorithm: str, dcfg: dict, k: int) -> None:
+    add("draft_vocab", True, f"not applicable to {algorithm} (the draft reuses the target's vocabulary)")
+    bs = dcfg.get("block_size")
+    cap = draft_schedule.dflash_max_draft_len(bs) if isinstance(bs, int) and bs >= 2 else None
+    add("dflash_block_size", cap is not None and k <= cap,
+        f"DFlash max_draft_len {k} must be <= block_size - 1 ({cap if cap is not None else 'block_size missing'})")
+
+
+def _draft_file_checks(add, options: dict, rel: compat.Release, version: str, draft_dir: Path, dcfg: dict,
+                       draft_rope_theta: float | None) -> None:
+    """The draft checkpoint as TensorRT-LLM reads it: its quantization, its RoPE, the positions it covers."""
+    algo, present = _quant_algo(draft_dir)
+    if present:
+        add("draft_quant_config", algo in rel.quant_algos,
+            f"draft hf_quant_config.json quant_algo {algo}: TensorRT-LLM {version} serves {', '.join(sorted(rel.quant_algos))}")
+
+    rp = hf_config.problems(dcfg, rel.hf_rope_form, expected_theta=draft_rope_theta)
+    add("draft_rope", not rp, "draft config.json: " + ("; ".join(rp) if rp else "RoPE stated as TensorRT-LLM "
+                                                        f"{version} reads it"))
+
+    positions = draft_positions(dcfg)
+    msl = options.get("max_seq_len")
+    add("draft_positions", positions is None or msl is None or positions >= msl,
+        f"the draft covers {positions} positions, max_seq_len is {msl}: a draft whose RoPE range is shorter than "
+        "the serving context clamps positions and acceptance collapses past it")
+
+
+def _parallelism_checks(add, options: dict, sc: dict, algorithm: str) -> None:
+    one_model = sc.get("eagle3_one_model", True)
+    add("two_model_overlap_scheduler", algorithm != "eagle3" or one_model or options.get("disable_overlap_scheduler") is True,
+        "two-model EAGLE-3 (eagle3_one_model: false) needs disable_overlap_scheduler: true")
+
+    pp = options.get("pipeline_parallel_size", 1)
+    add("no_pipeline_parallel", pp == 1,
+        f"speculative decoding is incompatible with pipeline parallelism (pipeline_parallel_size {pp})")
+
+
+def _schedule_checks(add, options: dict, sc: dict, rel: compat.Release, version: str, mode: compat.Mode, k: int,
+                     schedule: DraftSchedule | None) -> None:
+    """The draft length per batch size the options make `version` run: valid, never an unsafe 0, as tuned."""
+    if "draft_len_schedule" in sc:
+        probs = draft_schedule.schedule_problems(sc["draft_len_schedule"], k, rel)
+        add("draft_len_schedule", not probs, "; ".join(probs) or f"valid for TensorRT-LLM {version}")
+    if rel.schedule_with_max_concurrency is False:
+        add("schedule_xor_concurrency", not ("draft_len_schedule" in sc and "max_concurrency" in sc),
+            f"TensorRT-LLM {version} rejects max_concurrency together with draft_len_schedule")
+    mbs = options.get("max_batch_size") or 1
+    runs = draft_schedule.decode(sc, rel, mode, mbs)
+    zero = [r for r in runs.bounded(mbs) if r[2] == 0]
+    add("zero_draft_len", not zero or mode in rel.zero_draft_len_ok,
+        f"TensorRT-LLM {version} ({mode.replace('_', '-')}) would run batch sizes {zero[0][0] if zero else ''}"
+        f"{'-' + str(zero[0][1]) if zero else ''} with 0 draft tokens, which corrupts one-engine drafter state "
+        "(PR #16888)" if zero else "no batch size resolves to 0 draft tokens where that is unsafe")
+    if schedule is not None:
+        want = DraftSchedule.from_json(schedule.to_json(mbs))
+        add("schedule_as_tuned", runs == want,
+            f"TensorRT-LLM {version} ({mode.replace('_', '-')}) would use {runs.describe(mbs)}; tuned: {want.describe(mbs)}")
+
+
+def _acceptance_guard_check(add, sc: dict, rel: compat.Release, version: str, mode: compat.Mode, k: int) -> None:
+    if rel.acceptance_window_key in sc or rel.acceptance_threshold_key in sc:   # other spellings: schema_keys
+        th = sc.get(rel.acceptance_threshold_key)
+        hi = 1.0 if rel.acceptance_threshold_kind == "rate" else float(k)
+        ok = mode in rel.acceptance_guard_modes and th is not None and 0 <= float(th) <= hi
+        add("acceptance_guard", ok,
+            f"{rel.acceptance_threshold_key} {th} must be in [0, {hi:g}] "
+            f"({'a rate accepted/drafted' if rel.acceptance_threshold_kind == 'rate' else 'accepted draft tokens per step'}) "
+            f"and the guard must be one {version} evaluates in {mode.replace('_', '-')} mode")
