@@ -238,7 +238,7 @@ def test_real_model_deployment_is_the_targeted_versions(real_model, tmp_path):
     from modelopt.torch.export import export_speculative_decoding
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from runtime.training.draft_training import convert_config
+    from runtime.training.model import convert_config
     from stages import quantize
 
     md = real_model["model_dir"]
