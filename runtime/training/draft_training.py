@@ -81,6 +81,7 @@ def train(job: dict, emit: Callable[[dict], None] | None = None, should_stop: Ca
         d.destroy_process_group()
     return result if rank == 0 else {}
 
+
 def _finish(job, held: list, offline, device, tok, curve, step_times, step0, world, dump_info, rank: int = 0) -> dict:
     """After training: export, the acceptance estimate on held-out prompts, result.json. Rank 0 alone, or under
     FSDP every rank (ModelOpt's estimate is collective there; only rank 0 exports and writes).
