@@ -12,18 +12,13 @@
 - Export: `draft/` exactly as ModelOpt's `export_speculative_decoding` writes it plus the target's tokenizer
   files, then named checks (`runtime.training.draft_checks`); any failing check fails the stage.
 
-The loop itself lives in `runtime/training/draft_training.py` (it also runs under torchrun). Options and the GPU /
-multi-node settings: docs/stages/train_draft.md. Artifact: see docs/architecture.md (train_draft).
+The job (`runtime/training/job.py`) runs in `runtime/training/draft_training.py`, in this process or as torchrun
+workers (`runtime/training/launch.py`). Options and the GPU / multi-node settings: docs/stages/train_draft.md.
+Artifact: see docs/architecture.md (train_draft).
 """
 from __future__ import annotations
 
 import json
-import os
-import shlex
-import shutil
-import subprocess
-import sys
-import threading
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
@@ -31,6 +26,8 @@ from pydantic import Field, field_validator, model_validator
 
 from pipeline.errors import StageError
 from pipeline.stage import StageContext, StageSection, Strict
+from runtime.training.acceptance import ESTIMATORS
+from runtime.training.algorithm import EAGLE3_CAPTURE_LAYERS, shape_problems
 
 NAME = "train_draft"
 CONSUMES = ("target", "data")
@@ -50,31 +47,6 @@ def _distinct_nonneg(v: list[int] | None) -> list[int] | None:
     if len(set(v)) != len(v):
         raise ValueError(f"{v} contains duplicates; each captured layer must appear once")
     return v
-
-
-# EAGLE-3 drafts read exactly this many target layers. TensorRT-LLM sizes the draft's fc as hidden x (number of
-# capture layers), 3 when eagle3_layers_to_capture is unset (tensorrt_llm/_torch/speculative/eagle3.py,
-# Eagle3SpecMetadata / _get_eagle3_default_capture_layers); vLLM's llama_eagle3.py builds
-# fc = Linear(3 x hidden, hidden) (vllm-project/vllm vllm/model_executor/models/llama_eagle3.py at 583507d1) and
-# speculators' converter does the same: any other count does not load there.
-EAGLE3_CAPTURE_LAYERS = 3
-
-
-def default_aux_layer_ids(num_layers: int) -> list[int]:
-    """The EAGLE-3 capture layers when `aux_layer_ids` is not set (0-based, sorted).
-
-    TensorRT-LLM's default tuple (1, L//2-1, L-4) when its three ids are distinct and inside the target;
-    otherwise (L <= 6, where it collapses or leaves the stack) three distinct layers spread over the whole
-    target: the first, the middle ((L-1)//2) and the last. ModelOpt 0.47's own default
-    (`default_eagle_aux_layer_ids`: sorted({1, max(0, L//2-1), max(0, L-4)})) collapses to 2 layers on a 4-layer
-    target, which gives fc [H, 2H]: a shape TensorRT-LLM and vLLM refuse, so it is never used."""
-    if num_layers < EAGLE3_CAPTURE_LAYERS:
-        raise ValueError(f"EAGLE-3 captures {EAGLE3_CAPTURE_LAYERS} distinct target layers; a {num_layers}-layer target "
-                         "has too few")
-    trt = (1, num_layers // 2 - 1, num_layers - 4)
-    if len(set(trt)) == EAGLE3_CAPTURE_LAYERS and all(0 <= i < num_layers for i in trt):
-        return sorted(trt)
-    return [0, (num_layers - 1) // 2, num_layers - 1]
 
 
 class Eagle3(Strict):
@@ -295,118 +267,24 @@ def check(cfg) -> list[tuple[str, str]]:
         )
     if cfg.target.bootstrap == "tiny":
         t = cfg.target.tiny
-        out += _shape_problems(
-            sec, t.num_layers, t.vocab_size, f"target.tiny.num_layers={t.num_layers}", f"target.tiny.vocab_size={t.vocab_size}"
+        out += shape_problems(
+            sec.algorithm, t.num_layers, t.vocab_size, f"target.tiny.num_layers={t.num_layers}",
+            f"target.tiny.vocab_size={t.vocab_size}"
         )
-    return out
-
-
-def _shape_problems(sec: Config, n_layers: int, vocab: int, layers_src: str, vocab_src: str) -> list[tuple[str, str]]:
-    a = sec.algorithm
-    p = "train_draft.algorithm"
-    out = []
-    if a.kind == "eagle3":
-        bad = [i for i in (a.aux_layer_ids or []) if i >= n_layers]
-        if n_layers < EAGLE3_CAPTURE_LAYERS:
-            out.append((f"{p}.kind", f"EAGLE-3 captures {EAGLE3_CAPTURE_LAYERS} distinct target layers, but the target has "
-                        f"{n_layers} ({layers_src}); TensorRT-LLM and vLLM load no other shape: use DFlash or a deeper target"))
-        elif bad:
-            out.append(
-                (f"{p}.aux_layer_ids", f"{bad} out of range: the target has {n_layers} layers (0..{n_layers - 1}; {layers_src})")
-            )
-        if a.draft_vocab_size and a.draft_vocab_size > vocab:
-            out.append((f"{p}.draft_vocab_size", f"{a.draft_vocab_size} exceeds the target vocabulary of {vocab} ({vocab_src})"))
-    else:
-        if a.draft_layers > n_layers:
-            out.append(
-                (
-                    f"{p}.draft_layers",
-                    f"{a.draft_layers} draft layers need as many target layers to read, but the target has "
-                    f"{n_layers} ({layers_src})",
-                )
-            )
-        bad = [i for i in (a.target_layer_ids or []) if i >= n_layers]
-        if bad:
-            out.append(
-                (
-                    f"{p}.target_layer_ids",
-                    f"{bad} out of range: the target has {n_layers} layers (0..{n_layers - 1}; {layers_src})",
-                )
-            )
-        if isinstance(a.mask_token, int) and not 0 <= a.mask_token < vocab:
-            out.append((f"{p}.mask_token", f"id {a.mask_token} is not in the target vocabulary of {vocab} ({vocab_src})"))
     return out
 
 
 # ---------------------------------------------------------------------------------------------- run
 
 
-def _resolve(ctx: StageContext, summary: dict, tok) -> dict:
-    """Algorithm options with the target's values filled in; raises StageError for impossible ones."""
-    from runtime.trtllm.draft_schedule import dflash_max_draft_len
-
-    sec: Config = ctx.section
-    a = sec.algorithm
-    n_layers, vocab = summary["num_layers"], summary["vocab_size"]
-    probs = _shape_problems(sec, n_layers, vocab, f"target.json num_layers={n_layers}", f"target.json vocab_size={vocab}")
-    if probs:
-        raise StageError("; ".join(f"{k}: {m}" for k, m in probs))
-    if a.kind == "eagle3":
-        ids = a.aux_layer_ids or default_aux_layer_ids(n_layers)
-        ctx.log.info("EAGLE-3 capture layers %s of %d (%s)", ids, n_layers, "configured" if a.aux_layer_ids else
-                     "TensorRT-LLM's default" if ids == sorted((1, n_layers // 2 - 1, n_layers - 4)) else
-                     "spread over the target: TensorRT-LLM's default (1, L//2-1, L-4) is not 3 distinct layers here")
-        return {"name": "eagle3", "draft_layers": a.draft_layers, "aux_layer_ids": ids, "ttt_steps": a.ttt_steps,
-                "draft_vocab_size": a.draft_vocab_size or vocab, "intermediate_size": a.intermediate_size,
-                "loss_decay_factor": a.loss_decay_factor, "trained_draft_len": a.ttt_steps}
-    from modelopt.torch.speculative.plugins.modeling_dflash import build_target_layer_ids
-
-    ids = a.target_layer_ids or build_target_layer_ids(n_layers, a.draft_layers)
-    if len(set(ids)) != len(ids):
-        # ModelOpt's spread skips the first and last 3 layers and repeats layers on shallow targets
-        # (4 layers, 2 draft layers -> [1, 1]); spread over the whole stack instead.
-        spread = [round(i * (n_layers - 1) / (a.draft_layers - 1)) for i in range(a.draft_layers)]
-        ctx.log.info("DFlash target layers: ModelOpt's default %s repeats a layer on a %d-layer target; using %s",
-                     ids, n_layers, spread)
-        ids = spread
-    mask = a.mask_token
-    if mask is None:
-        if tok.mask_token_id is None:
-            raise StageError("train_draft.algorithm.mask_token: the target tokenizer has no mask token; name one of its "
-                             "tokens (an unused special token) as mask_token")
-        mask_id = tok.mask_token_id
-    elif isinstance(mask, str):
-        mask_id = tok.get_vocab().get(mask)
-        if mask_id is None:
-            raise StageError(f"train_draft.algorithm.mask_token: '{mask}' is not a token of the target's vocabulary; "
-                             f"the tokenizer's mask token is {tok.mask_token!r}")
-    else:
-        mask_id = mask
-    return {"name": "dflash", "draft_layers": a.draft_layers, "target_layer_ids": ids, "block_size": a.block_size,
-            "mask_token_id": mask_id, "num_anchors": a.num_anchors, "loss_objective": a.loss_objective,
-            "loss_decay_factor": a.loss_decay_factor, "intermediate_size": a.intermediate_size,
-            "trained_draft_len": dflash_max_draft_len(a.block_size)}
-
-
-def _rope_scaling(sec: Config, target_positions: int, serving: int) -> dict:
-    if isinstance(sec.rope_scaling, dict):
-        return dict(sec.rope_scaling)
-    if sec.rope_scaling == "none" or serving <= target_positions:
-        return {}
-    factor = 2.0
-    while factor * target_positions < serving:
-        factor *= 2
-    return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": target_positions}
-
-
-# the target's shape as the job carries it (target.json's fields)
-_TARGET_SHAPE = ("num_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                "vocab_size")
-
-
 def make_job(ctx: StageContext) -> dict:
-    """The JSON job the runtime executes (in-process or under torchrun)."""
+    """The JSON job the runtime executes (in-process or under torchrun): `runtime.training.job.make_job` on this
+    section, target.json, the target's tokenizer and the data artifact."""
     from transformers import AutoTokenizer
+
+    from runtime.training.algorithm import resolve_algorithm
+    from runtime.training.job import JobError, resolve_device
+    from runtime.training.job import make_job as assemble
 
     sec: Config = ctx.section
     target, data = ctx.input("target"), ctx.input("data")
@@ -414,271 +292,31 @@ def make_job(ctx: StageContext) -> dict:
     model_dir = target.path / "model"
     trust = bool(ctx.config.target.trust_remote_code)
     tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust)
-    algo = _resolve(ctx, summary, tok)
-    device = _device(ctx)
-    train_dtype, target_dtype = _dtypes(sec, device)
-    positions = summary.get("max_position_embeddings") or 2048
-    serving = sec.serving_context or positions
-    eval_files = {p.stem: str(p) for p in sorted((data.path / "eval").glob("*.jsonl"))}
-    steps = _step_count(sec, data)
-    d2t = algo["name"] == "eagle3" and algo["draft_vocab_size"] != summary["vocab_size"]
-    return {
-        "algorithm": algo,
-        "target": {k: summary[k] for k in _TARGET_SHAPE},
-        "target_dir": str(model_dir),
-        "train_parquet": str(data.path / "train.parquet"),
-        "eval_files": eval_files,
-        "scratch_dir": str(ctx.scratch_dir),
-        "export_dir": str(ctx.out_dir / "draft"),
-        "d2t_path": str(ctx.scratch_dir / "d2t.pt") if d2t else None,
-        "mode": sec.mode,
-        "max_dump_gb": sec.offline.max_dump_gb,
-        "max_samples": sec.max_samples,
-        "device": device,
-        "train_dtype": train_dtype,
-        "target_dtype": target_dtype,
-        "export_dtype": summary.get("dtype") or "bfloat16",
-        "threads": ctx.config.run.threads,
-        "trust_remote_code": trust,
-        "torch_compile": sec.torch_compile,
-        "shard_target": sec.shard_target and device == "cuda",
-        "fsdp": sec.launcher.kind == "torchrun" and sec.launcher.fsdp,
-        "export_rope_scaling": _rope_scaling(sec, positions, serving),
-        "serving_context": serving,
-        "train": _train_options(sec, steps),
-        "eval": _eval_options(sec, algo, summary),
-    }
-
-
-def _device(ctx: StageContext) -> str:
-    """run.device, with auto resolved: cuda when a GPU is visible, else cpu."""
-    device = ctx.config.run.device
-    if device == "auto":
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return device
-
-
-def _dtypes(sec: Config, device: str) -> tuple[str, str]:
-    """(training dtype, target dtype) with auto resolved; StageError for a target above the training precision."""
-    train_dtype = sec.dtype if sec.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
-    target_dtype = sec.target_dtype if sec.target_dtype != "auto" else train_dtype
-    if (train_dtype, target_dtype) == ("bfloat16", "float32"):
-        raise StageError(f"train_draft.target_dtype: float32 under a bfloat16 training dtype ({sec.dtype} on {device}) "
-                         "would run the target above the draft's own precision; set target_dtype: bfloat16 or auto, "
-                         "or dtype: float32")
-    return train_dtype, target_dtype
-
-
-def _step_count(sec: Config, data) -> int:
-    """`steps`, or `epochs` passes over the (first max_samples) training rows in global batches."""
-    if sec.epochs is None:
-        return sec.steps
-    n_train = data.metrics.get("train_samples")
-    if not n_train:
-        import pyarrow.parquet as pq
-
-        n_train = pq.ParquetFile(str(data.path / "train.parquet")).metadata.num_rows
-    n = min(n_train, sec.max_samples or n_train)
-    return max(1, int(sec.epochs * n / sec.batch_size + 0.999))
-
-
-def _train_options(sec: Config, steps: int) -> dict:
-    return {
-        "optimizer": sec.optimizer,
-        "lr": sec.lr,
-        "weight_decay": sec.weight_decay,
-        "betas": list(sec.betas),
-        "schedule": sec.schedule,
-        "warmup_steps": min(sec.warmup_steps, steps),
-        "min_lr_ratio": sec.min_lr_ratio,
-        "grad_clip": sec.grad_clip,
-        "steps": steps,
-        "batch_size": sec.batch_size,
-        "seq_len": sec.seq_len,
-        "seed": sec.seed,
-        "checkpoint_every": sec.checkpoint_every,
-        "log_every": sec.log_every,
-    }
-
-
-def _eval_options(sec: Config, algo: dict, summary: dict) -> dict:
-    return {
-        "estimator": sec.eval.estimator,
-        "prompts_per_domain": sec.eval.prompts_per_domain,
-        "osl": sec.eval.osl,
-        "draft_len": sec.eval.draft_len or algo["trained_draft_len"],
-        "batch_size": sec.eval.batch_size,
-        # every id that ends a generation (an instruct model's end-of-turn and its eos)
-        "eos_token_ids": [e for e in (summary.get("eos_token_ids") or [summary.get("eos_token_id")]) if e is not None],
-    }
-
-
-class _Bars:
-    """Turns runtime progress events into the stage's progress bars and log lines."""
-
-    def __init__(self, ctx: StageContext):
-        self.ctx = ctx
-        self.bar = None
-
-    def _open(self, total: int, done: int, desc: str) -> None:
-        self.close()
-        self.bar = self.ctx.progress(total=total, desc=desc).__enter__()
-        if done:
-            self.bar.update(done)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.__exit__(None, None, None)
-            self.bar = None
-
-    def __call__(self, ev: dict) -> None:
-        kind = ev.get("event")
-        if kind == "dump_start":
-            self.ctx.log.info("offline: dumping target hidden states, %d of %d samples already on disk", ev["done"], ev["total"])
-            self._open(ev["total"], ev["done"], "dump hidden states")
-        elif kind == "dump" and self.bar:
-            self.bar.update(ev.get("n", 1))
-        elif kind == "resume":
-            self.ctx.log.info("resuming training from the checkpoint at step %d", ev["step"])
-        elif kind == "train_start":
-            self._open(ev["total"], ev["done"], f"train draft ({ev.get('world_size', 1)} proc)")
-        elif kind == "step" and self.bar:
-            acc = "/".join(f"{a:.2f}" for a in ev.get("accuracy", []))
-            self.bar.update(1, loss=f"{ev['loss']:.3f}", acc=acc)
-        elif kind == "checkpoint":
-            self.ctx.log.debug("checkpoint at step %d", ev["step"])
-        elif kind == "error":
-            self.ctx.log.error("%s", ev["message"])
-
-
-def _train_in_process(ctx: StageContext, job: dict, bars: _Bars) -> dict:
-    from runtime.training import draft_training as dt
-
     try:
-        return dt.train(job, emit=bars)
-    except dt.JobError as e:
-        raise StageError(f"train_draft: {e}") from None
-
-
-def _torchrun_cmd(sec: Config, job_path: Path, node_rank: int) -> list[str]:
-    L = sec.launcher
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(L.nproc_per_node)]
-    if L.nnodes == 1:
-        cmd += ["--standalone"]   # a free local port: no clash with other jobs on this host
-    else:
-        cmd += ["--nnodes", str(L.nnodes), "--node-rank", str(node_rank), "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", L.rdzv_endpoint, "--rdzv-id", L.rdzv_id]
-    return cmd + ["-m", "runtime.training.draft_training", "--job", str(job_path)]
-
-
-def _train_torchrun(ctx: StageContext, job: dict, bars: _Bars) -> dict:
-    sec: Config = ctx.section
-    job_path = _write_job(ctx, job)
-    cmd = _torchrun_cmd(sec, job_path, sec.launcher.node_rank)
-    env = _worker_env(ctx)
-    if sec.launcher.nnodes > 1:
-        _write_worker_commands(ctx, sec, job_path, env)
-    ctx.log.info("launching: %s", " ".join(cmd))
-    err_log = ctx.scratch_dir / "torchrun.log"
-    rc, errors, timed_out = _run_torchrun(ctx, cmd, env, err_log, bars)
-    if timed_out:
-        raise StageError(f"train_draft: torchrun ran past train_draft.launcher.timeout_s={sec.launcher.timeout_s} and was "
-                         f"stopped (a node that never joined, or a hung collective); its log: {err_log}")
-    if errors:
-        raise StageError("train_draft: " + errors[0])
-    if rc != 0:
-        tail = err_log.read_text()[-3000:]
-        raise StageError(f"train_draft: torchrun exited with status {rc}; last lines of {err_log}:\n{tail}")
-    return json.loads((ctx.scratch_dir / "result.json").read_text())
-
-
-def _write_job(ctx: StageContext, job: dict) -> Path:
-    """`<scratch>/job.json` for the workers; a previous run's result.json is removed."""
-    ctx.scratch_dir.mkdir(parents=True, exist_ok=True)
-    job_path = ctx.scratch_dir / "job.json"
-    job_path.write_text(json.dumps(job, indent=2))
-    (ctx.scratch_dir / "result.json").unlink(missing_ok=True)
-    return job_path
-
-
-def _worker_env(ctx: StageContext) -> dict:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.setdefault("OMP_NUM_THREADS", str(ctx.config.run.threads or 1))
-    # the repository root on the path, so `-m runtime.training.draft_training` resolves without an install
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH", "")]).rstrip(
-        os.pathsep
-    )
-    return env
-
-
-def _write_worker_commands(ctx: StageContext, sec: Config, job_path: Path, env: dict) -> None:
-    """Multi-node: one self-contained shell line per other node (what the Slurm script runs there), written to
-    `<scratch>/worker_commands.sh` and logged."""
-    pre = ["env", f"PYTHONPATH={env['PYTHONPATH']}", "PYTHONUNBUFFERED=1", f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']}"]
-    others = [shlex.join(pre + _torchrun_cmd(sec, job_path, r)) for r in range(1, sec.launcher.nnodes)]
-    (ctx.scratch_dir / "worker_commands.sh").write_text("\n".join(others) + "\n")
-    ctx.log.info("multi-node: run on node r (1..%d), with this workdir on a shared filesystem:\n  %s",
-                 sec.launcher.nnodes - 1, "\n  ".join(others))
-
-
-def _run_torchrun(ctx: StageContext, cmd: list[str], env: dict, err_log: Path, bars: _Bars) -> tuple[int, list[str], bool]:
-    """torchrun with its stderr in `err_log`, stopped after launcher.timeout_s. Returns (exit status, the workers'
-    error messages, whether the time limit stopped it)."""
-    errors: list[str] = []
-    timed_out = threading.Event()
-    with open(err_log, "w") as err, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env) as proc:
-        def _stop():   # a hung job (a lost node, a collective that never completes) still ends
-            timed_out.set()
-            proc.terminate()
-            killer = threading.Timer(30, proc.kill)   # torchrun forwards SIGTERM to its workers; in case it hangs too
-            killer.daemon = True
-            killer.start()
-        watchdog = threading.Timer(ctx.section.launcher.timeout_s, _stop)
-        watchdog.daemon = True
-        watchdog.start()
-        try:
-            _follow_output(ctx, proc.stdout, bars, errors)
-            rc = proc.wait(timeout=60 if timed_out.is_set() else None)
-        except BaseException:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            raise
-        finally:
-            watchdog.cancel()
-    return rc, errors, timed_out.is_set()
-
-
-def _follow_output(ctx: StageContext, lines, bars: _Bars, errors: list[str]) -> None:
-    """Rank 0's stdout: progress events to the bars (error messages collected), other lines to the debug log."""
-    from runtime.training.draft_training import PROGRESS_PREFIX
-
-    for line in lines:
-        if line.startswith(PROGRESS_PREFIX):
-            ev = json.loads(line[len(PROGRESS_PREFIX):])
-            if ev.get("event") == "error":
-                errors.append(ev["message"])
-            bars(ev)
-        elif line.strip():
-            ctx.log.debug("torchrun: %s", line.rstrip())
+        algo = resolve_algorithm(sec.algorithm, summary, tok, ctx.log)
+        return assemble(sec, algo=algo, summary=summary, model_dir=model_dir, data_dir=data.path,
+                        train_samples=data.metrics.get("train_samples"), scratch_dir=ctx.scratch_dir, out_dir=ctx.out_dir,
+                        device=resolve_device(ctx.config.run.device), threads=ctx.config.run.threads,
+                        trust_remote_code=trust)
+    except JobError as e:
+        raise StageError(str(e)) from None
 
 
 def run(ctx: StageContext) -> dict:
+    from runtime.training.export import complete_export
+    from runtime.training.records import curve_record, draft_record, stage_metrics
+
     job = make_job(ctx)
     _log_plan(ctx, job)
     result = _train(ctx, job)
     draft_dir = Path(job["export_dir"])
-    cfg = _complete_export(draft_dir, Path(job["target_dir"]))
+    cfg = complete_export(draft_dir, Path(job["target_dir"]))
     checks = _check_export(ctx, job, draft_dir)
     acc = result.get("acceptance") or {}
-    _write_draft_json(ctx, job, cfg, draft_dir, acc)
-    _write_curve_json(ctx, job, result, acc)
+    (ctx.out_dir / "draft.json").write_text(json.dumps(draft_record(job, cfg, draft_dir, acc), indent=2))
+    (ctx.out_dir / "curve.json").write_text(json.dumps(curve_record(job, result, acc), indent=2))
     _log_outcome(ctx, result, acc)
-    return _metrics(job, result, acc, len(checks))
+    return stage_metrics(job, result, acc, len(checks))
 
 
 def _log_plan(ctx: StageContext, job: dict) -> None:
@@ -701,37 +339,33 @@ def _log_plan(ctx: StageContext, job: dict) -> None:
 
 def _train(ctx: StageContext, job: dict) -> dict:
     """The job in this process or under torchrun, its progress in the stage's bars. Returns its result."""
-    bars = _Bars(ctx)
+    from runtime.training.job import JobError
+    from runtime.training.progress import Bars
+
+    sec: Config = ctx.section
+    bars = Bars(ctx.progress, ctx.log)
     try:
-        return _train_torchrun(ctx, job, bars) if ctx.section.launcher.kind == "torchrun" else _train_in_process(ctx, job, bars)
+        if sec.launcher.kind == "torchrun":
+            from runtime.training.launch import train_torchrun
+
+            return train_torchrun(job, sec.launcher, ctx.scratch_dir, ctx.config.run.threads, bars, ctx.log)
+        from runtime.training.draft_training import train
+
+        return train(job, emit=bars)
+    except JobError as e:
+        raise StageError(f"train_draft: {e}") from None
     finally:
         bars.close()
-
-
-def _complete_export(draft_dir: Path, model_dir: Path) -> dict:
-    """The target's tokenizer files (byte for byte) beside the export, its config.json's RoPE in the form TensorRT-LLM
-    1.2 and 1.3 read. Returns that config."""
-    from runtime.training.draft_checks import TOKENIZER_FILES
-    from runtime.trtllm.hf_config import normalize_file
-
-    for name in TOKENIZER_FILES:
-        if (model_dir / name).exists():
-            shutil.copy2(model_dir / name, draft_dir / name)
-    normalize_file(draft_dir / "config.json")
-    return json.loads((draft_dir / "config.json").read_text())
-
-
-def _capture_layers(a: dict) -> list[int]:
-    return a["aux_layer_ids"] if a["name"] == "eagle3" else a["target_layer_ids"]
 
 
 def _check_export(ctx: StageContext, job: dict, draft_dir: Path) -> list:
     """The named export checks (`runtime.training.draft_checks`) into checks.json; StageError when any fails."""
     from runtime.training.draft_checks import Expect, as_dicts, check_draft, failures
+    from runtime.training.job import capture_layer_ids
 
     a = job["algorithm"]
     expect = Expect(algorithm=a["name"], num_layers=a["draft_layers"], hidden_size=job["target"]["hidden_size"],
-                    vocab_size=job["target"]["vocab_size"], capture_layer_ids=_capture_layers(a),
+                    vocab_size=job["target"]["vocab_size"], capture_layer_ids=capture_layer_ids(job),
                     serving_context=job["serving_context"], target_dir=Path(job["target_dir"]),
                     draft_vocab_size=a.get("draft_vocab_size"), block_size=a.get("block_size"),
                     mask_token_id=a.get("mask_token_id"))
@@ -745,31 +379,6 @@ def _check_export(ctx: StageContext, job: dict, draft_dir: Path) -> list:
     return checks
 
 
-def _write_draft_json(ctx: StageContext, job: dict, cfg: dict, draft_dir: Path, acc: dict) -> None:
-    a = job["algorithm"]
-    draft = {
-        "algorithm": a["name"], "num_layers": a["draft_layers"],
-        ("aux_layer_ids" if a["name"] == "eagle3" else "target_layer_ids"): _capture_layers(a),
-        "vocab_size": job["target"]["vocab_size"], "draft_vocab_size": cfg.get("draft_vocab_size", job["target"]["vocab_size"]),
-        "has_d2t": "d2t" in _tensor_names(draft_dir), "block_size": a.get("block_size"), "mask_token_id": a.get("mask_token_id"),
-        "trained_draft_len": a["trained_draft_len"], "max_position_embeddings": cfg.get("max_position_embeddings"),
-        "rope_scaling": cfg.get("rope_scaling"), "serving_context": job["serving_context"], "mode": job["mode"],
-        "acceptance_length": acc.get("acceptance_length"), "eval_draft_len": acc.get("draft_len"),
-        "acceptance_estimator": acc.get("estimator"),
-    }
-    (ctx.out_dir / "draft.json").write_text(json.dumps(draft, indent=2))
-
-
-def _write_curve_json(ctx: StageContext, job: dict, result: dict, acc: dict) -> None:
-    a = job["algorithm"]
-    curve = {"algorithm": a["name"], "steps": job["train"]["steps"], "log_every": job["train"]["log_every"],
-             "accuracy_positions": a["ttt_steps"] if a["name"] == "eagle3" else 1,
-             "accuracy_note": "EAGLE-3: one accuracy per training-time-test step (draft position); DFlash: ModelOpt "
-                              "reports the mean over the block's drafted positions",
-             "points": result["curve"], "acceptance": acc}
-    (ctx.out_dir / "curve.json").write_text(json.dumps(curve, indent=2))
-
-
 def _log_outcome(ctx: StageContext, result: dict, acc: dict) -> None:
     if result.get("fsdp"):
         f = result["fsdp"]
@@ -779,48 +388,6 @@ def _log_outcome(ctx: StageContext, result: dict, acc: dict) -> None:
         ctx.log.info("acceptance length %.3f at %d draft tokens (%s, %.1f s: %s)", acc["acceptance_length"],
                      acc["draft_len"], ESTIMATORS[acc["estimator"]], result.get("eval_seconds") or 0.0,
                      ", ".join(f"{d} {v['acceptance_length']:.2f}" for d, v in acc["domains"].items()))
-
-
-def _metrics(job: dict, result: dict, acc: dict, n_checks: int) -> dict:
-    """The stage's metrics: the run's figures, the acceptance estimate, the dump's and FSDP's numbers when there."""
-    return {
-        "algorithm": job["algorithm"]["name"],
-        "mode": job["mode"],
-        "steps": job["train"]["steps"],
-        "world_size": result["world_size"],
-        "resumed_from_step": result["resumed_from_step"],
-        "final_loss": result["final_loss"],
-        "final_accuracy": result["final_accuracy"],
-        "step_ms_mean": result["step_ms_mean"],
-        "train_seconds": result["train_seconds"],
-        "acceptance_length": acc.get("acceptance_length"),
-        "acceptance_draft_len": acc.get("draft_len"),
-        "acceptance_estimator": acc.get("estimator"),
-        "eval_seconds": result.get("eval_seconds"),
-        "acceptance_by_domain": {d: v["acceptance_length"] for d, v in acc.get("domains", {}).items()},
-        "export_checks_passed": n_checks,
-        **{k: result[k] for k in ("dump_bytes", "dump_estimate_bytes", "dump_seconds") if k in result},
-        **(
-            {
-                "fsdp_processes": result["fsdp"]["processes"],
-                "target_layer_bytes": result["fsdp"]["target_layer_bytes"],
-                "target_layer_bytes_per_process": result["fsdp"]["target_layer_bytes_per_process"],
-            }
-            if result.get("fsdp")
-            else {}
-        ),
-    }
-
-
-ESTIMATORS = {"runtime": "specpipe runtime, BF16 target + exported draft (validate's definition)",
-              "modelopt": "ModelOpt validate_online"}
-
-
-def _tensor_names(d: Path) -> set[str]:
-    from safetensors import safe_open
-
-    with safe_open(str(d / "model.safetensors"), "pt") as f:
-        return set(f.keys())
 
 
 def report(artifact) -> str:

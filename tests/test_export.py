@@ -239,7 +239,7 @@ def test_real_model_deployment_is_the_targeted_versions(real_model, tmp_path):
 
     from runtime.quant.export import export_target
     from runtime.quant.ptq import quantize_model
-    from runtime.training.draft_training import convert_config
+    from runtime.training.model import convert_config
 
     md = real_model["model_dir"]
     cfg = json.loads((md / "config.json").read_text())

@@ -169,9 +169,9 @@ def test_eagle3_export_reloads_into_modelopt(eagle):
     import torch
     from safetensors.torch import load_file
 
-    from runtime.training import draft_training as dt
+    from runtime.training.model import build_model
 
-    model = dt.build_model(json.loads(_job(eagle).read_text()), False, torch.device("cpu"))
+    model = build_model(json.loads(_job(eagle).read_text()), False, torch.device("cpu"))
     sd = load_file(str(_art(eagle) / "draft" / "model.safetensors"))
     model.eagle_module.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in sd.items()}, strict=True)
     assert int(model.eagle_module.d2t.abs().sum()) > 0   # the calibrated reduced-vocabulary map came back
@@ -284,7 +284,7 @@ def test_default_capture_layers_are_three_distinct_layers():
     tensorrt_llm/_torch/speculative/eagle3.py, `_get_eagle3_default_capture_layers` on NVIDIA/TensorRT-LLM main,
     the same tuple inline in Eagle3SpecMetadata.__post_init__ on the 1.2 line), else the first, middle and last
     layer; fewer than 3 layers is refused."""
-    from stages.train_draft import default_aux_layer_ids
+    from runtime.training.algorithm import default_aux_layer_ids
 
     assert default_aux_layer_ids(80) == [1, 39, 76] and default_aux_layer_ids(30) == [1, 14, 26]
     assert default_aux_layer_ids(36) == [1, 17, 32] and default_aux_layer_ids(7) == [1, 2, 3]
@@ -432,7 +432,8 @@ def test_offline_dump_refused_over_budget(inputs, tmp_path):
 
 
 def test_disk_preflight_refuses_when_free_space_is_short(tmp_path):
-    from runtime.training.draft_training import JobError, dump_preflight, estimate_dump_bytes
+    from runtime.training.job import JobError
+    from runtime.training.offline import dump_preflight, estimate_dump_bytes
 
     free = shutil.disk_usage(tmp_path).free
     # a 70B-class dump: 1M samples x 4096 tokens x (1 + 3) x 8192 x bf16 is ~268 TB
@@ -614,6 +615,9 @@ def test_bf16_target_runs_the_target_in_bf16_and_training_still_learns(inputs, t
 
     import stages.train_draft as td
     from runtime.training import draft_training as dt
+    from runtime.training.loop import autocast
+    from runtime.training.model import build_model, draft_module
+    from runtime.training.samples import online_batch, read_samples
 
     wd = _workdir(inputs, tmp_path)
     ctx = _stage_ctx(wd, "train_draft.target_dtype=bfloat16", "train_draft.max_samples=2", "train_draft.batch_size=2",
@@ -622,8 +626,8 @@ def test_bf16_target_runs_the_target_in_bf16_and_training_still_learns(inputs, t
     job = json.loads(json.dumps(td.make_job(ctx)))
     assert (job["train_dtype"], job["target_dtype"]) == ("float32", "bfloat16")
     dev = torch.device("cpu")
-    model = dt.build_model(job, False, dev)
-    draft = dt.draft_module(model)
+    model = build_model(job, False, dev)
+    draft = draft_module(model)
     draft_ids = {id(p) for p in draft.parameters()}
     target_params = [p for p in model.parameters() if id(p) not in draft_ids]
     assert target_params and all(p.dtype == torch.bfloat16 for p in target_params)
@@ -637,9 +641,9 @@ def test_bf16_target_runs_the_target_in_bf16_and_training_still_learns(inputs, t
 
     model._base_model.layers[0].register_forward_hook(record("target"))
     draft.fc.register_forward_hook(record("fc"))
-    samples = dt.read_samples(job["train_parquet"], 2)
-    batch = dt.online_batch(samples, [0, 1], 64, 0, dev)
-    with dt.autocast(job, dev):
+    samples = read_samples(job["train_parquet"], 2)
+    batch = online_batch(samples, [0, 1], 64, 0, dev)
+    with autocast(job, dev):
         out = model(**batch)
     assert seen == {"target": torch.bfloat16, "fc": torch.bfloat16}
     assert out.loss.dtype == torch.float32
@@ -773,7 +777,8 @@ def test_fsdp_target_skeleton_reads_only_what_every_process_keeps(inputs, tmp_pa
     import torch
     from transformers import AutoModelForCausalLM
 
-    from runtime.training.draft_training import JobError, load_target_skeleton
+    from runtime.training.fsdp import load_target_skeleton
+    from runtime.training.job import JobError
 
     model_dir = inputs / "artifacts" / "target" / "model"
     job = {"target_dir": str(model_dir), "trust_remote_code": False}
@@ -802,7 +807,7 @@ def test_fsdp_offline_dump_matches_the_targets_hidden_states(inputs, tmp_path):
     from transformers import AutoModelForCausalLM
 
     import stages.train_draft as td
-    from runtime.training.draft_training import read_samples
+    from runtime.training.samples import read_samples
 
     wd = _workdir(inputs, tmp_path)
     opts = ("train_draft.mode=offline", "train_draft.steps=2", "train_draft.max_samples=7", "train_draft.eval.estimator=modelopt",
@@ -904,17 +909,17 @@ def test_shipped_config_runs_within_its_own_budgets(path):
     draft options fit the target (the stage's run-time shape checks), an EAGLE-3 draft captures 3 layers, and an
     offline config's hidden-state dump (`estimate_dump_bytes`, what the preflight compares) fits its
     `offline.max_dump_gb`, which an offline shipped config must state."""
-    import stages.train_draft as td
     from pipeline.config import load_config
-    from runtime.training.draft_training import estimate_dump_bytes
+    from runtime.training.algorithm import default_aux_layer_ids, shape_problems
+    from runtime.training.offline import estimate_dump_bytes
 
     cfg = load_config(path)
     sec = cfg.train_draft
     shape = _target_shape(cfg)
-    probs = td._shape_problems(sec, shape["num_layers"], shape["vocab_size"], "num_layers", "vocab_size")
+    probs = shape_problems(sec.algorithm, shape["num_layers"], shape["vocab_size"], "num_layers", "vocab_size")
     assert not probs, probs
     a = sec.algorithm
-    layers = (a.aux_layer_ids or td.default_aux_layer_ids(shape["num_layers"])) if a.kind == "eagle3" else \
+    layers = (a.aux_layer_ids or default_aux_layer_ids(shape["num_layers"])) if a.kind == "eagle3" else \
         (a.target_layer_ids or list(range(a.draft_layers)))
     if a.kind == "eagle3":
         assert len(set(layers)) == 3 and max(layers) < shape["num_layers"], layers
@@ -1064,7 +1069,7 @@ def test_real_model_offline_with_tied_embeddings(real_inputs, tmp_path, monkeypa
     from transformers import AutoModelForCausalLM
 
     import stages.train_draft as td
-    from runtime.training import draft_training as dt
+    from runtime.training.model import build_model
 
     monkeypatch.chdir(REPO)
     # target_dtype auto (float32): the logits below are compared with the float32 target's at 1e-4
@@ -1077,7 +1082,7 @@ def test_real_model_offline_with_tied_embeddings(real_inputs, tmp_path, monkeypa
     assert _real_tensor(ctx.out_dir / "draft", "lm_head.weight").shape == (8192, 576)
     rec = torch.load(sorted(ctx.scratch_dir.glob("hidden/*.pt"))[0], weights_only=True)
     job = json.loads(json.dumps(td.make_job(ctx)))
-    offline = dt.build_model(job, True, torch.device("cpu"))
+    offline = build_model(job, True, torch.device("cpu"))
     target = AutoModelForCausalLM.from_pretrained(real_inputs / "artifacts" / "target" / "model", dtype=torch.float32).eval()
     with torch.no_grad():
         want = target(input_ids=rec["input_ids"][None]).logits[0]
@@ -1093,7 +1098,7 @@ def test_real_model_fsdp_skeleton_ties_lm_head(real_inputs):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from runtime.training.draft_training import load_target_skeleton
+    from runtime.training.fsdp import load_target_skeleton
 
     model_dir = real_inputs / "artifacts" / "target" / "model"
     sk = load_target_skeleton({"target_dir": str(model_dir), "trust_remote_code": False}, torch.device("cpu"), torch.float32)

@@ -1,0 +1,154 @@
+"""The training job: the JSON-able dict the `train_draft` stage writes and the worker (`draft_training`, in-process or
+under torchrun) executes. `make_job` assembles it from the stage's section and the target's and data's records;
+the readings of it that the worker's modules share (dtypes, capture layers) and `JobError` live here too. The job
+is all the worker reads: it never sees the pipeline config."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class JobError(Exception):
+    """An expected failure with a message for the user (the stage turns it into a StageError)."""
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def target_dtype(job: dict):
+    """The frozen target's weight and compute dtype (`target_dtype`, default the training dtype). Lower than the
+    training dtype, the forward runs under autocast: the target in it, the draft's matmuls too, its master weights,
+    optimizer state and loss in the training dtype."""
+    return torch_dtype(job.get("target_dtype") or job["train_dtype"])
+
+
+def capture_layer_ids(job: dict) -> list[int]:
+    """Target layers whose outputs the draft reads: EAGLE-3 aux layers or DFlash target layers."""
+    a = job["algorithm"]
+    return list(a["aux_layer_ids"] if a["name"] == "eagle3" else a["target_layer_ids"])
+
+
+# ------------------------------------------------------------------------------------------- assembly
+
+
+# the target's shape as the job carries it (target.json's fields)
+TARGET_SHAPE = ("num_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "vocab_size")
+
+
+def make_job(sec, *, algo: dict, summary: dict, model_dir: Path, data_dir: Path, train_samples: int | None,
+             scratch_dir: Path, out_dir: Path, device: str, threads: int | None, trust_remote_code: bool) -> dict:
+    """The JSON job the runtime executes (in-process or under torchrun), from the stage's section `sec`, the
+    resolved algorithm options (`runtime.training.algorithm.resolve_algorithm`), target.json (`summary`) and the
+    data artifact's directory. JobError for a target dtype above the training precision."""
+    train_dtype, tgt_dtype = resolve_dtypes(sec, device)
+    positions = summary.get("max_position_embeddings") or 2048
+    serving = sec.serving_context or positions
+    eval_files = {p.stem: str(p) for p in sorted((data_dir / "eval").glob("*.jsonl"))}
+    steps = step_count(sec, data_dir, train_samples)
+    d2t = algo["name"] == "eagle3" and algo["draft_vocab_size"] != summary["vocab_size"]
+    return {
+        "algorithm": algo,
+        "target": {k: summary[k] for k in TARGET_SHAPE},
+        "target_dir": str(model_dir),
+        "train_parquet": str(data_dir / "train.parquet"),
+        "eval_files": eval_files,
+        "scratch_dir": str(scratch_dir),
+        "export_dir": str(out_dir / "draft"),
+        "d2t_path": str(scratch_dir / "d2t.pt") if d2t else None,
+        "mode": sec.mode,
+        "max_dump_gb": sec.offline.max_dump_gb,
+        "max_samples": sec.max_samples,
+        "device": device,
+        "train_dtype": train_dtype,
+        "target_dtype": tgt_dtype,
+        "export_dtype": summary.get("dtype") or "bfloat16",
+        "threads": threads,
+        "trust_remote_code": trust_remote_code,
+        "torch_compile": sec.torch_compile,
+        "shard_target": sec.shard_target and device == "cuda",
+        "fsdp": sec.launcher.kind == "torchrun" and sec.launcher.fsdp,
+        "export_rope_scaling": rope_scaling(sec, positions, serving),
+        "serving_context": serving,
+        "train": train_options(sec, steps),
+        "eval": eval_options(sec, algo, summary),
+    }
+
+
+def resolve_device(device: str) -> str:
+    """run.device, with auto resolved: cuda when a GPU is visible, else cpu."""
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def resolve_dtypes(sec, device: str) -> tuple[str, str]:
+    """(training dtype, target dtype) with auto resolved; JobError for a target above the training precision."""
+    train_dtype = sec.dtype if sec.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    tgt_dtype = sec.target_dtype if sec.target_dtype != "auto" else train_dtype
+    if (train_dtype, tgt_dtype) == ("bfloat16", "float32"):
+        raise JobError(f"train_draft.target_dtype: float32 under a bfloat16 training dtype ({sec.dtype} on {device}) "
+                       "would run the target above the draft's own precision; set target_dtype: bfloat16 or auto, "
+                       "or dtype: float32")
+    return train_dtype, tgt_dtype
+
+
+def rope_scaling(sec, target_positions: int, serving: int) -> dict:
+    """The exported RoPE scaling: the configured dict, none, or (auto) YaRN by the power of 2 that reaches
+    serving_context when it exceeds the target's positions."""
+    if isinstance(sec.rope_scaling, dict):
+        return dict(sec.rope_scaling)
+    if sec.rope_scaling == "none" or serving <= target_positions:
+        return {}
+    factor = 2.0
+    while factor * target_positions < serving:
+        factor *= 2
+    return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": target_positions}
+
+
+def step_count(sec, data_dir: Path, train_samples: int | None) -> int:
+    """`steps`, or `epochs` passes over the (first max_samples) training rows in global batches."""
+    if sec.epochs is None:
+        return sec.steps
+    n_train = train_samples
+    if not n_train:
+        import pyarrow.parquet as pq
+
+        n_train = pq.ParquetFile(str(data_dir / "train.parquet")).metadata.num_rows
+    n = min(n_train, sec.max_samples or n_train)
+    return max(1, int(sec.epochs * n / sec.batch_size + 0.999))
+
+
+def train_options(sec, steps: int) -> dict:
+    return {
+        "optimizer": sec.optimizer,
+        "lr": sec.lr,
+        "weight_decay": sec.weight_decay,
+        "betas": list(sec.betas),
+        "schedule": sec.schedule,
+        "warmup_steps": min(sec.warmup_steps, steps),
+        "min_lr_ratio": sec.min_lr_ratio,
+        "grad_clip": sec.grad_clip,
+        "steps": steps,
+        "batch_size": sec.batch_size,
+        "seq_len": sec.seq_len,
+        "seed": sec.seed,
+        "checkpoint_every": sec.checkpoint_every,
+        "log_every": sec.log_every,
+    }
+
+
+def eval_options(sec, algo: dict, summary: dict) -> dict:
+    return {
+        "estimator": sec.eval.estimator,
+        "prompts_per_domain": sec.eval.prompts_per_domain,
+        "osl": sec.eval.osl,
+        "draft_len": sec.eval.draft_len or algo["trained_draft_len"],
+        "batch_size": sec.eval.batch_size,
+        # every id that ends a generation (an instruct model's end-of-turn and its eos)
+        "eos_token_ids": [e for e in (summary.get("eos_token_ids") or [summary.get("eos_token_id")]) if e is not None],
+    }

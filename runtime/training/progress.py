@@ -1,0 +1,63 @@
+"""The worker's progress events: emitted as `@@specpipe {json}` lines on rank 0's stdout under torchrun (a callback
+in-process), read back from that stdout, and shown as the stage's progress bars and log lines (`Bars`)."""
+from __future__ import annotations
+
+import json
+
+PROGRESS_PREFIX = "@@specpipe "
+
+
+def emit_stdout(ev: dict) -> None:
+    print(PROGRESS_PREFIX + json.dumps(ev), flush=True)
+
+
+def follow_output(lines, bars: Bars, errors: list[str], log) -> None:
+    """Rank 0's stdout: progress events to the bars (error messages collected), other lines to the debug log."""
+    for line in lines:
+        if line.startswith(PROGRESS_PREFIX):
+            ev = json.loads(line[len(PROGRESS_PREFIX):])
+            if ev.get("event") == "error":
+                errors.append(ev["message"])
+            bars(ev)
+        elif line.strip():
+            log.debug("torchrun: %s", line.rstrip())
+
+
+class Bars:
+    """Turns runtime progress events into the stage's progress bars (`progress(total=, desc=)`, a context manager
+    as `StageContext.progress`) and log lines."""
+
+    def __init__(self, progress, log):
+        self.progress = progress
+        self.log = log
+        self.bar = None
+
+    def _open(self, total: int, done: int, desc: str) -> None:
+        self.close()
+        self.bar = self.progress(total=total, desc=desc).__enter__()
+        if done:
+            self.bar.update(done)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(None, None, None)
+            self.bar = None
+
+    def __call__(self, ev: dict) -> None:
+        kind = ev.get("event")
+        if kind == "dump_start":
+            self.log.info("offline: dumping target hidden states, %d of %d samples already on disk", ev["done"], ev["total"])
+            self._open(ev["total"], ev["done"], "dump hidden states")
+        elif kind == "dump" and self.bar:
+            self.bar.update(ev.get("n", 1))
+        elif kind == "resume":
+            self.log.info("resuming training from the checkpoint at step %d", ev["step"])
+        elif kind == "train_start":
+            self._open(ev["total"], ev["done"], f"train draft ({ev.get('world_size', 1)} proc)")
+        elif kind == "step" and self.bar:
+            acc = "/".join(f"{a:.2f}" for a in ev.get("accuracy", []))
+            self.bar.update(1, loss=f"{ev['loss']:.3f}", acc=acc)
+        elif kind == "checkpoint":
+            self.log.debug("checkpoint at step %d", ev["step"])
+        elif kind == "error":
+            self.log.error("%s", ev["message"])

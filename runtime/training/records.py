@@ -1,0 +1,81 @@
+"""What a training run records: the worker's `result.json` (the run's figures, the curve, the acceptance estimate),
+and from it the stage's `draft.json` (what the draft is and how it was trained), `curve.json` (the training curve
+and the estimate) and metrics."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from runtime.training.export import tensor_names
+from runtime.training.job import capture_layer_ids
+
+
+def result_record(job: dict, curve: list, step_times: list, step0: int, world: int, acc, eval_s: float, dump_info: dict) -> dict:
+    """result.json: the run's figures, the curve and the acceptance estimate."""
+    ts = step_times[1:] or step_times   # the first step pays one-time setup
+    result = {
+        "steps": job["train"]["steps"], "resumed_from_step": step0, "world_size": world,
+        "final_loss": curve[-1]["loss"] if curve else None,
+        "final_accuracy": curve[-1]["accuracy"] if curve else None,
+        "step_ms_mean": round(1000 * sum(ts) / max(1, len(ts)), 2),
+        "train_seconds": round(sum(step_times), 2), "eval_seconds": round(eval_s, 2),
+        "curve": curve, "acceptance": acc, "d2t": job.get("d2t_stats"), **dump_info,
+    }
+    if job.get("_fsdp"):
+        result["fsdp"] = job["_fsdp"]
+    return result
+
+
+def draft_record(job: dict, cfg: dict, draft_dir: Path, acc: dict) -> dict:
+    """draft.json: the exported draft (`cfg` its config.json) and the acceptance estimate `acc`."""
+    a = job["algorithm"]
+    return {
+        "algorithm": a["name"], "num_layers": a["draft_layers"],
+        ("aux_layer_ids" if a["name"] == "eagle3" else "target_layer_ids"): capture_layer_ids(job),
+        "vocab_size": job["target"]["vocab_size"], "draft_vocab_size": cfg.get("draft_vocab_size", job["target"]["vocab_size"]),
+        "has_d2t": "d2t" in tensor_names(draft_dir), "block_size": a.get("block_size"), "mask_token_id": a.get("mask_token_id"),
+        "trained_draft_len": a["trained_draft_len"], "max_position_embeddings": cfg.get("max_position_embeddings"),
+        "rope_scaling": cfg.get("rope_scaling"), "serving_context": job["serving_context"], "mode": job["mode"],
+        "acceptance_length": acc.get("acceptance_length"), "eval_draft_len": acc.get("draft_len"),
+        "acceptance_estimator": acc.get("estimator"),
+    }
+
+
+def curve_record(job: dict, result: dict, acc: dict) -> dict:
+    """curve.json: the worker's curve points and the acceptance estimate."""
+    a = job["algorithm"]
+    return {"algorithm": a["name"], "steps": job["train"]["steps"], "log_every": job["train"]["log_every"],
+            "accuracy_positions": a["ttt_steps"] if a["name"] == "eagle3" else 1,
+            "accuracy_note": "EAGLE-3: one accuracy per training-time-test step (draft position); DFlash: ModelOpt "
+                             "reports the mean over the block's drafted positions",
+            "points": result["curve"], "acceptance": acc}
+
+
+def stage_metrics(job: dict, result: dict, acc: dict, n_checks: int) -> dict:
+    """The stage's metrics: the run's figures, the acceptance estimate, the dump's and FSDP's numbers when there."""
+    return {
+        "algorithm": job["algorithm"]["name"],
+        "mode": job["mode"],
+        "steps": job["train"]["steps"],
+        "world_size": result["world_size"],
+        "resumed_from_step": result["resumed_from_step"],
+        "final_loss": result["final_loss"],
+        "final_accuracy": result["final_accuracy"],
+        "step_ms_mean": result["step_ms_mean"],
+        "train_seconds": result["train_seconds"],
+        "acceptance_length": acc.get("acceptance_length"),
+        "acceptance_draft_len": acc.get("draft_len"),
+        "acceptance_estimator": acc.get("estimator"),
+        "eval_seconds": result.get("eval_seconds"),
+        "acceptance_by_domain": {d: v["acceptance_length"] for d, v in acc.get("domains", {}).items()},
+        "export_checks_passed": n_checks,
+        **{k: result[k] for k in ("dump_bytes", "dump_estimate_bytes", "dump_seconds") if k in result},
+        **(
+            {
+                "fsdp_processes": result["fsdp"]["processes"],
+                "target_layer_bytes": result["fsdp"]["target_layer_bytes"],
+                "target_layer_bytes_per_process": result["fsdp"]["target_layer_bytes_per_process"],
+            }
+            if result.get("fsdp")
+            else {}
+        ),
+    }
