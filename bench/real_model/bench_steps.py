@@ -6,7 +6,7 @@ of them alike; medians and the spread over rounds are reported).
         [--eagle3 DIR] [--dflash DIR] [--context 512] [--rows 1,2,4,5,8] [--batch4] [--json out.json]
 
 Targets: the BF16 checkpoint (default: the prepared SmolLM2, `$SPECPIPE_REAL_DIR`) and, with --fp8-target, a
-ModelOpt FP8 export of it. Runners: `fp32` and `bf16` (`runtime.engine.speculative.TargetRunner(compute=...)`; bf16 only
+ModelOpt FP8 export of it. Runners: `fp32` and `bf16` (`runtime.engine.target.TargetRunner(compute=...)`; bf16 only
 where `runtime.engine.drafts.native_bf16_gemm()` says this CPU has native bf16 GEMMs, unless --force-bf16) and, with
 --baseline-rev, the runtime as it was at that git revision (its speculative.py and drafts.py, under runtime/ or runtime/engine/
 loaded under other module names; everything else is today's code).
@@ -264,7 +264,7 @@ def main(argv=None) -> dict:
     import torch
 
     from runtime.engine.drafts import native_bf16_gemm
-    from runtime.engine.speculative import TargetRunner, load_target
+    from runtime.engine.target import TargetRunner, load_target
 
     torch.set_num_threads(a.threads)
     modes = ["fp32"] + (["bf16"] if native_bf16_gemm() or a.force_bf16 else [])
