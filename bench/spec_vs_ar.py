@@ -49,7 +49,8 @@ def isolated_costs(model, draft, k: int, ctx_len: int, reps: int = 50) -> dict:
     positions + one block pass)."""
     import torch
 
-    from runtime.engine.speculative import TargetRunner, make_drafter
+    from runtime.engine.drafters import make_drafter
+    from runtime.engine.target import TargetRunner
 
     cap = draft.aux_layer_ids if draft.algorithm == "eagle3" else draft.target_layer_ids
     r = TargetRunner(model, cap)
@@ -135,7 +136,7 @@ def decode_both(eng, prompts: list[list[int]], N: int, k: int, repeats: int):
 def lossless_check(model, prompts: list[list[int]], ar, sp) -> str:
     """Whether speculative decoding gave the autoregressive tokens: `identical`, or how many outputs differ and the
     target's top-2 logit margins where they diverge (a tiny margin marks a numerical tie)."""
-    from runtime.engine.speculative import lossless_diff, tie_margins
+    from runtime.engine.lossless import lossless_diff, tie_margins
 
     bad = tie_margins(model, prompts, [g.tokens[0] for g in ar],
                       lossless_diff([g.tokens[0] for g in sp], [g.tokens[0] for g in ar]))
@@ -146,7 +147,7 @@ def speed_results(a: argparse.Namespace, draft, prompts: list[list[int]], t_ar: 
                   st_ar, st_sp, lossless: str) -> tuple[dict, float]:
     """The measured speeds and the speedup predicted from the step costs measured in the decoding loop.
     Returns (results, the unrounded prediction)."""
-    from runtime.engine.speculative import predicted_speedup
+    from runtime.engine.stats import predicted_speedup
 
     k, N = a.draft_len, a.max_new_tokens
     parallel = draft.algorithm == "dflash"
@@ -186,7 +187,8 @@ def hf_comparison(bf16_target: Path, prompts: list[list[int]], N: int, repeats: 
     """The BF16 target's plain decoding in this runtime against Hugging Face `generate`, greedy, same tokens."""
     import torch
 
-    from runtime.engine.speculative import SpeculativeEngine, load_target
+    from runtime.engine.speculative import SpeculativeEngine
+    from runtime.engine.target import load_target
 
     bf = load_target(bf16_target)
     e2 = SpeculativeEngine(bf, drafter=None)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.engine.speculative import Drafter
+from runtime.engine.drafters import Drafter
 
 
 class ScriptDrafter(Drafter):

@@ -1,4 +1,4 @@
-"""Continuous batching in-process: the step-wise core (`runtime.engine.speculative.DecodeBatch`) and the scheduler
+"""Continuous batching in-process: the step-wise core (`runtime.engine.decode_batch.DecodeBatch`) and the scheduler
 (`runtime.serving.batching.Scheduler`) on the tiny pipeline's deployed FP8 pair, without a server.
 
 The serving tests (test_serve.py) show the same behaviour through a real Triton; these pin the core down:
@@ -161,7 +161,8 @@ def test_real_model_requests_joining_decode_what_they_decode_alone(real_model):
     after two steps decode exactly what they decode alone, up to the end-of-turn id."""
     from transformers import AutoTokenizer
 
-    from runtime.engine.speculative import SpeculativeEngine, load_target
+    from runtime.engine.speculative import SpeculativeEngine
+    from runtime.engine.target import load_target
     from runtime.serving.adapter import eos_ids
 
     md = real_model["model_dir"]

@@ -488,7 +488,7 @@ def test_real_model_tied_embeddings_survive_export_and_execution(smol):
     """SmolLM2 ties lm_head to embed_tokens. ModelOpt's export writes no lm_head.weight (the alias is dropped) and
     keeps tie_word_embeddings; runtime.engine.fp8 and the speculative runtime's TargetRunner both use the embedding matrix as
     the head, and TargetRunner's logits are the model's own."""
-    from runtime.engine.speculative import TargetRunner
+    from runtime.engine.target import TargetRunner
 
     d = smol["fp8"]["path"]
     assert "lm_head.weight" not in fp8.read_safetensors(d)

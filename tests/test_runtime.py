@@ -20,8 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from runtime.engine.drafters import Drafter
 from runtime.engine.drafts import DraftFormatError, load_draft
-from runtime.engine.speculative import Drafter, SpeculativeEngine, TargetRunner, load_pair, load_target, lossless_diff
+from runtime.engine.lossless import lossless_diff
+from runtime.engine.speculative import SpeculativeEngine, load_pair
+from runtime.engine.target import TargetRunner, load_target
 
 from script_drafter import ScriptDrafter
 
@@ -527,7 +530,7 @@ def test_fp8_eagle3_draft_loads_through_fp8_linears(tiny, tmp_path):
 
 def test_tie_margins_point_at_the_target_choice(tiny):
     """tie_margins recomputes the target's top-2 at a divergence: its best token is the target-only output."""
-    from runtime.engine.speculative import tie_margins
+    from runtime.engine.lossless import tie_margins
 
     model = load_target(tiny["target_dir"])
     ref = _ar(tiny, tiny["prompts"][:2], 12)

@@ -42,8 +42,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from runtime.engine.drafters import DFlashDrafter, Eagle3Drafter
 from runtime.engine.drafts import load_draft, positions_for
-from runtime.engine.speculative import DFlashDrafter, Eagle3Drafter, SpeculativeEngine, TargetRunner, load_target, target_shape
+from runtime.engine.speculative import SpeculativeEngine
+from runtime.engine.target import TargetRunner, load_target, target_shape
 from runtime.vllm import speculators_format as S
 
 REPO = Path(__file__).resolve().parent.parent

@@ -19,7 +19,9 @@ import torch
 from pipeline.artifacts.target import stop_ids
 from pipeline.errors import StageError
 from pipeline.stage import Artifact, StageContext
-from runtime.engine.speculative import Drafter, SpeculativeEngine, TargetRunner, load_pair, load_target
+from runtime.engine.drafters import Drafter
+from runtime.engine.speculative import SpeculativeEngine, load_pair
+from runtime.engine.target import TargetRunner, load_target
 from runtime.validate.lossless_arms import STATISTIC, exact_check, lossless_and_speed
 from runtime.validate.trtllm import trtllm_available, trtllm_llm_kwargs, trtllm_sampling_kwargs
 from stages import validate as V
@@ -307,7 +309,7 @@ def test_lossless_gate_rows():
 #
 # Deliberately broken engines, built by subclassing our own SpeculativeEngine / TargetRunner (they run the real
 # tiny target and the real exported EAGLE-3 draft). They override `TargetRunner.commit`/`forward` and
-# `SpeculativeEngine._accept`; if a refactor of runtime/engine/speculative.py stops calling these, the engines are no
+# `SpeculativeEngine._accept`; if a refactor of runtime/engine/ stops calling these, the engines are no
 # longer broken and the tests below fail (they assert that the bugs are caught), so they cannot pass vacuously.
 
 
@@ -382,12 +384,12 @@ class _CorrectionFromP(SpeculativeEngine):
 
     @staticmethod
     def _accept(logits, d, q, temperature, gen, top_p=1.0):
-        from runtime.engine.speculative import _probs
+        from runtime.engine.sampling import probs
 
         if d is None or temperature <= 0:
             return SpeculativeEngine._accept(logits, d, q, temperature, gen, top_p)
         B, k = d.shape
-        p = _probs(logits, temperature, top_p)
+        p = probs(logits, temperature, top_p)
         pd = p[:, :k].gather(-1, d[..., None])[..., 0]
         qd = q.gather(-1, d[..., None])[..., 0]
         u = torch.rand(B, k, generator=gen, device=logits.device)

@@ -6,10 +6,11 @@ of them alike; medians and the spread over rounds are reported).
         [--eagle3 DIR] [--dflash DIR] [--context 512] [--rows 1,2,4,5,8] [--batch4] [--json out.json]
 
 Targets: the BF16 checkpoint (default: the prepared SmolLM2, `$SPECPIPE_REAL_DIR`) and, with --fp8-target, a
-ModelOpt FP8 export of it. Runners: `fp32` and `bf16` (`runtime.engine.speculative.TargetRunner(compute=...)`; bf16 only
+ModelOpt FP8 export of it. Runners: `fp32` and `bf16` (`runtime.engine.target.TargetRunner(compute=...)`; bf16 only
 where `runtime.engine.drafts.native_bf16_gemm()` says this CPU has native bf16 GEMMs, unless --force-bf16) and, with
---baseline-rev, the runtime as it was at that git revision (its speculative.py and drafts.py, under runtime/ or runtime/engine/
-loaded under other module names; everything else is today's code).
+--baseline-rev, the runtime as it was at that git revision (its speculative.py and drafts.py, under runtime/ or runtime/engine/,
+with the engine modules split from speculative.py where it has them, loaded under other module names; everything
+else is today's code).
 
 Each target point is one forward of M new tokens per row at a context of --context tokens (KV cache filled with
 random values: attention cost depends on shapes only), batch 1 (and batch 4 with --batch4). For today's runners
@@ -40,10 +41,18 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 
+# The modules runtime/engine/speculative.py was split into (a revision that has them loads them as its own).
+ENGINE_PARTS = ("target", "drafters", "sampling", "decode_batch", "stats")
+
+
 def load_baseline(rev: str):
     """The speculative runtime of git revision `rev` (its speculative.py with its drafts.py) as a module."""
     d = Path(tempfile.mkdtemp(prefix="specpipe-base-"))
-    for name in ("speculative", "drafts"):
+    listed = subprocess.run(["git", "-C", str(REPO), "ls-tree", "--name-only", f"{rev}:runtime/engine"],
+                            capture_output=True, text=True).stdout.split()
+    # since runtime/engine/speculative.py was split, its parts sit beside it: they belong to the baseline too
+    names = ["speculative", "drafts"] + [n for n in ENGINE_PARTS if f"{n}.py" in listed]
+    for name in names:
         r = None
         for path in (f"runtime/{name}.py", f"runtime/engine/{name}.py"):    # before / after the runtime/ layout
             r = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:{path}"], capture_output=True, text=True)
@@ -52,8 +61,9 @@ def load_baseline(rev: str):
         if r.returncode != 0:
             raise SystemExit(f"--baseline-rev {rev}: no runtime/{name}.py nor runtime/engine/{name}.py there")
         src = r.stdout
-        for old in ("from runtime.drafts import", "from runtime.engine.drafts import"):
-            src = src.replace(old, "from _base_drafts import")
+        for n in names:
+            for old in (f"from runtime.{n} import", f"from runtime.engine.{n} import"):
+                src = src.replace(old, f"from _base_{n} import")
         for old, new in (("runtime.fp8", "runtime.engine.fp8"), ("runtime.draft_schedule", "runtime.trtllm.draft_schedule")):
             src = src.replace(f"from {old} import", f"from {new} import")     # modules moved since
         (d / f"_base_{name}.py").write_text(src)
@@ -264,7 +274,7 @@ def main(argv=None) -> dict:
     import torch
 
     from runtime.engine.drafts import native_bf16_gemm
-    from runtime.engine.speculative import TargetRunner, load_target
+    from runtime.engine.target import TargetRunner, load_target
 
     torch.set_num_threads(a.threads)
     modes = ["fp32"] + (["bf16"] if native_bf16_gemm() or a.force_bf16 else [])

@@ -1,7 +1,7 @@
 """Is speculative decoding lossless? The three checks that can be made (docs/stages/validate.md):
 
 1. exact, on the unquantized pair: greedy speculative output == autoregressive output, token for token
-   (`runtime.engine.speculative.lossless_diff`, with `tie_margins` for fp32 accumulation-order ties);
+   (`lossless_diff`, with `tie_margins` for fp32 accumulation-order ties);
 2. an invariant of the algorithm under any arithmetic, on every pair (`AcceptanceChecker`): every token the
    engine emits is the token the acceptance rule picks from the logits of the same verification forward, and
    the stream is continuous (each step verifies the previously emitted token, the target's cache advances by
@@ -25,6 +25,42 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 import torch
+
+from runtime.engine.target import TargetRunner
+
+# ---------------------------------------------------------------------------------------------- exact
+
+
+def lossless_diff(spec: list[list[int]], ref: list[list[int]]) -> list[dict]:
+    """Requests whose greedy speculative output differs from target-only output, with the first divergence."""
+    bad = []
+    for i, (a, b) in enumerate(zip(spec, ref)):
+        if a != b:
+            j = next((n for n, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            bad.append({"request": i, "position": j, "speculative": a[j:j + 4], "target": b[j:j + 4]})
+    return bad
+
+
+@torch.no_grad()
+def tie_margins(model, prompts: list[list[int]], ref: list[list[int]], bad: list[dict]) -> list[dict]:
+    """For each divergence, the target's top-2 logit margin at that position, from one fresh forward over
+    prompt + the target-only output before it. Verifying k+1 tokens at once and decoding one at a time do the
+    same math in a different order; float rounding (amplified by FP8's E4M3 activation rounding) can flip an
+    argmax only where the two best logits are within that noise, so a tiny margin marks a numerical tie,
+    a large one a real bug. `gap`: the reference token's logit minus the other output's token's logit there
+    (None when one output ended at the divergence)."""
+    out = []
+    for b in bad:
+        seq = prompts[b["request"]] + ref[b["request"]][: b["position"]]
+        r = TargetRunner(model)
+        r.reset(1, len(seq) + 1)
+        logits, _ = r.forward(torch.tensor([seq], device=r.device), logits_at=torch.tensor([len(seq) - 1], device=r.device))
+        top = logits[0].topk(2)
+        gap = (float(logits[0, b["target"][0]] - logits[0, b["speculative"][0]])
+               if b["target"] and b["speculative"] else None)
+        out.append({**b, "margin": float(top.values[0] - top.values[1]), "top2": top.indices.tolist(), "gap": gap})
+    return out
+
 
 # ---------------------------------------------------------------------------------------------- invariant
 
@@ -241,8 +277,6 @@ def decode_chunked_prefill(model, prompts: list[list[int]], *, max_new_tokens: i
     """Greedy autoregressive decoding, one request at a time, with the prompt prefilled in chunks of `chunk`
     tokens (what a serving engine with chunked prefill does). The same math as one prefill forward, in other
     shapes: on an exact target the output equals `generate`'s; on an FP8 target it shows the noise floor."""
-    from runtime.engine.speculative import TargetRunner
-
     stop = frozenset(int(e) for e in eos)
     outs = []
     r = TargetRunner(model)

@@ -86,7 +86,8 @@ class ServingEngine:
         on CPUs with native bf16 GEMMs, `auto`; docs/serving.md "Compute modes" says what each guarantees)."""
         from transformers import AutoTokenizer
 
-        from runtime.engine.speculative import SpeculativeEngine, load_pair, load_target
+        from runtime.engine.speculative import SpeculativeEngine, load_pair
+        from runtime.engine.target import load_target
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
         if draft_dir is not None and draft_len > 0:

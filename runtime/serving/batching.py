@@ -1,4 +1,4 @@
-"""Continuous batching over the speculative engine's step-wise core (`runtime.engine.speculative.DecodeBatch`).
+"""Continuous batching over the speculative engine's step-wise core (`runtime.engine.decode_batch.DecodeBatch`).
 
 One scheduler thread owns the engine. Requests arrive from any thread (`Scheduler.submit`) into a bounded
 FIFO queue; between two decoding steps the scheduler admits waiting requests into the running batch (one
