@@ -85,10 +85,10 @@ def test_plan_reasons(tmp_path):
     assert plan["data"].reason == "code changed"
 
     # per-file digests (pipeline/codehash.py): the reason names the runtime file that changed, not only the stage module
-    m["fingerprint_inputs"]["code"] = {**registry.get("data").code, "runtime/data_rows.py": "0" * 16}
+    m["fingerprint_inputs"]["code"] = {**registry.get("data").code, "runtime/data/rows.py": "0" * 16}
     (store.artifacts / "data" / MANIFEST).write_text(json.dumps(m))
     plan = {p.name: p for p in runner.make_plan(cfg, store)}
-    assert plan["data"].action == "run" and plan["data"].reason == "code changed: runtime/data_rows.py"
+    assert plan["data"].action == "run" and plan["data"].reason == "code changed: runtime/data/rows.py"
 
     with pytest.raises(UsageError, match="unknown stage"):
         runner.make_plan(cfg, store, only="nope")

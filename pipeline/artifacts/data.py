@@ -32,8 +32,8 @@ def split_path(art: Path, split: str) -> Path:
 def read_rows(art: Path, split: str, *, limit: int | None = None,
               max_len: int | None = None) -> list[tuple[list[int], list[int]]]:
     """(input_ids, loss_mask) of the first `limit` rows of a split, each truncated to `max_len` tokens
-    (`runtime.data_rows.read_token_rows`: the row rule, checked)."""
-    from runtime.data_rows import read_token_rows
+    (`runtime.data.rows.read_token_rows`: the row rule, checked)."""
+    from runtime.data.rows import read_token_rows
     from runtime.errors import RuntimeFailure
 
     try:
@@ -49,8 +49,8 @@ def eval_files(art: Path) -> dict[str, Path]:
 
 def read_eval(art: Path, *, domains=None, per_domain: int | None = None) -> dict[str, list[EvalPrompt]]:
     """The eval prompts per domain (the first `per_domain` of each; only `domains` when given). StageError when
-    there is no domain, a domain has no prompt, or a line breaks the contract (`runtime.data_rows.read_eval_lines`)."""
-    from runtime.data_rows import read_eval_lines
+    there is no domain, a domain has no prompt, or a line breaks the contract (`runtime.data.rows.read_eval_lines`)."""
+    from runtime.data.rows import read_eval_lines
     from runtime.errors import RuntimeFailure
 
     files = eval_files(art)

@@ -16,9 +16,9 @@ IGNORE_INDEX = -100
 
 def read_samples(parquet: str | Path, max_samples: int | None = None) -> list[tuple[list[int], list[int]]]:
     """(input_ids, loss_mask) of the first `max_samples` training samples of a token-row parquet, the row rule checked
-    (`runtime.data_rows`). Rows without a token to train on are skipped rather than refused: the data stage never
+    (`runtime.data.rows`). Rows without a token to train on are skipped rather than refused: the data stage never
     writes one, but the training worker also reads hand-made datasets whose truncated rows can lose their response."""
-    from runtime.data_rows import read_token_rows
+    from runtime.data.rows import read_token_rows
     from runtime.errors import RuntimeFailure
 
     try:
@@ -28,8 +28,8 @@ def read_samples(parquet: str | Path, max_samples: int | None = None) -> list[tu
 
 
 def read_prompts(eval_files: dict[str, str], per_domain: int) -> dict[str, list[list[int]]]:
-    """The first `per_domain` eval prompts' ids of each domain file (`runtime.data_rows`)."""
-    from runtime.data_rows import read_eval_lines
+    """The first `per_domain` eval prompts' ids of each domain file (`runtime.data.rows`)."""
+    from runtime.data.rows import read_eval_lines
 
     return {domain: [r["prompt_ids"] for r in read_eval_lines(path)[:per_domain]]
             for domain, path in sorted(eval_files.items())}
