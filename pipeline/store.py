@@ -24,6 +24,7 @@ from pathlib import Path
 
 from pipeline.errors import LockedError
 from pipeline.stage import Artifact, iter_files
+from runtime.files import atomic_write_text
 
 MANIFEST = "manifest.json"
 
@@ -32,21 +33,6 @@ def fault_point(stage: str, point: str) -> None:
     """Fault injection for crash tests: SPECPIPE_FAULT=<stage>:<point> kills this process with SIGKILL there."""
     if os.environ.get("SPECPIPE_FAULT") == f"{stage}:{point}":
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)          # mkstemp creates 0600; reports and manifests are for people to read
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def file_sha256(path: Path, bufsize: int = 1 << 20) -> str:

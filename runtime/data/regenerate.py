@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.data.render import need_template, render_prompt, template_error
 from runtime.data.sources import Malformed, Sample
+from runtime.files import atomic_write_text
 
 
 @dataclass
@@ -170,7 +169,7 @@ def _generate_batches(model_dir: Path, prompts: list[list[int]], keys: list[str]
             for j, t in zip(idx, g.tokens):
                 results[j] = t
             if scratch is not None:
-                _write_atomic(scratch / f"batch-{b:05d}.json",
+                atomic_write_text(scratch / f"batch-{b:05d}.json",
                                   json.dumps({"keys": [keys[j] for j in idx], "tokens": g.tokens, "seconds": round(dt, 3)}))
             gen_s += dt
             generated += len(idx)
@@ -183,21 +182,6 @@ def _generate_batches(model_dir: Path, prompts: list[list[int]], keys: list[str]
             if on_batch is not None:
                 on_batch(done)
     return {"load_s": load_s, "gen_s": gen_s, "new_tokens": new_tokens, "padded": padded, "generated": generated}
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    """`path` holds `text` whole or not at all (a temporary file in the same directory, fsynced, then renamed)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def regenerated_rows(jobs: list[RegenJob], gens: list[list[int]]) -> list[tuple[list[int], list[int]]]:
