@@ -167,7 +167,7 @@ def _cpu_repository(ctx: StageContext, dep: dict, acc: dict, io: dict, speculati
         "draft_len": runs[0][2],         # the CPU model batches continuously with one k: batch 1's
         "draft_schedule": dep.get("draft_schedule"),   # per batch size, as the TensorRT-LLM deployment runs it
         "eos_token_ids": acc.get("eos_token_ids"),     # the stop ids validate decoded with (target.json)
-        "compute": sec.cpu_compute,                    # runtime.engine.drafts.resolve_compute on the serving machine
+        "compute": sec.cpu_compute,                    # runtime.engine.compute.resolve_compute on the serving machine
         "trtllm_version": dep["trtllm_version"], "specpipe_src": str(Path(runtime.__file__).resolve().parents[1])},
         indent=2))
     (cpu / sec.model_name / "config.pbtxt").write_text(

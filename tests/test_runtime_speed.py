@@ -1,4 +1,4 @@
-"""The runtime's fast paths compute what they claim (runtime/engine/drafts.py `Gemm`, `LogitsHead`, `FusedLayer`,
+"""The runtime's fast paths compute what they claim (runtime/engine/fused.py `Gemm`, `LogitsHead`, `FusedLayer`,
 `qdq_e4m3_fast`; runtime/engine/target.py `TargetRunner(compute=...)`).
 
 - `fp32` (the default, the exact mode every stage uses): the fused forward is the Hugging Face forward of the same
@@ -16,7 +16,7 @@ import json
 import pytest
 import torch
 
-from runtime.engine.drafts import LogitsHead, qdq_e4m3_fast
+from runtime.engine.fused import LogitsHead, qdq_e4m3_fast
 from runtime.engine.lossless import lossless_diff
 from runtime.engine.speculative import SpeculativeEngine
 from runtime.engine.target import TargetRunner, load_target

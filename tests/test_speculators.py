@@ -3,7 +3,7 @@
 speculators cannot share the project's environment (it needs numpy >= 2; Triton's Python-backend stub needs
 numpy < 2), so it lives in its own venv (`.ci/run` creates `.venv-speculators/`; elsewhere point
 SPECPIPE_SPECULATORS_PYTHON at its python). Each check computes, in this process, the target's hidden states and
-what specpipe's runtime drafts from them (runtime/engine/drafts.py `load_draft`, runtime/engine/speculative.py), saves inputs
+what specpipe's runtime drafts from them (runtime/engine/drafts/ `load_draft`, runtime/engine/speculative.py), saves inputs
 and expectations, then runs tests/speculators_check.py with the speculators venv's python, which loads the
 speculators export with the library's own classes, runs the library's forward on the same hidden states and
 returns its argmax. The runtime's first-layer norm is `serving`: speculators' Eagle3FirstLayerMixin (and vLLM's
@@ -43,7 +43,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from runtime.engine.drafters import DFlashDrafter, Eagle3Drafter
-from runtime.engine.drafts import load_draft, positions_for
+from runtime.engine.drafts import load_draft
+from runtime.engine.layers import positions_for
 from runtime.engine.speculative import SpeculativeEngine
 from runtime.engine.target import TargetRunner, load_target, target_shape
 from runtime.vllm import speculators_format as S

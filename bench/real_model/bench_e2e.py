@@ -90,7 +90,7 @@ def setup(a) -> dict:
 
     from pipeline.artifacts import quantize
     from pipeline.errors import StageError
-    from runtime.engine.drafts import native_bf16_gemm
+    from runtime.engine.compute import native_bf16_gemm
 
     arts = a.workdir / "artifacts"
     try:

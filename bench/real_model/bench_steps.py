@@ -7,7 +7,7 @@ of them alike; medians and the spread over rounds are reported).
 
 Targets: the BF16 checkpoint (default: the prepared SmolLM2, `$SPECPIPE_REAL_DIR`) and, with --fp8-target, a
 ModelOpt FP8 export of it. Runners: `fp32` and `bf16` (`runtime.engine.target.TargetRunner(compute=...)`; bf16 only
-where `runtime.engine.drafts.native_bf16_gemm()` says this CPU has native bf16 GEMMs, unless --force-bf16) and, with
+where `runtime.engine.compute.native_bf16_gemm()` says this CPU has native bf16 GEMMs, unless --force-bf16) and, with
 --baseline-rev, the runtime as it was at that git revision (its speculative.py and drafts.py, under runtime/ or runtime/engine/,
 with the engine modules split from speculative.py where it has them, loaded under other module names; everything
 else is today's code).
@@ -120,7 +120,7 @@ def parts(runner, batch: int, m: int, context: int):
     calls alone; and the weight bytes the GEMMs read."""
     import torch
 
-    from runtime.engine.drafts import attention, causal_mask
+    from runtime.engine.layers import attention, causal_mask
 
     plan = runner.plan
     g = torch.Generator().manual_seed(1)
@@ -273,7 +273,7 @@ def main(argv=None) -> dict:
 
     import torch
 
-    from runtime.engine.drafts import native_bf16_gemm
+    from runtime.engine.compute import native_bf16_gemm
     from runtime.engine.target import TargetRunner, load_target
 
     torch.set_num_threads(a.threads)

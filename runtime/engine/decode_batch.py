@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Iterable
 
 import torch
 
-from runtime.engine.drafts import KVCache
+from runtime.engine.layers import KVCache
 from runtime.engine.sampling import pick
 from runtime.engine.stats import RequestStats, RunStats
 

@@ -9,7 +9,7 @@ import abc
 
 import torch
 
-from runtime.engine.drafts import positions_for
+from runtime.engine.layers import positions_for
 from runtime.engine.sampling import pick
 from runtime.engine.target import TargetRunner
 from runtime.trtllm.draft_schedule import dflash_max_draft_len

@@ -9,19 +9,10 @@ from pathlib import Path
 
 import torch
 
-from runtime.engine.drafts import (
-    FusedLayer,
-    KVCache,
-    LogitsHead,
-    Norm,
-    RopeTable,
-    TargetShape,
-    attention,
-    causal_mask,
-    positions_for,
-    qdq_e4m3_fast,
-    resolve_compute,
-)
+from runtime.engine.compute import resolve_compute
+from runtime.engine.drafts import TargetShape
+from runtime.engine.fused import FusedLayer, LogitsHead, Norm, qdq_e4m3_fast
+from runtime.engine.layers import KVCache, RopeTable, attention, causal_mask, positions_for
 
 
 def load_target(path: str | Path, *, device="cpu", compute_dtype=torch.float32):
@@ -42,7 +33,7 @@ class TargetRunner:
     each, norms and RoPE with fewer ops, the lm_head only where logits are asked for; FP8Linear layers and FP8 KV
     scales from `runtime.engine.fp8` compute as there.
 
-    `compute` (`runtime.engine.drafts.resolve_compute`): `fp32` (default) is the exact mode, the arithmetic of the loaded
+    `compute` (`runtime.engine.compute.resolve_compute`): `fp32` (default) is the exact mode, the arithmetic of the loaded
     modules, which validate's exact check and every stage use; `bf16` runs the GEMMs on bf16 weights (half the
     bytes streamed per token, native bf16 GEMMs where the CPU has them), the rest in float32; `auto` picks `bf16`
     on a CPU with native bf16 GEMMs. docs/benchmarks.md has what each costs and how far apart their outputs are."""

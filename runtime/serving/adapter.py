@@ -82,7 +82,7 @@ class ServingEngine:
 
     def __init__(self, target_dir: str | Path, draft_dir: str | Path | None, *, draft_len: int, device: str = "cpu",
                  eos_token_ids: list[int] | None = None, compute: str = "fp32"):
-        """`compute`: the runtime's compute mode (`runtime.engine.drafts.resolve_compute`: `fp32` exact, `bf16` faster
+        """`compute`: the runtime's compute mode (`runtime.engine.compute.resolve_compute`: `fp32` exact, `bf16` faster
         on CPUs with native bf16 GEMMs, `auto`; docs/serving.md "Compute modes" says what each guarantees)."""
         from transformers import AutoTokenizer
 

@@ -1,0 +1,128 @@
+"""DFlash (`DFlashDraftModel`, Qwen3-style): the exported draft as a module (the target's hidden states projected
+into every layer's context K/V; a block [anchor, mask, ...] drafted in one pass) and the checks of its export."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from runtime.engine.drafts.blocks import DraftPlan, decoder_layer, draft_plan, make_linear, make_norm, set_attention_shape
+from runtime.engine.drafts.format import DraftFormatError, TargetShape, strip_scales
+from runtime.engine.layers import KVCache, RopeTable, attention, rope_heads, rope_module
+
+
+class DFlashDraft(nn.Module):
+    """The exported DFlash draft (no embeddings or lm_head: the target's are passed in)."""
+
+    algorithm = "dflash"
+
+    def __init__(self, cfg: dict, sd: dict, compute_dtype: torch.dtype):
+        super().__init__()
+        self.cfg = cfg
+        dc = cfg["dflash_config"]
+        self.block_size = int(cfg["block_size"])
+        self.mask_token_id = int(dc["mask_token_id"])
+        self.target_layer_ids = [int(i) for i in dc["target_layer_ids"]]
+        self.causal = bool(dc.get("causal", False))
+        set_attention_shape(self, cfg)
+        eps = cfg.get("rms_norm_eps", 1e-6)
+        self.fc = make_linear(sd, "fc", compute_dtype)
+        self.hidden_norm = make_norm(sd, "hidden_norm", eps, compute_dtype)
+        self.norm = make_norm(sd, "norm", eps, compute_dtype)
+        self.layers = nn.ModuleList()
+        for i in range(self.num_layers):
+            p = f"layers.{i}"
+            layer = decoder_layer(sd, p, eps, compute_dtype)
+            layer.q_norm = make_norm(sd, f"{p}.self_attn.q_norm", eps, compute_dtype)
+            layer.k_norm = make_norm(sd, f"{p}.self_attn.k_norm", eps, compute_dtype)
+            self.layers.append(layer)
+        self.rotary = rope_module(cfg, "qwen3")
+        self.rope = RopeTable(self.rotary)
+
+    def new_cache(self, batch: int, capacity: int, device) -> KVCache:
+        dt = self.norm.weight.dtype
+        return KVCache(self.num_layers, batch, self.n_kv, self.head_dim, capacity, dt, device)
+
+    def plan(self, compute: str = "fp32") -> DraftPlan:
+        """The fused weights for `compute` (`fp32` | `bf16`), built on first use and kept."""
+        return draft_plan(self, compute)
+
+    def add_context(self, target_hidden: torch.Tensor, cache: KVCache, pos: torch.Tensor, uniform: int | None,
+                    compute: str = "fp32") -> None:
+        """Project target hidden states [B, T, n*H] of newly verified positions into every layer's context K/V."""
+        P = self.plan(compute)
+        ctx = P.hidden_norm(P.fc(target_hidden))
+        B, T, _ = ctx.shape
+        cos, sin = self.rope.signed(ctx, pos)
+        for i, L in enumerate(P.layers):
+            kv = L.kv(ctx).view(B, T, 2 * self.n_kv, self.head_dim)
+            k = rope_heads(L.k_norm(kv[:, :, :self.n_kv]), cos, sin).transpose(1, 2)
+            cache.write(i, k, kv[:, :, self.n_kv:].transpose(1, 2), pos, uniform)
+
+    def block(self, block_embeds: torch.Tensor, cache: KVCache, compute: str = "fp32") -> torch.Tensor:
+        """block_embeds [B, S, H] of [anchor, mask, ...] at positions lengths[b] + j; returns the normed draft
+        hidden [B, S, H]. Attends to the valid context of each row and to the whole block (bidirectional, or
+        causal inside the block when the export says `causal: true`)."""
+        P = self.plan(compute)
+        B, S, _ = block_embeds.shape
+        lengths = cache.lengths
+        ctx_len = int(lengths.max())
+        pos = lengths[:, None] + torch.arange(S, device=lengths.device)[None, :]
+        cos, sin = self.rope.signed(block_embeds, pos)
+        ctx_ok = torch.arange(ctx_len, device=lengths.device)[None, :] < lengths[:, None]        # [B, Lc]
+        blk_ok = (torch.tril(torch.ones(S, S, dtype=torch.bool, device=lengths.device)) if self.causal
+                  else torch.ones(S, S, dtype=torch.bool, device=lengths.device))
+        mask = torch.cat((ctx_ok[:, None, :].expand(B, S, ctx_len), blk_ok[None].expand(B, S, S)), dim=-1)[:, None]
+        h = block_embeds
+        for i, L in enumerate(P.layers):
+            q, k, v = L.qkv_heads(L.ln1(h), cos, sin)
+            K = torch.cat((cache.k[i][:, :, :ctx_len], k), dim=2)
+            V = torch.cat((cache.v[i][:, :, :ctx_len], v), dim=2)
+            o = attention(q, K, V, mask, self.scale)
+            h = L.finish(h, o)
+        return P.norm(h)
+
+
+_UNSUPPORTED_DFLASH = ("attention_sink_bias", "use_swa", "projector_type")
+
+
+def check_dflash(cfg: dict, sd: dict, path: Path, target: TargetShape | None) -> dict:
+    dc = cfg.get("dflash_config")
+    if not isinstance(dc, dict):
+        raise DraftFormatError(f"{path}/config.json: no dflash_config; not a DFlash export")
+    for k in ("mask_token_id", "target_layer_ids"):
+        if dc.get(k) is None:
+            raise DraftFormatError(f"{path}: dflash_config.{k} is missing")
+    if cfg.get("block_size") is None or int(cfg["block_size"]) < 2:
+        raise DraftFormatError(f"{path}: block_size must be >= 2, found {cfg.get('block_size')}")
+    if bad := [k for k in _UNSUPPORTED_DFLASH if dc.get(k)]:
+        raise DraftFormatError(f"{path}: dflash_config uses {bad}, which this runtime does not implement")
+    H, L = cfg["hidden_size"], cfg["num_hidden_layers"]
+    ids = dc["target_layer_ids"]
+    required = {"fc.weight", "hidden_norm.weight", "norm.weight"}
+    for i in range(L):
+        required |= {f"layers.{i}.{n}.weight" for n in (
+            "input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
+            "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm", "self_attn.k_norm",
+            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+    keys = strip_scales(sd.keys())
+    allowed = required | {k.replace(".weight", ".bias") for k in required}
+    if missing := sorted(required - keys):
+        raise DraftFormatError(f"{path}: missing tensors {missing[:8]} for a {L}-layer DFlash draft")
+    if unexpected := sorted(keys - allowed):
+        raise DraftFormatError(f"{path}: unexpected tensors {unexpected[:8]} (embeddings and lm_head come from the target)")
+    if sd["fc.weight"].shape[1] != len(ids) * H:
+        raise DraftFormatError(f"{path}: fc.weight takes {sd['fc.weight'].shape[1]} inputs but target_layer_ids "
+                               f"{ids} x hidden {H} = {len(ids) * H}")
+    if target is not None:
+        if H != target.hidden_size:
+            raise DraftFormatError(f"{path}: draft hidden_size {H} != target hidden_size {target.hidden_size}")
+        if not 0 <= int(dc["mask_token_id"]) < target.vocab_size:
+            raise DraftFormatError(f"{path}: mask_token_id {dc['mask_token_id']} is outside the target vocabulary")
+        if bad := [i for i in ids if not 0 <= int(i) < target.num_layers]:
+            raise DraftFormatError(f"{path}: target_layer_ids {bad} are outside the target's {target.num_layers} layers")
+        n = cfg.get("num_target_layers")
+        if n is not None and int(n) != target.num_layers:
+            raise DraftFormatError(f"{path}: exported for a {n}-layer target, paired with a {target.num_layers}-layer one")
+    return cfg
