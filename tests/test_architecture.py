@@ -71,3 +71,15 @@ def test_cross_section_reads_enter_the_fingerprint():
         allowed = {spec.name, "run"} | set(spec.uses) | upstream(spec)
         assert read <= allowed, f"stages/{spec.name}.py reads config sections {sorted(read - allowed)} that are " \
                                 "not in its fingerprint: list them in USES"
+
+
+MAX_LINES = 450
+
+
+@pytest.mark.parametrize("part", ["pipeline", "stages", "runtime", "bench"])
+def test_no_source_module_is_over_450_lines(part):
+    """A module is one concept a reader looks for (docs/architecture.md says which); past 450 lines it is two."""
+    long = {str(p.relative_to(REPO)): n for p in sorted((REPO / part).rglob("*.py"))
+            if "prepared" not in p.parts and (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"over {MAX_LINES} lines: {long}: split it along its concepts (a stage keeps its contract and " \
+                     "orchestration, its logic goes to a runtime/ subpackage)"

@@ -1,4 +1,4 @@
-"""The runtime's fused execution of Llama-style layers, what `runtime.engine.speculative.TargetRunner` and a draft's
+"""The runtime's fused execution of Llama-style layers, what `runtime.engine.target.TargetRunner` and a draft's
 `DraftPlan` (`runtime.engine.drafts.blocks`) run: `Gemm` (the linears that read one input as one GEMM, dense or
 FP8, in the fp32 or bf16 compute mode of `runtime.engine.compute`), `LogitsHead` (the lm_head, with the exact
 near-tie refinement of the bf16 mode), `Norm` (RMSNorm through `F.rms_norm` where that is bit-identical) and

@@ -25,7 +25,7 @@ EAGLE-3 (`speculators_model_type: eagle3`, `architectures: ["Eagle3Speculator"]`
 - `norm_before_residual: false` (ModelOpt's residual is the un-normalized fc output); vLLM defaults it to TRUE
   when the key is absent, so it is always written.
 - first layer: speculators and vLLM compute `hidden_norm(h)` for the hidden half; ModelOpt's HF module trained
-  `hidden_norm(input_layernorm(h))` (see runtime/engine/drafts.py). The format cannot express the latter, so the vLLM
+  `hidden_norm(input_layernorm(h))` (see runtime/engine/drafts/). The format cannot express the latter, so the vLLM
   draft computes what specpipe's runtime calls `first_layer_norm="serving"` (TensorRT-LLM's computation too).
 
 DFlash (`speculators_model_type: dflash`, `architectures: ["DFlashSpeculator"]`):

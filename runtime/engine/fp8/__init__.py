@@ -23,7 +23,7 @@ does, reproducing TensorRT-LLM's arithmetic (sources named where each rule is im
 - Fused layers: TensorRT-LLM fuses q/k/v and gate/up into one GEMM; for per-tensor FP8 it re-quantizes the
   members onto the largest weight scale when it loads them (`FP8QDQLinearMethod.load_weights_fused_qkv_linear`).
   `load_causal_lm` does the same (`trtllm_fused_scales=True`), so a checkpoint whose members carry different
-  scales runs as it will on the GPU (`stages.quantize` exports shared scales, which makes this a no-op).
+  scales runs as it will on the GPU (`runtime.quant.ptq` aligns the scales before export, which makes this a no-op).
 - FP8 KV cache: keys (after RoPE) and values pass through E4M3 inside attention. TensorRT-LLM 1.2's PyTorch
   attention backend quantizes them with a unit scale whatever the checkpoint's `k_scale`/`v_scale` say
   (`kv_scales="unit"`, the default); `kv_scales="checkpoint"` applies the calibrated scales instead (what

@@ -17,7 +17,7 @@ KV_SCALE_MODES = ("unit", "checkpoint")
 def attach_kv_scales(module: nn.Module, state_dict: Mapping[str, torch.Tensor], mode: str = "checkpoint") -> int:
     """Give every attention module whose checkpoint has `<attn>.k_proj.k_scale` / `<attn>.v_proj.v_scale` the
     buffers `fp8_k_scale` / `fp8_v_scale`, used by the `specpipe_fp8_kv` attention function (and by
-    `runtime.engine.speculative.TargetRunner`). mode "checkpoint": the calibrated scales (ModelOpt's fake-quant model);
+    `runtime.engine.target.TargetRunner`). mode "checkpoint": the calibrated scales (ModelOpt's fake-quant model);
     "unit": 1.0, what TensorRT-LLM 1.2's PyTorch attention backend applies to an FP8 KV cache whatever the
     checkpoint holds (tensorrt_llm/_torch/attention_backend/trtllm.py @ 9144c0e6: `kv_cache_scaling_factor`
     is ones and is passed unchanged as kv_scale_orig_quant/kv_scale_quant_orig; only NVFP4 KV overrides it).
