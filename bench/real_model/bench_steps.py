@@ -8,9 +8,8 @@ of them alike; medians and the spread over rounds are reported).
 Targets: the BF16 checkpoint (default: the prepared SmolLM2, `$SPECPIPE_REAL_DIR`) and, with --fp8-target, a
 ModelOpt FP8 export of it. Runners: `fp32` and `bf16` (`runtime.engine.target.TargetRunner(compute=...)`; bf16 only
 where `runtime.engine.compute.native_bf16_gemm()` says this CPU has native bf16 GEMMs, unless --force-bf16) and, with
---baseline-rev, the runtime as it was at that git revision (its speculative.py and drafts.py, under runtime/ or runtime/engine/,
-with the engine modules split from speculative.py where it has them, loaded under other module names; everything
-else is today's code).
+--baseline-rev, the runtime as it was at that git revision (its whole runtime/ tree, imported as `_base_runtime`;
+pipeline/ and the model loading are today's code).
 
 Each target point is one forward of M new tokens per row at a context of --context tokens (KV cache filled with
 random values: attention cost depends on shapes only), batch 1 (and batch 4 with --batch4). For today's runners
@@ -27,12 +26,15 @@ positions + the block pass). Prints Markdown tables.
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
+import io
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -42,37 +44,25 @@ sys.path.insert(0, str(REPO))
 
 
 # The modules runtime/engine/speculative.py was split into (a revision that has them loads them as its own).
-ENGINE_PARTS = ("target", "drafters", "sampling", "decode_batch", "stats")
-
-
 def load_baseline(rev: str):
-    """The speculative runtime of git revision `rev` (its speculative.py with its drafts.py) as a module."""
+    """The speculative runtime of git revision `rev` as a module: that revision's whole runtime/ tree, extracted
+    (`git archive`) and imported as the package `_base_runtime`, so its modules import each other whatever its layout
+    was (runtime/speculative.py before the runtime/ subpackages, runtime/engine/speculative.py and its parts after)."""
     d = Path(tempfile.mkdtemp(prefix="specpipe-base-"))
-    listed = subprocess.run(["git", "-C", str(REPO), "ls-tree", "--name-only", f"{rev}:runtime/engine"],
-                            capture_output=True, text=True).stdout.split()
-    # since runtime/engine/speculative.py was split, its parts sit beside it: they belong to the baseline too
-    names = ["speculative", "drafts"] + [n for n in ENGINE_PARTS if f"{n}.py" in listed]
-    for name in names:
-        r = None
-        for path in (f"runtime/{name}.py", f"runtime/engine/{name}.py"):    # before / after the runtime/ layout
-            r = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:{path}"], capture_output=True, text=True)
-            if r.returncode == 0:
-                break
-        if r.returncode != 0:
-            raise SystemExit(f"--baseline-rev {rev}: no runtime/{name}.py nor runtime/engine/{name}.py there")
-        src = r.stdout
-        for n in names:
-            for old in (f"from runtime.{n} import", f"from runtime.engine.{n} import"):
-                src = src.replace(old, f"from _base_{n} import")
-        for old, new in (("runtime.fp8", "runtime.engine.fp8"), ("runtime.draft_schedule", "runtime.trtllm.draft_schedule")):
-            src = src.replace(f"from {old} import", f"from {new} import")     # modules moved since
-        (d / f"_base_{name}.py").write_text(src)
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", rev, "runtime"], capture_output=True)
+    if archive.returncode != 0:
+        raise SystemExit(f"--baseline-rev {rev}: git archive failed: {archive.stderr.decode(errors='replace').strip()}")
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+        tar.extractall(d, filter="data")
+    (d / "runtime").rename(d / "_base_runtime")
+    for f in (d / "_base_runtime").rglob("*.py"):
+        src = re.sub(r"(?m)^(\s*)(from|import) runtime\b", r"\1\2 _base_runtime", f.read_text())
+        f.write_text(re.sub(r"(?<![\w.])runtime\.", "_base_runtime.", src))
     sys.path.insert(0, str(d))
-    spec = importlib.util.spec_from_file_location("_base_speculative", d / "_base_speculative.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["_base_speculative"] = mod          # dataclasses look their module up while the class is made
-    spec.loader.exec_module(mod)
-    return mod
+    for name in ("_base_runtime.engine.speculative", "_base_runtime.speculative"):   # after / before the layout
+        if (d / (name.replace(".", "/") + ".py")).is_file():
+            return importlib.import_module(name)
+    raise SystemExit(f"--baseline-rev {rev}: no runtime/speculative.py nor runtime/engine/speculative.py there")
 
 
 def interleaved(fns: dict, rounds: int, inner: int) -> dict[str, list[float]]:
