@@ -142,6 +142,31 @@ def test_scheduler_bounds_cancels_and_stops_by_id(engine):
         s.shutdown()
 
 
+def test_a_response_is_counted_before_the_client_receives_it(engine):
+    """`on_done` is the moment the Triton model sends the final response: the request's outcome must already be in
+    the counters then, or a client that scrapes /metrics right after its last response misses it (seen on a loaded
+    machine as test_serve's Prometheus test counting 1 completed request of 2)."""
+    from runtime.serving.batching import Job, Scheduler
+
+    counts: dict[str, float] = {}
+    s = Scheduler(engine, max_batch=2, metrics=lambda n, v: counts.__setitem__(n, counts.get(n, 0) + v))
+    seen: list[dict] = []
+    try:
+        def on_done(job):
+            seen.append(dict(counts))
+
+        done = Job(engine, engine.request(engine.decode(engine.prompts[0]), max_tokens=4), on_done=on_done)
+        s.submit(done)
+        assert done.done.wait(60) and done.error is None
+        gone = Job(engine, engine.request(engine.decode(engine.prompts[1]), max_tokens=1500), is_cancelled=lambda: True,
+                   on_done=on_done)
+        s.submit(gone)
+        assert gone.done.wait(60) and gone.cancelled
+        assert seen[0].get("requests_completed") == 1 and seen[1].get("requests_cancelled") == 1
+    finally:
+        s.shutdown()
+
+
 def test_request_validation_names_the_input(engine):
     from runtime.serving.adapter import RequestError
 

@@ -161,13 +161,14 @@ class _Group:
             finish = req.finish
             if job.stop_hit is not None:
                 finish = "stop"
+            # counted first: finish() hands the response to the client, who may read /metrics at once
+            self.metrics("requests_cancelled" if finish == "cancelled" else "requests_completed", 1)
             job.finish(finish, req.stats, self.batch.k)
-            self.metrics("requests_cancelled" if job.cancelled else "requests_completed", 1)
 
     def fail_all(self, error: BaseException) -> None:
         for job in self.jobs.values():
-            job.fail(error)
             self.metrics("requests_failed", 1)
+            job.fail(error)
         self.jobs.clear()
 
 
@@ -258,8 +259,8 @@ class Scheduler:
                     self.log(f"[specpipe] prefill failed: {e}\n{traceback.format_exc()}")
                     for j in jobs:
                         if not j.done.is_set():
-                            j.fail(RuntimeError(f"generation failed: {e}"))
                             self.metrics("requests_failed", 1)
+                            j.fail(RuntimeError(f"generation failed: {e}"))
             for rid in stop_ids:                 # after admission: a stopped request may just have been admitted
                 self._guarded(lambda rid=rid: self._cancel_where(lambda j: j.request_id == rid))
             for key in list(self.groups):
@@ -317,8 +318,8 @@ class Scheduler:
         for j in gone:
             self.queue.remove(j)
             j.cancelled = True
-            j.fail(Cancelled("request cancelled by client"))
             self.metrics("requests_cancelled", 1)
+            j.fail(Cancelled("request cancelled by client"))
 
     def _cancel_where(self, pred) -> None:
         with self.cv:
@@ -327,8 +328,8 @@ class Scheduler:
                 self.queue.remove(j)
         for j in waiting:
             j.cancelled = True
-            j.fail(Cancelled("request cancelled by client"))
             self.metrics("requests_cancelled", 1)
+            j.fail(Cancelled("request cancelled by client"))
         for g in self.groups.values():
             keys = [k for k, j in g.jobs.items() if pred(j)]
             if keys:
