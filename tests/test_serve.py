@@ -564,7 +564,7 @@ def test_perf_analyzer_load_loses_nothing_and_matches_generate(run_dir, tmp_path
     script = Path(__file__).resolve().parent.parent / "bench" / "serve_load.py"
     r = subprocess.run([sys.executable, str(script), "--workdir", str(run_dir), "--concurrency", "1,3", "--requests", "6",
                         "--max-tokens", "16", "--prompts", "4", "--modes", "speculative", "--stability", "1000",
-                        "--max-trials", "3", "--out", str(tmp_path)],
+                        "--max-trials", "6", "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
     print(r.stdout, r.stderr[-3000:])
     assert r.returncode == 0
