@@ -256,15 +256,60 @@ def _apply_run_settings(cfg) -> None:
             sys.modules["torch"].set_num_threads(cfg.run.threads)
 
 
-def run_stage(item: PlanItem, cfg, store: Store, argv: list[str]) -> Outcome:
-    spec = registry.get(item.name)
-    lg, fh = _stage_logger(store, spec.name)
-    tmp = store.new_tmp(spec.name)
+def _committed_inputs(spec, item: PlanItem, store: Store) -> dict:
+    """The committed artifact of every stage `spec` consumes, each the one the plan fingerprinted."""
     inputs = {}
     for d in spec.consumes:
         a = store.artifact(d)
         assert a is not None and a.fingerprint == item.doc["inputs"][d], f"input {d} not committed"
         inputs[d] = a
+    return inputs
+
+
+def _manifest(item: PlanItem, cfg, spec, argv: list[str], inputs: dict, metrics: dict, started: datetime, wall: float,
+              peak: int) -> dict:
+    """manifest.json of a stage that ran: its fingerprint and what went into it, the metrics, and the provenance."""
+    return {
+        "stage": spec.name,
+        "fingerprint": item.fingerprint,
+        "fingerprint_inputs": item.doc,
+        "metrics": metrics,
+        "provenance": {
+            "config": section_dict(cfg, spec.name),
+            "uses": {u: section_dict(cfg, u) for u in spec.uses},
+            "command": shlex.join(argv),
+            "specpipe_version": package_version("specpipe"),
+            "git_commit": git_commit(),
+            "packages": item.doc["packages"],
+            "python": sys.version.split()[0],
+            "host": socket.gethostname(),
+            "started": started.isoformat(timespec="seconds"),
+            "wall_time_s": round(wall, 3),
+            "peak_rss_mb": round(peak / 2**20, 1),
+            "inputs": {d: {"fingerprint": a.fingerprint, "digest": a.manifest.get("digest")} for d, a in inputs.items()},
+        },
+    }
+
+
+def _failed(e: BaseException, lg: logging.Logger) -> tuple[str, dict | None]:
+    """A failed stage's error message and the metrics its StageError/RuntimeFailure carried, logged: expected failures
+    by their message, anything else with its traceback."""
+    failed_metrics = None
+    if isinstance(e, (StageError, RuntimeFailure)):   # the runtime's own expected failures read like a stage's
+        lg.error("%s", e)
+        msg = str(e)
+        failed_metrics = getattr(e, "metrics", None) or None
+    else:
+        lg.error("unexpected error:\n%s", traceback.format_exc())
+        msg = f"{type(e).__name__}: {e}"
+    return msg, failed_metrics
+
+
+def run_stage(item: PlanItem, cfg, store: Store, argv: list[str]) -> Outcome:
+    spec = registry.get(item.name)
+    lg, fh = _stage_logger(store, spec.name)
+    tmp = store.new_tmp(spec.name)
+    inputs = _committed_inputs(spec, item, store)
     ctx = StageContext(
         name=spec.name, config=cfg, section=getattr(cfg, spec.name), out_dir=tmp,
         scratch_dir=store.scratch_dir(spec.name, item.fingerprint), inputs=inputs, workdir=store.root,
@@ -279,27 +324,7 @@ def run_stage(item: PlanItem, cfg, store: Store, argv: list[str]) -> Outcome:
             metrics = spec.module.run(ctx) or {}
         fault_point(spec.name, "after-run")
         wall = time.monotonic() - t0
-        manifest = {
-            "stage": spec.name,
-            "fingerprint": item.fingerprint,
-            "fingerprint_inputs": item.doc,
-            "metrics": metrics,
-            "provenance": {
-                "config": section_dict(cfg, spec.name),
-                "uses": {u: section_dict(cfg, u) for u in spec.uses},
-                "command": shlex.join(argv),
-                "specpipe_version": package_version("specpipe"),
-                "git_commit": git_commit(),
-                "packages": item.doc["packages"],
-                "python": sys.version.split()[0],
-                "host": socket.gethostname(),
-                "started": started.isoformat(timespec="seconds"),
-                "wall_time_s": round(wall, 3),
-                "peak_rss_mb": round(mem.peak / 2**20, 1),
-                "inputs": {d: {"fingerprint": a.fingerprint, "digest": a.manifest.get("digest")} for d, a in inputs.items()},
-            },
-        }
-        store.commit(spec.name, tmp, manifest)
+        store.commit(spec.name, tmp, _manifest(item, cfg, spec, argv, inputs, metrics, started, wall, mem.peak))
         lg.info("committed in %.1fs (peak RSS %.0f MB)", wall, mem.peak / 2**20)
         return Outcome(spec.name, "ran", item.reason, item.fingerprint, wall, log_file=log_file)
     except BaseException as e:
@@ -308,14 +333,7 @@ def run_stage(item: PlanItem, cfg, store: Store, argv: list[str]) -> Outcome:
         if isinstance(e, KeyboardInterrupt):
             lg.error("interrupted after %.1fs; nothing committed", wall)
             raise
-        failed_metrics = None
-        if isinstance(e, (StageError, RuntimeFailure)):   # the runtime's own expected failures read like a stage's
-            lg.error("%s", e)
-            msg = str(e)
-            failed_metrics = getattr(e, "metrics", None) or None
-        else:
-            lg.error("unexpected error:\n%s", traceback.format_exc())
-            msg = f"{type(e).__name__}: {e}"
+        msg, failed_metrics = _failed(e, lg)
         return Outcome(spec.name, "failed", item.reason, item.fingerprint, wall, error=msg, log_file=log_file,
                        failed_metrics=failed_metrics)
     finally:

@@ -46,8 +46,8 @@ def launcher_override(cfg, job: SlurmJob) -> str | None:
     return "train_draft.launcher=" + json.dumps(launcher, separators=(", ", ": "))
 
 
-def render(cfg, job: SlurmJob) -> str:
-    q = shlex.quote
+def _sbatch_directives(job: SlurmJob) -> list[str]:
+    """The `#SBATCH` lines: job name, nodes, one task per node, GPUs, time, log file, partition and account."""
     name = job.job_name or f"specpipe-{Path(job.config).stem}"
     sb = [f"#SBATCH --job-name={name}", f"#SBATCH --nodes={job.nodes}", "#SBATCH --ntasks-per-node=1",
           *([f"#SBATCH --gpus-per-node={job.gpus_per_node}"] if job.gpus_per_node else []),
@@ -57,6 +57,12 @@ def render(cfg, job: SlurmJob) -> str:
         sb.append(f"#SBATCH --partition={job.partition}")
     if job.account:
         sb.append(f"#SBATCH --account={job.account}")
+    return sb
+
+
+def _build_command(cfg, job: SlurmJob) -> str:
+    """Node 0's `specpipe build` command line, shell-quoted, with the user's overrides and the torchrun launcher."""
+    q = shlex.quote
     build = ["specpipe", "build", job.config, "--workdir", job.workdir]
     for o in job.overrides:
         build += ["-o", o]
@@ -64,13 +70,26 @@ def render(cfg, job: SlurmJob) -> str:
     if lo:
         build += ["-o", lo]
     # the rendezvous host is only known inside the job: substitute it at run time
-    build_cmd = " ".join(q(a) for a in build).replace("__RDZV__", "'\"$RDZV\"'")
+    return " ".join(q(a) for a in build).replace("__RDZV__", "'\"$RDZV\"'")
+
+
+def _container_args(job: SlurmJob) -> list[str]:
+    """srun's pyxis arguments (image, workdir, mounts); none without an image."""
+    q = shlex.quote
     mounts = ",".join(job.mounts)
     container = []
     if job.image:
         container = [f"--container-image={q(job.image)}", f"--container-workdir={q(job.container_workdir)}"]
         if mounts:
             container.append(f"--container-mounts={q(mounts)}")
+    return container
+
+
+def render(cfg, job: SlurmJob) -> str:
+    q = shlex.quote
+    sb = _sbatch_directives(job)
+    build_cmd = _build_command(cfg, job)
+    container = _container_args(job)
     lines = [
         "#!/bin/bash",
         *sb,

@@ -209,42 +209,50 @@ class Config(StageSection):
 def check(cfg) -> list[tuple[str, str]]:
     """Impossible combinations, found before anything runs (target shape known only for target.bootstrap)."""
     sec: Config = cfg.train_draft
-    a = sec.algorithm
     p = "train_draft"
+    out = _draft_len_problems(sec, p)
+    procs = sec.launcher.nproc_per_node * sec.launcher.nnodes if sec.launcher.kind == "torchrun" else 1
+    out += _placement_problems(sec, p, procs)
+    if (sec.dtype, sec.target_dtype) == ("bfloat16", "float32"):
+        out.append((f"{p}.target_dtype", "float32 under dtype bfloat16 would run the target above the draft's own "
+                    "precision; use target_dtype bfloat16 or auto (the training dtype)"))
+    if sec.batch_size % procs:
+        out.append((f"{p}.batch_size",
+                    f"{sec.batch_size} is not divisible by the {procs} training processes (launcher.nproc_per_node x nnodes)"))
+    if cfg.target.bootstrap == "tiny":
+        t = cfg.target.tiny
+        out += shape_problems(
+            sec.algorithm, t.num_layers, t.vocab_size, f"target.tiny.num_layers={t.num_layers}",
+            f"target.tiny.vocab_size={t.vocab_size}"
+        )
+    return out
+
+
+def _draft_len_problems(sec: Config, p: str) -> list[tuple[str, str]]:
+    """The algorithm against what it trains: DFlash's whole blocks, eval.draft_len within what the draft drafts."""
+    a = sec.algorithm
     out: list[tuple[str, str]] = []
     if a.kind == "dflash":
         if sec.seq_len % a.block_size:
-            out.append(
-                (
-                    f"{p}.seq_len",
-                    f"{sec.seq_len} is not divisible by algorithm.block_size {a.block_size} (DFlash trains whole blocks)",
-                )
-            )
+            out.append((f"{p}.seq_len",
+                        f"{sec.seq_len} is not divisible by algorithm.block_size {a.block_size} (DFlash trains whole blocks)"))
         from runtime.trtllm.draft_schedule import dflash_max_draft_len
 
         if sec.eval.draft_len and sec.eval.draft_len > dflash_max_draft_len(a.block_size):
-            out.append(
-                (
-                    f"{p}.eval.draft_len",
-                    f"{sec.eval.draft_len} exceeds block_size - 1 = {dflash_max_draft_len(a.block_size)}, "
-                    "what one DFlash block drafts",
-                )
-            )
+            out.append((f"{p}.eval.draft_len", f"{sec.eval.draft_len} exceeds block_size - 1 = "
+                        f"{dflash_max_draft_len(a.block_size)}, what one DFlash block drafts"))
     elif sec.eval.draft_len and sec.eval.draft_len > 3 * a.ttt_steps:
-        out.append(
-            (
-                f"{p}.eval.draft_len",
-                f"{sec.eval.draft_len} is far beyond the {a.ttt_steps} trained positions (algorithm.ttt_steps)",
-            )
-        )
-    procs = sec.launcher.nproc_per_node * sec.launcher.nnodes if sec.launcher.kind == "torchrun" else 1
+        out.append((f"{p}.eval.draft_len",
+                    f"{sec.eval.draft_len} is far beyond the {a.ttt_steps} trained positions (algorithm.ttt_steps)"))
+    return out
+
+
+def _placement_problems(sec: Config, p: str, procs: int) -> list[tuple[str, str]]:
+    """Where the target lives (shard_target, launcher.fsdp) against the launcher and the in-training estimator."""
+    out: list[tuple[str, str]] = []
     if sec.shard_target and sec.launcher.kind == "torchrun":
-        out.append(
-            (
-                f"{p}.shard_target",
-                "spreads one target copy over all GPUs of one process; it cannot combine with launcher torchrun",
-            )
-        )
+        out.append((f"{p}.shard_target",
+                    "spreads one target copy over all GPUs of one process; it cannot combine with launcher torchrun"))
     if sec.launcher.fsdp and (sec.launcher.kind != "torchrun" or procs < 2):
         out.append((f"{p}.launcher.fsdp", f"shards the target over several processes: it needs launcher.kind torchrun with "
                     f"nproc_per_node x nnodes >= 2 (now {sec.launcher.kind}, {procs} process{'es' if procs != 1 else ''})"))
@@ -255,22 +263,6 @@ def check(cfg) -> list[tuple[str, str]]:
             out.append((f"{p}.eval.estimator", f"runtime needs the whole target in one process, and {p}.{whole} spreads it; "
                         "use eval.estimator: modelopt (runs on the sharded target) or eval.prompts_per_domain: 0 "
                         "(validate measures the deployed pair)"))
-    if (sec.dtype, sec.target_dtype) == ("bfloat16", "float32"):
-        out.append((f"{p}.target_dtype", "float32 under dtype bfloat16 would run the target above the draft's own "
-                    "precision; use target_dtype bfloat16 or auto (the training dtype)"))
-    if sec.batch_size % procs:
-        out.append(
-            (
-                f"{p}.batch_size",
-                f"{sec.batch_size} is not divisible by the {procs} training processes (launcher.nproc_per_node x nnodes)",
-            )
-        )
-    if cfg.target.bootstrap == "tiny":
-        t = cfg.target.tiny
-        out += shape_problems(
-            sec.algorithm, t.num_layers, t.vocab_size, f"target.tiny.num_layers={t.num_layers}",
-            f"target.tiny.vocab_size={t.vocab_size}"
-        )
     return out
 
 

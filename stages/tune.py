@@ -167,13 +167,10 @@ def check(cfg) -> list[tuple[str, str]]:
 
 
 def run(ctx: StageContext) -> dict:
-    from pipeline.hardware import GPUS
     from runtime.cost import draft_length as dl
-    from runtime.cost import tuning
     from runtime.trtllm import compat
 
     sec: Config = ctx.section
-    hw = ctx.config.hardware
     target = target_artifact.read_info(ctx.input("target").path)
     draft_art = ctx.input("train_draft")
     draft = train_draft_artifact.read_info(draft_art.path)
@@ -185,47 +182,16 @@ def run(ctx: StageContext) -> dict:
     if (p := compat.algorithm_problem(version, str(draft.get("algorithm")))) is not None:
         raise StageError(p)
     draft_cfg = train_draft_artifact.read_draft_config(draft_art.path)
-    dep, hw_doc = _priced(tuning.deployment, target, draft, draft_cfg, quant, gpu_key=hw.gpu, gpu=GPUS[hw.gpu],
-                          profile=hw.profile, tp=hw.tensor_parallel_size, context_length=sec.context_length,
-                          efficiency=sec.efficiency, log=ctx.log)
-    curves, weights, K = _priced(tuning.acceptance_curves, acc, draft, domain_weights=sec.domain_weights,
-                                 max_draft_len=sec.max_draft_len, log=ctx.log)
-    ctx.log.info("cost model: %s, TP %d, context %d; target %s weights / %s KV, draft %s; ridge %.0f rows",
-                 hw_doc["machine"], dep.tp, dep.context, dep.target_prec.gemm_dtype, tuning.kv_name(dep.target_prec),
-                 dep.draft_prec.gemm_dtype, dep.machine.ridge_rows(dep.target_prec))
-    ctx.log.info("acceptance (FP8 pair) per domain, positions 1..%d: %s; traffic weights %s", K,
-                 {d: [round(a, 3) for a in c[:K]] for d, c in curves.items()}, weights)
-
-    max_batch, capacity = _priced(tuning.batch_limit, dep, want=sec.max_batch_size or sec.batch_sizes[-1],
-                                  context_length=sec.context_length, kv_cache_memory_fraction=sec.kv_cache_memory_fraction)
-    ctx.log.info("max_batch_size %d (KV memory holds %s sequences of %d tokens)", max_batch,
-                 capacity if capacity is not None else "any number of", sec.context_length)
+    dep, hw_doc, curves, weights, K = _price(ctx, target, draft, draft_cfg, quant, acc)
+    max_batch, capacity = _batch_limit(ctx, dep)
     kw = dict(min_speedup=sec.min_speedup, tie_tolerance=sec.tie_tolerance)
-    table = [tuning.table_row(dep, dl.choose_k(dep, curves, weights, b, K, **kw), curves, weights, max_batch)
-             for b in sec.batch_sizes]
-    for r in table:
-        ctx.log.info("batch %4d: k=%d, predicted speedup %.2fx (k=0..%d: %s), B(1+k)/ridge %.2f%s", r["batch"], r["k"],
-                     r["speedup"], K, " ".join(f"{s:.2f}" for s in r["speedups_by_k"]), r["rows_over_ridge"],
-                     "" if r["within_max_batch_size"] else " [above max_batch_size]")
+    table = _predicted_table(ctx, dep, curves, weights, K, max_batch, kw)
 
     mode = rel.mode(str(draft.get("algorithm")), eagle3_one_model(ctx.config))
     schedule, policy = dl.choose_schedule(dep, curves, weights, max_batch, K, rel, mode, sec.batch_sizes, kw)
     ctx.log.info("TensorRT-LLM %s, %s: %s", version, mode.replace("_", "-"), policy["note"])
-    for r in table:   # what the deployment runs at each table batch size; say where that overrules the table
-        r["deployed_k"] = schedule.k_at(r["batch"]) if r["within_max_batch_size"] else None
-        r["deployed_speedup"] = r["speedups_by_k"][r["deployed_k"]] if r["deployed_k"] is not None else None
-        if r["deployed_k"] is not None and r["deployed_k"] != r["k"]:
-            ctx.log.info("batch %d: k=%d deployed as %d (%s)", r["batch"], r["k"], r["deployed_k"], policy["name"])
-    runs = schedule.bounded(max_batch)
-    points = [hi for _, hi, _ in runs] + [lo for lo, _, _ in runs]
-    graphs = tuning.cuda_graph_batch_sizes(max_batch, points)
-    kmax = schedule.max_draft_len(max_batch)
-    num_tokens = tuning.max_num_tokens(max_batch, kmax, sec.min_num_tokens)
-    for lo, hi, k in runs:
-        ctx.log.info("batch %d-%d: draft length %d%s", lo, hi, k, " (speculation off)" if k == 0 else "")
-    if kmax == 0:
-        ctx.log.warning("speculation never pays on this hardware with this acceptance (%s): build deploys the "
-                        "target without a draft", policy["note"])
+    _mark_deployed(ctx, table, schedule, policy)
+    kmax, num_tokens, graphs = _limits(ctx, schedule, max_batch, policy)
 
     doc = {
         "deployment": {"trtllm_version": version, "mode": mode, "algorithm": draft.get("algorithm"), **policy},
@@ -238,11 +204,7 @@ def run(ctx: StageContext) -> dict:
         "context_length": sec.context_length,
         "kv_capacity_sequences": capacity,
         "hardware": hw_doc,
-        "models": {"target": tuning.shape_summary(dep.target), "draft": tuning.shape_summary(dep.draft),
-                   "algorithm": dep.algorithm, "target_precision": vars(dep.target_prec),
-                   "draft_precision": vars(dep.draft_prec)},
-        "acceptance": {"per_position": {d: c[:K] for d, c in curves.items()}, "weights": weights, "K": K,
-                       "source_max_draft_len": acc.get("max_draft_len")},
+        **_models_and_acceptance(dep, curves, weights, K, acc),
         "predicted": table,
     }
     (ctx.out_dir / "tuning.json").write_text(json.dumps(doc, indent=2))
@@ -253,6 +215,94 @@ def run(ctx: StageContext) -> dict:
         "trtllm_version": version, "mode": mode, "gpu": hw_doc["gpu"], "ridge_rows": round(hw_doc["ridge_rows"], 1),
         f"predicted_speedup_batch{b1['batch']}": round(b1["speedup"], 3),
         "predicted_speedup": {str(r["batch"]): round(r["speedup"], 3) for r in table},
+    }
+
+
+def _price(ctx: StageContext, target, draft, draft_cfg, quant, acc):
+    """The cost model's deployment on `hardware` (target, draft and their precisions) and the acceptance curves it
+    weighs, logged: (deployment, hardware document, curves per domain, domain weights, K)."""
+    from pipeline.hardware import GPUS
+    from runtime.cost import tuning
+
+    sec: Config = ctx.section
+    hw = ctx.config.hardware
+    dep, hw_doc = _priced(tuning.deployment, target, draft, draft_cfg, quant, gpu_key=hw.gpu, gpu=GPUS[hw.gpu],
+                          profile=hw.profile, tp=hw.tensor_parallel_size, context_length=sec.context_length,
+                          efficiency=sec.efficiency, log=ctx.log)
+    curves, weights, K = _priced(tuning.acceptance_curves, acc, draft, domain_weights=sec.domain_weights,
+                                 max_draft_len=sec.max_draft_len, log=ctx.log)
+    ctx.log.info("cost model: %s, TP %d, context %d; target %s weights / %s KV, draft %s; ridge %.0f rows",
+                 hw_doc["machine"], dep.tp, dep.context, dep.target_prec.gemm_dtype, tuning.kv_name(dep.target_prec),
+                 dep.draft_prec.gemm_dtype, dep.machine.ridge_rows(dep.target_prec))
+    ctx.log.info("acceptance (FP8 pair) per domain, positions 1..%d: %s; traffic weights %s", K,
+                 {d: [round(a, 3) for a in c[:K]] for d, c in curves.items()}, weights)
+    return dep, hw_doc, curves, weights, K
+
+
+def _batch_limit(ctx: StageContext, dep) -> tuple[int, int | None]:
+    """max_batch_size (the configured or largest batch size, capped by KV memory) and the KV capacity, logged."""
+    from runtime.cost import tuning
+
+    sec: Config = ctx.section
+    max_batch, capacity = _priced(tuning.batch_limit, dep, want=sec.max_batch_size or sec.batch_sizes[-1],
+                                  context_length=sec.context_length, kv_cache_memory_fraction=sec.kv_cache_memory_fraction)
+    ctx.log.info("max_batch_size %d (KV memory holds %s sequences of %d tokens)", max_batch,
+                 capacity if capacity is not None else "any number of", sec.context_length)
+    return max_batch, capacity
+
+
+def _predicted_table(ctx: StageContext, dep, curves, weights, K: int, max_batch: int, kw: dict) -> list[dict]:
+    """The best k and its predicted speedup at every table batch size, logged row by row."""
+    from runtime.cost import draft_length as dl
+    from runtime.cost import tuning
+
+    table = [tuning.table_row(dep, dl.choose_k(dep, curves, weights, b, K, **kw), curves, weights, max_batch)
+             for b in ctx.section.batch_sizes]
+    for r in table:
+        ctx.log.info("batch %4d: k=%d, predicted speedup %.2fx (k=0..%d: %s), B(1+k)/ridge %.2f%s", r["batch"], r["k"],
+                     r["speedup"], K, " ".join(f"{s:.2f}" for s in r["speedups_by_k"]), r["rows_over_ridge"],
+                     "" if r["within_max_batch_size"] else " [above max_batch_size]")
+    return table
+
+
+def _mark_deployed(ctx: StageContext, table: list[dict], schedule, policy: dict) -> None:
+    """What the deployment runs at each table batch size (deployed_k, deployed_speedup); says where that overrules
+    the table."""
+    for r in table:
+        r["deployed_k"] = schedule.k_at(r["batch"]) if r["within_max_batch_size"] else None
+        r["deployed_speedup"] = r["speedups_by_k"][r["deployed_k"]] if r["deployed_k"] is not None else None
+        if r["deployed_k"] is not None and r["deployed_k"] != r["k"]:
+            ctx.log.info("batch %d: k=%d deployed as %d (%s)", r["batch"], r["k"], r["deployed_k"], policy["name"])
+
+
+def _limits(ctx: StageContext, schedule, max_batch: int, policy: dict) -> tuple[int, int, list[int]]:
+    """The longest deployed draft length, max_num_tokens and the CUDA-graph batch sizes of the schedule, logged
+    (with a warning when speculation never pays)."""
+    from runtime.cost import tuning
+
+    runs = schedule.bounded(max_batch)
+    points = [hi for _, hi, _ in runs] + [lo for lo, _, _ in runs]
+    graphs = tuning.cuda_graph_batch_sizes(max_batch, points)
+    kmax = schedule.max_draft_len(max_batch)
+    num_tokens = tuning.max_num_tokens(max_batch, kmax, ctx.section.min_num_tokens)
+    for lo, hi, k in runs:
+        ctx.log.info("batch %d-%d: draft length %d%s", lo, hi, k, " (speculation off)" if k == 0 else "")
+    if kmax == 0:
+        ctx.log.warning("speculation never pays on this hardware with this acceptance (%s): build deploys the "
+                        "target without a draft", policy["note"])
+    return kmax, num_tokens, graphs
+
+
+def _models_and_acceptance(dep, curves, weights, K: int, acc: dict) -> dict:
+    """tuning.json's `models` (shapes and precisions the cost model priced) and `acceptance` (the curves it used)."""
+    from runtime.cost import tuning
+
+    return {
+        "models": {"target": tuning.shape_summary(dep.target), "draft": tuning.shape_summary(dep.draft),
+                   "algorithm": dep.algorithm, "target_precision": vars(dep.target_prec),
+                   "draft_precision": vars(dep.draft_prec)},
+        "acceptance": {"per_position": {d: c[:K] for d, c in curves.items()}, "weights": weights, "K": K,
+                       "source_max_draft_len": acc.get("max_draft_len")},
     }
 
 

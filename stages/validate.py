@@ -129,16 +129,7 @@ def run(ctx: StageContext) -> dict:
     sec: Config = ctx.section
     runtime, why = _choose_runtime(sec.runtime)
     ctx.log.info("runtime: %s (%s)", runtime, why)
-    arts = ctx.input("quantize").path.parent
-    q = quantize_artifact.read_info(ctx.input("quantize").path)
-    deployed = {"target_dir": arts / q.target_rel, "draft_dir": arts / q.draft_rel}
-    bf16 = {"target_dir": target_artifact.model_dir(ctx.input("target").path),
-            "draft_dir": train_draft_artifact.draft_dir(ctx.input("train_draft").path)}
-    for pair in (deployed, bf16):
-        for k, p in pair.items():
-            if not Path(p).is_dir():
-                raise StageError(f"validate: {k} {p} does not exist (quantize.json or the train_draft artifact is incomplete)")
-    same = all(Path(deployed[k]).resolve() == Path(bf16[k]).resolve() for k in deployed)
+    arts, deployed, bf16, same = _pairs(ctx)
     eos = target_artifact.stop_ids(target_artifact.read_info(ctx.input("target").path))
     ctx.log.info("generation stops at token ids %s (target.json)", eos)
     prompts = _read_prompts(ctx, sec)
@@ -181,15 +172,35 @@ def run(ctx: StageContext) -> dict:
                          "see docs/stages/validate.md)",
                          metrics=res)
     (ctx.out_dir / "acceptance.json").write_text(text)
-    metrics = {"runtime": runtime, "max_draft_len": res["max_draft_len"], "gates_passed": True,
-               "lossless": res["lossless"].get("passed"),
-               "lossless_check": lossless_summary(res["lossless"]),
-               "overall_acceptance_length": res["overall"]["fp8"]["acceptance_length"],
-               "overall_retention": res["overall"].get("retention"),
-               "acceptance_length": {d: v["fp8"]["acceptance_length"] for d, v in res["domains"].items()},
-               "retention": {d: v.get("retention") for d, v in res["domains"].items()},
-               "speedup_measured": res.get("tokens_per_s", {}).get("speedup")}
-    return metrics
+    return _metrics(runtime, res)
+
+
+def _pairs(ctx: StageContext) -> tuple[Path, dict, dict, bool]:
+    """The deployed (quantize's) and the unquantized (target, train_draft) pair's directories, each checked to exist,
+    and whether they are the same pair."""
+    arts = ctx.input("quantize").path.parent
+    q = quantize_artifact.read_info(ctx.input("quantize").path)
+    deployed = {"target_dir": arts / q.target_rel, "draft_dir": arts / q.draft_rel}
+    bf16 = {"target_dir": target_artifact.model_dir(ctx.input("target").path),
+            "draft_dir": train_draft_artifact.draft_dir(ctx.input("train_draft").path)}
+    for pair in (deployed, bf16):
+        for k, p in pair.items():
+            if not Path(p).is_dir():
+                raise StageError(f"validate: {k} {p} does not exist (quantize.json or the train_draft artifact is incomplete)")
+    same = all(Path(deployed[k]).resolve() == Path(bf16[k]).resolve() for k in deployed)
+    return arts, deployed, bf16, same
+
+
+def _metrics(runtime: str, res: dict) -> dict:
+    """The stage's metrics from a passed measurement: the gates, the lossless check, acceptance and retention."""
+    return {"runtime": runtime, "max_draft_len": res["max_draft_len"], "gates_passed": True,
+            "lossless": res["lossless"].get("passed"),
+            "lossless_check": lossless_summary(res["lossless"]),
+            "overall_acceptance_length": res["overall"]["fp8"]["acceptance_length"],
+            "overall_retention": res["overall"].get("retention"),
+            "acceptance_length": {d: v["fp8"]["acceptance_length"] for d, v in res["domains"].items()},
+            "retention": {d: v.get("retention") for d, v in res["domains"].items()},
+            "speedup_measured": res.get("tokens_per_s", {}).get("speedup")}
 
 
 def measure_settings(sec: Config) -> MeasureSettings:
