@@ -253,10 +253,7 @@ def start(repositories: list[Path] | Path, *, models: list[str] | None = None, h
     added to every loaded model's config `parameters` (e.g. specpipe_max_batch for the CPU model); `decoupled`
     overrides their transaction policy.
     """
-    repos = [Path(r).resolve() for r in ([repositories] if isinstance(repositories, (str, Path)) else repositories)]
-    for r in repos:
-        if not r.is_dir():
-            raise TritonServerError(f"model repository {r} does not exist")
+    repos = _repositories(repositories)
     if models is None:
         models = [m for r in repos for m in model_names(r)]
     inst = find_install()
@@ -269,21 +266,7 @@ def start(repositories: list[Path] | Path, *, models: list[str] | None = None, h
     last_error: TritonServerError | None = None
     for _ in range(attempts):
         ports = [http_port or free_port(), grpc_port or free_port(), metrics_port or free_port()]
-        srv = TritonServer(repositories=repos, http_port=ports[0], grpc_port=ports[1], metrics_port=ports[2],
-                           work_dir=wd, log_path=wd / f"tritonserver-{ports[0]}.log",
-                           shm_prefix=f"specpipe_{os.getpid()}_{uuid.uuid4().hex[:8]}_")
-        cmd = [str(inst.binary), *[f"--model-repository={r}" for r in repos],
-               f"--backend-directory={backends}", f"--cache-directory={inst.root / 'caches'}",
-               "--model-control-mode=explicit", "--strict-readiness=true",
-               "--http-address=127.0.0.1", f"--http-port={srv.http_port}",
-               "--grpc-address=127.0.0.1", f"--grpc-port={srv.grpc_port}",
-               "--metrics-address=127.0.0.1", f"--metrics-port={srv.metrics_port}",
-               "--allow-gpu-metrics=false", "--allow-cpu-metrics=true", "--pinned-memory-pool-byte-size=0",
-               "--exit-timeout-secs=5", f"--log-verbose={log_verbose}",
-               f"--backend-config=python,shm-region-prefix-name={srv.shm_prefix}"]
-        with open(srv.log_path, "wb") as log:
-            srv.process = subprocess.Popen(cmd, env=_env(inst), stdout=log, stderr=subprocess.STDOUT,
-                                           stdin=subprocess.DEVNULL, start_new_session=True)
+        srv = _launch(inst, repos, backends, wd, ports, log_verbose)
         try:
             srv.wait_ready(ready_timeout)
         except TritonServerError as e:
@@ -291,25 +274,61 @@ def start(repositories: list[Path] | Path, *, models: list[str] | None = None, h
             last_error = e
             if attempts > 1 and "address already in use" in str(e).lower():
                 continue  # a port we picked was taken between picking and binding: pick again
-            if own:
-                shutil.rmtree(wd, ignore_errors=True)
+            _discard(wd, own)
             raise
         except BaseException:  # Ctrl-C while waiting: never leave a server behind
-            srv.stop()
-            if own:
-                shutil.rmtree(wd, ignore_errors=True)
+            _abandon(srv, wd, own)
             raise
         try:
             for m in models:
                 srv.load(m, timeout=load_timeout, parameters=model_parameters, decoupled=decoupled)
         except BaseException:
-            srv.stop()
-            if own:
-                shutil.rmtree(wd, ignore_errors=True)
+            _abandon(srv, wd, own)
             raise
         srv._own_work_dir = own
         return srv
-    if own:
-        shutil.rmtree(wd, ignore_errors=True)
+    _discard(wd, own)
     assert last_error is not None
     raise last_error
+
+
+def _repositories(repositories: list[Path] | Path) -> list[Path]:
+    """The model repositories as absolute paths; one that does not exist raises."""
+    repos = [Path(r).resolve() for r in ([repositories] if isinstance(repositories, (str, Path)) else repositories)]
+    for r in repos:
+        if not r.is_dir():
+            raise TritonServerError(f"model repository {r} does not exist")
+    return repos
+
+
+def _launch(inst: TritonInstall, repos: list[Path], backends: Path, wd: Path, ports: list[int],
+            log_verbose: int) -> TritonServer:
+    """Spawn tritonserver (its own session, output to its log in `wd`) on the (http, grpc, metrics) `ports`."""
+    srv = TritonServer(repositories=repos, http_port=ports[0], grpc_port=ports[1], metrics_port=ports[2],
+                       work_dir=wd, log_path=wd / f"tritonserver-{ports[0]}.log",
+                       shm_prefix=f"specpipe_{os.getpid()}_{uuid.uuid4().hex[:8]}_")
+    cmd = [str(inst.binary), *[f"--model-repository={r}" for r in repos],
+           f"--backend-directory={backends}", f"--cache-directory={inst.root / 'caches'}",
+           "--model-control-mode=explicit", "--strict-readiness=true",
+           "--http-address=127.0.0.1", f"--http-port={srv.http_port}",
+           "--grpc-address=127.0.0.1", f"--grpc-port={srv.grpc_port}",
+           "--metrics-address=127.0.0.1", f"--metrics-port={srv.metrics_port}",
+           "--allow-gpu-metrics=false", "--allow-cpu-metrics=true", "--pinned-memory-pool-byte-size=0",
+           "--exit-timeout-secs=5", f"--log-verbose={log_verbose}",
+           f"--backend-config=python,shm-region-prefix-name={srv.shm_prefix}"]
+    with open(srv.log_path, "wb") as log:
+        srv.process = subprocess.Popen(cmd, env=_env(inst), stdout=log, stderr=subprocess.STDOUT,
+                                       stdin=subprocess.DEVNULL, start_new_session=True)
+    return srv
+
+
+def _discard(wd: Path, own: bool) -> None:
+    """Remove the work directory when start() made it (a temporary one)."""
+    if own:
+        shutil.rmtree(wd, ignore_errors=True)
+
+
+def _abandon(srv: TritonServer, wd: Path, own: bool) -> None:
+    """A start that failed: stop the server and remove the work directory start() made."""
+    srv.stop()
+    _discard(wd, own)

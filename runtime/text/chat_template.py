@@ -172,55 +172,70 @@ class ChatRenderer:
         if not any(m["role"] == "assistant" for m in messages):
             return ids, mask
         self._require_header()
+        end = self._require_end_of_turn()
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            s, e = self._turn_span(messages, i, full, end)
+            a, b = self._token_index(full, ids, s, i), self._token_index(full, ids, e, i)
+            for t in range(a, b):
+                mask[t] = 1
+        return ids, mask
+
+    def _require_end_of_turn(self) -> TurnEnd:
         end = self.end_of_turn()
         if end is None:
             raise ChatTemplateError(
                 "the template puts no special end-of-turn token after an assistant message's content, so neither the "
                 "end of a turn nor a stop token can be found")
-        for i, m in enumerate(messages):
-            if m["role"] != "assistant":
-                continue
-            after = self.render(messages[: i + 1])
-            if i == 0:       # nothing before: the turn starts after the template's assistant header
-                header = self.generation_prompt()
-                h = after.find(header) if header else -1
-                if h < 0:
-                    raise ChatTemplateError(
-                        f"message 0 (assistant): the template's assistant header {header!r} does not appear in the "
-                        f"rendered turn {_snip(after, 0)}", turn=i)
-                before = after[: h + len(header)]
-            else:
-                before = self.render(messages[:i], add_generation_prompt=True)
-                if not after.startswith(before):
-                    n = _first_difference(before, after)
-                    raise ChatTemplateError(
-                        f"message {i} (assistant): the conversation before it rendered with the generation prompt is not "
-                        f"a prefix of the conversation with it (at char {n}: {_snip(before, n)} vs {_snip(after, n)}): "
-                        "the template opens an assistant turn differently from its generation prompt", turn=i)
-            if not full.startswith(after):
-                n = _first_difference(after, full)
+        return end
+
+    def _turn_span(self, messages: list[dict], i: int, full: str, end: TurnEnd) -> tuple[int, int]:
+        """(start, end) characters in `full` of assistant message i: from the first character after its header
+        through its end-of-turn token (checks 1-3 of the module docstring)."""
+        m = messages[i]
+        after = self.render(messages[: i + 1])
+        before = self._turn_prefix(messages, i, after)
+        if not full.startswith(after):
+            n = _first_difference(after, full)
+            raise ChatTemplateError(
+                f"message {i} (assistant): later messages change how this turn renders (at char {n}: "
+                f"{_snip(after, n)} when it is the last message, {_snip(full, n)} in the whole conversation), "
+                "e.g. the template drops earlier turns' reasoning; the whole conversation's tokens for this turn "
+                "are not the ones the model produced for it", turn=i)
+        if end.token in m["content"]:
+            raise ChatTemplateError(f"message {i} (assistant): its content contains the end-of-turn token's text "
+                                    f"{end.token!r}, so where the turn ends is ambiguous", turn=i, kind="sample")
+        s = len(before)
+        delta = after[s:]            # == full[s:len(after)] (checked above)
+        j = full.find(end.token, s)
+        # closed: the end-of-turn token lies within this turn's text, or follows it directly (a template that
+        # renders the last message open and closes it once another message follows)
+        if j < 0 or not (j + len(end.token) - s <= len(delta) or j - s == len(delta)):
+            raise ChatTemplateError(
+                f"message {i} (assistant): the turn {_snip(delta, 0)} is not closed by the end-of-turn token "
+                f"{end.token!r} (the template leaves the last message open, or puts other text first)", turn=i)
+        return s, j + len(end.token)
+
+    def _turn_prefix(self, messages: list[dict], i: int, after: str) -> str:
+        """The text before assistant message i's content, through its assistant header (`after`: the conversation
+        rendered through message i)."""
+        if i == 0:       # nothing before: the turn starts after the template's assistant header
+            header = self.generation_prompt()
+            h = after.find(header) if header else -1
+            if h < 0:
                 raise ChatTemplateError(
-                    f"message {i} (assistant): later messages change how this turn renders (at char {n}: "
-                    f"{_snip(after, n)} when it is the last message, {_snip(full, n)} in the whole conversation), "
-                    "e.g. the template drops earlier turns' reasoning; the whole conversation's tokens for this turn "
-                    "are not the ones the model produced for it", turn=i)
-            if end.token in m["content"]:
-                raise ChatTemplateError(f"message {i} (assistant): its content contains the end-of-turn token's text "
-                                        f"{end.token!r}, so where the turn ends is ambiguous", turn=i, kind="sample")
-            s = len(before)
-            delta = after[s:]            # == full[s:len(after)] (checked above)
-            j = full.find(end.token, s)
-            # closed: the end-of-turn token lies within this turn's text, or follows it directly (a template that
-            # renders the last message open and closes it once another message follows)
-            if j < 0 or not (j + len(end.token) - s <= len(delta) or j - s == len(delta)):
-                raise ChatTemplateError(
-                    f"message {i} (assistant): the turn {_snip(delta, 0)} is not closed by the end-of-turn token "
-                    f"{end.token!r} (the template leaves the last message open, or puts other text first)", turn=i)
-            e = j + len(end.token)
-            a, b = self._token_index(full, ids, s, i), self._token_index(full, ids, e, i)
-            for t in range(a, b):
-                mask[t] = 1
-        return ids, mask
+                    f"message 0 (assistant): the template's assistant header {header!r} does not appear in the "
+                    f"rendered turn {_snip(after, 0)}", turn=i)
+            return after[: h + len(header)]
+        before = self.render(messages[:i], add_generation_prompt=True)
+        if not after.startswith(before):
+            n = _first_difference(before, after)
+            raise ChatTemplateError(
+                f"message {i} (assistant): the conversation before it rendered with the generation prompt is not "
+                f"a prefix of the conversation with it (at char {n}: {_snip(before, n)} vs {_snip(after, n)}): "
+                "the template opens an assistant turn differently from its generation prompt", turn=i)
+        return before
 
     def _token_index(self, full: str, ids: list[int], at: int, turn: int) -> int:
         pre = self.encode_text(full[:at])

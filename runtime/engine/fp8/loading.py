@@ -147,28 +147,14 @@ def load_causal_lm(path: str | Path, *, device: str | torch.device = "cpu", comp
     `tie_word_embeddings` but stores a different `lm_head.weight` is refused). Returns the model in eval mode;
     `model.fp8_info` says what was applied.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.initialization import no_init_weights
-
     path = Path(path)
     device = torch.device(device)
     if not is_fp8_checkpoint(path):
-        qc = read_quant_config(path)
-        if qc and qc.get("quant_algo"):
-            raise ValueError(f"{path}: quant_algo {qc.get('quant_algo')} is not supported (only "
-                             f"{', '.join(QUANT_ALGOS)}); or hf_quant_config.json is missing next to a quantized "
-                             "config.json")
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=compute_dtype, trust_remote_code=trust_remote_code)
-        model.fp8_info = {"fp8": False}
-        return (place(model, device) if spread else model.to(device)).eval()
+        return _load_plain(path, device, compute_dtype, trust_remote_code, spread)
 
     qc = read_quant_config(path) or {}
     algo = quant_algo(path)
-    cfg = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    if hasattr(cfg, "quantization_config"):  # transformers would otherwise try (and fail) to apply it
-        del cfg.quantization_config
-    with no_init_weights():
-        model = AutoModelForCausalLM.from_config(cfg, dtype=compute_dtype, trust_remote_code=trust_remote_code)
+    cfg, model = _empty_model(path, compute_dtype, trust_remote_code)
     sd = read_safetensors(path)
     if not apply_kv_scales:
         sd = {k: v for k, v in sd.items() if not k.endswith((".k_scale", ".v_scale"))}
@@ -177,25 +163,14 @@ def load_causal_lm(path: str | Path, *, device: str | torch.device = "cpu", comp
     text_cfg = cfg.get_text_config()
     tied = bool(getattr(text_cfg, "tie_word_embeddings", False))
     if tied:
-        emb_key = next((k for k in sd if k.endswith("embed_tokens.weight")), None)
-        head = sd.get("lm_head.weight")
-        if head is not None and emb_key is not None and not torch.equal(head, sd[emb_key]):
-            raise ValueError(f"{path}: config.json ties the input and output embeddings but lm_head.weight differs "
-                             f"from {emb_key}; the deployment would use {emb_key} for both")
-        sd.pop("lm_head.weight", None)
-    # the dtype TensorRT-LLM runs the model in: its fused-layer requantization computes in it
-    fuse_dtype = getattr(torch, str(getattr(text_cfg, "dtype", None) or getattr(text_cfg, "torch_dtype", None)
-                                    or "bfloat16").replace("torch.", ""), torch.bfloat16)
-    if fuse_dtype not in (torch.bfloat16, torch.float16):
-        fuse_dtype = torch.bfloat16
+        _drop_tied_head(path, sd)
     info = load_fp8_state_dict(model, sd, compute_dtype=compute_dtype, use_scaled_mm=use_scaled_mm,
                                ignore_missing=["lm_head.weight"] if tied else [],
                                dynamic_per_token=QUANT_ALGOS[algo] == "dynamic_per_token",
-                               trtllm_fused_scales=trtllm_fused_scales, fuse_dtype=fuse_dtype, kv_scales=kv_scales)
+                               trtllm_fused_scales=trtllm_fused_scales, fuse_dtype=_fuse_dtype(text_cfg),
+                               kv_scales=kv_scales)
     if tied:
-        model.tie_weights()
-        if model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
-            raise RuntimeError(f"{path}: tie_word_embeddings is set but lm_head and embed_tokens are not tied")
+        _tie_embeddings(model, path)
     if info["kv_scales"]:
         enable_fp8_kv(model)
     model.fp8_info = {"fp8": True, "quant_algo": qc.get("quant_algo"), "kv_cache_quant_algo": qc.get("kv_cache_quant_algo"),
@@ -205,4 +180,62 @@ def load_causal_lm(path: str | Path, *, device: str | torch.device = "cpu", comp
                       "tied_embeddings": tied, "use_scaled_mm": bool(use_scaled_mm)}
     log.info("loaded FP8 checkpoint %s (%s): %d FP8 linears, %d layers with FP8 KV (%s scales)", path, algo,
              len(info["fp8_linears"]), info["kv_scales"], kv_scales)
+    return _placed(model, device, spread)
+
+
+def _placed(model, device: torch.device, spread: bool):
+    """The model on `device` (with `spread`, over all GPUs: `runtime.engine.placement`), in eval mode."""
     return (place(model, device) if spread else model.to(device)).eval()
+
+
+def _load_plain(path: Path, device: torch.device, compute_dtype: torch.dtype, trust_remote_code: bool, spread: bool):
+    """A plain (unquantized) checkpoint through transformers; a quant_algo specpipe cannot run is refused."""
+    from transformers import AutoModelForCausalLM
+
+    qc = read_quant_config(path)
+    if qc and qc.get("quant_algo"):
+        raise ValueError(f"{path}: quant_algo {qc.get('quant_algo')} is not supported (only "
+                         f"{', '.join(QUANT_ALGOS)}); or hf_quant_config.json is missing next to a quantized "
+                         "config.json")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=compute_dtype, trust_remote_code=trust_remote_code)
+    model.fp8_info = {"fp8": False}
+    return _placed(model, device, spread)
+
+
+def _empty_model(path: Path, compute_dtype: torch.dtype, trust_remote_code: bool):
+    """(config, model) of config.json's architecture with uninitialized weights, for an FP8 state dict to fill."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    cfg = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if hasattr(cfg, "quantization_config"):  # transformers would otherwise try (and fail) to apply it
+        del cfg.quantization_config
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(cfg, dtype=compute_dtype, trust_remote_code=trust_remote_code)
+    return cfg, model
+
+
+def _drop_tied_head(path: Path, sd: dict[str, torch.Tensor]) -> None:
+    """Tied embeddings: remove `lm_head.weight` from `sd` (the head is the input embedding), refusing a checkpoint
+    whose stored head differs from its embedding."""
+    emb_key = next((k for k in sd if k.endswith("embed_tokens.weight")), None)
+    head = sd.get("lm_head.weight")
+    if head is not None and emb_key is not None and not torch.equal(head, sd[emb_key]):
+        raise ValueError(f"{path}: config.json ties the input and output embeddings but lm_head.weight differs "
+                         f"from {emb_key}; the deployment would use {emb_key} for both")
+    sd.pop("lm_head.weight", None)
+
+
+def _fuse_dtype(text_cfg) -> torch.dtype:
+    """The dtype TensorRT-LLM runs the model in: its fused-layer requantization computes in it."""
+    fuse_dtype = getattr(torch, str(getattr(text_cfg, "dtype", None) or getattr(text_cfg, "torch_dtype", None)
+                                    or "bfloat16").replace("torch.", ""), torch.bfloat16)
+    if fuse_dtype not in (torch.bfloat16, torch.float16):
+        fuse_dtype = torch.bfloat16
+    return fuse_dtype
+
+
+def _tie_embeddings(model, path: Path) -> None:
+    model.tie_weights()
+    if model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
+        raise RuntimeError(f"{path}: tie_word_embeddings is set but lm_head and embed_tokens are not tied")

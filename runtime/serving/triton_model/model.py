@@ -101,6 +101,32 @@ def _strings(request, name) -> list:
     return list(t.as_numpy().reshape(-1))
 
 
+def _check_unsupported(request):
+    """An input of UNSUPPORTED set to anything but its "off" value is refused."""
+    for name, off in UNSUPPORTED.items():
+        v = _scalar(request, name)
+        if v is not None and v not in off:
+            raise _BadRequest(f"{name}={v} is not supported by specpipe's CPU runtime")
+
+
+def _wanted_outputs(request) -> dict:
+    """Which optional outputs the request asks for: finish reason, stop reason, perf metrics."""
+    return {"finish": bool(_scalar(request, "return_finish_reason", False)),
+            "stop": bool(_scalar(request, "return_stop_reason", False)),
+            "perf": bool(_scalar(request, "sampling_param_return_perf_metrics", False))}
+
+
+def _stop_strings(request) -> list:
+    """`sampling_param_stop` as str values (UTF-8)."""
+    stop = []
+    for s in _strings(request, "sampling_param_stop"):
+        try:
+            stop.append(s.decode("utf-8") if isinstance(s, bytes) else str(s))
+        except UnicodeDecodeError:
+            raise _BadRequest("sampling_param_stop is not valid UTF-8") from None
+    return stop
+
+
 class TritonPythonModel:
     def initialize(self, args):
         self.model_config = json.loads(args["model_config"])
@@ -191,51 +217,22 @@ class TritonPythonModel:
         return Overloaded
 
     def _job(self, request, sender):
-        from runtime.serving.adapter import RequestError
+        """The scheduler's Job for a valid generation request; a bad one raises _BadRequest (checked in this order:
+        parameters, stop, text_input, unsupported inputs, streaming, stop strings, sampling values)."""
         from runtime.serving.batching import Job
 
-        try:
-            extra = json.loads(request.parameters() or "{}")
-        except ValueError:
-            extra = {}
-        unknown = sorted(k for k in extra if not str(k).startswith("triton_"))
-        if unknown:
-            raise _BadRequest(f"unknown parameter(s) {unknown}: this model takes its options as inputs "
-                              f"({', '.join(self.inputs)})")
+        self._check_parameters(request)
         if bool(_scalar(request, "stop", False)):
-            rid = request.request_id()
-            if not rid:
-                raise _BadRequest("A request id must be provided for request cancellation")
-            n = self.scheduler.stop_request(rid)
-            raise _Stop(f"Request cancelled by client ({n} request(s) with id {rid!r} stopped)")
+            self._stop_by_id(request)
         prompts = _strings(request, "text_input")
         if len(prompts) != 1:
             raise _BadRequest(f"text_input must hold exactly one prompt, got {len(prompts)}")
-        for name, off in UNSUPPORTED.items():
-            v = _scalar(request, name)
-            if v is not None and v not in off:
-                raise _BadRequest(f"{name}={v} is not supported by specpipe's CPU runtime")
+        _check_unsupported(request)
         streaming = bool(_scalar(request, "streaming", False))
         if streaming and not self.decoupled:
             raise _BadRequest("Streaming is only supported in decoupled mode.")
-        want = {"finish": bool(_scalar(request, "return_finish_reason", False)),
-                "stop": bool(_scalar(request, "return_stop_reason", False)),
-                "perf": bool(_scalar(request, "sampling_param_return_perf_metrics", False))}
-        stop = []
-        for s in _strings(request, "sampling_param_stop"):
-            try:
-                stop.append(s.decode("utf-8") if isinstance(s, bytes) else str(s))
-            except UnicodeDecodeError:
-                raise _BadRequest("sampling_param_stop is not valid UTF-8") from None
-        temperature = _scalar(request, "sampling_param_temperature", 0.0)
-        top_p = _scalar(request, "sampling_param_top_p", 1.0)
-        try:
-            req = self.engine.request(prompts[0], max_tokens=int(_scalar(request, "sampling_param_max_tokens", 32)),
-                                      temperature=float(0.0 if temperature is None else temperature),
-                                      top_p=float(1.0 if top_p is None else top_p),
-                                      seed=int(_scalar(request, "sampling_param_seed", 0) or 0), stop=stop)
-        except RequestError as e:
-            raise _BadRequest(str(e)) from None
+        want = _wanted_outputs(request)
+        req = self._engine_request(request, prompts[0], _stop_strings(request))
         pending: list[str] = []   # one step behind, so that the last streamed response can carry the final flag
 
         def on_text(text):
@@ -253,6 +250,39 @@ class TritonPythonModel:
                   is_cancelled=sender.is_cancelled,
                   request_id=request.request_id() or "")
         return job
+
+    def _check_parameters(self, request):
+        """Request parameters other than Triton's own (`triton_*`) are refused: options are inputs here."""
+        try:
+            extra = json.loads(request.parameters() or "{}")
+        except ValueError:
+            extra = {}
+        unknown = sorted(k for k in extra if not str(k).startswith("triton_"))
+        if unknown:
+            raise _BadRequest(f"unknown parameter(s) {unknown}: this model takes its options as inputs "
+                              f"({', '.join(self.inputs)})")
+
+    def _stop_by_id(self, request):
+        """A `stop` request: cancel the live requests with its id, then raise _Stop (answered with CANCELLED)."""
+        rid = request.request_id()
+        if not rid:
+            raise _BadRequest("A request id must be provided for request cancellation")
+        n = self.scheduler.stop_request(rid)
+        raise _Stop(f"Request cancelled by client ({n} request(s) with id {rid!r} stopped)")
+
+    def _engine_request(self, request, prompt, stop):
+        """The engine's request from the sampling inputs; a value the engine refuses raises _BadRequest."""
+        from runtime.serving.adapter import RequestError
+
+        temperature = _scalar(request, "sampling_param_temperature", 0.0)
+        top_p = _scalar(request, "sampling_param_top_p", 1.0)
+        try:
+            return self.engine.request(prompt, max_tokens=int(_scalar(request, "sampling_param_max_tokens", 32)),
+                                       temperature=float(0.0 if temperature is None else temperature),
+                                       top_p=float(1.0 if top_p is None else top_p),
+                                       seed=int(_scalar(request, "sampling_param_seed", 0) or 0), stop=stop)
+        except RequestError as e:
+            raise _BadRequest(str(e)) from None
 
     def _final(self, job, want):
         return self._response(job.result.text, job.result, want)
