@@ -83,3 +83,20 @@ def test_no_source_module_is_over_450_lines(part):
             if "prepared" not in p.parts and (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"over {MAX_LINES} lines: {long}: split it along its concepts (a stage keeps its contract and " \
                      "orchestration, its logic goes to a runtime/ subpackage)"
+
+
+MAX_FUNCTION_LINES = 60
+
+
+@pytest.mark.parametrize("part", ["pipeline", "stages", "runtime", "bench"])
+def test_no_function_is_over_60_lines(part):
+    """ruff caps statements (PLR0915, 50); this caps what a reader scrolls through: def line to last line, docstring
+    included. A long procedure is a short function calling named steps."""
+    long = {}
+    for p in sorted((REPO / part).rglob("*.py")):
+        if "prepared" in p.parts:
+            continue
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= MAX_FUNCTION_LINES:
+                long[f"{p.relative_to(REPO)}:{node.lineno} {node.name}"] = node.end_lineno - node.lineno + 1
+    assert not long, f"over {MAX_FUNCTION_LINES} lines: {long}"
