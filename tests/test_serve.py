@@ -437,7 +437,11 @@ def test_an_http_client_that_disconnects_frees_its_slot(server, prompts):
     with socket.create_connection((host, int(port)), timeout=60) as s:
         s.sendall(b"POST /v2/models/tensorrt_llm/generate_stream HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                   b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
-        assert b"data: " in s.recv(4096)                            # it was decoding
+        received = b""
+        while b"data: " not in received:     # the headers and the first event may come in separate reads
+            chunk = s.recv(4096)
+            assert chunk, f"the server closed the stream before its first event: {received!r}"
+            received += chunk
     wait_for(lambda: outcome(server, "cancelled") - c0 == 1, timeout=30, what="the disconnected request cancelled")
     assert metric(metrics(server), "specpipe_batch_rows") == 0
 
