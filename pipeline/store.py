@@ -133,7 +133,9 @@ class Store:
 
     def new_tmp(self, stage: str) -> Path:
         self.tmp.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(dir=self.tmp, prefix=f"{stage}-"))
+        d = Path(tempfile.mkdtemp(dir=self.tmp, prefix=f"{stage}-"))
+        d.chmod(0o755)      # mkdtemp makes 0700; deployments name paths inside artifacts/<stage>/ other users read
+        return d
 
     def scratch_dir(self, stage: str, fingerprint: str) -> Path:
         d = self.scratch / stage / fingerprint[:16]
@@ -151,6 +153,7 @@ class Store:
         digest, files = digest_dir(tmp_dir)
         manifest = {**manifest, "digest": digest, "files": files}
         self.artifacts.mkdir(parents=True, exist_ok=True)
+        self.artifacts.chmod(0o755)     # the deployments' paths run through it, whatever the umask
         final = self.artifacts / stage
         if final.exists():
             (final / MANIFEST).unlink(missing_ok=True)      # untrusted from here on

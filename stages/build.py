@@ -168,6 +168,7 @@ class _Bench:
 
 
 def run(ctx: StageContext) -> dict:
+    from runtime.files import publish_tree
     from runtime.trtllm import load, readme
     from runtime.trtllm import options as T
 
@@ -192,6 +193,7 @@ def run(ctx: StageContext) -> dict:
     doc = _deployment_doc(ctx, plan, options, ddraft, runs, (guard_doc, guard_note), bench, checks, loaded)
     (ctx.out_dir / "deployment.json").write_text(json.dumps(doc, indent=2))
     (out / "README.md").write_text(readme.readme(doc, options))
+    publish_tree(ctx.out_dir)      # a container user other than the builder reads the deployment
     ctx.log.info("deployment for TensorRT-LLM %s (%s): %s, %s, batch<=%d, bench %d requests (%d prompts) at "
                  "concurrency %d", version, doc["serving_image"], doc["decoding_type"] or "no speculation",
                  runs.describe(mbs), mbs, bench.requests, bench.prompts, bench.concurrency)

@@ -60,6 +60,7 @@ class Config(StageSection):
 
 
 def run(ctx: StageContext) -> dict:
+    from runtime.files import publish_tree
     from runtime.trtllm import compat
     from runtime.trtllm import schema as trtllm_schema
 
@@ -91,6 +92,7 @@ def run(ctx: StageContext) -> dict:
            "cpu_repository": "triton_cpu" if sec.cpu_repository else None,
            "config_pbtxt": {str(Path(k).relative_to(ctx.out_dir)): v for k, v in parsed.items()}, "speculators": vllm}
     (ctx.out_dir / "export.json").write_text(json.dumps(doc, indent=2))
+    publish_tree(ctx.out_dir)      # world-readable: a non-root container user reads the repositories
     if image is None:
         ctx.log.warning("no Triton image ships TensorRT-LLM %s: serve the production repository from a custom image "
                         "built on %s (see triton/README.md)", version, dep["serving_image"])
@@ -231,7 +233,10 @@ def _require_gate(acc: dict) -> None:
 
 
 def _place(src: Path, dst: Path, mode: str) -> None:
-    """Hard-link (or copy) a checkpoint directory: the repositories must be self-contained to be mounted."""
+    """Hard-link (or copy) a checkpoint directory: the repositories must be self-contained to be mounted. The tokenizer
+    config is then written in its portable form (a new file; the source is not modified)."""
+    from runtime.text.tokenizer_files import portable_tokenizer
+
     if not (src / "config.json").exists():
         raise StageError(f"{src} is not a checkpoint directory (no config.json)")
     for f in sorted(p for p in src.rglob("*") if p.is_file()):
@@ -244,6 +249,7 @@ def _place(src: Path, dst: Path, mode: str) -> None:
             except OSError:
                 pass
         shutil.copy2(f, out)
+    portable_tokenizer(dst)
 
 
 # ---------------------------------------------------------------------------------------------- config.pbtxt

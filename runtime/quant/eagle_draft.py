@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from runtime.errors import RuntimeFailure
+from runtime.files import publish_tree
 from runtime.quant.export import cast_high_precision, copy_tokenizer
 from runtime.quant.ptq import align_with_deployment, place_model, quant_config
 
@@ -156,6 +157,7 @@ def _export_eagle_draft(model, dcfg: dict, draft_dir: Path, out: Path) -> None:
     orig = read_safetensors(draft_dir)
     cast_high_precision(out, lambda k, v: orig[k].dtype if k in orig else v.dtype)
     copy_tokenizer(draft_dir, out)
+    publish_tree(out)
 
 
 def _exported_draft_loss(target_dir: Path, draft_dir: Path, out: Path, heldout, *, has_lm_head: bool, device,

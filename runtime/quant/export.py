@@ -1,11 +1,14 @@
 """Writing a quantized model as the deployment reads it: ModelOpt's unified Hugging Face export in float32 (exact
 E4M3 codes), the unquantized tensors stored in the deployment dtype afterwards, RoPE fields in TensorRT-LLM's form,
-and the source model's tokenizer files copied next to the weights."""
+and the source model's tokenizer files copied next to the weights (in the form every targeted TensorRT-LLM reads,
+runtime/text/tokenizer_files.py), every file world-readable (runtime/files.py publish_tree)."""
 from __future__ import annotations
 
 import json
 import shutil
 from pathlib import Path
+
+from runtime.files import publish_tree
 
 WEIGHT_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json", "hf_quant_config.json")
 
@@ -26,6 +29,7 @@ def export_target(model, out_dir: Path, source_dir: Path, dtype) -> None:
     from runtime.trtllm.hf_config import normalize_file  # RoPE in the form TensorRT-LLM 1.2 and 1.3 read
     normalize_file(out_dir / "config.json")
     copy_tokenizer(source_dir, out_dir)
+    publish_tree(out_dir)
 
 
 def cast_high_precision(out: Path, dtype_for) -> int:
@@ -54,9 +58,13 @@ def cast_high_precision(out: Path, dtype_for) -> int:
 
 
 def copy_tokenizer(src: Path, dst: Path) -> list[str]:
+    """The source's non-weight files (tokenizer, chat template) into `dst`; tokenizer_config.json in its portable form."""
+    from runtime.text.tokenizer_files import portable_tokenizer
+
     copied = []
     for p in sorted(Path(src).iterdir()):
         if p.is_file() and p.suffix != ".safetensors" and p.name not in WEIGHT_FILES and not (dst / p.name).exists():
             shutil.copy2(p, dst / p.name)
             copied.append(p.name)
+    portable_tokenizer(dst)
     return copied

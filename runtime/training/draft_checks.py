@@ -12,9 +12,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-# Files that make up a Hugging Face tokenizer; whichever of them the target ships must be copied unchanged.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+from runtime.text.tokenizer_files import TOKENIZER_FILES, same_tokenizer_config
 
 ARCHITECTURES = {"eagle3": "LlamaForCausalLMEagle3", "dflash": "DFlashDraftModel"}
 
@@ -214,6 +212,14 @@ def _dflash_checks(cfg: dict, e: Expect) -> list[Check]:
     return out
 
 
+def _same(a: Path, b: Path) -> bool:
+    """Whichever tokenizer files the target ships must be copied unchanged; tokenizer_config.json must say the same once
+    both are in the portable form (runtime/text/tokenizer_files.py)."""
+    if a.name == "tokenizer_config.json":
+        return same_tokenizer_config(a, b)
+    return _sha(a) == _sha(b)
+
+
 def _tokenizer_check(draft_dir: Path, target_dir: Path | None) -> Check:
     if target_dir is None:
         return Check("tokenizer", True, "", {"compared": False})
@@ -222,7 +228,7 @@ def _tokenizer_check(draft_dir: Path, target_dir: Path | None) -> Check:
     if not src:
         return Check("tokenizer", False, f"the target {target_dir} has no tokenizer files to compare with")
     missing = [n for n in src if not (draft_dir / n).exists()]
-    differ = [n for n in src if n not in missing and _sha(draft_dir / n) != _sha(target_dir / n)]
+    differ = [n for n in src if n not in missing and not _same(draft_dir / n, target_dir / n)]
     ok = not missing and not differ
     msg = ""
     if not ok:

@@ -31,15 +31,19 @@ def export_draft(job: dict, model) -> Path:
 
 
 def complete_export(draft_dir: Path, model_dir: Path) -> dict:
-    """The target's tokenizer files (byte for byte) beside the export, its config.json's RoPE in the form TensorRT-LLM
-    1.2 and 1.3 read. Returns that config."""
-    from runtime.training.draft_checks import TOKENIZER_FILES
+    """The target's tokenizer files beside the export (tokenizer_config.json in the form every targeted TensorRT-LLM
+    reads, runtime/text/tokenizer_files.py), its config.json's RoPE in the form TensorRT-LLM 1.2 and 1.3 read, every
+    file world-readable. Returns that config."""
+    from runtime.files import publish_tree
+    from runtime.text.tokenizer_files import TOKENIZER_FILES, portable_tokenizer
     from runtime.trtllm.hf_config import normalize_file
 
     for name in TOKENIZER_FILES:
         if (model_dir / name).exists():
             shutil.copy2(model_dir / name, draft_dir / name)
+    portable_tokenizer(draft_dir)
     normalize_file(draft_dir / "config.json")
+    publish_tree(draft_dir)
     return json.loads((draft_dir / "config.json").read_text())
 
 

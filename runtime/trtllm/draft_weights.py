@@ -54,8 +54,12 @@ def rename_safetensors(src: Path, dst: Path, renames: dict[str, str]) -> int:
 
 def trtllm_draft_dir(src: Path, dst: Path, rel: compat.Release, num_layers: int) -> tuple[Path, int]:
     """The draft directory TensorRT-LLM loads: `src` itself when its tensor names are the ones the targeted
-    loader reads, else a copy in `dst` with the renames (config, tokenizer and other files copied as is)."""
+    loader reads, else a copy in `dst` with the renames (config and other files copied as is, the tokenizer in its
+    portable form), world-readable."""
     import shutil
+
+    from runtime.files import publish_tree
+    from runtime.text.tokenizer_files import portable_tokenizer
 
     files = sorted(src.glob("*.safetensors"))
     names = [n for f in files for n in safetensors_tensors(f)]
@@ -73,4 +77,6 @@ def trtllm_draft_dir(src: Path, dst: Path, rel: compat.Release, num_layers: int)
             (dst / f.name).write_text(json.dumps(idx, indent=2))
         else:
             shutil.copy2(f, dst / f.name)
+    portable_tokenizer(dst)
+    publish_tree(dst)
     return dst, n
