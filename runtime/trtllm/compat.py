@@ -126,7 +126,14 @@ SOURCES: dict[str, str] = {
                  "passes --disable-auto-complete-config; triton_backend/all_models/llmapi/tensorrt_llm/1/model.py stored "
                  "044a90d209e380c95e23e8ae42f3583fa05ada78: only auto_complete_config copies triton_config into the model config",
     "transformers_1_2": "requirements.txt stored 000867d9b1ad62f3de1e54e111c094da492a5626 (1.2 line: torch<=2.9.0, "
-                        "nvidia-modelopt~=0.37.0): transformers==4.57.1; PR #12829 moves to transformers 5.3.0 (1.3 line)",
+                        "nvidia-modelopt~=0.37.0): transformers==4.57.1; the exact v1.2.1 blob is not in the index",
+    "transformers_1_3": "PR #12829 'Upgrade transformers dependency to 5.3.0' (main, before the 1.3.0rc tags), then "
+                        "#13994 -> 5.5.3 (2026-05-11) and #14456 -> 5.5.4 (2026-05-22): the 1.3 line runs transformers 5; "
+                        "the 1.3.0rc27 requirements.txt blob is not in the index",
+    "tokenizer_class": "transformers v4.57.1 models/auto/tokenization_auto.py AutoTokenizer.from_pretrained: tokenizer_class "
+                       "looked up by name ('Tokenizer class TokenizersBackend does not exist or is not currently imported'); "
+                       "transformers 5 tokenization_utils_tokenizers.py: PreTrainedTokenizerFast = TokenizersBackend "
+                       "(runtime/text/tokenizer_files.py)",
     "rope_1_2": "tensorrt_llm/_torch/attention_backend/interface.py RopeParams.from_config (pre-PR #10636 form): "
                 "theta = getattr(config, 'rope_theta', 10000.0), scaling from config.rope_scaling via "
                 "tensorrt_llm/functional.py RotaryScalingType.from_string, which raises for 'default'",
@@ -143,17 +150,32 @@ class Container:
     kind: Literal["triton", "trtllm"]   # Triton with the TensorRT-LLM backend, or TensorRT-LLM's own release image
 
 
-# Triton images pin one TensorRT-LLM version each; the 1.1 line is listed for lookups but
-# specpipe has no field lists for it, so `build` refuses it.
+# Triton images pin one TensorRT-LLM version each: `ARG TENSORRTLLM_VER` (and TENSORRTLLM_REPO_TAG) in
+# triton-inference-server/tensorrtllm_backend dockerfile/Dockerfile.triton.trt_llm_backend on the image's release
+# branch (TRITON_DOCKERFILES below). The 1.1 line is listed for lookups but specpipe has no field lists for it, so
+# `build` refuses it.
 CONTAINERS: tuple[Container, ...] = (
     *(Container(f"nvcr.io/nvidia/tritonserver:{t}-trtllm-python-py3", "1.2.1", "triton")
       for t in ("26.04", "26.05", "26.06", "26.07")),
-    Container("nvcr.io/nvidia/tritonserver:26.03-trtllm-python-py3", "1.2.0", "triton"),
+    Container("nvcr.io/nvidia/tritonserver:26.03-trtllm-python-py3", "1.2.0rc8", "triton"),
     *(Container(f"nvcr.io/nvidia/tritonserver:{t}-trtllm-python-py3", "1.1.0", "triton")
       for t in ("25.12", "26.01", "26.02")),
     Container("nvcr.io/nvidia/tensorrt-llm/release:1.2.1", "1.2.1", "trtllm"),
     Container("nvcr.io/nvidia/tensorrt-llm/release:1.3.0rc27", "1.3.0rc27", "trtllm"),
 )
+
+# Where each Triton image's version was read: tensorrtllm_backend branch r<yy.mm> (its head commit when read),
+# dockerfile/Dockerfile.triton.trt_llm_backend `ARG TENSORRTLLM_REPO_TAG` / `ARG TENSORRTLLM_VER`.
+TRITON_DOCKERFILES: dict[str, tuple[str, str, str]] = {   # yy.mm -> (branch head commit, REPO_TAG, VER)
+    "25.12": ("5419275f0e9830ca7083ddab1651eaa10c66636f", "release/1.1", "1.1.0"),
+    "26.01": ("5b0830fc388c4c4bd3f62874a30046f596445f8f", "release/1.1", "1.1.0"),
+    "26.02": ("47c80a359531952f58e74ae8e891c010b7663d76", "release/1.1", "1.1.0"),
+    "26.03": ("9736c4df0f5b3d02eacd2912ecd930072d59d9cf", "release/1.2", "1.2.0rc8"),
+    "26.04": ("ce68ff5fd0a746eac895cfb4a5677b329c5bc707", "release/1.2.1", "1.2.1"),
+    "26.05": ("a4f2f549f22fdd8d8448bc0ac343d5969033d765", "release/1.2.1", "1.2.1"),
+    "26.06": ("e1611ce8612ae4973a45f2bdc5e928061ff7d7e2", "release/1.2.1", "1.2.1"),
+    "26.07": ("3bc115373ce1fde1d94891964b492449402e3a68", "release/1.2.1", "1.2.1"),
+}
 
 # The Triton image specpipe ships its production repository for (newest in the table), and the version it pins.
 SHIPPED_TRITON_IMAGE = "nvcr.io/nvidia/tritonserver:26.07-trtllm-python-py3"

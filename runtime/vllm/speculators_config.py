@@ -9,6 +9,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SPECULATORS_VERSION = "0.9.0"
+# The first vLLM release that captures the target's final hidden state, capture id == number of target layers: vLLM's
+# LlamaModel.forward appends the residual stream after layer i as id i + 1 (id 0 before the first layer) since
+# vllm-project/vllm 8b346309a5efbe80ee64f7d3633d2d7dedcc202b (PR #36063 "Consolidate SupportsEagle", merged 2026-03-13,
+# after the 0.17 branch: 0.17.1 was out by 2026-03-17), so from 0.18.0; before it the state *entering* layer i was
+# captured as id i, ids stop at L - 1 and a draft asking for id L gets one aux state fewer than its fc expects. Read in
+# vLLM 0.32.0: model_executor/models/llama.py LlamaModel.forward, model_executor/models/interfaces.py
+# EagleModelMixin._maybe_add_hidden_state (tests/test_vllm_capture.py).
+VLLM_MIN_FINAL_LAYER_CAPTURE = "0.18.0"
 # decoder fields of the transformer_layer_config, copied from the draft's config.json when present
 _DECODER_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                  "head_dim", "hidden_act", "rms_norm_eps", "max_position_embeddings", "attention_bias",
@@ -122,8 +130,10 @@ def eagle3_notes(ids: list[int], mo_ids: list[int], n_target: int | None) -> lis
                      "vllm-project/vllm 00bd1493) cannot load this draft; speculators 0.9 sizes fc from "
                      "eagle_aux_hidden_state_layer_ids")
     if n_target is not None and max(ids) == int(n_target):
-        notes.append(f"capture id {max(ids)} is the target's final hidden state (ModelOpt layer {max(mo_ids)}): only "
-                     "vLLM versions that capture after a layer (`layer_idx + 1 in aux_hidden_state_layers`) provide it")
+        notes.append(f"capture id {max(ids)} is the target's final hidden state (ModelOpt layer {max(mo_ids)}): it needs "
+                     f"vLLM >= {VLLM_MIN_FINAL_LAYER_CAPTURE}, which captures after each layer (id i + 1 after layer i, "
+                     "vllm-project/vllm 8b346309, PR #36063); older vLLM stops at id "
+                     f"{int(n_target) - 1} and the draft gets one aux state fewer than its fc expects")
     notes.append("first layer: vLLM and speculators compute hidden_norm(h) for the hidden half; ModelOpt trained "
                  "hidden_norm(input_layernorm(h)) (validate's first_layer_norm `serving` measures this computation)")
     return notes
