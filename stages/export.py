@@ -287,23 +287,56 @@ def check_pbtxt(paths: list[Path]) -> dict[str, str]:
 
 
 def _launch_sh(sec: Config, dep: dict) -> str:
-    tp = 1  # model.yaml's tensor_parallel_size: TensorRT-LLM spawns its own workers from the LLM-API model
+    """The container's entrypoint. It runs the tritonserver command TensorRT-LLM's
+    triton_backend/scripts/launch_triton_server.py builds (get_cmd; stored versions 0a2e2c1f1268b34586393794045691b666ba28be
+    and 0b06796b2c7895930fecff48a1e205ab14a19c51 build the same command: per rank `--model-repository`, the three
+    ports, ranks > 0 `--model-control-mode=explicit --load-model=<model>`, `--disable-auto-complete-config`,
+    `--backend-config=python,shm-region-prefix-name=prefix<rank>_`), but exec's it: that script ends in
+    `subprocess.Popen(cmd, env=env)` without waiting, so as a container's main process it returns at once and the
+    container (and the server with it) stops. World size 1 exec's tritonserver itself (the script's `--no-mpi`
+    command); a larger WORLD_SIZE exec's `mpirun -n 1 ... : -n 1 ...` in the foreground."""
     repo = shlex.quote(sec.container_path)
     name = shlex.quote(sec.model_name)
     return f"""#!/usr/bin/env bash
-# Runs INSIDE a tritonserver:<yy.mm>-trtllm-python-py3 container with this directory mounted at {sec.container_path}.
-# The container ships the LLM-API model code; this assembles a serving copy of the repository with it (the
-# mount stays read-only), then starts Triton through the container's launcher.
+# Runs INSIDE a tritonserver:<yy.mm>-trtllm-python-py3 container with this directory mounted at {sec.container_path}
+# (or at $SPECPIPE_REPO). The container ships the LLM-API model code; this assembles a serving copy of the
+# repository with it (the mount stays read-only), then REPLACES ITSELF with the server (exec): the container's
+# main process is tritonserver (mpirun for WORLD_SIZE > 1) and lives exactly as long as the server.
+# The flags are those of the container's /app/scripts/launch_triton_server.py; that script is not used because it
+# starts the server in the background (subprocess.Popen) and returns, which would end the container at once.
+# Environment: HTTP_PORT / GRPC_PORT / METRICS_PORT (8000 / 8001 / 8002), WORLD_SIZE (1; model.yaml's
+# tensor_parallel_size > 1 runs its own workers, so 1 is right unless you want one Triton rank per GPU),
+# TRITONSERVER, SERVE_REPO. Extra arguments go to tritonserver (every rank).
 set -euo pipefail
-SRC=/app/all_models/llmapi/tensorrt_llm/1
-REPO={repo}
+SRC="${{LLMAPI_MODEL_DIR:-/app/all_models/llmapi/tensorrt_llm/1}}"
+REPO="${{SPECPIPE_REPO:-{repo}}}"
 SERVE="${{SERVE_REPO:-/tmp/specpipe_model_repo}}"
+TRITONSERVER="${{TRITONSERVER:-/opt/tritonserver/bin/tritonserver}}"
+WORLD_SIZE="${{WORLD_SIZE:-1}}"
 [ -f "$SRC/model.py" ] || {{ echo "no $SRC/model.py: is this a *-trtllm-python-py3 image?" >&2; exit 1; }}
+[ -f "$REPO"/{name}/config.pbtxt ] || {{ echo "no $REPO/{name}/config.pbtxt: mount the exported triton/ there" >&2; exit 2; }}
+[[ "$WORLD_SIZE" =~ ^[1-9][0-9]*$ ]] || {{ echo "WORLD_SIZE must be a positive integer, not '$WORLD_SIZE'" >&2; exit 2; }}
 mkdir -p "$SERVE"/{name}/1
 ln -sf "$REPO"/{name}/config.pbtxt "$SERVE"/{name}/config.pbtxt
 ln -sf "$REPO"/{name}/1/model.yaml "$SERVE"/{name}/1/model.yaml
 cp "$SRC/model.py" "$SRC/helpers.py" "$SERVE"/{name}/1/
-exec python3 /app/scripts/launch_triton_server.py --model_repo="$SERVE" --world_size={tp} "$@"
+rank_args() {{   # launch_triton_server.py's flags for rank $1
+  ARGS=("--model-repository=$SERVE" "--grpc-port=${{GRPC_PORT:-8001}}" "--http-port=${{HTTP_PORT:-8000}}"
+        "--metrics-port=${{METRICS_PORT:-8002}}")
+  [ "$1" = 0 ] || ARGS+=(--model-control-mode=explicit --load-model={name})
+  ARGS+=(--disable-auto-complete-config "--backend-config=python,shm-region-prefix-name=prefix$1_")
+}}
+if [ "$WORLD_SIZE" = 1 ]; then
+  rank_args 0
+  exec "$TRITONSERVER" "${{ARGS[@]}}" "$@"
+fi
+CMD=(mpirun --allow-run-as-root)
+for ((r = 0; r < WORLD_SIZE; r++)); do
+  [ "$r" = 0 ] || CMD+=(:)
+  rank_args "$r"
+  CMD+=(-n 1 "$TRITONSERVER" "${{ARGS[@]}}" "$@")
+done
+exec "${{CMD[@]}}"
 """
 
 
@@ -328,8 +361,9 @@ next to it, referenced by their paths inside the container ({sec.container_path}
 
 The model code (`model.py`, `helpers.py`) is not copied here: it comes with the container, under
 `/app/all_models/llmapi/tensorrt_llm/1/`, and must match its TensorRT-LLM. `launch.sh` copies it into a
-serving copy of this repository (`/tmp/specpipe_model_repo`) and starts Triton with
-`/app/scripts/launch_triton_server.py`.
+serving copy of this repository (`/tmp/specpipe_model_repo`) and then becomes the server (`exec tritonserver` with
+the flags of the container's `/app/scripts/launch_triton_server.py`, which itself would start the server in the
+background and return, ending the container). Ports: `-e HTTP_PORT=... -e GRPC_PORT=... -e METRICS_PORT=...`.
 
 ## Serve
 ```bash
@@ -347,7 +381,7 @@ curl -s -N localhost:8000/v2/models/{sec.model_name}/generate_stream -d '{{"text
 With `sampling_param_return_perf_metrics: true` the response carries `acceptance_rate`,
 `total_accepted_draft_tokens` and `total_draft_tokens`. `config.pbtxt` states `max_batch_size: 0` and
 `model_transaction_policy {{ decoupled: {str(sec.decoupled).lower()} }}` itself (the same values as model.yaml's
-`triton_config`): `launch_triton_server.py` starts Triton with `--disable-auto-complete-config`, so the
+`triton_config`): launch.sh starts Triton with `--disable-auto-complete-config` (as `launch_triton_server.py` does), so the
 model's `auto_complete_config` does not copy them from model.yaml.
 {no_draft}
 
