@@ -30,12 +30,13 @@ from typing import Literal
 from pydantic import Field
 
 from pipeline.artifacts import build as build_artifact
+from pipeline.artifacts import data as data_artifact
 from pipeline.artifacts import validate as validate_artifact
 from pipeline.errors import StageError
 from pipeline.stage import Artifact, StageContext, StageSection
 
 NAME = "export"
-CONSUMES: tuple[str, ...] = ("train_draft", "quantize", "validate", "build")
+CONSUMES: tuple[str, ...] = ("data", "train_draft", "quantize", "validate", "build")
 VERSION = "3"
 PACKAGES = ("tritonclient",)
 
@@ -73,7 +74,7 @@ def run(ctx: StageContext) -> dict:
     io = trtllm_schema.load_schema("triton-llmapi-model")["config_pbtxt"]
     speculation = bool(options.get("speculative_config"))
     image = compat.triton_image_for(version)
-    _production_repository(ctx, dep, options, io, image, speculation)
+    fmt = _production_repository(ctx, dep, options, io, image, speculation)
     if sec.cpu_repository:
         _cpu_repository(ctx, dep, acc, io, speculation)
 
@@ -87,7 +88,7 @@ def run(ctx: StageContext) -> dict:
     ctx.log.info("config.pbtxt: %s", ", ".join(f"{Path(k).relative_to(ctx.out_dir)} {v}" for k, v in parsed.items()))
     doc = {"model_name": sec.model_name, "trtllm_version": version, "triton_image": image,
            "serving_image": dep["serving_image"], "decoupled": sec.decoupled, "container_path": sec.container_path,
-           "speculation": speculation,
+           "speculation": speculation, "prompt_format": {**fmt, "file": "triton/prompt_format.json"},
            "cpu_repository": "triton_cpu" if sec.cpu_repository else None,
            "config_pbtxt": {str(Path(k).relative_to(ctx.out_dir)): v for k, v in parsed.items()}, "speculators": vllm}
     (ctx.out_dir / "export.json").write_text(json.dumps(doc, indent=2))
@@ -100,9 +101,11 @@ def run(ctx: StageContext) -> dict:
 
 
 def _production_repository(ctx: StageContext, dep: dict, options: dict, io: dict, image: str | None,
-                           speculation: bool) -> None:
+                           speculation: bool) -> dict:
     """triton/: Triton's TensorRT-LLM LLM-API model (model.yaml, config.pbtxt, the checkpoints), launch.sh, README."""
+    from runtime.serving import prompt_format as P
     from runtime.trtllm import options as T
+    from runtime.trtllm import triton_launch
 
     sec: Config = ctx.section
     version = dep["trtllm_version"]
@@ -122,9 +125,36 @@ def _production_repository(ctx: StageContext, dep: dict, options: dict, io: dict
     (prod / sec.model_name / "config.pbtxt").write_text(
         config_pbtxt(sec.model_name, io, decoupled=sec.decoupled,
                      max_batch_size=body["triton_config"]["max_batch_size"]))
-    (prod / "launch.sh").write_text(_launch_sh(sec, dep))
+    (prod / "launch.sh").write_text(triton_launch.launch_sh(sec.container_path, sec.model_name))
     (prod / "launch.sh").chmod(0o755)
-    (prod / "README.md").write_text(_readme(sec, dep, image, ctx.workdir))
+    fmt = _prompt_format(ctx, dep, prod)
+    (prod / "README.md").write_text(_readme(sec, dep, image, ctx.workdir)
+                                     + P.readme_section(fmt, sec.container_path, sec.model_name))
+    return fmt
+
+
+def _prompt_format(ctx: StageContext, dep: dict, prod: Path) -> dict:
+    """triton/prompt_format.json (+ chat_template.jinja): how clients must render prompts, since the LLM-API model
+    generates from `text_input` as it is (runtime/serving/prompt_format.py). The template is the one `data` rendered
+    validate's prompts with (data/chat_template.jinja), else none."""
+    from transformers import AutoTokenizer
+
+    from runtime.serving import prompt_format as P
+
+    src = ctx.input("data").path / data_artifact.CHAT_TEMPLATE
+    if not src.is_file():           # raw-text prompts: clients send text as it is
+        fmt = P.describe(None, None, template_file=None)
+    else:
+        template = src.read_text()
+        (prod / "chat_template.jinja").write_text(template)
+        try:
+            tok = AutoTokenizer.from_pretrained(str(dep["target_dir"]), trust_remote_code=False)
+        except (OSError, ValueError) as e:
+            raise StageError(f"the target's tokenizer ({dep['target_dir']}) does not load, so the prompt format clients "
+                             f"must use cannot be written: {e}") from None
+        fmt = P.describe(tok, template, template_file="chat_template.jinja")
+    (prod / "prompt_format.json").write_text(json.dumps(fmt, indent=2))
+    return fmt
 
 
 def _model_yaml(sec: Config, options: dict, version: str) -> dict:
@@ -284,60 +314,6 @@ def check_pbtxt(paths: list[Path]) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------------------------------- launch + README
-
-
-def _launch_sh(sec: Config, dep: dict) -> str:
-    """The container's entrypoint. It runs the tritonserver command TensorRT-LLM's
-    triton_backend/scripts/launch_triton_server.py builds (get_cmd; stored versions 0a2e2c1f1268b34586393794045691b666ba28be
-    and 0b06796b2c7895930fecff48a1e205ab14a19c51 build the same command: per rank `--model-repository`, the three
-    ports, ranks > 0 `--model-control-mode=explicit --load-model=<model>`, `--disable-auto-complete-config`,
-    `--backend-config=python,shm-region-prefix-name=prefix<rank>_`), but exec's it: that script ends in
-    `subprocess.Popen(cmd, env=env)` without waiting, so as a container's main process it returns at once and the
-    container (and the server with it) stops. World size 1 exec's tritonserver itself (the script's `--no-mpi`
-    command); a larger WORLD_SIZE exec's `mpirun -n 1 ... : -n 1 ...` in the foreground."""
-    repo = shlex.quote(sec.container_path)
-    name = shlex.quote(sec.model_name)
-    return f"""#!/usr/bin/env bash
-# Runs INSIDE a tritonserver:<yy.mm>-trtllm-python-py3 container with this directory mounted at {sec.container_path}
-# (or at $SPECPIPE_REPO). The container ships the LLM-API model code; this assembles a serving copy of the
-# repository with it (the mount stays read-only), then REPLACES ITSELF with the server (exec): the container's
-# main process is tritonserver (mpirun for WORLD_SIZE > 1) and lives exactly as long as the server.
-# The flags are those of the container's /app/scripts/launch_triton_server.py; that script is not used because it
-# starts the server in the background (subprocess.Popen) and returns, which would end the container at once.
-# Environment: HTTP_PORT / GRPC_PORT / METRICS_PORT (8000 / 8001 / 8002), WORLD_SIZE (1; model.yaml's
-# tensor_parallel_size > 1 runs its own workers, so 1 is right unless you want one Triton rank per GPU),
-# TRITONSERVER, SERVE_REPO. Extra arguments go to tritonserver (every rank).
-set -euo pipefail
-SRC="${{LLMAPI_MODEL_DIR:-/app/all_models/llmapi/tensorrt_llm/1}}"
-REPO="${{SPECPIPE_REPO:-{repo}}}"
-SERVE="${{SERVE_REPO:-/tmp/specpipe_model_repo}}"
-TRITONSERVER="${{TRITONSERVER:-/opt/tritonserver/bin/tritonserver}}"
-WORLD_SIZE="${{WORLD_SIZE:-1}}"
-[ -f "$SRC/model.py" ] || {{ echo "no $SRC/model.py: is this a *-trtllm-python-py3 image?" >&2; exit 1; }}
-[ -f "$REPO"/{name}/config.pbtxt ] || {{ echo "no $REPO/{name}/config.pbtxt: mount the exported triton/ there" >&2; exit 2; }}
-[[ "$WORLD_SIZE" =~ ^[1-9][0-9]*$ ]] || {{ echo "WORLD_SIZE must be a positive integer, not '$WORLD_SIZE'" >&2; exit 2; }}
-mkdir -p "$SERVE"/{name}/1
-ln -sf "$REPO"/{name}/config.pbtxt "$SERVE"/{name}/config.pbtxt
-ln -sf "$REPO"/{name}/1/model.yaml "$SERVE"/{name}/1/model.yaml
-cp "$SRC/model.py" "$SRC/helpers.py" "$SERVE"/{name}/1/
-rank_args() {{   # launch_triton_server.py's flags for rank $1
-  ARGS=("--model-repository=$SERVE" "--grpc-port=${{GRPC_PORT:-8001}}" "--http-port=${{HTTP_PORT:-8000}}"
-        "--metrics-port=${{METRICS_PORT:-8002}}")
-  [ "$1" = 0 ] || ARGS+=(--model-control-mode=explicit --load-model={name})
-  ARGS+=(--disable-auto-complete-config "--backend-config=python,shm-region-prefix-name=prefix$1_")
-}}
-if [ "$WORLD_SIZE" = 1 ]; then
-  rank_args 0
-  exec "$TRITONSERVER" "${{ARGS[@]}}" "$@"
-fi
-CMD=(mpirun --allow-run-as-root)
-for ((r = 0; r < WORLD_SIZE; r++)); do
-  [ "$r" = 0 ] || CMD+=(:)
-  rank_args "$r"
-  CMD+=(-n 1 "$TRITONSERVER" "${{ARGS[@]}}" "$@")
-done
-exec "${{CMD[@]}}"
-"""
 
 
 def _readme(sec: Config, dep: dict, image: str | None, workdir: Path) -> str:
