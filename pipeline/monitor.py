@@ -440,9 +440,10 @@ class Monitor:
         src = f"metrics {self.metrics_url}" if self.passive else f"{self.url} model {self.run.model_name}"
         fmt = self.run.prompt_format
         if not self.passive and fmt is not None:     # the probes are sent as export's README tells clients to
-            src += (f", prompts rendered with the chat template (triton/{fmt['chat_template']})" if fmt["chat_template"]
-                    else ", raw-text prompts (no chat template)") + (" minus the leading BOS the tokenizer adds"
-                                                                      if fmt.get("tokenizer_adds_bos") else "")
+            kinds = ", ".join(f"{d} {k}" for d, k in sorted((fmt.get("domains") or {}).items()))
+            src += (f", prompts as triton/README.md tells clients to send them ({kinds}; chat = rendered with "
+                    f"triton/{fmt['chat_template']}" + (", minus the BOS the tokenizer adds" if fmt.get("tokenizer_adds_bos")
+                                                        else "") + ")")
         return (f"monitoring {src} against {self.run.workdir} (validate {self.run.digest}), draft length {d.draft_len}: "
                 f"one-sided CUSUM, drop {100 * d.drop:.0f}%, threshold {d.threshold:.2f} (false alarms <= {d.false_alarm:g} "
                 f"per probe and domain), dispersion {d.dispersion:g}\n" + "\n".join(rows))

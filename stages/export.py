@@ -142,9 +142,8 @@ def _prompt_format(ctx: StageContext, dep: dict, prod: Path) -> dict:
     from runtime.serving import prompt_format as P
 
     src = ctx.input("data").path / data_artifact.CHAT_TEMPLATE
-    if not src.is_file():           # raw-text prompts: clients send text as it is
-        fmt = P.describe(None, None, template_file=None)
-    else:
+    template = tok = None           # no template: raw-text prompts, clients send text as it is
+    if src.is_file():
         template = src.read_text()
         (prod / "chat_template.jinja").write_text(template)
         try:
@@ -152,7 +151,9 @@ def _prompt_format(ctx: StageContext, dep: dict, prod: Path) -> dict:
         except (OSError, ValueError) as e:
             raise StageError(f"the target's tokenizer ({dep['target_dir']}) does not load, so the prompt format clients "
                              f"must use cannot be written: {e}") from None
-        fmt = P.describe(tok, template, template_file="chat_template.jinja")
+    fmt = P.describe(tok, template, template_file="chat_template.jinja")
+    evals = data_artifact.read_eval(ctx.input("data").path)
+    fmt["domains"] = P.domain_formats(tok, template, {d: [p.prompt for p in ps] for d, ps in evals.items()})
     (prod / "prompt_format.json").write_text(json.dumps(fmt, indent=2))
     return fmt
 

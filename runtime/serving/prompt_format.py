@@ -53,6 +53,21 @@ def text_input_for(rendered: str, fmt: dict | None) -> str:
     return rendered[len(bos):] if bos and rendered.startswith(bos) else rendered
 
 
+def domain_formats(tok, template: str | None, prompts: dict[str, list[str]]) -> dict[str, str]:
+    """Per validated domain: "chat" when every eval prompt ends with the template's generation prompt (data rendered
+    it as a conversation), "raw" when none does (text sent as it is), else "mixed"."""
+    if template is None:
+        return {d: "raw" for d in prompts}
+    from runtime.text.chat_template import ChatRenderer
+
+    header = ChatRenderer(tok, template).generation_prompt()
+    out = {}
+    for d, ps in prompts.items():
+        n = sum(bool(header) and p.endswith(header) for p in ps)
+        out[d] = "chat" if n == len(ps) else "raw" if n == 0 else "mixed"
+    return out
+
+
 def describe(tok, template: str | None, *, template_file: str | None) -> dict:
     """The prompt format of a deployment: the chat template (file in the repository, sha256), whether the tokenizer adds a
     BOS itself, and an example conversation with the `text_input` a client sends for it. No template (raw-text
@@ -71,9 +86,14 @@ def describe(tok, template: str | None, *, template_file: str | None) -> dict:
 
 def readme_section(fmt: dict, container_path: str, model_name: str) -> str:
     """The Triton repository README's section on prompt rendering (the upstream sources: this module's docstring)."""
-    if fmt["chat_template"] is None:
-        return ("\n## Prompts\nvalidate measured the draft on raw-text prompts (the run has no chat template): send "
-                "`text_input` as plain text. The LLM-API model applies no chat template.\n")
+    doms = fmt.get("domains") or {}
+    chat = sorted(d for d, k in doms.items() if k != "raw")
+    raw = sorted(d for d, k in doms.items() if k == "raw")
+    if fmt["chat_template"] is None or not chat:
+        return ("\n## Prompts\nvalidate measured the draft on raw-text prompts (" + (", ".join(raw) or "no domain")
+                + "): send `text_input` as plain text, as a completion. The LLM-API model applies no chat template"
+                + (" (for conversations, render `chat_template.jinja` as below would describe; validate did not measure "
+                   "such prompts).\n" if fmt["chat_template"] else ".\n"))
     here = shlex.quote(container_path)
     body = json.dumps({"text_input": fmt["example_text_input"], "sampling_param_max_tokens": 64,
                        "sampling_param_return_perf_metrics": True})
@@ -84,7 +104,8 @@ def readme_section(fmt: dict, container_path: str, model_name: str) -> str:
 ## Prompts: render the chat template before sending
 The LLM-API model generates from `text_input` exactly as sent: it applies no chat template (the container's
 `model.py` passes `text_input` to `LLM.generate_async`; it has no template option). The draft was validated on
-prompts rendered with `chat_template.jinja` (this directory, sha256 `{fmt['chat_template_sha256'][:16]}...`); text
+prompts rendered with `chat_template.jinja` (this directory, sha256 `{fmt['chat_template_sha256'][:16]}...`;
+domains {', '.join(chat)}{'; raw text, sent as it is: ' + ', '.join(raw) if raw else ''}); text
 that is not rendered with it meets a draft that never saw such input, and acceptance drops. Render each
 conversation with it, with the generation prompt, and send the text:
 ```python
