@@ -12,6 +12,8 @@ and the text they send must give validate's prompt_ids under add_special_tokens=
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,8 @@ from test_export import gate, run_stage
 
 from pipeline.errors import UsageError
 from stages import build, export
+
+from conftest import TINY_CONFIG, artifact_dir, run_cli, tiny_overrides
 
 # a template that opens with the BOS, like Llama-3's
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
@@ -107,3 +111,57 @@ def test_monitor_probes_with_the_text_clients_send_and_refuses_another_template(
     (arts / "data" / "chat_template.jinja").write_text(TEMPLATE.replace("<|end|>", "</s>"))
     with pytest.raises(UsageError, match="probes would not be what clients send"):
         monitor._check_prompt_format(arts, fmt)
+
+
+# ---------------------------------------------------------------------------------------------- for real
+
+
+@pytest.fixture(scope="module")
+def run_dir(request) -> Path:
+    if os.environ.get("SPECPIPE_TEST_RUN"):
+        return Path(os.environ["SPECPIPE_TEST_RUN"])
+    wd, _ = request.getfixturevalue("tiny_run")
+    artifact_dir(wd, "export")
+    return wd
+
+
+@pytest.mark.slow
+def test_monitor_probes_the_real_cpu_triton_with_chat_rendered_prompts(run_dir, tmp_path):
+    """The tiny run with its `code` prompts rendered as conversations (as `data` writes chat samples), exported again by
+    the CLI: export says code is chat and prose raw; `specpipe monitor` against the real CPU Triton serving the exported
+    CPU repository probes both domains the way the README tells clients, and refuses once data's template changed."""
+    from transformers import AutoTokenizer
+
+    from runtime.serving import triton_server
+
+    wd = tmp_path / "run"
+    shutil.copytree(run_dir / "artifacts", wd / "artifacts", symlinks=True)
+    data = wd / "artifacts" / "data"
+    template = (data / "chat_template.jinja").read_text()
+    tok = AutoTokenizer.from_pretrained(str(wd / "artifacts" / "export" / "triton_cpu" / "tensorrt_llm" / "1" / "target_fp8"))
+    rows = [json.loads(line) for line in (data / "eval" / "code.jsonl").read_text().splitlines()]
+    for r in rows:
+        r["prompt"] = tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], chat_template=template,
+                                              tokenize=False, add_generation_prompt=True)
+        r["prompt_ids"] = tok(r["prompt"], add_special_tokens=False)["input_ids"]
+    (data / "eval" / "code.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    r = run_cli("build", str(TINY_CONFIG), "--workdir", str(wd), *tiny_overrides(), "--only", "export", timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    fmt = json.loads((wd / "artifacts" / "export" / "triton" / "prompt_format.json").read_text())
+    assert fmt["domains"] == {"code": "chat", "prose": "raw"}
+    repo = tmp_path / "repo"
+    shutil.copytree(wd / "artifacts" / "export" / "triton_cpu", repo)
+    srv = triton_server.start(repo, ready_timeout=180)
+    try:
+        args = ["monitor", "--workdir", str(wd), "--url", f"http://{srv.http_url}", "--once",
+                "--state", str(tmp_path / "s.json"), "--prom-file", str(tmp_path / "m.prom")]
+        r = run_cli(*args, timeout=600)
+        print(r.stdout[-3000:], r.stderr[-1500:])
+        assert r.returncode in (0, 1), r.stderr[-2000:]          # 1 would be a drift alarm: probes were answered
+        assert "prompts as triton/README.md tells clients to send them (code chat, prose raw" in r.stdout
+        assert "[code] AL" in r.stdout and "[prose] AL" in r.stdout
+        (data / "chat_template.jinja").write_text(template.replace("<|end|>", "<|eot|>"))
+        r = run_cli(*args, timeout=600)
+        assert r.returncode == 2 and "probes would not be what clients send" in r.stderr
+    finally:
+        srv.stop()
