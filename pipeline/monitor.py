@@ -178,6 +178,7 @@ class Run:
     temperature: float
     model_name: str
     digest: str
+    prompt_format: dict | None = None     # export's triton/prompt_format.json: how clients are told to send prompts
 
 
 def read_run(workdir: Path, draft_len: int | None = None, prompts_per_probe: int | None = None) -> Run:
@@ -208,13 +209,31 @@ def read_run(workdir: Path, draft_len: int | None = None, prompts_per_probe: int
                 raise UsageError(f"{workdir}: {e}") from None
         else:
             draft_len = int(acc["max_draft_len"])
-    model = "tensorrt_llm"
+    model, fmt = "tensorrt_llm", None
     ex = arts / "export" / "export.json"
     if ex.exists():
-        model = json.loads(ex.read_text()).get("model_name", model)
+        doc = json.loads(ex.read_text())
+        model, fmt = doc.get("model_name", model), doc.get("prompt_format")
+        _check_prompt_format(arts, fmt)
     digest = hashlib.sha256(acc_f.read_bytes()).hexdigest()[:16]
     return Run(Path(workdir), acc, prompts, draft_len, int(acc.get("max_new_tokens") or 48),
-               float(acc.get("temperature") or 0.0), model, digest)
+               float(acc.get("temperature") or 0.0), model, digest, fmt)
+
+
+def _check_prompt_format(arts: Path, fmt: dict | None) -> None:
+    """The probes are validate's prompts, rendered by `data` with data/chat_template.jinja; clients are told (export's
+    README, prompt_format.json) to render with the template export shipped. They must be the same template."""
+    from runtime.serving.prompt_format import template_sha256
+
+    if fmt is None:
+        return
+    f = arts / "data" / data_artifact.CHAT_TEMPLATE
+    data_sha = template_sha256(f.read_text()) if f.is_file() else None
+    if data_sha != fmt.get("chat_template_sha256"):
+        raise UsageError(f"{arts.parent}: the exported repository tells clients to render prompts with the chat template "
+                         f"of sha256 {str(fmt.get('chat_template_sha256'))[:16]}, but validate's prompts were rendered with "
+                         f"{'sha256 ' + data_sha[:16] if data_sha else 'no template'} ({f}): the probes would not be "
+                         "what clients send; rerun `specpipe build` so that export and data agree")
 
 
 def confidence_text(S: float) -> str:
@@ -350,13 +369,16 @@ class Monitor:
                 f"acceptance dropped (designed false-alarm rate {self.design.false_alarm:g} per probe)")
 
     def _observe_active(self) -> dict:
+        from runtime.serving.prompt_format import text_input_for
+
         K = self.design.draft_len
         out = {}
         for d, prompts in self.run.prompts.items():
             drafted = accepted = 0
             produced = 0
             for p in prompts:
-                r = probe(self.url, self.run.model_name, p, max_tokens=self.run.max_new_tokens,
+                r = probe(self.url, self.run.model_name, text_input_for(p, self.run.prompt_format),
+                          max_tokens=self.run.max_new_tokens,
                           temperature=self.run.temperature, timeout=self.timeout)
                 drafted += int(r["total_draft_tokens"])
                 accepted += int(r["total_accepted_draft_tokens"])
@@ -416,6 +438,12 @@ class Monitor:
         rows = [f"  {t.domain}: baseline AL {t.al0:.3f}, alternative AL {t.al1:.3f}, alarm boundary "
                 f"{(t.al0 + t.al1) / 2:.3f}" for t in self.tests.values()]
         src = f"metrics {self.metrics_url}" if self.passive else f"{self.url} model {self.run.model_name}"
+        fmt = self.run.prompt_format
+        if not self.passive and fmt is not None:     # the probes are sent as export's README tells clients to
+            kinds = ", ".join(f"{d} {k}" for d, k in sorted((fmt.get("domains") or {}).items()))
+            src += (f", prompts as triton/README.md tells clients to send them ({kinds}; chat = rendered with "
+                    f"triton/{fmt['chat_template']}" + (", minus the BOS the tokenizer adds" if fmt.get("tokenizer_adds_bos")
+                                                        else "") + ")")
         return (f"monitoring {src} against {self.run.workdir} (validate {self.run.digest}), draft length {d.draft_len}: "
                 f"one-sided CUSUM, drop {100 * d.drop:.0f}%, threshold {d.threshold:.2f} (false alarms <= {d.false_alarm:g} "
                 f"per probe and domain), dispersion {d.dispersion:g}\n" + "\n".join(rows))

@@ -30,12 +30,13 @@ from typing import Literal
 from pydantic import Field
 
 from pipeline.artifacts import build as build_artifact
+from pipeline.artifacts import data as data_artifact
 from pipeline.artifacts import validate as validate_artifact
 from pipeline.errors import StageError
 from pipeline.stage import Artifact, StageContext, StageSection
 
 NAME = "export"
-CONSUMES: tuple[str, ...] = ("train_draft", "quantize", "validate", "build")
+CONSUMES: tuple[str, ...] = ("data", "train_draft", "quantize", "validate", "build")
 VERSION = "3"
 PACKAGES = ("tritonclient",)
 
@@ -74,7 +75,7 @@ def run(ctx: StageContext) -> dict:
     io = trtllm_schema.load_schema("triton-llmapi-model")["config_pbtxt"]
     speculation = bool(options.get("speculative_config"))
     image = compat.triton_image_for(version)
-    _production_repository(ctx, dep, options, io, image, speculation)
+    fmt = _production_repository(ctx, dep, options, io, image, speculation)
     if sec.cpu_repository:
         _cpu_repository(ctx, dep, acc, io, speculation)
 
@@ -88,7 +89,7 @@ def run(ctx: StageContext) -> dict:
     ctx.log.info("config.pbtxt: %s", ", ".join(f"{Path(k).relative_to(ctx.out_dir)} {v}" for k, v in parsed.items()))
     doc = {"model_name": sec.model_name, "trtllm_version": version, "triton_image": image,
            "serving_image": dep["serving_image"], "decoupled": sec.decoupled, "container_path": sec.container_path,
-           "speculation": speculation,
+           "speculation": speculation, "prompt_format": {**fmt, "file": "triton/prompt_format.json"},
            "cpu_repository": "triton_cpu" if sec.cpu_repository else None,
            "config_pbtxt": {str(Path(k).relative_to(ctx.out_dir)): v for k, v in parsed.items()}, "speculators": vllm}
     (ctx.out_dir / "export.json").write_text(json.dumps(doc, indent=2))
@@ -102,9 +103,11 @@ def run(ctx: StageContext) -> dict:
 
 
 def _production_repository(ctx: StageContext, dep: dict, options: dict, io: dict, image: str | None,
-                           speculation: bool) -> None:
+                           speculation: bool) -> dict:
     """triton/: Triton's TensorRT-LLM LLM-API model (model.yaml, config.pbtxt, the checkpoints), launch.sh, README."""
+    from runtime.serving import prompt_format as P
     from runtime.trtllm import options as T
+    from runtime.trtllm import triton_launch
 
     sec: Config = ctx.section
     version = dep["trtllm_version"]
@@ -124,9 +127,37 @@ def _production_repository(ctx: StageContext, dep: dict, options: dict, io: dict
     (prod / sec.model_name / "config.pbtxt").write_text(
         config_pbtxt(sec.model_name, io, decoupled=sec.decoupled,
                      max_batch_size=body["triton_config"]["max_batch_size"]))
-    (prod / "launch.sh").write_text(_launch_sh(sec, dep))
+    (prod / "launch.sh").write_text(triton_launch.launch_sh(sec.container_path, sec.model_name))
     (prod / "launch.sh").chmod(0o755)
-    (prod / "README.md").write_text(_readme(sec, dep, image, ctx.workdir))
+    fmt = _prompt_format(ctx, dep, prod)
+    (prod / "README.md").write_text(_readme(sec, dep, image, ctx.workdir)
+                                     + P.readme_section(fmt, sec.container_path, sec.model_name))
+    return fmt
+
+
+def _prompt_format(ctx: StageContext, dep: dict, prod: Path) -> dict:
+    """triton/prompt_format.json (+ chat_template.jinja): how clients must render prompts, since the LLM-API model
+    generates from `text_input` as it is (runtime/serving/prompt_format.py). The template is the one `data` rendered
+    validate's prompts with (data/chat_template.jinja), else none."""
+    from transformers import AutoTokenizer
+
+    from runtime.serving import prompt_format as P
+
+    src = ctx.input("data").path / data_artifact.CHAT_TEMPLATE
+    template = tok = None           # no template: raw-text prompts, clients send text as it is
+    if src.is_file():
+        template = src.read_text()
+        (prod / "chat_template.jinja").write_text(template)
+        try:
+            tok = AutoTokenizer.from_pretrained(str(dep["target_dir"]), trust_remote_code=False)
+        except (OSError, ValueError) as e:
+            raise StageError(f"the target's tokenizer ({dep['target_dir']}) does not load, so the prompt format clients "
+                             f"must use cannot be written: {e}") from None
+    fmt = P.describe(tok, template, template_file="chat_template.jinja")
+    evals = data_artifact.read_eval(ctx.input("data").path)
+    fmt["domains"] = P.domain_formats(tok, template, {d: [p.prompt for p in ps] for d, ps in evals.items()})
+    (prod / "prompt_format.json").write_text(json.dumps(fmt, indent=2))
+    return fmt
 
 
 def _model_yaml(sec: Config, options: dict, version: str) -> dict:
@@ -292,27 +323,6 @@ def check_pbtxt(paths: list[Path]) -> dict[str, str]:
 # ---------------------------------------------------------------------------------------------- launch + README
 
 
-def _launch_sh(sec: Config, dep: dict) -> str:
-    tp = 1  # model.yaml's tensor_parallel_size: TensorRT-LLM spawns its own workers from the LLM-API model
-    repo = shlex.quote(sec.container_path)
-    name = shlex.quote(sec.model_name)
-    return f"""#!/usr/bin/env bash
-# Runs INSIDE a tritonserver:<yy.mm>-trtllm-python-py3 container with this directory mounted at {sec.container_path}.
-# The container ships the LLM-API model code; this assembles a serving copy of the repository with it (the
-# mount stays read-only), then starts Triton through the container's launcher.
-set -euo pipefail
-SRC=/app/all_models/llmapi/tensorrt_llm/1
-REPO={repo}
-SERVE="${{SERVE_REPO:-/tmp/specpipe_model_repo}}"
-[ -f "$SRC/model.py" ] || {{ echo "no $SRC/model.py: is this a *-trtllm-python-py3 image?" >&2; exit 1; }}
-mkdir -p "$SERVE"/{name}/1
-ln -sf "$REPO"/{name}/config.pbtxt "$SERVE"/{name}/config.pbtxt
-ln -sf "$REPO"/{name}/1/model.yaml "$SERVE"/{name}/1/model.yaml
-cp "$SRC/model.py" "$SRC/helpers.py" "$SERVE"/{name}/1/
-exec python3 /app/scripts/launch_triton_server.py --model_repo="$SERVE" --world_size={tp} "$@"
-"""
-
-
 def _readme(sec: Config, dep: dict, image: str | None, workdir: Path) -> str:
     here = shlex.quote(str(Path(workdir).resolve() / "artifacts" / "export" / "triton"))
     img = image or f"<a custom Triton image built on {dep['serving_image']}>"
@@ -334,8 +344,9 @@ next to it, referenced by their paths inside the container ({sec.container_path}
 
 The model code (`model.py`, `helpers.py`) is not copied here: it comes with the container, under
 `/app/all_models/llmapi/tensorrt_llm/1/`, and must match its TensorRT-LLM. `launch.sh` copies it into a
-serving copy of this repository (`/tmp/specpipe_model_repo`) and starts Triton with
-`/app/scripts/launch_triton_server.py`.
+serving copy of this repository (`/tmp/specpipe_model_repo`) and then becomes the server (`exec tritonserver` with
+the flags of the container's `/app/scripts/launch_triton_server.py`, which itself would start the server in the
+background and return, ending the container). Ports: `-e HTTP_PORT=... -e GRPC_PORT=... -e METRICS_PORT=...`.
 
 ## Serve
 ```bash
@@ -353,7 +364,7 @@ curl -s -N localhost:8000/v2/models/{sec.model_name}/generate_stream -d '{{"text
 With `sampling_param_return_perf_metrics: true` the response carries `acceptance_rate`,
 `total_accepted_draft_tokens` and `total_draft_tokens`. `config.pbtxt` states `max_batch_size: 0` and
 `model_transaction_policy {{ decoupled: {str(sec.decoupled).lower()} }}` itself (the same values as model.yaml's
-`triton_config`): `launch_triton_server.py` starts Triton with `--disable-auto-complete-config`, so the
+`triton_config`): launch.sh starts Triton with `--disable-auto-complete-config` (as `launch_triton_server.py` does), so the
 model's `auto_complete_config` does not copy them from model.yaml.
 {no_draft}
 

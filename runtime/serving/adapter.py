@@ -104,7 +104,10 @@ class ServingEngine:
         self.context = int(cfg.max_position_embeddings)
 
     def encode(self, prompt: str) -> list[int]:
-        return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        """`text_input` as TensorRT-LLM's LLM API tokenizes it for the production model (DefaultInputProcessor:
+        `add_special_tokens=sampling_params.add_special_tokens`, default True; runtime/serving/prompt_format.py), so a
+        client's prompt gives the same tokens on both repositories."""
+        return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
