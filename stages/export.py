@@ -83,13 +83,15 @@ def run(ctx: StageContext) -> dict:
     elif sec.speculators:
         ctx.log.info("speculators/: not written, the deployment runs the target alone (tune found no draft length that pays)")
 
+    profile = _speculation_profile(ctx, acc, dep, vllm) if speculation else None
     parsed = check_pbtxt([p for p in ctx.out_dir.rglob("config.pbtxt")])
     ctx.log.info("config.pbtxt: %s", ", ".join(f"{Path(k).relative_to(ctx.out_dir)} {v}" for k, v in parsed.items()))
     doc = {"model_name": sec.model_name, "trtllm_version": version, "triton_image": image,
            "serving_image": dep["serving_image"], "decoupled": sec.decoupled, "container_path": sec.container_path,
            "speculation": speculation,
            "cpu_repository": "triton_cpu" if sec.cpu_repository else None,
-           "config_pbtxt": {str(Path(k).relative_to(ctx.out_dir)): v for k, v in parsed.items()}, "speculators": vllm}
+           "config_pbtxt": {str(Path(k).relative_to(ctx.out_dir)): v for k, v in parsed.items()}, "speculators": vllm,
+           "speculation_profile": profile}
     (ctx.out_dir / "export.json").write_text(json.dumps(doc, indent=2))
     if image is None:
         ctx.log.warning("no Triton image ships TensorRT-LLM %s: serve the production repository from a custom image "
@@ -97,6 +99,48 @@ def run(ctx: StageContext) -> dict:
     return {"model_name": sec.model_name, "trtllm_version": version, "triton_image": image or "custom",
             "cpu_repository": sec.cpu_repository, "config_pbtxt_checked": sum(v == "parsed" for v in parsed.values()),
             "speculators": vllm["speculators_model_type"] if vllm else None}
+
+
+def _speculation_profile(ctx: StageContext, acc: dict, dep: dict, vllm: dict | None) -> dict:
+    """speculation_profile.json (runtime/validate/profile.py, docs/stages/build_export.md) beside every draft this
+    stage ships: the TensorRT-LLM draft of triton/, the CPU repository's draft, speculators/."""
+    from pipeline.artifacts import quantize as quantize_artifact
+    from runtime.validate import profile as P
+
+    sec: Config = ctx.section
+    prov = ctx.input("validate").manifest.get("provenance", {})
+    pk = prov.get("packages") or {}
+    mo = {**ctx.input("train_draft").manifest.get("provenance", {}).get("packages", {}),
+          **ctx.input("quantize").manifest.get("provenance", {}).get("packages", {})}
+    q = quantize_artifact.read_info(ctx.input("quantize").path)
+    pair = (acc.get("pairs") or {}).get("fp8") or {}
+    prompts = {"source": "specpipe data stage eval/<domain>.jsonl: the first validate.num_prompts prompts of each domain",
+               "num_prompts_per_domain": (prov.get("config") or {}).get("num_prompts"),
+               "per_category": {d: (v.get("fp8") or {}).get("prompts") for d, v in (acc.get("domains") or {}).items()},
+               "data_fingerprint": ((prov.get("inputs") or {}).get("data") or {}).get("fingerprint")}
+    conditions = {
+        "pair": {"target": pair.get("target_dir"), "draft": pair.get("draft_dir"), "target_precision": q.quant_algo,
+                 "kv_cache": q.kv_cache, "draft_precision": q.draft_format,
+                 "first_layer_norm": (acc.get("draft") or {}).get("first_layer_norm")},
+        "num_speculative_tokens": acc.get("max_draft_len"), "draft_schedule": dep.get("draft_schedule"),
+        "prompts": prompts,
+        "versions": {"specpipe": prov.get("specpipe_version"), "torch": pk.get("torch"),
+                     "transformers": pk.get("transformers"), "modelopt": mo.get("nvidia-modelopt")}}
+    doc = P.build_profile(acc, method=dep.get("algorithm"), conditions=conditions,
+                          target={"path": pair.get("target_dir"), "precision": q.quant_algo, "kv_cache": q.kv_cache},
+                          draft={"path": pair.get("draft_dir"), "precision": q.draft_format,
+                                 "algorithm": dep.get("algorithm")},
+                          deployed_draft_len=build_artifact.draft_schedule(dep).k_at(1))
+    dirs = [ctx.out_dir / "triton" / sec.model_name / "1" / "draft"]
+    if sec.cpu_repository:
+        dirs.append(ctx.out_dir / "triton_cpu" / sec.model_name / "1" / "draft")
+    if vllm:
+        dirs.append(ctx.out_dir / "speculators")
+    files = [str(f.relative_to(ctx.out_dir)) for f in P.write_profile(doc, dirs)]
+    ctx.log.info("speculation_profile.json (%s, AL %s at k=%s): %s", doc["measurement_conditions"]["engine"],
+                 doc["mean_accept_length"], doc["num_speculative_tokens"], ", ".join(files))
+    return {"files": files, "engines": [m["engine"] for m in doc["measurements"]],
+            "mean_accept_length": doc["mean_accept_length"], "num_speculative_tokens": doc["num_speculative_tokens"]}
 
 
 def _production_repository(ctx: StageContext, dep: dict, options: dict, io: dict, image: str | None,
