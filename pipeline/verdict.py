@@ -101,6 +101,11 @@ def deploy_paths(store: Store, export: dict | None) -> list[list[str]]:
 def render(store: Store, doc: dict, table) -> str:
     """The report's opening section (HTML); `table` is pipeline.report.table."""
     acc = _read(store, "validate", "acceptance.json")
+    val = next((s for s in doc["stages"] if s["name"] == "validate"), {})
+    refused_pair = val.get("last_build") == "failed" and isinstance(val.get("failed_metrics"), dict) \
+        and "domains" in val["failed_metrics"]
+    if refused_pair:     # what the failed build measured, not the artifact committed before it
+        acc = {**val["failed_metrics"], "gates": (val["failed_metrics"].get("gates") or {"passed": False})}
     export = _read(store, "export", "export.json")
     tuning = _read(store, "tune", "tuning.json")
     state, why = outcome(doc, acc)
@@ -108,9 +113,11 @@ def render(store: Store, doc: dict, table) -> str:
     parts = ["<h2 id='verdict'>Verdict</h2>", f"<p><span class='{cls}'>{esc(state.upper())}</span>: {esc(why)}</p>"]
     if acc is not None:
         header, rows = al_rows(acc)
-        parts.append("<h3>Acceptance length per domain</h3>" + table(rows, header))
+        note = " (the pair validate refused, as the failed build measured it)" if refused_pair else ""
+        parts.append(f"<h3>Acceptance length per domain{note}</h3>" + table(rows, header))
     tune = store.artifact("tune")
-    parts.append(f"<p>{speedup_text(tuning, tune.metrics if tune else {})}</p>")
+    stale = " (from the last committed tune: not a prediction for a refused or unbuilt pair)" if state != "shipped" else ""
+    parts.append(f"<p>{speedup_text(tuning, tune.metrics if tune else {})}{esc(stale)}</p>")
     paths = deploy_paths(store, export) if state == "shipped" else []
     if paths:
         parts.append("<h3>Artifacts to deploy</h3>" + table(paths, ["what", "path"]))
