@@ -84,6 +84,7 @@ def deploy_paths(store: Store, export: dict | None) -> list[list[str]]:
         dep = b.path / "deployment"
         rows += [["TensorRT-LLM deployment (trtllm-serve / LLM API)", str(dep)],
                  ["  serve command", str(dep / "serve.sh")], ["  LLM-API options", str(dep / "llm_api_options.yaml")]]
+        rows += [["  speculation profile", str(f)] for f in sorted(dep.rglob("speculation_profile.json"))]
     e = store.artifact("export")
     if e is not None and export is not None:
         rows.append(["Triton repository (TensorRT-LLM LLM-API model)", str(e.path / "triton")])
@@ -94,7 +95,7 @@ def deploy_paths(store: Store, export: dict | None) -> list[list[str]]:
             rows += [["vLLM draft (speculators format)", str(e.path / "speculators")],
                      ["  vllm serve command", str(e.path / "speculators" / "serve_vllm.sh")]]
         for f in (export.get("speculation_profile") or {}).get("files", []):
-            rows.append(["speculation profile", str(e.path / f)])
+            rows.append(["  speculation profile", str(e.path / f)])
     return rows
 
 

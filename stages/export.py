@@ -104,33 +104,12 @@ def run(ctx: StageContext) -> dict:
 def _speculation_profile(ctx: StageContext, acc: dict, dep: dict, vllm: dict | None) -> dict:
     """speculation_profile.json (runtime/validate/profile.py, docs/stages/build_export.md) beside every draft this
     stage ships: the TensorRT-LLM draft of triton/, the CPU repository's draft, speculators/."""
-    from pipeline.artifacts import quantize as quantize_artifact
     from runtime.validate import profile as P
 
     sec: Config = ctx.section
-    prov = ctx.input("validate").manifest.get("provenance", {})
-    pk = prov.get("packages") or {}
-    mo = {**ctx.input("train_draft").manifest.get("provenance", {}).get("packages", {}),
-          **ctx.input("quantize").manifest.get("provenance", {}).get("packages", {})}
-    q = quantize_artifact.read_info(ctx.input("quantize").path)
-    pair = (acc.get("pairs") or {}).get("fp8") or {}
-    prompts = {"source": "specpipe data stage eval/<domain>.jsonl: the first validate.num_prompts prompts of each domain",
-               "num_prompts_per_domain": (prov.get("config") or {}).get("num_prompts"),
-               "per_category": {d: (v.get("fp8") or {}).get("prompts") for d, v in (acc.get("domains") or {}).items()},
-               "data_fingerprint": ((prov.get("inputs") or {}).get("data") or {}).get("fingerprint")}
-    conditions = {
-        "pair": {"target": pair.get("target_dir"), "draft": pair.get("draft_dir"), "target_precision": q.quant_algo,
-                 "kv_cache": q.kv_cache, "draft_precision": q.draft_format,
-                 "first_layer_norm": (acc.get("draft") or {}).get("first_layer_norm")},
-        "num_speculative_tokens": acc.get("max_draft_len"), "draft_schedule": dep.get("draft_schedule"),
-        "prompts": prompts,
-        "versions": {"specpipe": prov.get("specpipe_version"), "torch": pk.get("torch"),
-                     "transformers": pk.get("transformers"), "modelopt": mo.get("nvidia-modelopt")}}
-    doc = P.build_profile(acc, method=dep.get("algorithm"), conditions=conditions,
-                          target={"path": pair.get("target_dir"), "precision": q.quant_algo, "kv_cache": q.kv_cache},
-                          draft={"path": pair.get("draft_dir"), "precision": q.draft_format,
-                                 "algorithm": dep.get("algorithm")},
-                          deployed_draft_len=build_artifact.draft_schedule(dep).k_at(1))
+    doc = validate_artifact.speculation_profile(ctx.input("validate"), ctx.input("quantize"), ctx.input("train_draft"),
+                                                algorithm=dep.get("algorithm"), draft_schedule=dep.get("draft_schedule"),
+                                                deployed_draft_len=build_artifact.draft_schedule(dep).k_at(1))
     dirs = [ctx.out_dir / "triton" / sec.model_name / "1" / "draft"]
     if sec.cpu_repository:
         dirs.append(ctx.out_dir / "triton_cpu" / sec.model_name / "1" / "draft")

@@ -11,6 +11,7 @@ it works on a copy.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -119,11 +120,16 @@ def test_every_exported_draft_carries_the_profile(run_dir):
     expected = {"triton/tensorrt_llm/1/draft/speculation_profile.json",
                 "triton_cpu/tensorrt_llm/1/draft/speculation_profile.json", "speculators/speculation_profile.json"}
     assert set(files) == expected
-    texts = {(arts / "export" / f).read_text() for f in files}
+    dep = json.loads((arts / "build" / "deployment.json").read_text())
+    # build's: beside the draft the TensorRT-LLM deployment ships (deployment/draft/ where build renamed the draft)
+    built = arts / "build" / "deployment" / ("draft" if dep["draft_weight_names"] else "") / "speculation_profile.json"
+    paths = [built, *[arts / "export" / f for f in files]]
+    texts = {p.read_text() for p in paths}
     assert len(texts) == 1                                             # the same profile beside every draft
-    for f in files:
-        mode = (arts / "export" / f).stat().st_mode
-        assert mode & stat.S_IROTH, f"{f} is not world-readable"
+    for p in paths:
+        assert p.stat().st_mode & stat.S_IROTH, f"{p} is not world-readable"
+    entry = json.loads((arts / "build" / "manifest.json").read_text())["files"][str(built.relative_to(arts / "build"))]
+    assert entry["sha256"] == hashlib.sha256(built.read_bytes()).hexdigest()   # export did not write through a link
     p = json.loads(texts.pop())
     acc = json.loads((arts / "validate" / "acceptance.json").read_text())
     assert MODELOPT_KEYS <= set(p) and p["schema_version"] == "1.0" and p["measured"] is True
@@ -209,6 +215,7 @@ def test_report_opens_with_the_verdict(run_dir, tmp_path):
     assert "H200" in text
     ex = json.loads((arts / "export" / "export.json").read_text())
     paths = [arts / "build" / "deployment" / "serve.sh", arts / "export" / "triton" / "launch.sh",
+             *(arts / "build" / "deployment").rglob("speculation_profile.json"),
              arts / "export" / "speculators" / "serve_vllm.sh",
              *[arts / "export" / f for f in ex["speculation_profile"]["files"]]]
     for p in paths:

@@ -172,6 +172,7 @@ def write_profile(profile: dict, dirs: list[Path]) -> list[Path]:
     for d in dirs:
         p = Path(d) / FILENAME
         p.parent.mkdir(parents=True, exist_ok=True)
+        p.unlink(missing_ok=True)      # never write through a hard link into the artifact it was linked from
         p.write_text(text)
         p.chmod(0o644)
         out.append(p)
