@@ -9,9 +9,11 @@ the first `validate.num_prompts` with prompt ids), validate's `max_new_tokens` a
 and tests the live traffic against the overall baseline.
 
 Baseline. validate measured, per domain, the conditional acceptance p_j of draft position j (accepted given
-positions < j accepted). At the deployed draft length K (`build`'s deployment, the batch-1 draft length;
-K <= validate's max_draft_len) the accepted count a of one verification step has P(a >= j) = p_1...p_j, so
-mu0 = E[a] = sum_j P(a >= j) (AL0 = 1 + mu0) and sigma0^2 = sum_j (2j - 1) P(a >= j) - mu0^2.
+positions < j accepted); export ships it in `speculation_profile.json` beside the draft (its first measurement's
+`per_category.<domain>.conditional_accept_rates`, runtime/validate/profile.py), and the monitor reads it from there
+(export.json lists the files), else from validate's acceptance.json. At the deployed draft length K (`build`'s
+deployment, the batch-1 draft length; K <= validate's max_draft_len) the accepted count a of one verification
+step has P(a >= j) = p_1...p_j, so mu0 = E[a] = sum_j P(a >= j) (AL0 = 1 + mu0) and sigma0^2 = sum_j (2j - 1) P(a >= j) - mu0^2.
 
 Alternative. A drop of the acceptance length by the fraction `drop` (default 0.2): every p_j scaled by the
 same c < 1 so that AL1 = (1 - drop) AL0 (mu1 = AL1 - 1), variance sigma1^2 likewise.
@@ -178,6 +180,9 @@ class Run:
     temperature: float
     model_name: str
     digest: str
+    baseline: dict[str, list] = field(default_factory=dict)     # conditional acceptance per position, per domain
+    baseline_overall: list | None = None
+    baseline_source: str = "acceptance.json"
     prompt_format: dict | None = None     # export's triton/prompt_format.json: how clients are told to send prompts
 
 
@@ -198,7 +203,8 @@ def read_run(workdir: Path, draft_len: int | None = None, prompts_per_probe: int
                    for d, ps in data_artifact.read_eval(arts / "data", domains=acc.get("domains", {}), per_domain=n).items()}
     except StageError as e:
         raise UsageError(f"{workdir}: {e}") from None
-    missing = sorted(set(acc.get("domains", {})) - set(prompts))
+    per, overall, source, digest = read_baseline(arts, acc)
+    missing = sorted(set(per) - set(prompts))
     if missing:
         raise UsageError(f"{workdir}: validated domains {missing} have no prompts under artifacts/data/eval")
     if draft_len is None:
@@ -215,9 +221,8 @@ def read_run(workdir: Path, draft_len: int | None = None, prompts_per_probe: int
         doc = json.loads(ex.read_text())
         model, fmt = doc.get("model_name", model), doc.get("prompt_format")
         _check_prompt_format(arts, fmt)
-    digest = hashlib.sha256(acc_f.read_bytes()).hexdigest()[:16]
     return Run(Path(workdir), acc, prompts, draft_len, int(acc.get("max_new_tokens") or 48),
-               float(acc.get("temperature") or 0.0), model, digest, fmt)
+               float(acc.get("temperature") or 0.0), model, digest, per, overall, source, fmt)
 
 
 def _check_prompt_format(arts: Path, fmt: dict | None) -> None:
@@ -234,6 +239,26 @@ def _check_prompt_format(arts: Path, fmt: dict | None) -> None:
                          f"of sha256 {str(fmt.get('chat_template_sha256'))[:16]}, but validate's prompts were rendered with "
                          f"{'sha256 ' + data_sha[:16] if data_sha else 'no template'} ({f}): the probes would not be "
                          "what clients send; rerun `specpipe build` so that export and data agree")
+
+
+def read_baseline(arts: Path, acc: dict) -> tuple[dict[str, list], list | None, str, str]:
+    """(per-domain conditional acceptance, overall, where it came from, digest of that file): the exported
+    speculation profile when export wrote one, else validate's acceptance.json (the FP8 pair)."""
+    from runtime.validate import profile as P
+
+    ex = arts / "export" / "export.json"
+    files = ((json.loads(ex.read_text()).get("speculation_profile") or {}).get("files") or []) if ex.exists() else []
+    if files:
+        f = arts / "export" / files[0]
+        try:
+            per, overall, engine = P.baseline(P.read_profile(f), f)
+        except P.ProfileError as e:
+            raise UsageError(f"{e} (rerun `specpipe build <config> --force export` to rewrite it)") from None
+        return per, overall, f"{f.relative_to(arts.parent)} ({engine})", hashlib.sha256(f.read_bytes()).hexdigest()[:16]
+    per = {d: v["fp8"]["per_position"] for d, v in acc.get("domains", {}).items()}
+    overall = acc["overall"]["fp8"]["per_position"]
+    acc_f = arts / "validate" / validate_artifact.INFO
+    return per, overall, str(acc_f.relative_to(arts.parent)), hashlib.sha256(acc_f.read_bytes()).hexdigest()[:16]
 
 
 def confidence_text(S: float) -> str:
@@ -299,11 +324,10 @@ class Monitor:
                  state_path: Path, prom_path: Path, timeout: float = 120.0, reset: bool = False, echo=print):
         self.run, self.design, self.url, self.metrics_url, self.passive = run, design, url, metrics_url, passive
         self.state_path, self.prom_path, self.timeout, self.echo = Path(state_path), Path(prom_path), timeout, echo
-        acc = run.acceptance
         if passive:
-            self.tests = {"overall": make_test("overall", acc["overall"]["fp8"]["per_position"], design)}
+            self.tests = {"overall": make_test("overall", run.baseline_overall or [], design)}
         else:
-            self.tests = {d: make_test(d, v["fp8"]["per_position"], design) for d, v in acc["domains"].items()}
+            self.tests = {d: make_test(d, p, design) for d, p in run.baseline.items()}
         self.key = f"{run.digest}:K{design.draft_len}:{design.drop}:{design.false_alarm}:{design.dispersion}:" \
                    f"{'passive' if passive else 'active'}"
         self.counters: dict | None = None
@@ -444,6 +468,7 @@ class Monitor:
             src += (f", prompts as triton/README.md tells clients to send them ({kinds}; chat = rendered with "
                     f"triton/{fmt['chat_template']}" + (", minus the BOS the tokenizer adds" if fmt.get("tokenizer_adds_bos")
                                                         else "") + ")")
-        return (f"monitoring {src} against {self.run.workdir} (validate {self.run.digest}), draft length {d.draft_len}: "
+        return (f"monitoring {src} against {self.run.workdir} (baseline {self.run.baseline_source}, "
+                f"{self.run.digest}), draft length {d.draft_len}: "
                 f"one-sided CUSUM, drop {100 * d.drop:.0f}%, threshold {d.threshold:.2f} (false alarms <= {d.false_alarm:g} "
                 f"per probe and domain), dispersion {d.dispersion:g}\n" + "\n".join(rows))

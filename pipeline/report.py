@@ -1,4 +1,6 @@
-"""Self-contained HTML report: the stage table, then each stage's own section (its `report(artifact)`).
+"""Self-contained HTML report: the verdict first (pipeline/verdict.py: shipped or refused and why, AL per domain,
+predicted speedup, the artifacts to deploy), then the stage table, then each stage's own section (its
+`report(artifact)`).
 
 Stages build their sections with the helpers here: `table(rows)`, `figure(fig)` (a matplotlib figure
 embedded as a PNG data URI), `esc(text)`.
@@ -12,7 +14,7 @@ import json
 from datetime import datetime, timezone
 from pathlib import Path
 
-from pipeline import registry, runner
+from pipeline import registry, runner, verdict
 from pipeline.store import Store, atomic_write_text
 
 esc = html.escape
@@ -64,6 +66,7 @@ def write_report(store: Store, out: Path | None = None) -> Path:
              f"<h1>specpipe report</h1><p class='muted'>workdir <code>{esc(str(store.root))}</code> · config "
              f"<code>{esc(str(doc.get('config')))}</code> · last build {esc(str(doc.get('last_finished')))} · "
              f"written {datetime.now(timezone.utc).isoformat(timespec='seconds')}</p>",
+             verdict.safe_render(store, doc, table),
              "<h2>Stages</h2>"]
     rows = []
     for st in doc["stages"]:

@@ -10,6 +10,9 @@ version the shipped Triton image pins, `runtime/trtllm/compat.py`) and in that v
   deployment/draft/                 the EAGLE-3 draft with its layers named as the targeted loader reads them, where
                                     that differs from ModelOpt's names (1.2: midlayer.*); train_draft's artifact
                                     stays as ModelOpt wrote it
+  deployment/[draft/]speculation_profile.json  the draft's measured acceptance (validate's, ModelOpt's proposed
+                                    schema, docs/stages/build_export.md): in draft/ where build writes the draft,
+                                    else beside the options that name it
   deployment/serve.sh               trtllm-serve <FP8 target> --backend pytorch --extra_llm_api_options ...
   deployment/bench.sh               trtllm-bench throughput on bench_dataset.jsonl (the eval prompts, repeated
                                     to hold `bench.rounds` x the bench concurrency requests)
@@ -46,7 +49,7 @@ if TYPE_CHECKING:
     from runtime.trtllm.options import DeploymentSpec
 
 NAME = "build"
-CONSUMES: tuple[str, ...] = ("target", "data", "train_draft", "quantize", "tune")
+CONSUMES: tuple[str, ...] = ("target", "data", "train_draft", "quantize", "validate", "tune")
 VERSION = "2"
 PACKAGES = ("tensorrt_llm",)
 USES = ("hardware",)
@@ -193,6 +196,8 @@ def run(ctx: StageContext) -> dict:
     doc = _deployment_doc(ctx, plan, options, ddraft, runs, (guard_doc, guard_note), bench, checks, loaded)
     (ctx.out_dir / "deployment.json").write_text(json.dumps(doc, indent=2))
     (out / "README.md").write_text(readme.readme(doc, options))
+    if plan.speculation:
+        _write_profile(ctx, plan, out / "draft" if ddraft.renamed else out, doc, runs.k_at(1))
     publish_tree(ctx.out_dir)      # a container user other than the builder reads the deployment
     ctx.log.info("deployment for TensorRT-LLM %s (%s): %s, %s, batch<=%d, bench %d requests (%d prompts) at "
                  "concurrency %d", version, doc["serving_image"], doc["decoding_type"] or "no speculation",
@@ -201,6 +206,19 @@ def run(ctx: StageContext) -> dict:
             "decoding_type": doc["decoding_type"], "max_draft_len": plan.kmax, "draft_schedule": runs.describe(mbs),
             "max_batch_size": mbs, "max_num_tokens": options["max_num_tokens"], "checks_passed": len(checks),
             "loaded": loaded["loaded"], "load_note": loaded.get("reason", "loaded"), "bench_requests": bench.requests}
+
+
+def _write_profile(ctx: StageContext, plan: _Plan, where: Path, doc: dict, k1: int) -> None:
+    """speculation_profile.json beside the draft this deployment ships (runtime/validate/profile.py)."""
+    from pipeline.artifacts import validate as validate_artifact
+    from runtime.validate import profile as P
+
+    prof = validate_artifact.speculation_profile(ctx.input("validate"), ctx.input("quantize"), ctx.input("train_draft"),
+                                                 algorithm=plan.algo, draft_schedule=doc.get("draft_schedule"),
+                                                 deployed_draft_len=k1)
+    f = P.write_profile(prof, [where])[0]
+    ctx.log.info("%s: the draft's measured acceptance (AL %s at k=%s, %s)", f.relative_to(ctx.out_dir),
+                 prof["mean_accept_length"], prof["num_speculative_tokens"], prof["measurement_conditions"]["engine"])
 
 
 def _plan(ctx: StageContext) -> _Plan:

@@ -85,13 +85,15 @@ def run(ctx: StageContext) -> dict:
     elif sec.speculators:
         ctx.log.info("speculators/: not written, the deployment runs the target alone (tune found no draft length that pays)")
 
+    profile = _speculation_profile(ctx, acc, dep, vllm) if speculation else None
     parsed = check_pbtxt([p for p in ctx.out_dir.rglob("config.pbtxt")])
     ctx.log.info("config.pbtxt: %s", ", ".join(f"{Path(k).relative_to(ctx.out_dir)} {v}" for k, v in parsed.items()))
     doc = {"model_name": sec.model_name, "trtllm_version": version, "triton_image": image,
            "serving_image": dep["serving_image"], "decoupled": sec.decoupled, "container_path": sec.container_path,
            "speculation": speculation, "prompt_format": {**fmt, "file": "triton/prompt_format.json"},
            "cpu_repository": "triton_cpu" if sec.cpu_repository else None,
-           "config_pbtxt": {str(Path(k).relative_to(ctx.out_dir)): v for k, v in parsed.items()}, "speculators": vllm}
+           "config_pbtxt": {str(Path(k).relative_to(ctx.out_dir)): v for k, v in parsed.items()}, "speculators": vllm,
+           "speculation_profile": profile}
     (ctx.out_dir / "export.json").write_text(json.dumps(doc, indent=2))
     publish_tree(ctx.out_dir)      # world-readable: a non-root container user reads the repositories
     if image is None:
@@ -100,6 +102,27 @@ def run(ctx: StageContext) -> dict:
     return {"model_name": sec.model_name, "trtllm_version": version, "triton_image": image or "custom",
             "cpu_repository": sec.cpu_repository, "config_pbtxt_checked": sum(v == "parsed" for v in parsed.values()),
             "speculators": vllm["speculators_model_type"] if vllm else None}
+
+
+def _speculation_profile(ctx: StageContext, acc: dict, dep: dict, vllm: dict | None) -> dict:
+    """speculation_profile.json (runtime/validate/profile.py, docs/stages/build_export.md) beside every draft this
+    stage ships: the TensorRT-LLM draft of triton/, the CPU repository's draft, speculators/."""
+    from runtime.validate import profile as P
+
+    sec: Config = ctx.section
+    doc = validate_artifact.speculation_profile(ctx.input("validate"), ctx.input("quantize"), ctx.input("train_draft"),
+                                                algorithm=dep.get("algorithm"), draft_schedule=dep.get("draft_schedule"),
+                                                deployed_draft_len=build_artifact.draft_schedule(dep).k_at(1))
+    dirs = [ctx.out_dir / "triton" / sec.model_name / "1" / "draft"]
+    if sec.cpu_repository:
+        dirs.append(ctx.out_dir / "triton_cpu" / sec.model_name / "1" / "draft")
+    if vllm:
+        dirs.append(ctx.out_dir / "speculators")
+    files = [str(f.relative_to(ctx.out_dir)) for f in P.write_profile(doc, dirs)]
+    ctx.log.info("speculation_profile.json (%s, AL %s at k=%s): %s", doc["measurement_conditions"]["engine"],
+                 doc["mean_accept_length"], doc["num_speculative_tokens"], ", ".join(files))
+    return {"files": files, "engines": [m["engine"] for m in doc["measurements"]],
+            "mean_accept_length": doc["mean_accept_length"], "num_speculative_tokens": doc["num_speculative_tokens"]}
 
 
 def _production_repository(ctx: StageContext, dep: dict, options: dict, io: dict, image: str | None,

@@ -46,6 +46,17 @@ def rope_cfg(theta: float, form: str) -> dict:
     return {k: v for k, v in hf_config.normalize({"rope_theta": theta}).items()}
 
 
+def write_acceptance(arts: Path) -> None:
+    """A synthetic validate artifact (build writes the draft's speculation_profile.json from it): 4 steps at k=4
+    accepting 0, 1, 2 and 4 draft tokens, in both domains."""
+    st = {"acceptance_length": 2.75, "steps": 4, "accepted_per_step": [1, 1, 1, 0, 1], "per_position": [0.75, 2 / 3, 0.5, 1.0]}
+    (arts / "validate").mkdir(parents=True, exist_ok=True)
+    (arts / "validate" / "acceptance.json").write_text(json.dumps({
+        "runtime": "reference", "max_draft_len": 4, "temperature": 0.0, "gates": {"passed": True, "rows": []},
+        "domains": {d: {"fp8": st} for d in ("code", "prose")}, "overall": {"fp8": {**st, "steps": 8,
+                                                                                   "accepted_per_step": [2, 2, 2, 0, 2]}}}))
+
+
 def write_tuning(arts: Path, runs, *, version="1.2.1", mode="one_model", max_batch=16, graphs=None) -> None:
     (arts / "tune").mkdir(parents=True, exist_ok=True)
     sched = DraftSchedule.from_json({"runs": runs})
@@ -109,6 +120,7 @@ def write_checkpoints(root: Path, *, layers: int = 8, vocab: int = 512, draft_vo
         "algorithm": algorithm, "num_layers": draft_layers, "aux_layer_ids": aux if algorithm == "eagle3" else None,
         "block_size": 8 if algorithm == "dflash" else None, "vocab_size": vocab,
         "draft_vocab_size": draft_vocab or vocab, "has_d2t": d2t, "trained_draft_len": 3, "max_position_embeddings": 2048}))
+    write_acceptance(arts)
     write_tuning(arts, runs or ([[1, 16, 4]] if mode == "one_model" and version.startswith("1.2") else
                                 [[1, 4, 4], [5, 8, 2], [9, 16, 1 if version.startswith("1.3") else 0]]),
                  version=version, mode=mode)

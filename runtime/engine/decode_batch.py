@@ -221,10 +221,7 @@ class DecodeBatch:
                 rs.steps += 1
                 rs.drafted += k
                 rs.accepted += a
-                for j in range(min(a + 1, k)):
-                    stats.reached[j] += 1
-                for j in range(a):
-                    stats.hits[j] += 1
+                stats.record_step(a, k)
         stats.steps += n_live if k else 0
         stats.drafted += k * n_live
         stats.accepted += int(acc.sum()) if k else 0

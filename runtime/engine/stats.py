@@ -1,6 +1,8 @@
 """Statistics of speculative decoding, with TensorRT-LLM's definitions (reference trtllm-triton.md §4):
 acceptance length AL = mean over steps of (1 + accepted), draft acceptance rate = accepted / drafted, totals,
-per-position conditional acceptance (P(position j accepted | positions < j accepted)), and draft vs target time
+per-position conditional acceptance (P(position j accepted | positions < j accepted)), the distribution of the
+accepted count per verification step (`accepted_per_step[a]`: steps that accepted exactly a draft tokens, the
+histogram a speculation profile publishes), and draft vs target time
 per step; per request (`RequestStats`) and per run (`RunStats`), and the speedup they predict
 (`predicted_speedup`)."""
 from __future__ import annotations
@@ -35,6 +37,7 @@ class RunStats:
     accepted: int = 0
     reached: list[int] = field(default_factory=list)      # steps in which position j was drafted with j-1 accepted
     hits: list[int] = field(default_factory=list)         # ... and position j was accepted too
+    accepted_per_step: list[int] = field(default_factory=list)   # [a]: steps that accepted exactly a draft tokens
     output_tokens: int = 0
     prefill_s: float = 0.0
     draft_s: float = 0.0
@@ -46,6 +49,7 @@ class RunStats:
     def __post_init__(self):
         self.reached = self.reached or [0] * self.draft_len
         self.hits = self.hits or [0] * self.draft_len
+        self.accepted_per_step = self.accepted_per_step or [0] * (self.draft_len + 1)
 
     @property
     def acceptance_length(self) -> float:
@@ -55,6 +59,15 @@ class RunStats:
     def per_position(self) -> list[float | None]:
         return [h / r if r else None for h, r in zip(self.hits, self.reached)]
 
+    def record_step(self, accepted: int, k: int) -> None:
+        """One row's verification step that drafted k tokens and accepted `accepted` of them (per position and the
+        accepted-count histogram; the totals are counted by the caller)."""
+        for j in range(min(accepted + 1, k)):
+            self.reached[j] += 1
+        for j in range(accepted):
+            self.hits[j] += 1
+        self.accepted_per_step[accepted] += 1
+
     def merge(self, o: "RunStats") -> "RunStats":
         out = RunStats(max(self.draft_len, o.draft_len))
         pad = lambda xs: xs + [0] * (out.draft_len - len(xs))  # noqa: E731
@@ -62,6 +75,8 @@ class RunStats:
             setattr(out, f, getattr(self, f) + getattr(o, f))
         out.reached = [a + b for a, b in zip(pad(self.reached), pad(o.reached))]
         out.hits = [a + b for a, b in zip(pad(self.hits), pad(o.hits))]
+        hist = lambda xs: xs + [0] * (out.draft_len + 1 - len(xs))  # noqa: E731
+        out.accepted_per_step = [a + b for a, b in zip(hist(self.accepted_per_step), hist(o.accepted_per_step))]
         out.rows_per_step = self.rows_per_step + o.rows_per_step
         return out
 
@@ -72,6 +87,7 @@ class RunStats:
             "acceptance_length": round(self.acceptance_length, 6),
             "draft_acceptance_rate": round(self.accepted / self.drafted, 6) if self.drafted else None,
             "per_position": [None if p is None else round(p, 6) for p in self.per_position],
+            "accepted_per_step": list(self.accepted_per_step),
             "output_tokens": self.output_tokens,
             "draft_ms_per_step": round(1000 * self.draft_s / self.steps, 4) if self.steps else None,
             "target_ms_per_step": round(1000 * self.target_s / self.steps, 4) if self.steps else None,

@@ -96,7 +96,7 @@ def acceptance_per_domain(log, eng, s: MeasureSettings, K: int, eos, prompts: di
     total = None
     for d, ps in prompts.items():
         st = measure(eng, ps, s, K, eos, speculative=True, tally=tally, run=f"{label}/{d}")[0]
-        res["domains"][d][label] = st.as_dict()
+        res["domains"][d][label] = {**st.as_dict(), "prompts": len(ps)}
         total = st if total is None else total.merge(st)
         log.info("%s %s: AL %.3f over %d steps, acceptance rate %s, per position %s", label, d,
                  st.acceptance_length, st.steps, res["domains"][d][label]["draft_acceptance_rate"],
