@@ -58,6 +58,9 @@ class VllmConfig(Strict):
     tolerance: float = Field(default=0.05, gt=0, lt=1, description="validate's engine-agreement gate: |vLLM AL - "
                                                                   "validate AL| / validate AL at most this")
 
+    try_fp8: bool = Field(default=False, description="on CPU, try the deployed FP8 target in vLLM (0.32 does not "
+                                                     "serve specpipe's FP8 targets on CPU; default: run the BF16 target)")
+
     @field_validator("enabled", mode="before")
     @classmethod
     def _bool_words(cls, v):

