@@ -283,22 +283,25 @@ def _serve_vllm(workdir, port, ready_timeout, draft_len, target, python, kv_cach
 @click.option("--state", "state_file", type=click.Path(dir_okay=False), default=None,
               help="CUSUM state across runs (default: <workdir>/monitor/state-<endpoint>.json)")
 @click.option("--reset", is_flag=True, help="forget the accumulated evidence")
+@click.option("--engine", type=click.Choice(["triton", "vllm"]), default="triton", show_default=True,
+              help="vllm: a vLLM server (OpenAI completions probes; its vllm:spec_decode_* counters, --metrics-url "
+                   "defaulting to <url>/metrics)")
 def monitor(workdir, url, model, passive, metrics_url, once, interval, probes, draft_len, drop, false_alarm, dispersion,
-            prompts_per_probe, timeout, prom_file, state_file, reset):
+            prompts_per_probe, timeout, prom_file, state_file, reset, engine):
     """Watch a live endpoint's acceptance against validate's baseline (draft drift): a sequential test per
     domain, an alarm line, a Prometheus text file."""
     from pipeline.commands import monitor as C
 
     wd = _existing_workdir(workdir)
-    if passive and not metrics_url:
-        _fail(UsageError("--passive reads Triton's metrics: give --metrics-url http://HOST:PORT/metrics"))
+    if passive and not metrics_url and not (engine == "vllm" and url):
+        _fail(UsageError("--passive reads the server's metrics: give --metrics-url http://HOST:PORT/metrics"))
     if not passive and not url:
         _fail(UsageError("give --url (the endpoint to probe) or --passive --metrics-url"))
     try:
         mon = C.open_monitor(wd, url=url, model=model, passive=passive, metrics_url=metrics_url, draft_len=draft_len,
                              drop=drop, false_alarm=false_alarm, dispersion=dispersion,
                              prompts_per_probe=prompts_per_probe, timeout=timeout, prom_file=prom_file,
-                             state_file=state_file, reset=reset, echo=click.echo)
+                             state_file=state_file, reset=reset, echo=click.echo, engine=engine)
     except SpecpipeError as e:
         _fail(e)
         return

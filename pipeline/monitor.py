@@ -178,6 +178,7 @@ class Run:
     temperature: float
     model_name: str
     digest: str
+    prompt_ids: dict[str, list[list[int]]] = field(default_factory=dict)   # the same prompts as token ids
 
 
 def read_run(workdir: Path, draft_len: int | None = None, prompts_per_probe: int | None = None) -> Run:
@@ -193,8 +194,8 @@ def read_run(workdir: Path, draft_len: int | None = None, prompts_per_probe: int
     params = json.loads((arts / "validate" / "manifest.json").read_text()).get("fingerprint_inputs", {}).get("params", {})
     n = prompts_per_probe or params.get("num_prompts")
     try:   # the prompts validate measured
-        prompts = {d: [p.prompt for p in ps]
-                   for d, ps in data_artifact.read_eval(arts / "data", domains=acc.get("domains", {}), per_domain=n).items()}
+        evals = data_artifact.read_eval(arts / "data", domains=acc.get("domains", {}), per_domain=n)
+        prompts = {d: [p.prompt for p in ps] for d, ps in evals.items()}
     except StageError as e:
         raise UsageError(f"{workdir}: {e}") from None
     missing = sorted(set(acc.get("domains", {})) - set(prompts))
@@ -214,7 +215,8 @@ def read_run(workdir: Path, draft_len: int | None = None, prompts_per_probe: int
         model = json.loads(ex.read_text()).get("model_name", model)
     digest = hashlib.sha256(acc_f.read_bytes()).hexdigest()[:16]
     return Run(Path(workdir), acc, prompts, draft_len, int(acc.get("max_new_tokens") or 48),
-               float(acc.get("temperature") or 0.0), model, digest)
+               float(acc.get("temperature") or 0.0), model, digest,
+               {d: [list(p.prompt_ids) for p in ps] for d, ps in evals.items()})
 
 
 def confidence_text(S: float) -> str:

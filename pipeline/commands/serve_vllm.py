@@ -104,3 +104,14 @@ def ready_message(srv, pair: VllmPair) -> str:
             f"  OpenAI   {srv.url}/v1  model \"{srv.served_model_name}\"\n  metrics  {srv.url}/metrics\n"
             f"  try: curl -s {srv.url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'\n"
             f"  log: {srv.log_path}\nCtrl-C stops it.")
+
+
+def exported_draft_len(wd: Path) -> int:
+    """The draft length vLLM runs at batch 1 with the exported command (its per-batch schedule's first k, else
+    num_speculative_tokens): the monitor's baseline for a vLLM endpoint."""
+    sc = json.loads(_flag(shlex.split(_export_doc(Path(wd))["vllm_serve"]), "--speculative-config") or "{}")
+    per = sc.get("num_speculative_tokens_per_batch_size")
+    k = int(per[0][2]) if per else int(sc.get("num_speculative_tokens") or 0)
+    if k < 1:
+        raise UsageError(f"{wd}: the exported vLLM command drafts nothing at batch 1: give --draft-len")
+    return k
