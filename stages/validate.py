@@ -216,9 +216,13 @@ def _vllm(ctx: StageContext, sec: Config, prompts: dict, deployed: dict, bf16: d
                       tolerance=vc.tolerance, draft_len=res["max_draft_len"], max_new_tokens=sec.max_new_tokens,
                       batch=sec.batch_size, try_fp8=vc.try_fp8, enabled=vc.enabled, on_unavailable=vc.on_unavailable)
     try:
-        return V.measure(s, deployed, bf16, prompts, ctx.scratch_dir / "vllm", res, log=ctx.log)
+        out = V.measure(s, deployed, bf16, prompts, ctx.scratch_dir / "vllm", res, log=ctx.log)
     except V.VllmArmError as e:
         raise StageError(f"validate: {e}") from None
+    arts = ctx.input("quantize").path.parent
+    for k in ("target_dir", "draft_dir") if out.get("ran") else ():
+        out["pair"][k] = str(Path(out["pair"][k]).relative_to(arts))
+    return out
 
 
 def measure_settings(sec: Config) -> MeasureSettings:

