@@ -27,7 +27,7 @@ HERE = Path(__file__).parent
 
 
 def test_schedule_in_vllm_form():
-    assert V.vllm_schedule(DraftSchedule.constant(4).runs) == (4, None)
+    assert V.vllm_schedule(DraftSchedule.constant(4)) == (4, None)
     sched = DraftSchedule(((1, 2, 4), (3, 8, 3), (9, None, 0)))
     assert V.vllm_schedule(sched.runs) == (4, [[1, 2, 4], [3, 8, 3], [9, 9, 0]])
     # tune's predicted table (best k per measured batch size) as a step function up to the next measured size

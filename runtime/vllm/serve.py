@@ -35,10 +35,10 @@ DYNAMIC_SD_PR = "vllm-project/vllm#32374"
 
 
 def vllm_schedule(runs) -> tuple[int, list[list[int]] | None]:
-    """A draft-length schedule (`DraftSchedule.runs`: (first, last or None, k)) in vLLM 0.32's form:
+    """A draft-length schedule (a DraftSchedule or its runs: (first, last or None, k)) in vLLM 0.32's form:
     (num_speculative_tokens = the longest k, num_speculative_tokens_per_batch_size or None when k is constant).
     The open-ended last run becomes a one-batch range: vLLM carries the last k forward to max_num_seqs."""
-    runs = [(int(a), None if b is None else int(b), int(k)) for a, b, k in runs]
+    runs = [(int(a), None if b is None else int(b), int(k)) for a, b, k in getattr(runs, "runs", runs)]
     kmax = max(k for _, _, k in runs)
     if len({k for _, _, k in runs}) == 1:
         return kmax, None
