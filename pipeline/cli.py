@@ -186,23 +186,35 @@ def report(workdir, out):
 
 @cli.command()
 @workdir_opt
+@click.option("--engine", type=click.Choice(["triton", "vllm"]), default="triton", show_default=True,
+              help="triton: the exported CPU Triton repository; vllm: the exported speculators pair in vLLM (OpenAI API)")
 @click.option("--http-port", type=click.IntRange(1, 65535), default=None, help="default: a free port")
-@click.option("--grpc-port", type=click.IntRange(1, 65535), default=None, help="default: a free port")
-@click.option("--metrics-port", type=click.IntRange(1, 65535), default=None, help="default: a free port")
+@click.option("--grpc-port", type=click.IntRange(1, 65535), default=None, help="default: a free port (triton)")
+@click.option("--metrics-port", type=click.IntRange(1, 65535), default=None, help="default: a free port (triton)")
 @click.option("--ready-timeout", type=float, default=300.0, show_default=True, help="seconds to wait for the model to load")
 @click.option("--max-batch", type=click.IntRange(1), default=None,
-              help="most requests decoding together (continuous batching; the model's default: 8)")
+              help="most requests decoding together (continuous batching; the model's default: 8) (triton)")
 @click.option("--max-queue", type=click.IntRange(0), default=None,
-              help="most requests waiting for a slot; beyond it a request gets an 'overloaded' error (default: 32)")
+              help="most requests waiting for a slot; beyond it a request gets an 'overloaded' error (default: 32) (triton)")
 @click.option("--draft-len", type=click.IntRange(0), default=None,
               help="draft tokens per step (default: the exported one; 0 serves the target without speculation)")
 @click.option("--decoupled/--not-decoupled", default=None,
               help="override the exported transaction policy (HTTP infer clients such as perf_analyzer -i http "
-                   "need --not-decoupled; streaming needs decoupled)")
-def serve(workdir, http_port, grpc_port, metrics_port, ready_timeout, max_batch, max_queue, draft_len, decoupled):
-    """Serve the exported CPU Triton repository (FP8 target + draft) on 127.0.0.1 until Ctrl-C."""
+                   "need --not-decoupled; streaming needs decoupled) (triton)")
+@click.option("--target", "vllm_target", type=click.Choice(["auto", "bf16", "fp8"]), default="auto", show_default=True,
+              help="vllm: which target (auto: FP8 on CUDA, BF16 on CPU, where vLLM cannot run the FP8 target)")
+@click.option("--vllm-python", default=None, help="vllm: the python of vLLM's environment (default: $SPECPIPE_VLLM_PYTHON, "
+              "<repo>/.venv-vllm, the python of `vllm` on PATH)")
+@click.option("--kv-cache-gib", type=click.FloatRange(0.5), default=2.0, show_default=True, help="vllm on CPU: KV cache size")
+def serve(workdir, engine, http_port, grpc_port, metrics_port, ready_timeout, max_batch, max_queue, draft_len, decoupled,
+          vllm_target, vllm_python, kv_cache_gib):
+    """Serve the run's export on 127.0.0.1 until Ctrl-C: the CPU Triton repository (FP8 target + draft), or with
+    --engine vllm the speculators pair in vLLM, OpenAI-compatible."""
     from pipeline.commands import serve as C
 
+    if engine == "vllm":
+        _serve_vllm(workdir, http_port, ready_timeout, draft_len, vllm_target, vllm_python, kv_cache_gib)
+        return
     try:
         repo = C.find_repository(workdir)
     except UsageError as e:
@@ -218,6 +230,31 @@ def serve(workdir, http_port, grpc_port, metrics_port, ready_timeout, max_batch,
         return
     click.echo(C.ready_message(srv))
     if not C.run_until_stopped(srv, click.echo):
+        sys.exit(EXIT_FAILED)
+
+
+def _serve_vllm(workdir, port, ready_timeout, draft_len, target, python, kv_cache_gib) -> None:
+    from pipeline.commands import serve as C
+    from pipeline.commands import serve_vllm as V
+
+    try:
+        install = V.find_install(python)
+        pair = V.find_pair(workdir, target=target, device=install.device, draft_len=draft_len)
+    except UsageError as e:
+        _fail(e)
+        return
+    click.echo(f"starting vLLM {install.version} ({install.device}) on {pair.target} ...", err=True)
+    C.stop_signals()
+    try:
+        srv = V.start(install, pair, port=port, ready_timeout=ready_timeout, kv_cache_gib=kv_cache_gib)
+    except (SpecpipeError, RuntimeFailure) as e:
+        _fail(e)
+        return
+    except KeyboardInterrupt:   # VllmServer.start stopped the half-started server
+        click.echo("interrupted while vLLM was starting: stopped", err=True)
+        sys.exit(EXIT_FAILED)
+    click.echo(V.ready_message(srv, pair))
+    if not C.run_until_stopped(srv, click.echo, what="vllm serve"):
         sys.exit(EXIT_FAILED)
 
 
@@ -246,22 +283,25 @@ def serve(workdir, http_port, grpc_port, metrics_port, ready_timeout, max_batch,
 @click.option("--state", "state_file", type=click.Path(dir_okay=False), default=None,
               help="CUSUM state across runs (default: <workdir>/monitor/state-<endpoint>.json)")
 @click.option("--reset", is_flag=True, help="forget the accumulated evidence")
+@click.option("--engine", type=click.Choice(["triton", "vllm"]), default="triton", show_default=True,
+              help="vllm: a vLLM server (OpenAI completions probes; its vllm:spec_decode_* counters, --metrics-url "
+                   "defaulting to <url>/metrics)")
 def monitor(workdir, url, model, passive, metrics_url, once, interval, probes, draft_len, drop, false_alarm, dispersion,
-            prompts_per_probe, timeout, prom_file, state_file, reset):
+            prompts_per_probe, timeout, prom_file, state_file, reset, engine):
     """Watch a live endpoint's acceptance against validate's baseline (draft drift): a sequential test per
     domain, an alarm line, a Prometheus text file."""
     from pipeline.commands import monitor as C
 
     wd = _existing_workdir(workdir)
-    if passive and not metrics_url:
-        _fail(UsageError("--passive reads Triton's metrics: give --metrics-url http://HOST:PORT/metrics"))
+    if passive and not metrics_url and not (engine == "vllm" and url):
+        _fail(UsageError("--passive reads the server's metrics: give --metrics-url http://HOST:PORT/metrics"))
     if not passive and not url:
         _fail(UsageError("give --url (the endpoint to probe) or --passive --metrics-url"))
     try:
         mon = C.open_monitor(wd, url=url, model=model, passive=passive, metrics_url=metrics_url, draft_len=draft_len,
                              drop=drop, false_alarm=false_alarm, dispersion=dispersion,
                              prompts_per_probe=prompts_per_probe, timeout=timeout, prom_file=prom_file,
-                             state_file=state_file, reset=reset, echo=click.echo)
+                             state_file=state_file, reset=reset, echo=click.echo, engine=engine)
     except SpecpipeError as e:
         _fail(e)
         return

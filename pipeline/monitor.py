@@ -184,6 +184,7 @@ class Run:
     baseline_overall: list | None = None
     baseline_source: str = "acceptance.json"
     prompt_format: dict | None = None     # export's triton/prompt_format.json: how clients are told to send prompts
+    prompt_ids: dict[str, list[list[int]]] = field(default_factory=dict)   # the same prompts as token ids
 
 
 def read_run(workdir: Path, draft_len: int | None = None, prompts_per_probe: int | None = None) -> Run:
@@ -199,8 +200,8 @@ def read_run(workdir: Path, draft_len: int | None = None, prompts_per_probe: int
     params = json.loads((arts / "validate" / "manifest.json").read_text()).get("fingerprint_inputs", {}).get("params", {})
     n = prompts_per_probe or params.get("num_prompts")
     try:   # the prompts validate measured
-        prompts = {d: [p.prompt for p in ps]
-                   for d, ps in data_artifact.read_eval(arts / "data", domains=acc.get("domains", {}), per_domain=n).items()}
+        evals = data_artifact.read_eval(arts / "data", domains=acc.get("domains", {}), per_domain=n)
+        prompts = {d: [p.prompt for p in ps] for d, ps in evals.items()}
     except StageError as e:
         raise UsageError(f"{workdir}: {e}") from None
     per, overall, source, digest = read_baseline(arts, acc)
@@ -222,7 +223,8 @@ def read_run(workdir: Path, draft_len: int | None = None, prompts_per_probe: int
         model, fmt = doc.get("model_name", model), doc.get("prompt_format")
         _check_prompt_format(arts, fmt)
     return Run(Path(workdir), acc, prompts, draft_len, int(acc.get("max_new_tokens") or 48),
-               float(acc.get("temperature") or 0.0), model, digest, per, overall, source, fmt)
+               float(acc.get("temperature") or 0.0), model, digest, per, overall, source, fmt,
+               {d: [list(p.prompt_ids) for p in ps] for d, ps in evals.items()})
 
 
 def _check_prompt_format(arts: Path, fmt: dict | None) -> None:

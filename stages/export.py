@@ -31,13 +31,14 @@ from pydantic import Field
 
 from pipeline.artifacts import build as build_artifact
 from pipeline.artifacts import data as data_artifact
+from pipeline.artifacts import tune as tune_artifact
 from pipeline.artifacts import validate as validate_artifact
 from pipeline.errors import StageError
 from pipeline.stage import Artifact, StageContext, StageSection
 
 NAME = "export"
-CONSUMES: tuple[str, ...] = ("data", "train_draft", "quantize", "validate", "build")
-VERSION = "3"
+CONSUMES: tuple[str, ...] = ("data", "train_draft", "quantize", "validate", "build", "tune")   # tune: vLLM's per-batch k
+VERSION = "4"   # 4: vLLM command with the per-batch draft length (vLLM 0.32 num_speculative_tokens_per_batch_size)
 PACKAGES = ("tritonclient",)
 
 
@@ -245,9 +246,10 @@ def _speculators(ctx: StageContext, dep: dict, options: dict) -> dict:
                          "(export.speculators: false exports without it)") from None
     qcfg = Path(dep["target_dir"]) / "hf_quant_config.json"
     kv = json.loads(qcfg.read_text()).get("quantization", {}).get("kv_cache_quant_algo") if qcfg.exists() else None
+    sched = V.schedule_from_predicted(tune_artifact.read_tuning(ctx.input("tune").path).get("predicted"))
     argv = V.vllm_serve_command(spec, target=dep["target_dir"], draft=str(final), max_model_len=dep.get("max_seq_len"),
                                 kv_cache_fp8=str(kv).upper() == "FP8",
-                                tensor_parallel_size=int(options.get("tensor_parallel_size") or 1))
+                                tensor_parallel_size=int(options.get("tensor_parallel_size") or 1), schedule=sched)
     (spec.path / "README.md").write_text(V.readme(spec, argv, draft=str(final), source_draft=str(src.resolve()),
                                                   deployed_draft=dep["draft_dir"]))
     (spec.path / "serve_vllm.sh").write_text("#!/usr/bin/env bash\n# vLLM with the speculators draft beside this "

@@ -43,13 +43,16 @@ from pipeline.artifacts import target as target_artifact
 from pipeline.artifacts import train_draft as train_draft_artifact
 from pipeline.errors import StageError
 from pipeline.stage import StageContext, StageSection, Strict
+from runtime.validate import vllm_arm as V
 from runtime.validate.decode import MeasureSettings
+from runtime.validate.gates import gate_table, lossless_rows, lossless_summary
 from runtime.validate.reference import DraftLoadError, run_reference
 from runtime.validate.trtllm import run_trtllm, trtllm_available
 
 NAME = "validate"
 CONSUMES: tuple[str, ...] = ("target", "data", "train_draft", "quantize")
 VERSION = "2"
+USES = ("vllm",)   # validate measures the pair in vLLM too when the `vllm` section enables it
 PACKAGES = ("torch", "transformers", "safetensors")
 
 
@@ -158,6 +161,7 @@ def run(ctx: StageContext) -> dict:
                 "pairs": {"fp8": {k: str(Path(v).relative_to(arts)) for k, v in deployed.items()},
                           "bf16": {k: str(Path(v).relative_to(arts)) for k, v in bf16.items()}},
                 "same_pair": same})
+    res["engines"] = {"vllm": _vllm(ctx, sec, prompts, deployed, bf16, res)}
     res["gates"] = evaluate_gates(res, sec.gates)
     table = gate_table(res["gates"]["rows"])
     text = json.dumps(res, indent=2)
@@ -200,7 +204,25 @@ def _metrics(runtime: str, res: dict) -> dict:
             "overall_retention": res["overall"].get("retention"),
             "acceptance_length": {d: v["fp8"]["acceptance_length"] for d, v in res["domains"].items()},
             "retention": {d: v.get("retention") for d, v in res["domains"].items()},
-            "speedup_measured": res.get("tokens_per_s", {}).get("speedup")}
+            "speedup_measured": res.get("tokens_per_s", {}).get("speedup"),
+            "vllm": V.summary((res.get("engines") or {}).get("vllm") or {})}
+
+
+def _vllm(ctx: StageContext, sec: Config, prompts: dict, deployed: dict, bf16: dict, res: dict) -> dict:
+    """The pair measured in vLLM too (runtime/validate/vllm_arm.py), as the `vllm` section asks: where vLLM is
+    missing or cannot run the pair, a plain skip with the reason, or (on_unavailable: fail) a failed stage."""
+    vc = ctx.config.vllm
+    s = V.ArmSettings(python=vc.python, kv_cache_gib=vc.kv_cache_gib, ready_timeout=vc.ready_timeout_s,
+                      tolerance=vc.tolerance, draft_len=res["max_draft_len"], max_new_tokens=sec.max_new_tokens,
+                      batch=sec.batch_size, try_fp8=vc.try_fp8, enabled=vc.enabled, on_unavailable=vc.on_unavailable)
+    try:
+        out = V.measure(s, deployed, bf16, prompts, ctx.scratch_dir / "vllm", res, log=ctx.log)
+    except V.VllmArmError as e:
+        raise StageError(f"validate: {e}") from None
+    arts = ctx.input("quantize").path.parent
+    for k in ("target_dir", "draft_dir") if out.get("ran") else ():
+        out["pair"][k] = str(Path(out["pair"][k]).relative_to(arts))
+    return out
 
 
 def measure_settings(sec: Config) -> MeasureSettings:
@@ -212,27 +234,6 @@ def measure_settings(sec: Config) -> MeasureSettings:
                            first_layer_norm=sec.first_layer_norm, measure_other_norm=sec.measure_other_norm,
                            tie_margin=g.tie_margin, max_divergence_ratio=g.max_divergence_ratio,
                            divergence_alpha=g.divergence_alpha)
-
-
-def lossless_summary(ll: dict) -> dict:
-    """The lossless check in a few numbers, each part with what it measured and what it required (stage
-    metrics, so `status --json` shows the statistic and its threshold)."""
-    out: dict = {"passed": ll.get("passed")}
-    if ex := ll.get("exact"):
-        out["exact"] = {k: ex.get(k) for k in ("pair", "passed", "compared_prompts", "generated_tokens", "differ",
-                                               "numerical_ties", "tie_margin")}
-    if inv := ll.get("invariant"):
-        out["invariant"] = {"passed": inv.get("passed"),
-                            **{p: {k: v.get(k) for k in ("rows_checked", "forwards", "violations", "by_kind")}
-                               for p, v in inv.get("pairs", {}).items()}}
-    if st := ll.get("statistical"):
-        out["statistical"] = {k: st.get(k) for k in ("pair", "statistic", "reference", "threshold", "test", "passed",
-                                                     "p_value", "ratio", "alpha")}
-        out["statistical"]["rate_speculative"] = st["speculative"]["rate_per_token"]
-        out["statistical"]["rate_noise"] = st["noise"]["pooled"]["rate_per_token"]
-        out["statistical"]["share_diverging_speculative"] = st["speculative"]["share_diverging"]
-        out["statistical"]["share_diverging_noise"] = st["noise"]["pooled"]["share_diverging"]
-    return out
 
 
 def _choose_runtime(want: str) -> tuple[str, str]:
@@ -303,46 +304,8 @@ def evaluate_gates(res: dict, g: Gates) -> dict:
                      "required": g.min_retention, "passed": res["overall"]["retention"] >= g.min_retention})
     if g.require_lossless:
         rows += lossless_rows(res.get("lossless") or {})
+    rows += ((res.get("engines") or {}).get("vllm") or {}).get("gate_rows", [])
     return {"passed": all(r["passed"] for r in rows), "rows": rows}
-
-
-def lossless_rows(ll: dict) -> list[dict]:
-    """One gate row per part of the lossless check that ran."""
-    rows = []
-    ex = ll.get("exact")
-    if ex and ex.get("passed") is not None:
-        m = "identical" if ex.get("identical") else (f"{ex['differ']} differ" if ex["differ"] else
-                                                     f"{ex['numerical_ties']} fp32 ties")
-        rows.append({"domain": "unquantized", "metric": "lossless_exact", "measured": m,
-                     "required": f"identical (ties < {ex['tie_margin']:g})", "passed": ex["passed"]})
-    inv = ll.get("invariant")
-    if inv and inv.get("pairs"):
-        n = sum(v["violations"] for v in inv["pairs"].values())
-        rows_checked = sum(v["rows_checked"] for v in inv["pairs"].values())
-        rows.append({"domain": "all runs", "metric": "acceptance_rule", "measured": f"{n} of {rows_checked} rows",
-                     "required": "0 violations", "passed": inv["passed"]})
-    st = ll.get("statistical")
-    if st and st.get("passed") is not None:
-        rows.append({"domain": "deployed", "metric": "divergence_rate",
-                     "measured": f"{st['speculative']['rate_per_token']:.4f} vs {st['noise']['pooled']['rate_per_token']:.4f} "
-                                 f"noise, p={st['p_value']:.3g}",
-                     "required": f"<= {st['ratio']:g}x noise at p>={st['alpha']:g}", "passed": st["passed"]})
-    return rows
-
-
-def gate_table(rows: list[dict]) -> str:
-    if not rows:
-        return "  (no gates configured)"
-    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)  # noqa: E731
-    wm = max([10] + [len(fmt(r["measured"])) for r in rows])
-    wq = max([10] + [len(fmt(r["required"])) for r in rows])
-    wd = max([12] + [len(r["domain"]) for r in rows])
-    head = f"  {'domain':<{wd}} {'metric':<18} {'measured':>{wm}}  {'required':>{wq}}  result"
-    lines = [head, "  " + "-" * (len(head) - 2)]
-    for r in rows:
-        lines.append(f"  {r['domain']:<{wd}} {r['metric']:<18} {fmt(r['measured']):>{wm}}  {fmt(r['required']):>{wq}}  "
-                     f"{'pass' if r['passed'] else 'FAIL'}")
-    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -380,6 +343,8 @@ def _render(a: dict) -> str:
         parts.append(table([[r["domain"], r["metric"], r["measured"], r["required"], "pass" if r["passed"] else "FAIL"]
                             for r in g["rows"]], ["domain", "metric", "measured", "required", "result"]))
     parts.append(_render_lossless(a.get("lossless") or {}))
+    if v := (a.get("engines") or {}).get("vllm"):
+        parts.append(f"<p>vLLM: {esc(V.headline(v))}</p>" + (table(*V.table_rows(v)) if v.get("ran") else ""))
     tps = a.get("tokens_per_s") or {}
     if tps:
         parts.append(table([[k, v] for k, v in tps.items()] + [[f"step ms {k}", v] for k, v in (a.get("step_ms") or {}).items()],

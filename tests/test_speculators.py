@@ -402,7 +402,14 @@ def test_export_writes_the_speculators_draft_with_the_tuned_deployment(tiny_run)
     assert argv[:4] == ["exec", "vllm", "serve", dep["target_dir"]] and argv[-1] == "$@"
     assert shlex.join(argv[1:-1]) == s["vllm_serve"] and s["vllm_serve"] in (spec / "README.md").read_text()
     sc = json.loads(argv[argv.index("--speculative-config") + 1])
-    assert sc == {"model": str(spec), "method": "eagle3", "num_speculative_tokens": k} and Path(sc["model"]).is_dir()
+    # vLLM 0.32 takes a draft length per batch size (runtime/vllm/serve.py): tune's best k per measured batch size
+    from runtime.vllm import serve as V
+
+    sched = V.schedule_from_predicted(tuning["predicted"])
+    kmax, per_batch = V.vllm_schedule(sched) if sched else (k, None)
+    assert sc == {"model": str(spec), "method": "eagle3", "num_speculative_tokens": kmax,
+                  **({"num_speculative_tokens_per_batch_size": per_batch} if per_batch else {})}
+    assert Path(sc["model"]).is_dir() and (per_batch or kmax == k)
     assert argv[argv.index("--max-model-len") + 1] == str(dep["max_seq_len"])
     kv = json.loads((Path(dep["target_dir"]) / "hf_quant_config.json").read_text())["quantization"]["kv_cache_quant_algo"]
     assert ("--kv-cache-dtype" in argv) == (str(kv).upper() == "FP8")

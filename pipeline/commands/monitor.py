@@ -15,17 +15,27 @@ class Outcome:
 
 
 def open_monitor(wd: Path, *, url, model, passive, metrics_url, draft_len, drop, false_alarm, dispersion,
-                 prompts_per_probe, timeout, prom_file, state_file, reset, echo):
-    """The Monitor of `wd`'s validated pair for the endpoint (state and Prometheus files named after it)."""
+                 prompts_per_probe, timeout, prom_file, state_file, reset, echo, engine: str = "triton"):
+    """The Monitor of `wd`'s validated pair for the endpoint (state and Prometheus files named after it);
+    engine vllm: pipeline/monitor_vllm.VllmMonitor (vLLM's spec-decode counters, its served model, its draft length)."""
     from pipeline import monitor as M
 
+    if engine == "vllm":
+        from pipeline import monitor_vllm as MV
+        from pipeline.commands.serve_vllm import exported_draft_len
+
+        draft_len = draft_len or exported_draft_len(wd)
+        metrics_url = metrics_url or (f"{M._url(url)}/metrics" if url else None)
     run = M.read_run(wd, draft_len=draft_len, prompts_per_probe=prompts_per_probe)
     if model:
         run.model_name = model
+    elif engine == "vllm" and not passive:
+        run.model_name = MV.served_model(url, timeout=min(timeout, 30))
     design = M.Design(draft_len=run.draft_len, drop=drop, false_alarm=false_alarm, dispersion=dispersion)
     target = metrics_url if passive else url
-    tag = hashlib.sha256(f"{target}|{run.model_name}".encode()).hexdigest()[:10]
-    return M.Monitor(run, design, url=url, metrics_url=metrics_url, passive=passive,
+    tag = hashlib.sha256(f"{target}|{run.model_name}{'|vllm' if engine == 'vllm' else ''}".encode()).hexdigest()[:10]
+    cls = MV.VllmMonitor if engine == "vllm" else M.Monitor
+    return cls(run, design, url=url, metrics_url=metrics_url, passive=passive,
                      state_path=Path(state_file) if state_file else wd / "monitor" / f"state-{tag}.json",
                      prom_path=Path(prom_file) if prom_file else wd / "monitor" / f"specpipe_monitor-{tag}.prom",
                      timeout=timeout, reset=reset, echo=echo)

@@ -41,25 +41,32 @@ def ready_message(srv) -> str:
             f"  log: {srv.log_path}\nCtrl-C stops it.")
 
 
-def run_until_stopped(srv, echo) -> bool:
-    """Keep the server running until Ctrl-C or SIGTERM (then stop it: True) or until it exits by itself (its log
-    tail is echoed: False)."""
+def stop_signals() -> None:
+    """SIGTERM (`kill <pid>`) and SIGINT raise KeyboardInterrupt, also while the server starts (its own process
+    group does not get the terminal's Ctrl-C: the command stops it) and when started with SIGINT ignored."""
     import signal
-    import time
 
-    def _term(*_):  # `kill <pid>` stops the server too, the same way as Ctrl-C
+    def _term(*_):
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _term)
-    signal.signal(signal.SIGINT, _term)   # also when started with SIGINT ignored (a background job of a script)
+    signal.signal(signal.SIGINT, _term)
+
+
+def run_until_stopped(srv, echo, what: str = "tritonserver") -> bool:
+    """Keep the server running until Ctrl-C or SIGTERM (then stop it: True) or until it exits by itself (its log
+    tail is echoed: False)."""
+    import time
+
+    stop_signals()
     try:
         while srv.alive():
             time.sleep(0.5)
-        echo(f"error: tritonserver exited with code {srv.process.returncode}:\n{srv.log_tail()}", err=True)
+        echo(f"error: {what} exited with code {srv.process.returncode}:\n{srv.log_tail()}", err=True)
         srv.stop()
         return False
     except KeyboardInterrupt:
-        echo("stopping Triton ...", err=True)
+        echo(f"stopping {what} ...", err=True)
         rc = srv.stop()
         echo(f"stopped (exit code {rc})", err=True)
         return True

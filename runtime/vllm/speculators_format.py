@@ -39,7 +39,8 @@ DFlash (`speculators_model_type: dflash`, `architectures: ["DFlashSpeculator"]`)
   than `block_size - 1` its (bidirectional) block is shorter than the one the draft was trained and validated with.
 
 Proposal settings: one greedy proposal method with `speculative_tokens` = the tuned draft length; vLLM takes
-`num_speculative_tokens` from it. vLLM has one draft length for all batch sizes.
+`num_speculative_tokens` from it; the per-batch draft length (vLLM 0.32) goes into the serve command's speculative
+config (runtime/vllm/serve.py).
 """
 from __future__ import annotations
 
