@@ -44,6 +44,7 @@ from pipeline.artifacts import train_draft as train_draft_artifact
 from pipeline.errors import StageError
 from pipeline.stage import StageContext, StageSection, Strict
 from runtime.validate.decode import MeasureSettings
+from runtime.validate.lossless_arms import lossless_rows, lossless_summary
 from runtime.validate.reference import DraftLoadError, run_reference
 from runtime.validate.trtllm import run_trtllm, trtllm_available
 
@@ -91,6 +92,9 @@ class Config(StageSection):
         "modelopt", description="EAGLE-3 first-layer norm: as ModelOpt trains it, or as serving engines compute it")
     measure_other_norm: bool = Field(
         True, description="EAGLE-3: also measure the deployed pair with the other first-layer norm (informative, not gated)")
+    draft_kv_cache: Literal["auto", "bf16", "fp8"] = Field("auto", description=(
+        "the deployed draft's KV cache: auto = FP8 (unit scale) when the deployed target's KV cache is FP8, as "
+        "TensorRT-LLM runs the draft in one-model mode; the gate is on it, the BF16-KV figure is reported beside it"))
     seed: int = 0
     gates: Gates = Field(default_factory=Gates)
 
@@ -130,13 +134,15 @@ def run(ctx: StageContext) -> dict:
     runtime, why = _choose_runtime(sec.runtime)
     ctx.log.info("runtime: %s (%s)", runtime, why)
     arts, deployed, bf16, same = _pairs(ctx)
+    draft_kv = draft_kv_cache(sec, quantize_artifact.read_info(ctx.input("quantize").path).kv_cache_fp8)
+    ctx.log.info("deployed draft's KV cache: %s (%s)", draft_kv["dtype"], draft_kv["why"])
     eos = target_artifact.stop_ids(target_artifact.read_info(ctx.input("target").path))
     ctx.log.info("generation stops at token ids %s (target.json)", eos)
     prompts = _read_prompts(ctx, sec)
 
     # the unquantized pair runs when it is measured, and for the exact lossless check
     need_bf16 = not same and (sec.measure_bf16 or sec.lossless_prompts > 0)
-    s = measure_settings(sec)
+    s = measure_settings(sec, draft_kv_cache=draft_kv["dtype"])
     if runtime == "tensorrt_llm":
         res = run_trtllm(s, deployed, bf16 if sec.measure_bf16 and not same else None, prompts, eos,
                          scratch_dir=ctx.scratch_dir)
@@ -157,7 +163,7 @@ def run(ctx: StageContext) -> dict:
                 "max_new_tokens": sec.max_new_tokens, "batch_size": sec.batch_size, "eos_token_ids": eos,
                 "pairs": {"fp8": {k: str(Path(v).relative_to(arts)) for k, v in deployed.items()},
                           "bf16": {k: str(Path(v).relative_to(arts)) for k, v in bf16.items()}},
-                "same_pair": same})
+                "same_pair": same, "draft_kv_cache": draft_kv})
     res["gates"] = evaluate_gates(res, sec.gates)
     table = gate_table(res["gates"]["rows"])
     text = json.dumps(res, indent=2)
@@ -203,7 +209,21 @@ def _metrics(runtime: str, res: dict) -> dict:
             "speedup_measured": res.get("tokens_per_s", {}).get("speedup")}
 
 
-def measure_settings(sec: Config) -> MeasureSettings:
+def draft_kv_cache(sec: Config, target_kv_fp8: bool) -> dict:
+    """The deployed draft's KV cache as the engine runs it ({"dtype", "scale", "why"}): in one-model mode (the
+    default; the only mode of DFlash and of EAGLE-3 on 1.3) TensorRT-LLM gives the draft the target's KV-cache
+    quantization with unit scales (runtime.engine.drafts.loading.DRAFT_KV_FP8_SCALE)."""
+    if sec.draft_kv_cache != "auto":
+        why = "validate.draft_kv_cache"
+        dtype = sec.draft_kv_cache
+    else:
+        dtype = "fp8" if target_kv_fp8 else "bf16"
+        why = "auto: the deployed target's KV cache is " + ("FP8; one-model TensorRT-LLM runs the draft's with it"
+                                                           if target_kv_fp8 else "not FP8")
+    return {"dtype": dtype, "scale": 1.0 if dtype == "fp8" else None, "why": why}
+
+
+def measure_settings(sec: Config, draft_kv_cache: str = "bf16") -> MeasureSettings:
     """What runtime.validate measures with: the section's decoding settings and the lossless gates' parameters."""
     g = sec.gates
     return MeasureSettings(max_draft_len=sec.max_draft_len, max_new_tokens=sec.max_new_tokens, batch_size=sec.batch_size,
@@ -211,28 +231,7 @@ def measure_settings(sec: Config) -> MeasureSettings:
                            noise_prefill_chunk=sec.noise_prefill_chunk, measure_bf16=sec.measure_bf16,
                            first_layer_norm=sec.first_layer_norm, measure_other_norm=sec.measure_other_norm,
                            tie_margin=g.tie_margin, max_divergence_ratio=g.max_divergence_ratio,
-                           divergence_alpha=g.divergence_alpha)
-
-
-def lossless_summary(ll: dict) -> dict:
-    """The lossless check in a few numbers, each part with what it measured and what it required (stage
-    metrics, so `status --json` shows the statistic and its threshold)."""
-    out: dict = {"passed": ll.get("passed")}
-    if ex := ll.get("exact"):
-        out["exact"] = {k: ex.get(k) for k in ("pair", "passed", "compared_prompts", "generated_tokens", "differ",
-                                               "numerical_ties", "tie_margin")}
-    if inv := ll.get("invariant"):
-        out["invariant"] = {"passed": inv.get("passed"),
-                            **{p: {k: v.get(k) for k in ("rows_checked", "forwards", "violations", "by_kind")}
-                               for p, v in inv.get("pairs", {}).items()}}
-    if st := ll.get("statistical"):
-        out["statistical"] = {k: st.get(k) for k in ("pair", "statistic", "reference", "threshold", "test", "passed",
-                                                     "p_value", "ratio", "alpha")}
-        out["statistical"]["rate_speculative"] = st["speculative"]["rate_per_token"]
-        out["statistical"]["rate_noise"] = st["noise"]["pooled"]["rate_per_token"]
-        out["statistical"]["share_diverging_speculative"] = st["speculative"]["share_diverging"]
-        out["statistical"]["share_diverging_noise"] = st["noise"]["pooled"]["share_diverging"]
-    return out
+                           divergence_alpha=g.divergence_alpha, draft_kv_cache=draft_kv_cache)
 
 
 def _choose_runtime(want: str) -> tuple[str, str]:
@@ -306,30 +305,6 @@ def evaluate_gates(res: dict, g: Gates) -> dict:
     return {"passed": all(r["passed"] for r in rows), "rows": rows}
 
 
-def lossless_rows(ll: dict) -> list[dict]:
-    """One gate row per part of the lossless check that ran."""
-    rows = []
-    ex = ll.get("exact")
-    if ex and ex.get("passed") is not None:
-        m = "identical" if ex.get("identical") else (f"{ex['differ']} differ" if ex["differ"] else
-                                                     f"{ex['numerical_ties']} fp32 ties")
-        rows.append({"domain": "unquantized", "metric": "lossless_exact", "measured": m,
-                     "required": f"identical (ties < {ex['tie_margin']:g})", "passed": ex["passed"]})
-    inv = ll.get("invariant")
-    if inv and inv.get("pairs"):
-        n = sum(v["violations"] for v in inv["pairs"].values())
-        rows_checked = sum(v["rows_checked"] for v in inv["pairs"].values())
-        rows.append({"domain": "all runs", "metric": "acceptance_rule", "measured": f"{n} of {rows_checked} rows",
-                     "required": "0 violations", "passed": inv["passed"]})
-    st = ll.get("statistical")
-    if st and st.get("passed") is not None:
-        rows.append({"domain": "deployed", "metric": "divergence_rate",
-                     "measured": f"{st['speculative']['rate_per_token']:.4f} vs {st['noise']['pooled']['rate_per_token']:.4f} "
-                                 f"noise, p={st['p_value']:.3g}",
-                     "required": f"<= {st['ratio']:g}x noise at p>={st['alpha']:g}", "passed": st["passed"]})
-    return rows
-
-
 def gate_table(rows: list[dict]) -> str:
     if not rows:
         return "  (no gates configured)"
@@ -366,13 +341,17 @@ def _render(a: dict) -> str:
              f"<code>{esc(a['pairs']['fp8']['target_dir'])}</code> + <code>{esc(a['pairs']['fp8']['draft_dir'])}</code></p>"]
     rows = []
     other = next((v["fp8_other_norm"]["first_layer_norm"] for v in a["domains"].values() if v.get("fp8_other_norm")), None)
+    kv_arm = any(v.get("fp8_other_draft_kv") for v in a["domains"].values())
+    parts.append(_draft_kv_note(a.get("draft_kv_cache") or {}, kv_arm))
     for d, v in [*a["domains"].items(), ("overall", a["overall"])]:
         f, b = v["fp8"], v.get("bf16") or {}
         rows.append([d, f["acceptance_length"], b.get("acceptance_length", ""), v.get("retention", ""),
                      f.get("draft_acceptance_rate"), f.get("accepted"), f.get("drafted")]
-                    + ([(v.get("fp8_other_norm") or {}).get("acceptance_length", "")] if other else []))
+                    + ([(v.get("fp8_other_norm") or {}).get("acceptance_length", "")] if other else [])
+                    + ([(v.get("fp8_other_draft_kv") or {}).get("acceptance_length", "")] if kv_arm else []))
     parts.append(table(rows, ["domain", "AL deployed (FP8)", "AL BF16", "retention", "acceptance rate", "accepted",
-                              "drafted"] + ([f"AL FP8, {other} first-layer norm"] if other else [])))
+                              "drafted"] + ([f"AL FP8, {other} first-layer norm"] if other else [])
+                       + (["AL FP8, draft BF16 KV"] if kv_arm else [])))
     g = a["gates"]
     parts.append("<p>gates: <span "
                  f"class='{'pass' if g['passed'] else 'fail'}'>{'passed' if g['passed'] else 'FAILED'}</span></p>")
@@ -402,6 +381,18 @@ def _render(a: dict) -> str:
         ax.set_title("per-position conditional acceptance")
         parts.append(figure(fig))
     return "".join(parts)
+
+
+def _draft_kv_note(kv: dict, kv_arm: bool) -> str:
+    """How the deployed draft's KV cache was computed (what the gates use), and what the extra column is."""
+    from pipeline.report import esc
+
+    if not kv:
+        return ""
+    return (f"<p>deployed draft's KV cache: <b>{esc(kv['dtype'].upper())}</b>"
+            + (f" (scale {kv['scale']:g})" if kv.get("scale") else "") + f", {esc(kv['why'])}; the gates use it"
+            + ("; the column 'AL FP8, draft BF16 KV' is the same pair with the draft's KV cache in BF16" if kv_arm
+               else "") + "</p>")
 
 
 def _render_lossless(ll: dict) -> str:

@@ -133,3 +133,48 @@ def statistical_check(log, model, s: MeasureSettings, K: int, sub, spec_out, ref
 
 def _ms(secs):
     return None if secs is None else round(1000 * secs, 4)
+
+
+def lossless_summary(ll: dict) -> dict:
+    """The lossless check in a few numbers, each part with what it measured and what it required (stage
+    metrics, so `status --json` shows the statistic and its threshold)."""
+    out: dict = {"passed": ll.get("passed")}
+    if ex := ll.get("exact"):
+        out["exact"] = {k: ex.get(k) for k in ("pair", "passed", "compared_prompts", "generated_tokens", "differ",
+                                               "numerical_ties", "tie_margin")}
+    if inv := ll.get("invariant"):
+        out["invariant"] = {"passed": inv.get("passed"),
+                            **{p: {k: v.get(k) for k in ("rows_checked", "forwards", "violations", "by_kind")}
+                               for p, v in inv.get("pairs", {}).items()}}
+    if st := ll.get("statistical"):
+        out["statistical"] = {k: st.get(k) for k in ("pair", "statistic", "reference", "threshold", "test", "passed",
+                                                     "p_value", "ratio", "alpha")}
+        out["statistical"]["rate_speculative"] = st["speculative"]["rate_per_token"]
+        out["statistical"]["rate_noise"] = st["noise"]["pooled"]["rate_per_token"]
+        out["statistical"]["share_diverging_speculative"] = st["speculative"]["share_diverging"]
+        out["statistical"]["share_diverging_noise"] = st["noise"]["pooled"]["share_diverging"]
+    return out
+
+
+def lossless_rows(ll: dict) -> list[dict]:
+    """One gate row per part of the lossless check that ran."""
+    rows = []
+    ex = ll.get("exact")
+    if ex and ex.get("passed") is not None:
+        m = "identical" if ex.get("identical") else (f"{ex['differ']} differ" if ex["differ"] else
+                                                     f"{ex['numerical_ties']} fp32 ties")
+        rows.append({"domain": "unquantized", "metric": "lossless_exact", "measured": m,
+                     "required": f"identical (ties < {ex['tie_margin']:g})", "passed": ex["passed"]})
+    inv = ll.get("invariant")
+    if inv and inv.get("pairs"):
+        n = sum(v["violations"] for v in inv["pairs"].values())
+        rows_checked = sum(v["rows_checked"] for v in inv["pairs"].values())
+        rows.append({"domain": "all runs", "metric": "acceptance_rule", "measured": f"{n} of {rows_checked} rows",
+                     "required": "0 violations", "passed": inv["passed"]})
+    st = ll.get("statistical")
+    if st and st.get("passed") is not None:
+        rows.append({"domain": "deployed", "metric": "divergence_rate",
+                     "measured": f"{st['speculative']['rate_per_token']:.4f} vs {st['noise']['pooled']['rate_per_token']:.4f} "
+                                 f"noise, p={st['p_value']:.3g}",
+                     "required": f"<= {st['ratio']:g}x noise at p>={st['alpha']:g}", "passed": st["passed"]})
+    return rows
