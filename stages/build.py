@@ -116,10 +116,24 @@ def check(cfg) -> list[tuple[str, str]]:
     if algo == "eagle3" and sec.eagle3_mode == "two_model" and not rel.eagle3_two_model:
         out.append(("build.eagle3_mode", f"TensorRT-LLM {sec.trtllm_version} always runs EAGLE-3 as one model "
                                          "(eagle3_one_model: false is reset to true); use one_model or a 1.2 version"))
+    out += _fp8_draft_fc_problems(cfg, rel, algo)
     if sec.pipeline_parallel_size > 1:
         out.append(("build.pipeline_parallel_size", "speculative decoding is incompatible with pipeline parallelism "
                                                     "in TensorRT-LLM; use hardware.tensor_parallel_size instead"))
     return out
+
+
+def _fp8_draft_fc_problems(cfg, rel: compat.Release, algo: str) -> list[tuple[str, str]]:
+    """An FP8 EAGLE-3 draft whose fc is FP8 where the version's loader builds fc without a quant config (1.2): the
+    FP8 codes would be cast to BF16 without their scale (compat.SOURCES eagle3_fc_quant)."""
+    q = getattr(cfg, "quantize", None)
+    if algo != "eagle3" or rel.eagle3_fc_fp8 or q is None or not getattr(q, "enabled", True) or q.draft != "fp8" \
+            or q.draft_fc != "fp8":
+        return []
+    return [("quantize.draft_fc", f"is fp8, but TensorRT-LLM {cfg.build.trtllm_version}'s EAGLE-3 draft model builds fc "
+                                  "without a quant config: an FP8 fc.weight would be cast to BF16 without its scale, "
+                                  "silently. Set quantize.draft_fc: bf16 (fc kept in BF16, the rest of the draft FP8), "
+                                  f"or quantize.draft: none, or build.trtllm_version: {compat.REFERENCE_1_3}")]
 
 
 # ---------------------------------------------------------------------------------------------- run

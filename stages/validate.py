@@ -50,7 +50,7 @@ from runtime.validate.trtllm import run_trtllm, trtllm_available
 
 NAME = "validate"
 CONSUMES: tuple[str, ...] = ("target", "data", "train_draft", "quantize")
-VERSION = "2"
+VERSION = "3"
 PACKAGES = ("torch", "transformers", "safetensors")
 
 
