@@ -13,6 +13,7 @@ Upstream, NVIDIA/TensorRT-LLM tensorrt_llm/_torch/models/modeling_speculative.py
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -24,8 +25,16 @@ from runtime.engine.fp8 import FP8_MAX, read_safetensors
 from runtime.trtllm import compat
 from runtime.trtllm.checks import eagle3_fc_precision
 
-from conftest import REPO, TINY_CONFIG, run_cli
-from test_runtime import tiny_assets
+from conftest import REPO, TINY_CONFIG, artifact_dir, run_cli
+
+
+@pytest.fixture(scope="module")
+def run_dir(request) -> Path:
+    """The tiny run (SPECPIPE_TEST_RUN, else the session's tiny pipeline): its target, EAGLE-3 draft and data."""
+    if os.environ.get("SPECPIPE_TEST_RUN"):
+        return Path(os.environ["SPECPIPE_TEST_RUN"])
+    wd, _ = request.getfixturevalue("tiny_run")
+    return wd
 
 
 @pytest.mark.parametrize("overrides, refused", [
@@ -61,27 +70,25 @@ def _draft_with_fp8_fc(src: Path, dst: Path) -> Path:
     return dst
 
 
-def test_deployment_check_refuses_an_fp8_fc_where_the_loader_drops_its_scale(tmp_path):
-    t = tiny_assets()
-    fp8_fc = _draft_with_fp8_fc(Path(t["eagle_dir"]), tmp_path / "draft")
+def test_deployment_check_refuses_an_fp8_fc_where_the_loader_drops_its_scale(run_dir, tmp_path):
+    draft = artifact_dir(run_dir, "train_draft") / "draft"
+    fp8_fc = _draft_with_fp8_fc(draft, tmp_path / "draft")
     ok, msg = eagle3_fc_precision(fp8_fc, compat.release("1.2.1"), "1.2.1")
     assert not ok and "F8_E4M3" in msg and "quantize.draft_fc: bf16" in msg
     assert eagle3_fc_precision(fp8_fc, compat.release("1.3.0rc27"), "1.3.0rc27")[0]
-    assert eagle3_fc_precision(Path(t["eagle_dir"]), compat.release("1.2.1"), "1.2.1")[0]   # BF16 fc: read as stored
+    assert eagle3_fc_precision(draft, compat.release("1.2.1"), "1.2.1")[0]   # BF16 fc: read as stored
 
 
-def test_quantized_draft_keeps_fc_in_bf16_when_asked(tmp_path):
-    """The real ModelOpt draft quantization with fc_fp8=False: fc.weight stays high precision without scales, every
-    decoder-layer linear is FP8, and the written draft passes the 1.2 deployment check."""
+def test_quantized_draft_keeps_fc_in_bf16_when_asked(run_dir, tmp_path):
+    """The real ModelOpt draft quantization with fc_fp8=False on the tiny run's pair: fc.weight stays high precision
+    without scales, every decoder-layer linear is FP8, and the written draft passes the 1.2 deployment check."""
     from runtime.quant.eagle_draft import quantize_eagle_checkpoint
+    from stages.quantize import read_samples
 
-    from test_runtime import _batches
-
-    t = tiny_assets()
-    samples = [{"input_ids": x[0], "loss_mask": torch.ones_like(x[0])} for x in _batches(t["data"], 1, 4, 48, 3)]
+    samples = read_samples(artifact_dir(run_dir, "data"), "calib", 4, 64)
     out = tmp_path / "draft_fp8"
-    m = quantize_eagle_checkpoint(Path(t["target_dir"]), Path(t["eagle_dir"]), out, samples, samples[:2],
-                                  kv_cache="fp8", fc_fp8=False)
+    m = quantize_eagle_checkpoint(artifact_dir(run_dir, "target") / "model", artifact_dir(run_dir, "train_draft") / "draft",
+                                  out, samples, samples[:2], kv_cache="fp8", fc_fp8=False)
     sd = read_safetensors(out)
     assert sd["fc.weight"].dtype != torch.float8_e4m3fn and "fc.weight_scale" not in sd and "fc.input_scale" not in sd
     assert sd["layers.0.self_attn.q_proj.weight"].dtype == torch.float8_e4m3fn
