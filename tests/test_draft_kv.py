@@ -139,3 +139,17 @@ def test_draft_kv_cache_resolution():
     assert V.draft_kv_cache(auto, True)["dtype"] == "fp8" and V.draft_kv_cache(auto, False)["dtype"] == "bf16"
     assert V.draft_kv_cache(V.Config(draft_kv_cache="bf16"), True)["dtype"] == "bf16"
     assert V.measure_settings(auto, draft_kv_cache="fp8").draft_kv_cache == "fp8"
+
+
+@pytest.mark.parametrize("overrides, refused", [
+    (("-o", "build.kv_cache.dtype=fp8", "-o", "quantize.kv_cache=none"), True),     # engine FP8, validate auto -> BF16
+    (("-o", "build.kv_cache.dtype=fp8", "-o", "quantize.kv_cache=none", "-o", "validate.draft_kv_cache=fp8"), False),
+    ((), False),                                                                       # FP8 KV target: auto -> FP8
+])
+def test_build_refuses_a_validate_draft_kv_that_is_not_the_engines(overrides, refused):
+    """`specpipe check`: the KV cache validate gives the draft must be the one the one-model deployment gives it."""
+    from conftest import REPO, TINY_CONFIG, run_cli
+
+    r = run_cli("check", str(TINY_CONFIG), *overrides, cwd=REPO)
+    assert r.returncode == (2 if refused else 0), r.stdout + r.stderr
+    assert ("validate.draft_kv_cache" in r.stdout + r.stderr) == refused
