@@ -23,7 +23,7 @@ What it does, for the recipe in `format` (then each of `fallback_formats` while 
 6. With `draft: fp8`, rebuilds ModelOpt's EAGLE-3 model around the target from the exported draft
    (`train_draft/draft`, verified by re-exporting it bit-exactly), quantizes only the draft part (per-tensor FP8),
    calibrates it with the training-time forward (all TTT steps) and exports it with `export_speculative_decoding`
-   to `draft_fp8/` (runtime.quant.eagle_draft).
+   to `draft_fp8/` (runtime.quant.eagle_draft); `draft_fc: bf16` keeps its `fc` in BF16 (TensorRT-LLM 1.2 needs it).
 
 Artifact (see docs/architecture.md): `target_fp8/` (the shipped recipe), `draft_fp8/` (only with `draft: fp8`),
 `quantize.json`, `quality.json` (with `recipes`: one row per recipe tried).
@@ -100,6 +100,8 @@ class Config(StageSection):
     draft: Literal["none", "fp8"] = Field("none", description=(
         "none: deploy train_draft's BF16 draft (NVIDIA's documented combination: FP8 target + BF16 draft); "
         "fp8: quantize the draft too (per-tensor FP8)"))
+    draft_fc: Literal["fp8", "bf16"] = Field("fp8", description="with draft: fp8, the EAGLE-3 fc in FP8 or kept in BF16 "
+                                             "(TensorRT-LLM 1.2 drops an FP8 fc's scale: build refuses fp8 there)")
     seed: int = 0
 
     @field_validator("exclude_modules")
@@ -386,14 +388,12 @@ def quantize_eagle_draft(ctx: StageContext, sec: Config, target_dir: Path, calib
     draft_dir = ctx.input("train_draft").path / "draft"
     out = ctx.out_dir / "draft_fp8"
     with _stage_errors():
-        res = quantize_eagle_checkpoint(target_dir, draft_dir, out, calib, heldout, kv_cache=sec.kv_cache,
-                                        exclude=sec.exclude_modules, device=device, dtype=dtype,
+        res = quantize_eagle_checkpoint(target_dir, draft_dir, out, calib, heldout, kv_cache=sec.kv_cache, dtype=dtype,
+                                        exclude=sec.exclude_modules, fc_fp8=sec.draft_fc == "fp8", device=device,
                                         export_dtype=export_dtype, log=ctx.log)
     # quantize.exclude_modules name target modules; the draft is checked against its own exclude_modules
-    checks = check_checkpoint(out, kv_cache=sec.kv_cache == "fp8")
-    _raise_failed(checks, "draft_fp8")
-    res["checks"] = checks
-    return res
+    _raise_failed(checks := check_checkpoint(out, kv_cache=sec.kv_cache == "fp8"), "draft_fp8")
+    return {**res, "checks": checks}
 
 
 def report(artifact) -> str:

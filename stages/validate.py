@@ -51,7 +51,7 @@ from runtime.validate.trtllm import run_trtllm, trtllm_available
 
 NAME = "validate"
 CONSUMES: tuple[str, ...] = ("target", "data", "train_draft", "quantize")
-VERSION = "2"
+VERSION = "3"
 USES = ("vllm",)   # validate measures the pair in vLLM too when the `vllm` section enables it
 PACKAGES = ("torch", "transformers", "safetensors")
 
@@ -94,6 +94,9 @@ class Config(StageSection):
         "modelopt", description="EAGLE-3 first-layer norm: as ModelOpt trains it, or as serving engines compute it")
     measure_other_norm: bool = Field(
         True, description="EAGLE-3: also measure the deployed pair with the other first-layer norm (informative, not gated)")
+    draft_kv_cache: Literal["auto", "bf16", "fp8"] = Field("auto", description=(
+        "the deployed draft's KV cache: auto = FP8 (unit scale) when the deployed target's KV cache is FP8, as "
+        "TensorRT-LLM runs the draft in one-model mode; the gate is on it, the BF16-KV figure is reported beside it"))
     seed: int = 0
     gates: Gates = Field(default_factory=Gates)
 
@@ -133,13 +136,15 @@ def run(ctx: StageContext) -> dict:
     runtime, why = _choose_runtime(sec.runtime)
     ctx.log.info("runtime: %s (%s)", runtime, why)
     arts, deployed, bf16, same = _pairs(ctx)
+    draft_kv = draft_kv_cache(sec, quantize_artifact.read_info(ctx.input("quantize").path).kv_cache_fp8)
+    ctx.log.info("deployed draft's KV cache: %s (%s)", draft_kv["dtype"], draft_kv["why"])
     eos = target_artifact.stop_ids(target_artifact.read_info(ctx.input("target").path))
     ctx.log.info("generation stops at token ids %s (target.json)", eos)
     prompts = _read_prompts(ctx, sec)
 
     # the unquantized pair runs when it is measured, and for the exact lossless check
     need_bf16 = not same and (sec.measure_bf16 or sec.lossless_prompts > 0)
-    s = measure_settings(sec)
+    s = measure_settings(sec, draft_kv_cache=draft_kv["dtype"])
     if runtime == "tensorrt_llm":
         res = run_trtllm(s, deployed, bf16 if sec.measure_bf16 and not same else None, prompts, eos,
                          scratch_dir=ctx.scratch_dir)
@@ -160,7 +165,7 @@ def run(ctx: StageContext) -> dict:
                 "max_new_tokens": sec.max_new_tokens, "batch_size": sec.batch_size, "eos_token_ids": eos,
                 "pairs": {"fp8": {k: str(Path(v).relative_to(arts)) for k, v in deployed.items()},
                           "bf16": {k: str(Path(v).relative_to(arts)) for k, v in bf16.items()}},
-                "same_pair": same})
+                "same_pair": same, "draft_kv_cache": draft_kv})
     res["engines"] = {"vllm": _vllm(ctx, sec, prompts, deployed, bf16, res)}
     res["gates"] = evaluate_gates(res, sec.gates)
     table = gate_table(res["gates"]["rows"])
@@ -225,7 +230,21 @@ def _vllm(ctx: StageContext, sec: Config, prompts: dict, deployed: dict, bf16: d
     return out
 
 
-def measure_settings(sec: Config) -> MeasureSettings:
+def draft_kv_cache(sec: Config, target_kv_fp8: bool) -> dict:
+    """The deployed draft's KV cache as the engine runs it ({"dtype", "scale", "why"}): in one-model mode (the
+    default; the only mode of DFlash and of EAGLE-3 on 1.3) TensorRT-LLM gives the draft the target's KV-cache
+    quantization with unit scales (runtime.engine.drafts.loading.DRAFT_KV_FP8_SCALE)."""
+    if sec.draft_kv_cache != "auto":
+        why = "validate.draft_kv_cache"
+        dtype = sec.draft_kv_cache
+    else:
+        dtype = "fp8" if target_kv_fp8 else "bf16"
+        why = "auto: the deployed target's KV cache is " + ("FP8; one-model TensorRT-LLM runs the draft's with it"
+                                                           if target_kv_fp8 else "not FP8")
+    return {"dtype": dtype, "scale": 1.0 if dtype == "fp8" else None, "why": why}
+
+
+def measure_settings(sec: Config, draft_kv_cache: str = "bf16") -> MeasureSettings:
     """What runtime.validate measures with: the section's decoding settings and the lossless gates' parameters."""
     g = sec.gates
     return MeasureSettings(max_draft_len=sec.max_draft_len, max_new_tokens=sec.max_new_tokens, batch_size=sec.batch_size,
@@ -233,7 +252,7 @@ def measure_settings(sec: Config) -> MeasureSettings:
                            noise_prefill_chunk=sec.noise_prefill_chunk, measure_bf16=sec.measure_bf16,
                            first_layer_norm=sec.first_layer_norm, measure_other_norm=sec.measure_other_norm,
                            tie_margin=g.tie_margin, max_divergence_ratio=g.max_divergence_ratio,
-                           divergence_alpha=g.divergence_alpha)
+                           divergence_alpha=g.divergence_alpha, draft_kv_cache=draft_kv_cache)
 
 
 def _choose_runtime(want: str) -> tuple[str, str]:
@@ -329,13 +348,17 @@ def _render(a: dict) -> str:
              f"<code>{esc(a['pairs']['fp8']['target_dir'])}</code> + <code>{esc(a['pairs']['fp8']['draft_dir'])}</code></p>"]
     rows = []
     other = next((v["fp8_other_norm"]["first_layer_norm"] for v in a["domains"].values() if v.get("fp8_other_norm")), None)
+    kv_arm = any(v.get("fp8_other_draft_kv") for v in a["domains"].values())
+    parts.append(_draft_kv_note(a.get("draft_kv_cache") or {}, kv_arm))
     for d, v in [*a["domains"].items(), ("overall", a["overall"])]:
         f, b = v["fp8"], v.get("bf16") or {}
         rows.append([d, f["acceptance_length"], b.get("acceptance_length", ""), v.get("retention", ""),
                      f.get("draft_acceptance_rate"), f.get("accepted"), f.get("drafted")]
-                    + ([(v.get("fp8_other_norm") or {}).get("acceptance_length", "")] if other else []))
+                    + ([(v.get("fp8_other_norm") or {}).get("acceptance_length", "")] if other else [])
+                    + ([(v.get("fp8_other_draft_kv") or {}).get("acceptance_length", "")] if kv_arm else []))
     parts.append(table(rows, ["domain", "AL deployed (FP8)", "AL BF16", "retention", "acceptance rate", "accepted",
-                              "drafted"] + ([f"AL FP8, {other} first-layer norm"] if other else [])))
+                              "drafted"] + ([f"AL FP8, {other} first-layer norm"] if other else [])
+                       + (["AL FP8, draft BF16 KV"] if kv_arm else [])))
     g = a["gates"]
     parts.append("<p>gates: <span "
                  f"class='{'pass' if g['passed'] else 'fail'}'>{'passed' if g['passed'] else 'FAILED'}</span></p>")
@@ -367,6 +390,18 @@ def _render(a: dict) -> str:
         ax.set_title("per-position conditional acceptance")
         parts.append(figure(fig))
     return "".join(parts)
+
+
+def _draft_kv_note(kv: dict, kv_arm: bool) -> str:
+    """How the deployed draft's KV cache was computed (what the gates use), and what the extra column is."""
+    from pipeline.report import esc
+
+    if not kv:
+        return ""
+    return (f"<p>deployed draft's KV cache: <b>{esc(kv['dtype'].upper())}</b>"
+            + (f" (scale {kv['scale']:g})" if kv.get("scale") else "") + f", {esc(kv['why'])}; the gates use it"
+            + ("; the column 'AL FP8, draft BF16 KV' is the same pair with the draft's KV cache in BF16" if kv_arm
+               else "") + "</p>")
 
 
 def _render_lossless(ll: dict) -> str:

@@ -13,19 +13,37 @@ class KVCache:
     """Preallocated K/V per layer for a batch of rows of different lengths.
 
     `lengths[b]` is the number of valid positions of row b. Writes go to explicit positions, so rolling back
-    rejected draft tokens is just setting `lengths` (later writes overwrite the stale entries)."""
+    rejected draft tokens is just setting `lengths` (later writes overwrite the stale entries).
+
+    `fp8_scale`: an FP8 (E4M3) KV cache with that per-tensor scale: every written K/V is quantized to
+    float8_e4m3fn (x / scale, saturated at +-448) and held as its dequantized value (code x scale), which is
+    what an attention kernel reading the FP8 cache computes with (`quantized` applies the same to K/V that
+    attention uses without reading them back). The drafts use it with a unit scale (`runtime.engine.drafts`)."""
 
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype, device):
+                 dtype: torch.dtype, device, fp8_scale: float | None = None):
         shape = (batch, n_kv_heads, capacity, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.capacity = capacity
+        self.fp8_scale = None if fp8_scale is None else torch.tensor(float(fp8_scale), dtype=torch.float32,
+                                                                      device=device)
+
+    def quantized(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v as the FP8 cache holds them (E4M3 at `fp8_scale`, dequantized); unchanged without FP8."""
+        if self.fp8_scale is None:
+            return k, v
+        from runtime.engine.fused import qdq_e4m3_fast
+
+        s = self.fp8_scale
+        return qdq_e4m3_fast(k.float(), s).to(k.dtype), qdq_e4m3_fast(v.float(), s).to(v.dtype)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, uniform: int | None) -> None:
         """k, v: [B, Hkv, T, D] at positions pos [B, T] (callers keep them < capacity, see `positions_for`);
-        `uniform` = common start position if all rows agree (plain slicing, no scatter)."""
+        `uniform` = common start position if all rows agree (plain slicing, no scatter). Through E4M3 first
+        when the cache is FP8."""
+        k, v = self.quantized(k, v)
         if uniform is not None:
             t = k.shape[2]
             self.k[layer].narrow(2, uniform, t).copy_(k)

@@ -14,6 +14,9 @@ from runtime.files import publish_tree
 from runtime.quant.export import cast_high_precision, copy_tokenizer
 from runtime.quant.ptq import align_with_deployment, place_model, quant_config
 
+# ModelOpt's EAGLE-3 fc module (the pattern that disables its weight and input quantizers)
+EAGLE_FC = "*eagle_module.fc"
+
 
 class DraftRebuildError(RuntimeFailure):
     """The exported draft is not one this module can rebuild as ModelOpt's EAGLE-3 module (another architecture,
@@ -95,12 +98,14 @@ def _draft_eval(model, samples, device) -> tuple[float, float]:
 
 
 def quantize_eagle_checkpoint(target_dir: Path, draft_dir: Path, out: Path, calib, heldout, *, kv_cache="fp8",
-                              exclude=(), device=None, dtype=None, export_dtype=None, log=None) -> dict:
+                              exclude=(), fc_fp8: bool = True, device=None, dtype=None, export_dtype=None,
+                              log=None) -> dict:
     """FP8-quantize an exported EAGLE-3 draft: rebuild ModelOpt's EAGLE model around the target, quantize only the
     draft (`eagle_module`), calibrate with the training-time forward (every TTT step runs the draft on its own
     outputs, as speculative decoding does), export with `export_speculative_decoding`, keep the original draft
     config (plus `quantization_config`) and tokenizer. Then load the written draft back through `runtime.engine.fp8`
-    and compare its EAGLE loss with the fake-quant model's: the export's consistency check."""
+    and compare its EAGLE loss with the fake-quant model's: the export's consistency check. `fc_fp8=False` keeps
+    `fc` in high precision (`EAGLE_FC`: what TensorRT-LLM 1.2's loader reads, runtime.trtllm.compat eagle3_fc_quant)."""
     import modelopt.torch.quantization as mtq
     import torch
 
@@ -109,7 +114,8 @@ def quantize_eagle_checkpoint(target_dir: Path, draft_dir: Path, out: Path, cali
     model, dcfg, has_lm_head = _eagle_model(target_dir, draft_dir, device, dtype)
     acc_bf16, loss_bf16 = _draft_eval(model, heldout, device)
     others = [n for n, _ in model.named_children() if n != "eagle_module"]
-    qcfg = quant_config("fp8", kv_cache, list(exclude), only_under="eagle_module", other_top_modules=others)
+    excluded = list(exclude) + ([] if fc_fp8 else [EAGLE_FC])
+    qcfg = quant_config("fp8", kv_cache, excluded, only_under="eagle_module", other_top_modules=others)
 
     def forward_loop(m):
         m.train()  # training forward: all TTT steps; no gradients, no parameter updates
@@ -134,7 +140,7 @@ def quantize_eagle_checkpoint(target_dir: Path, draft_dir: Path, out: Path, cali
          "draft_loss_bf16": round(loss_bf16, 6), "draft_loss_fp8": round(loss_fp8, 6),
          "draft_loss_fp8_exported": round(loss_export, 6),
          "draft_export_vs_fakequant_loss_diff": round(abs(loss_export - loss_fp8), 8),
-         "draft_fp8_linears": len(info["fp8_linears"]), "draft_kv_scales": info["kv_scales"],
+         "draft_fp8_linears": len(info["fp8_linears"]), "draft_kv_scales": info["kv_scales"], "draft_fc_fp8": fc_fp8,
          "calibration_forward": "training-mode (all TTT steps)"}
     if log:
         log.info("draft FP8: first-step top-1 vs target %.4f -> %.4f, EAGLE loss %.4f -> %.4f (exported %.4f)",

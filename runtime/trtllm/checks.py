@@ -9,7 +9,7 @@ from pathlib import Path
 
 from runtime.trtllm import compat, draft_schedule, hf_config
 from runtime.trtllm.draft_schedule import DraftSchedule
-from runtime.trtllm.draft_weights import safetensors_tensors
+from runtime.trtllm.draft_weights import safetensors_dtypes, safetensors_tensors
 from runtime.trtllm.schema import unknown_keys
 
 
@@ -116,6 +116,7 @@ def _draft_checks(add, options, sc, rel, version, mode, algorithm, draft_dir, ta
     if algorithm == "eagle3":
         _eagle3_checks(add, sc, rel, version, dcfg, err, tensors, target_vocab_size, target_hidden_size,
                        num_target_layers, capture_layers)
+        add("draft_fc_precision", *eagle3_fc_precision(draft_dir, rel, version))
     else:
         _dflash_checks(add, algorithm, dcfg, k)
     _draft_file_checks(add, options, rel, version, draft_dir, dcfg, draft_rope_theta)
@@ -194,6 +195,20 @@ def _eagle3_fc_check(add, tensors: dict, dcfg: dict, written, target_hidden_size
         ok = tin is not None and fc[1] == n * tin and (hid is None or fc[0] == hid)
         add("eagle3_fc_shape", ok, f"fc.weight {fc} must be [{hid}, {n} capture layers x {tin} target hidden = "
                                    f"{n * (tin or 0)}] (TensorRT-LLM sizes fc as hidden x number of capture layers)")
+
+
+def eagle3_fc_precision(draft_dir: Path, rel: compat.Release, version: str) -> tuple[bool, str]:
+    """An FP8 `fc.weight` only where the version's loader builds fc with the draft's quant config: the 1.2 one casts
+    it to BF16 without its scale, silently (compat.SOURCES eagle3_fc_quant)."""
+    dtypes: dict[str, str] = {}
+    for f in sorted(Path(draft_dir).glob("*.safetensors")):
+        dtypes.update(safetensors_dtypes(f))
+    dt = dtypes.get("fc.weight")
+    if dt is None or not dt.startswith("F8") or rel.eagle3_fc_fp8:
+        return True, f"fc.weight is {dt or 'absent'}: TensorRT-LLM {version} reads it as stored"
+    return False, (f"fc.weight is {dt}, but TensorRT-LLM {version}'s Eagle3DraftModel builds fc without a quant config: "
+                   "the FP8 codes would be cast to BF16 without fc.weight_scale, silently (a wrong draft). Quantize "
+                   "the draft with quantize.draft_fc: bf16 (or quantize.draft: none), or deploy on the 1.3 line")
 
 
 def _draft_weight_names_check(add, tensors: dict, rel: compat.Release, version: str) -> None:

@@ -25,6 +25,10 @@ generator gets it wrong:
 - EAGLE-3 draft weight names: the module is `midlayer`; ModelOpt exports `layers.0.*`. The loader's remap
   (PR #11010, merged to main 2026-01-28) is in the 1.3 line, not in the 1.2 branch (cut at 1.2.0rc6 in
   December 2025), whose loader only prefixes `model.`: `layers.0.*` tensors match no module and are skipped.
+- the EAGLE-3 draft's `fc`: the 1.2-era `Eagle3DraftModel` builds it as `Linear(..., dtype=config.torch_dtype)`
+  without a quant config (its q/k/v/o and MLP get the draft's), so an FP8 `fc.weight` is cast to BF16 by
+  `copy_weight` without its `weight_scale`, silently; the 1.3 line passes `quant_config=model_config.get_quant_config()`.
+  An FP8 draft for 1.2 keeps `fc` in BF16 (`quantize.draft_fc: bf16`); `build` refuses it otherwise.
 - the HF config the model code reads: the 1.2 line pins transformers 4.57.1 (top-level `rope_theta` /
   `rope_scaling`; a config with only `rope_parameters` gets the default theta 10000) and its
   `RotaryScalingType.from_string` has no "default" (a `rope_scaling` of type "default" raises); the 1.3 line
@@ -66,6 +70,7 @@ class Release:
     emits_eagle3_one_model: bool   # the field exists in this line's docs
     eagle3_draft_layer_prefix: Literal["midlayer", "layers"]   # the EAGLE-3 draft layer names the loader reads
     hf_rope_form: Literal["legacy", "rope_parameters"]          # how the pinned transformers reads RoPE settings
+    eagle3_fc_fp8: bool            # the EAGLE-3 draft's fc is built with the draft's quant config (reads FP8 + scales)
     quant_algos: frozenset[str] = PYTORCH_QUANT_ALGOS
 
     def mode(self, algorithm: str, eagle3_one_model: bool = True) -> Mode:
@@ -83,7 +88,7 @@ RELEASES: dict[str, Release] = {
         acceptance_guard_modes=frozenset({"two_model"}),
         acceptance_window_key="acceptance_window", acceptance_threshold_key="acceptance_length_threshold",
         acceptance_threshold_kind="accepted_tokens", eagle3_two_model=True, emits_eagle3_one_model=True,
-        eagle3_draft_layer_prefix="midlayer", hf_rope_form="legacy"),
+        eagle3_draft_layer_prefix="midlayer", hf_rope_form="legacy", eagle3_fc_fp8=False),
     "1.3": Release(
         line="1.3", schema="trtllm-1.3", algorithms=frozenset({"eagle3", "dflash"}),
         decoding_types={"eagle3": "Eagle3", "dflash": "DFlash"},
@@ -92,7 +97,7 @@ RELEASES: dict[str, Release] = {
         acceptance_guard_modes=frozenset({"one_model"}),
         acceptance_window_key="acceptance_rate_window_size", acceptance_threshold_key="acceptance_rate_threshold",
         acceptance_threshold_kind="rate", eagle3_two_model=False, emits_eagle3_one_model=False,
-        eagle3_draft_layer_prefix="layers", hf_rope_form="rope_parameters"),
+        eagle3_draft_layer_prefix="layers", hf_rope_form="rope_parameters", eagle3_fc_fp8=True),
 }
 
 # Where each fact above was read (NVIDIA/TensorRT-LLM unless named; "stored <sha>" = the version of the file the
@@ -139,6 +144,13 @@ SOURCES: dict[str, str] = {
                 "tensorrt_llm/functional.py RotaryScalingType.from_string, which raises for 'default'",
     "quant_algos": "tensorrt_llm/_torch/modules/linear.py get_quant_method (stored 00bbf71e796406ea8593a77cbfb828356182db16 "
                    "and the 1.x versions in the index)",
+    "eagle3_fc_quant": "tensorrt_llm/_torch/models/modeling_speculative.py Eagle3DraftModel.__init__: 1.2-era "
+                       "(byshiue/TensorRT-LLM@022e9f62376de38db7d089ebbfb790c0ba85b51f, loader prefixing only 'model.') "
+                       "fc = Linear(hidden_size_in * num_capture_layers, hidden, bias, dtype=config.torch_dtype), no "
+                       "quant_config, while Eagle3Attention.qkv_proj gets model_config.get_quant_config(); 1.3-line main "
+                       "(mikeiovine/TensorRT-LLM@1b1598c0c25ff230a26e1fde71ad5494b68be14a, with the separate draft KV "
+                       "cache of PR #10502) adds quant_config=model_config.get_quant_config() to fc; "
+                       "tensorrt_llm/_torch/modules/linear.py copy_weight: src.to(dst.dtype), no scale",
     "dflash_block_size": "llm_args.py DFlashDecodingConfig (1.3): max_draft_len <= block_size - 1",
 }
 

@@ -18,6 +18,14 @@ def safetensors_tensors(path: Path) -> dict[str, list[int]]:
     return {k: v["shape"] for k, v in header.items() if k != "__metadata__"}
 
 
+def safetensors_dtypes(path: Path) -> dict[str, str]:
+    """Tensor name -> safetensors dtype string (F8_E4M3, BF16, ...) from the header."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return {k: v["dtype"] for k, v in header.items() if k != "__metadata__"}
+
+
 def draft_weight_renames(names: list[str], rel: compat.Release, num_layers: int) -> dict[str, str]:
     """EAGLE-3 draft tensors to rename so that `rel`'s loader finds them (old name -> new name). ModelOpt writes
     `layers.<i>.*`; TensorRT-LLM's module is `midlayer` (one layer) or `midlayer.<i>` (several). The 1.3 loader

@@ -42,6 +42,15 @@ class DeploymentSpec:
         return self.release.mode(self.algorithm, self.eagle3_one_model)
 
 
+def draft_kv_cache(mode: compat.Mode, kv_dtype: str, target_kv_fp8: bool) -> str | None:
+    """The draft's KV cache as TensorRT-LLM runs it: in one-model mode the target's KV-cache quantization ("fp8" when
+    `kv_cache_config.dtype` is fp8, or auto and the target checkpoint's kv_cache_quant_algo is FP8; unit scales:
+    runtime.engine.drafts.loading.DRAFT_KV_FP8_SCALE), else "bf16"; None for two-model (not read from the source)."""
+    if mode != "one_model":
+        return None
+    return "fp8" if kv_dtype == "fp8" or (kv_dtype == "auto" and target_kv_fp8) else "bf16"
+
+
 def acceptance_guard(rel: compat.Release, mode: compat.Mode, window: int | None, min_rate: float | None,
                      max_draft_len: int) -> tuple[dict, str | None]:
     """The guard's keys in the version's terms, and a note when it is not written. 1.2 thresholds the rolling

@@ -22,6 +22,7 @@ class MeasureSettings:
     tie_margin: float              # exact check: a divergence below this logit gap is an fp32 tie
     max_divergence_ratio: float    # statistical check: H0 rate_speculative <= ratio x rate_noise
     divergence_alpha: float        # statistical check: fail when H0 is rejected at this p-value
+    draft_kv_cache: str = "bf16"   # the deployed pair's draft KV cache as the engine runs it: "bf16" or "fp8"
 
 
 def measure(eng, prompts, s: MeasureSettings, K: int, eos, *, speculative: bool, temperature: float | None = None,

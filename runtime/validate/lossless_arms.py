@@ -133,3 +133,5 @@ def statistical_check(log, model, s: MeasureSettings, K: int, sub, spec_out, ref
 
 def _ms(secs):
     return None if secs is None else round(1000 * secs, 4)
+
+

@@ -32,7 +32,8 @@ def run_reference(s: MeasureSettings, deployed: dict, bf16: dict | None, prompts
     ll: dict = {}
     K = s.max_draft_len
     measured = [label for label, _ in pairs if label == "fp8" or s.measure_bf16]
-    n_runs = len(measured) * len(prompts) + (len(pairs) * len(prompts) if s.lossless_prompts else 0)
+    n_runs = len(measured) * len(prompts) + (len(pairs) * len(prompts) if s.lossless_prompts else 0) \
+        + (len(prompts) if s.draft_kv_cache == "fp8" else 0)
     with progress(total=n_runs, desc="validate") as bar:
         for label, pair in pairs:
             model, draft = load_measured_pair(s, label, pair, dev, expected)
@@ -48,6 +49,9 @@ def run_reference(s: MeasureSettings, deployed: dict, bf16: dict | None, prompts
                     log, eng, s, K, eos, prompts, bar, draft.algorithm, tally, exact=same)
                 if draft.algorithm == "eagle3" and s.measure_other_norm:
                     other_norm(log, s, model, pair, expected, K, eos, prompts, res, dev, tally)
+                if s.draft_kv_cache == "fp8":
+                    other_draft_kv(log, s, model, pair, expected, K, eos, prompts, res, dev, tally)
+                    bar.update(len(prompts))
             elif s.lossless_prompts:
                 ll["exact"] = exact_check(log, eng, s, K, eos, lossless_subset(prompts, s), tally, "bf16")
                 bar.update(len(prompts))
@@ -72,7 +76,7 @@ def load_measured_pair(s: MeasureSettings, label: str, pair: dict, dev, expected
 
     try:
         return load_pair(pair["target_dir"], pair["draft_dir"], device=dev, first_layer_norm=s.first_layer_norm,
-                         expected_capture_layers=expected)
+                         expected_capture_layers=expected, kv_cache=s.draft_kv_cache if label == "fp8" else "bf16")
     except DraftFormatError as e:
         raise DraftLoadError(f"the {label} draft does not load as exported: {e}") from None
 
@@ -113,7 +117,7 @@ def other_norm(log, s: MeasureSettings, model, pair, expected, K, eos, prompts, 
 
     other = "serving" if s.first_layer_norm == "modelopt" else "modelopt"
     draft = load_draft(pair["draft_dir"], target_shape(model), device=dev, first_layer_norm=other,
-                       expected_capture_layers=expected)
+                       expected_capture_layers=expected, kv_cache=s.draft_kv_cache)
     eng = SpeculativeEngine(model, draft)
     for d, ps in prompts.items():
         st = measure(eng, ps, s, K, eos, speculative=True, tally=tally, run=f"fp8_{other}_norm/{d}")[0]
@@ -121,3 +125,28 @@ def other_norm(log, s: MeasureSettings, model, pair, expected, K, eos, prompts, 
                                                "per_position": st.as_dict()["per_position"]}
         log.info("fp8 %s with first_layer_norm=%s: AL %.3f (vs %.3f with %s)", d, other, st.acceptance_length,
                  res["domains"][d]["fp8"]["acceptance_length"], s.first_layer_norm)
+
+
+def other_draft_kv(log, s: MeasureSettings, model, pair, expected, K, eos, prompts, res, dev, tally) -> None:
+    """The deployed pair once more with the draft's KV cache in BF16, when the engine runs it in FP8 (one-model
+    TensorRT-LLM next to an FP8-KV target, runtime.engine.drafts.loading.DRAFT_KV_FP8_SCALE): both figures are
+    reported, the FP8 one is gated. res["domains"][d] / res["overall"] get "fp8_other_draft_kv"."""
+    from runtime.engine.drafts import load_draft
+    from runtime.engine.speculative import SpeculativeEngine, target_shape
+
+    draft = load_draft(pair["draft_dir"], target_shape(model), device=dev, first_layer_norm=s.first_layer_norm,
+                       expected_capture_layers=expected, kv_cache="bf16")
+    eng = SpeculativeEngine(model, draft)
+    total = None
+    for d, ps in prompts.items():
+        st = measure(eng, ps, s, K, eos, speculative=True, tally=tally, run=f"fp8_bf16_draft_kv/{d}")[0]
+        total = st if total is None else total.merge(st)
+        res["domains"][d]["fp8_other_draft_kv"] = _kv_arm(st)
+        log.info("fp8 %s with the draft's KV cache in BF16: AL %.3f (FP8 KV, as the engine runs it: %.3f)", d,
+                 st.acceptance_length, res["domains"][d]["fp8"]["acceptance_length"])
+    res["overall"]["fp8_other_draft_kv"] = _kv_arm(total)
+
+
+def _kv_arm(st) -> dict:
+    return {"draft_kv_cache": "bf16", "acceptance_length": round(st.acceptance_length, 6),
+            "per_position": st.as_dict()["per_position"]}

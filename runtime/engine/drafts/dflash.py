@@ -16,6 +16,7 @@ class DFlashDraft(nn.Module):
     """The exported DFlash draft (no embeddings or lm_head: the target's are passed in)."""
 
     algorithm = "dflash"
+    kv_fp8_scale: float | None = None   # FP8 KV cache with this scale (`load_draft(kv_cache="fp8")`), else BF16
 
     def __init__(self, cfg: dict, sd: dict, compute_dtype: torch.dtype):
         super().__init__()
@@ -42,7 +43,7 @@ class DFlashDraft(nn.Module):
 
     def new_cache(self, batch: int, capacity: int, device) -> KVCache:
         dt = self.norm.weight.dtype
-        return KVCache(self.num_layers, batch, self.n_kv, self.head_dim, capacity, dt, device)
+        return KVCache(self.num_layers, batch, self.n_kv, self.head_dim, capacity, dt, device, self.kv_fp8_scale)
 
     def plan(self, compute: str = "fp32") -> DraftPlan:
         """The fused weights for `compute` (`fp32` | `bf16`), built on first use and kept."""
@@ -77,6 +78,7 @@ class DFlashDraft(nn.Module):
         h = block_embeds
         for i, L in enumerate(P.layers):
             q, k, v = L.qkv_heads(L.ln1(h), cos, sin)
+            k, v = cache.quantized(k, v)        # the block's own K/V meet the context's in the (FP8) cache's precision
             K = torch.cat((cache.k[i][:, :, :ctx_len], k), dim=2)
             V = torch.cat((cache.v[i][:, :, :ctx_len], v), dim=2)
             o = attention(q, K, V, mask, self.scale)

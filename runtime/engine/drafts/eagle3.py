@@ -20,6 +20,7 @@ class Eagle3Draft(nn.Module):
     """The exported EAGLE-3 draft. `step()` runs the decoder over new positions with a KV cache."""
 
     algorithm = "eagle3"
+    kv_fp8_scale: float | None = None   # FP8 KV cache with this scale (`load_draft(kv_cache="fp8")`), else BF16
 
     def __init__(self, cfg: dict, sd: dict, compute_dtype: torch.dtype, first_layer_norm: str):
         super().__init__()
@@ -47,7 +48,7 @@ class Eagle3Draft(nn.Module):
 
     def new_cache(self, batch: int, capacity: int, device) -> KVCache:
         dt = self.layers[0].input_layernorm.weight.dtype
-        return KVCache(self.num_layers, batch, self.n_kv, self.head_dim, capacity, dt, device)
+        return KVCache(self.num_layers, batch, self.n_kv, self.head_dim, capacity, dt, device, self.kv_fp8_scale)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids if self.d2t is None else draft_ids + self.d2t[draft_ids]

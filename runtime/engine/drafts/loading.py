@@ -14,14 +14,27 @@ from runtime.engine.drafts.format import DraftFormatError, TargetShape, draft_al
 log = logging.getLogger("specpipe.runtime")
 
 
+# The scale of the draft's FP8 KV cache in TensorRT-LLM's one-model mode: the draft's attention layers get the
+# target's kv_cache_quant_algo (modeling_speculative.py SpecDecOneEngineForCausalLM.__init__, 1.2-era
+# byshiue/TensorRT-LLM@022e9f62: `draft_config.quant_config.kv_cache_quant_algo =
+# model_config.quant_config.kv_cache_quant_algo`, and its attention layers join the target's `attn_layers`), and
+# the 1.2 PyTorch attention backend applies unit KV scales (runtime.engine.fp8.kv_cache.attach_kv_scales).
+DRAFT_KV_FP8_SCALE = 1.0
+DRAFT_KV_CACHES = ("bf16", "fp8")
+
+
 def load_draft(path: str | Path, target: TargetShape | None = None, *, compute_dtype=torch.float32,
                device="cpu", strict: bool = True, first_layer_norm: str = "modelopt",
-               expected_capture_layers: list[int] | None = None):
+               expected_capture_layers: list[int] | None = None, kv_cache: str = "bf16"):
     """Load a draft directory exactly as exported. `target` enables the pairing checks;
     `expected_capture_layers` (the aux / target layer ids training used, e.g. from draft.json) must match the
-    ids the export declares: an edited or stale config.json would otherwise feed the draft the wrong layers."""
+    ids the export declares: an edited or stale config.json would otherwise feed the draft the wrong layers.
+    `kv_cache`: "bf16" (the cache in the compute dtype) or "fp8" (E4M3 with unit scale, as TensorRT-LLM runs
+    the draft in one-model mode next to a target with an FP8 KV cache)."""
     if first_layer_norm not in ("modelopt", "serving"):
         raise ValueError(f"first_layer_norm must be 'modelopt' or 'serving', not {first_layer_norm!r}")
+    if kv_cache not in DRAFT_KV_CACHES:
+        raise ValueError(f"kv_cache must be one of {DRAFT_KV_CACHES}, not {kv_cache!r}")
     path = Path(path)
     cfg, sd = read_draft_dir(path)
     algo = draft_algorithm(path)
@@ -37,8 +50,10 @@ def load_draft(path: str | Path, target: TargetShape | None = None, *, compute_d
     else:
         cfg = check_dflash(cfg, sd, path, target)
         m = DFlashDraft(cfg, sd, compute_dtype)
+    m.kv_fp8_scale = DRAFT_KV_FP8_SCALE if kv_cache == "fp8" else None
     quant = (path / "hf_quant_config.json").exists()
-    log.info("loaded %s draft %s (%d layers%s)", algo, path, m.num_layers, ", FP8" if quant else "")
+    log.info("loaded %s draft %s (%d layers%s, %s KV cache)", algo, path, m.num_layers, ", FP8" if quant else "",
+             kv_cache.upper())
     return m.to(device).eval()
 
 
@@ -47,7 +62,8 @@ def summarize(draft) -> dict:
     if draft.algorithm == "eagle3":
         return {"algorithm": "eagle3", "num_layers": draft.num_layers, "aux_layer_ids": draft.aux_layer_ids,
                 "draft_vocab_size": draft.draft_vocab_size, "has_d2t": draft.d2t is not None,
-                "rope_scaling": draft.cfg.get("rope_scaling"), "first_layer_norm": draft.first_layer_norm}
+                "rope_scaling": draft.cfg.get("rope_scaling"), "first_layer_norm": draft.first_layer_norm,
+                "kv_cache": "fp8" if draft.kv_fp8_scale is not None else "bf16"}
     return {"algorithm": "dflash", "num_layers": draft.num_layers, "target_layer_ids": draft.target_layer_ids,
             "block_size": draft.block_size, "mask_token_id": draft.mask_token_id, "causal": draft.causal,
-            "rope_scaling": draft.cfg.get("rope_scaling")}
+            "rope_scaling": draft.cfg.get("rope_scaling"), "kv_cache": "fp8" if draft.kv_fp8_scale is not None else "bf16"}
