@@ -41,7 +41,7 @@ from pipeline.artifacts import train_draft as train_draft_artifact
 from pipeline.artifacts import tune as tune_artifact
 from pipeline.errors import StageError
 from pipeline.stage import Artifact, StageContext, StageSection, Strict
-from runtime.trtllm import compat
+from runtime.trtllm import compat, config_checks
 
 if TYPE_CHECKING:
     from runtime.trtllm.checks import Check
@@ -119,38 +119,11 @@ def check(cfg) -> list[tuple[str, str]]:
     if algo == "eagle3" and sec.eagle3_mode == "two_model" and not rel.eagle3_two_model:
         out.append(("build.eagle3_mode", f"TensorRT-LLM {sec.trtllm_version} always runs EAGLE-3 as one model "
                                          "(eagle3_one_model: false is reset to true); use one_model or a 1.2 version"))
-    out += _fp8_draft_fc_problems(cfg, rel, algo) + _draft_kv_problems(cfg, rel, algo)
+    out += config_checks.fp8_draft_fc_problems(cfg, rel, algo) + config_checks.draft_kv_problems(cfg, rel, algo)
     if sec.pipeline_parallel_size > 1:
         out.append(("build.pipeline_parallel_size", "speculative decoding is incompatible with pipeline parallelism "
                                                     "in TensorRT-LLM; use hardware.tensor_parallel_size instead"))
     return out
-
-
-def _fp8_draft_fc_problems(cfg, rel: compat.Release, algo: str) -> list[tuple[str, str]]:
-    """An FP8 EAGLE-3 draft whose fc is FP8 where the version's loader builds fc without a quant config (1.2): the
-    FP8 codes would be cast to BF16 without their scale (compat.SOURCES eagle3_fc_quant)."""
-    if algo != "eagle3" or rel.eagle3_fc_fp8 or not getattr(q := getattr(cfg, "quantize", None), "enabled", False) \
-            or (q.draft, q.draft_fc) != ("fp8", "fp8"):
-        return []
-    return [("quantize.draft_fc", f"is fp8, but TensorRT-LLM {cfg.build.trtllm_version}'s EAGLE-3 draft model builds fc without "
-             "a quant config: an FP8 fc.weight would be cast to BF16 without its scale, silently. Set quantize.draft_fc: "
-             f"bf16 (fc kept in BF16), or quantize.draft: none, or build.trtllm_version: {compat.REFERENCE_1_3}")]
-
-
-def _draft_kv_problems(cfg, rel: compat.Release, algo: str) -> list[tuple[str, str]]:
-    """validate gates on the draft computed with the KV cache the deployment gives it (options.draft_kv_cache)."""
-    from runtime.trtllm.options import draft_kv_cache
-
-    q, v = getattr(cfg, "quantize", None), getattr(cfg, "validate", None)
-    if not (getattr(v, "enabled", False) and getattr(q, "enabled", False)):
-        return []
-    kv_fp8 = q.kv_cache == "fp8"
-    engine = draft_kv_cache(rel.mode(algo, cfg.build.eagle3_mode == "one_model"), cfg.build.kv_cache.dtype, kv_fp8)
-    measured = v.draft_kv_cache if v.draft_kv_cache != "auto" else ("fp8" if kv_fp8 else "bf16")
-    if engine is None or engine == measured:
-        return []
-    return [("validate.draft_kv_cache", f"validate measures the draft with a {measured.upper()} KV cache, but one-model "
-             f"TensorRT-LLM (kv_cache_config dtype {cfg.build.kv_cache.dtype}) runs it with {engine.upper()}: set {engine}")]
 
 
 # ---------------------------------------------------------------------------------------------- run

@@ -107,10 +107,10 @@ def test_monitor_probes_with_the_text_clients_send_and_refuses_another_template(
     arts = tmp_path / "run" / "artifacts"
     (arts / "data").mkdir(parents=True)
     (arts / "data" / "chat_template.jinja").write_text(TEMPLATE)
-    monitor._check_prompt_format(arts, fmt)                               # the same template: fine
+    monitor.check_prompt_format(arts, fmt)                               # the same template: fine
     (arts / "data" / "chat_template.jinja").write_text(TEMPLATE.replace("<|end|>", "</s>"))
     with pytest.raises(UsageError, match="probes would not be what clients send"):
-        monitor._check_prompt_format(arts, fmt)
+        monitor.check_prompt_format(arts, fmt)
 
 
 # ---------------------------------------------------------------------------------------------- for real
