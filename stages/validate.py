@@ -214,7 +214,8 @@ def _vllm(ctx: StageContext, sec: Config, prompts: dict, deployed: dict, bf16: d
     vc = ctx.config.vllm
     s = V.ArmSettings(python=vc.python, kv_cache_gib=vc.kv_cache_gib, ready_timeout=vc.ready_timeout_s,
                       tolerance=vc.tolerance, draft_len=res["max_draft_len"], max_new_tokens=sec.max_new_tokens,
-                      batch=sec.batch_size, try_fp8=vc.try_fp8, enabled=vc.enabled, on_unavailable=vc.on_unavailable)
+                      batch=sec.batch_size, try_fp8=vc.try_fp8, first_layer_norm=sec.first_layer_norm,
+                      enabled=vc.enabled, on_unavailable=vc.on_unavailable)
     try:
         out = V.measure(s, deployed, bf16, prompts, ctx.scratch_dir / "vllm", res, log=ctx.log)
     except V.VllmArmError as e:

@@ -46,6 +46,7 @@ class ArmSettings:
     max_new_tokens: int
     batch: int
     try_fp8: bool = False
+    first_layer_norm: str = "modelopt"   # validate's EAGLE-3 first-layer norm (vLLM computes `serving`)
     enabled: str = "auto"           # auto | true | false
     on_unavailable: str = "skip"    # skip | fail
 
@@ -75,11 +76,17 @@ def measure(s: ArmSettings, deployed: dict, bf16: dict, prompts: dict[str, list[
         if s.on_unavailable == "fail":
             raise VllmArmError(f"vLLM {install.version} ({install.python}) could not measure the pair: {e}") from None
         return _skip(f"vLLM {install.version} could not measure the pair: {e}", log, install)
+    method = spec.algorithm
     label = "fp8" if target != Path(bf16["target_dir"]) else "bf16"
     out["pair"] = {"target_dir": str(target), "draft_dir": str(bf16["draft_dir"]), "draft_format": "speculators",
                    "label": label, "why": why}
     ref = {d: (v.get(label) or {}).get("acceptance_length") for d, v in res["domains"].items()}
     out["tolerance"] = s.tolerance
+    out["validate_first_layer_norm"] = s.first_layer_norm
+    if method == "eagle3" and s.first_layer_norm != "serving":
+        out["note"] = ("validate's figure computes the EAGLE-3 first layer as ModelOpt trained it (hidden_norm("
+                       "input_layernorm(h))); vLLM computes hidden_norm(h): the agreement includes that difference "
+                       "(validate.first_layer_norm: serving compares like with like)")
     out["gate_rows"] = agreement(out, ref, s.tolerance)
     out["noise"] = {"max_batch_shape_relative_difference": max(
         (c["batch_shape_relative_difference"] or 0.0 for c in out["domains"].values()), default=None)}
