@@ -230,11 +230,26 @@ def lossless(spec: dict, plain: dict, domains: list[str], batch: int) -> dict:
                 sd += 1
                 first.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))))
             nd += c != b
+    p = excess_p_value(sd, nd, n)
     return {"prompts": n, "speculative_diverging": sd, "noise_diverging": nd, "noise_concurrency": batch,
-            "first_divergence": first,
-            "identical": sd == 0, "passed": sd <= nd,
-            "rule": "speculative (concurrency 1) vs plain (concurrency 1), greedy: identical, or no more diverging "
-                    "prompts than plain at another concurrency vs plain at 1 (vLLM's own noise floor)"}
+            "first_divergence": first, "identical": sd == 0, "p_value": round(p, 6), "alpha": ALPHA,
+            "passed": sd <= nd or p >= ALPHA,
+            "rule": "speculative (concurrency 1) vs plain (concurrency 1), greedy: identical, or diverging on no more "
+                    "prompts than plain at another concurrency vs plain at 1 (vLLM's own noise floor), or more but "
+                    f"not significantly (one-sided Fisher exact test, p >= {ALPHA})"}
+
+
+ALPHA = 0.01
+
+
+def excess_p_value(sd: int, nd: int, n: int) -> float:
+    """One-sided Fisher exact test of 'speculative diverges on more prompts than the noise arm' (sd of n vs nd of
+    n): P(X >= sd) for X hypergeometric (2n prompts, sd + nd diverging, n drawn)."""
+    k = sd + nd
+    if n == 0 or k == 0:
+        return 1.0
+    total = math.comb(2 * n, n)
+    return sum(math.comb(k, x) * math.comb(2 * n - k, n - x) for x in range(sd, min(k, n) + 1)) / total
 
 
 def agreement(vllm: dict, validate_al: dict[str, float], tolerance: float) -> list[dict]:
