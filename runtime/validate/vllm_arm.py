@@ -26,10 +26,12 @@ from runtime.vllm import engine as E
 
 # vllm/v1/attention/backends/cpu_attn.py (v0.32.0), CPUAttentionBackend.get_supported_head_sizes
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-FP8_CPU_REASON = ("vLLM 0.32 on CPU does not serve specpipe's ModelOpt FP8 targets: the tiny target's per-tensor FP8 "
-                  "fails to load ('invalid weight input features 688' in vllm/model_executor/kernels/linear/scaled_mm/"
-                  "cpu.py) and SmolLM2's FP8_PER_CHANNEL_PER_TOKEN target loads and then produces no token "
-                  "(../shared/reference/vllm-cpu.md); set vllm.try_fp8: true to try it anyway")
+FP8_CPU_REASON = ("vLLM 0.32 on CPU does not serve specpipe's ModelOpt FP8 targets: the tiny default's per-tensor FP8 "
+                  "target fails to load ('invalid weight input features 688' in vllm/model_executor/kernels/linear/"
+                  "scaled_mm/cpu.py); with shapes that kernel takes (hidden 64, intermediate 128) it loads and answers "
+                  "/health, then the first request kills the engine ('_C' has no attribute 'silu_and_mul_quant': the "
+                  "CPU wheel lacks the fused activation-quant op); SmolLM2's FP8_PER_CHANNEL_PER_TOKEN target loads and "
+                  "then produces no token (../shared/reference/vllm-cpu.md). Set vllm.try_fp8: true to try anyway")
 
 
 class VllmArmError(E.RuntimeFailure):

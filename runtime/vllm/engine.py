@@ -332,7 +332,9 @@ class VllmServer:
             with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 - 127.0.0.1
                 return json.loads(r.read())
         except urllib.error.HTTPError as e:
-            raise VllmError(f"vLLM {path} answered HTTP {e.code}: {e.read().decode(errors='replace')[:2000]}") from None
+            body = e.read().decode(errors="replace")[:2000]
+            more = f"; its log ({self.log_path}):\n{self.log_tail(10)}" if e.code >= 500 else ""
+            raise VllmError(f"vLLM {path} answered HTTP {e.code}: {body}{more}") from None
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
             state = "running" if self.alive() else "not running"
             raise VllmError(f"vLLM {path}: no answer ({e}); the server is {state}; its log ({self.log_path}):\n"
