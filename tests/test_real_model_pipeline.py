@@ -145,5 +145,7 @@ def test_the_real_pair_runs_in_vllm_and_agrees_with_validate(real_run):
         pytest.skip(f"vLLM did not measure the real pair: {v.get('why')}")
     assert v["pair"]["label"] == "bf16" and "FP8" in v["pair"]["why"] and v["method"] == "eagle3"
     for d, c in v["domains"].items():
-        assert c["drafts"] > 0 and c["relative_difference"] <= v["tolerance"], (d, c)
+        assert c["drafts"] > 0, (d, c)
+        assert c["relative_difference"] <= v["tolerance"] or \
+            abs(c["acceptance_length"] - c["validate_acceptance_length"]) <= c["granularity"] + 1e-9, (d, c)
     assert v["lossless"]["passed"], v["lossless"]

@@ -232,3 +232,16 @@ def test_spec_vs_plain_judged_against_vllms_noise_floor():
     bad = run([b] * 9, [a] * 9, [a] * 9)
     assert not bad["passed"] and bad["p_value"] < 1e-4
     assert V.excess_p_value(1, 0, 8) == pytest.approx(0.5)      # one divergence in 8 is no evidence
+
+
+def test_agreement_gate_tolerance_and_counting_granularity():
+    from runtime.validate import vllm_arm as V
+
+    def gate(al_v, drafts, al_ref, steps):
+        v = {"domains": {"d": {"acceptance_length": al_v, "drafts": drafts}},
+             "lossless": {"speculative_diverging": 0, "prompts": 1, "noise_diverging": 0, "passed": True}}
+        return V.agreement(v, {"d": (al_ref, steps)}, 0.05)[0]["passed"]
+
+    assert gate(3.05, 500, 3.0, 500) and not gate(3.3, 500, 3.0, 500)        # 1.7 % passes, 10 % fails
+    assert gate(1.096, 31, 1.032, 31)          # 6.2 %, but 2 accepted tokens in 31 steps: the counting grain
+    assert not gate(1.16, 31, 1.032, 31)       # 4 tokens' worth: fails

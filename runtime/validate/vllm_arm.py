@@ -82,7 +82,8 @@ def measure(s: ArmSettings, deployed: dict, bf16: dict, prompts: dict[str, list[
     label = "fp8" if target != Path(bf16["target_dir"]) else "bf16"
     out["pair"] = {"target_dir": str(target), "draft_dir": str(bf16["draft_dir"]), "draft_format": "speculators",
                    "label": label, "why": why}
-    ref = {d: (v.get(label) or {}).get("acceptance_length") for d, v in res["domains"].items()}
+    ref = {d: ((v.get(label) or {}).get("acceptance_length"), (v.get(label) or {}).get("steps"))
+           for d, v in res["domains"].items()}
     out["tolerance"] = s.tolerance
     out["validate_first_layer_norm"] = s.first_layer_norm
     if method == "eagle3" and s.first_layer_norm != "serving":
@@ -254,17 +255,22 @@ def excess_p_value(sd: int, nd: int, n: int) -> float:
     return sum(math.comb(k, x) * math.comb(2 * n - k, n - x) for x in range(sd, min(k, n) + 1)) / total
 
 
-def agreement(vllm: dict, validate_al: dict[str, float], tolerance: float) -> list[dict]:
-    """Gate rows: per domain |vLLM AL - validate AL| / validate AL <= tolerance, and the lossless comparison."""
+def agreement(vllm: dict, validate_al: dict[str, tuple[float | None, int | None]], tolerance: float) -> list[dict]:
+    """Gate rows: per domain |vLLM AL - validate AL| / validate AL <= tolerance, or the two differ by no more than
+    two accepted tokens' worth of AL (2 / fewer verification steps: the counting granularity of a short run, 0.4 %
+    of AL at 500 steps), and the lossless comparison."""
     rows = []
     for d, c in vllm["domains"].items():
-        v, ref = c["acceptance_length"], validate_al.get(d)
+        v, (ref, steps) = c["acceptance_length"], validate_al.get(d, (None, None))
         if v is None or not ref:
             continue
         rel = abs(v - ref) / ref
-        c.update({"validate_acceptance_length": ref, "relative_difference": round(rel, 4)})
+        grain = 2.0 / max(1, min(c["drafts"], steps or c["drafts"]))
+        ok = rel <= tolerance or abs(v - ref) <= grain + 1e-9
+        c.update({"validate_acceptance_length": ref, "relative_difference": round(rel, 4),
+                  "granularity": round(grain, 4)})
         rows.append({"domain": d, "metric": "vllm_agreement", "measured": f"{v:.3f} vs {ref:.3f} ({rel:.1%})",
-                     "required": f"<= {tolerance:.0%}", "passed": rel <= tolerance})
+                     "required": f"<= {tolerance:.0%} or <= {grain:.3f}", "passed": ok})
     ll = vllm["lossless"]
     rows.append({"domain": "vllm", "metric": "vllm_spec_vs_plain",
                  "measured": f"{ll['speculative_diverging']}/{ll['prompts']} differ (noise {ll['noise_diverging']})",
