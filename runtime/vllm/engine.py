@@ -207,6 +207,7 @@ class VllmServer:
         self.model = str(model)
         self.draft = str(draft) if draft else None
         self.host = host
+        self._auto_port = not port
         self.port = int(port) or free_port()
         self.kv_cache_gib = kv_cache_gib
         self.ready_timeout = float(ready_timeout)
@@ -250,10 +251,14 @@ class VllmServer:
         return env
 
     def log_tail(self, n: int = 40) -> str:
+        """The log's error lines (`...Error: ...`, vLLM's workers print the cause there, before the shutdown noise)
+        and its last `n` lines."""
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+            lines = self.log_path.read_text(errors="replace").splitlines()
         except OSError:
             return ""
+        errors = [ln for ln in lines if re.search(r"\b[A-Z]\w*(Error|Exception)\b: ", ln)][-5:]
+        return "\n".join((["error lines:", *errors, "last lines:"] if errors else []) + lines[-n:])
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -262,14 +267,22 @@ class VllmServer:
         """Start the server and wait for /health; on early exit or timeout stop it and raise with its log tail."""
         if self.alive():
             return self
-        with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(self.argv, env=self.env(), stdout=log, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, start_new_session=True)
-        try:
-            self._wait_ready()
-        except BaseException:
-            self.stop()
-            raise
+        for attempt in (0, 1):
+            with open(self.log_path, "wb") as log:
+                self.process = subprocess.Popen(self.argv, env=self.env(), stdout=log, stderr=subprocess.STDOUT,
+                                                stdin=subprocess.DEVNULL, start_new_session=True)
+            try:
+                self._wait_ready()
+                return self
+            except VllmUnavailable as e:
+                self.stop()
+                if attempt or not self._auto_port or "address already in use" not in str(e).lower():
+                    raise
+                self.port = free_port()   # the port we picked was taken between picking and binding
+                self.argv[self.argv.index("--port") + 1] = str(self.port)
+            except BaseException:
+                self.stop()
+                raise
         return self
 
     def _wait_ready(self) -> None:
@@ -319,7 +332,9 @@ class VllmServer:
             with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 - 127.0.0.1
                 return json.loads(r.read())
         except urllib.error.HTTPError as e:
-            raise VllmError(f"vLLM {path} answered HTTP {e.code}: {e.read().decode(errors='replace')[:2000]}") from None
+            body = e.read().decode(errors="replace")[:2000]
+            more = f"; its log ({self.log_path}):\n{self.log_tail(10)}" if e.code >= 500 else ""
+            raise VllmError(f"vLLM {path} answered HTTP {e.code}: {body}{more}") from None
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
             state = "running" if self.alive() else "not running"
             raise VllmError(f"vLLM {path}: no answer ({e}); the server is {state}; its log ({self.log_path}):\n"
