@@ -1,7 +1,7 @@
 """One strict config: YAML file + `-o section.field=value` overrides -> validated `PipelineConfig`.
 
 The root model is assembled from the stage registry (each stage owns its section's model) plus the shared
-sections `run` and `hardware`. Every problem is reported as `dotted.path: message`, the path spelled as
+sections `run`, `hardware` and `vllm`. Every problem is reported as `dotted.path: message`, the path spelled as
 the user wrote it (union tags and validator names stripped), with the file line where it is known.
 """
 from __future__ import annotations
@@ -43,12 +43,34 @@ class HardwareConfig(Strict):
         return key
 
 
+class VllmConfig(Strict):
+    """vLLM as an engine specpipe drives (runtime/vllm/engine.py), in its own environment. Enters the fingerprint of
+    the stages that list 'vllm' in USES (validate measures the deployed pair in vLLM when it is enabled)."""
+
+    enabled: Literal["auto", "true", "false"] = Field(
+        "auto", description="auto: use vLLM where it is installed, say so plainly where not; true: required; false: off")
+    python: str | None = Field(default=None, description="python of the environment that has vllm; default: "
+                                                         "$SPECPIPE_VLLM_PYTHON, <repo>/.venv-vllm, `vllm` on PATH")
+    kv_cache_gib: float = Field(default=2.0, gt=0, description="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE, GiB)")
+    ready_timeout_s: float = Field(default=600.0, gt=0, description="how long a server start may take")
+    on_unavailable: Literal["skip", "fail"] = Field(
+        "skip", description="when vLLM is missing or cannot run the pair: skip (recorded, with the reason) or fail")
+    tolerance: float = Field(default=0.05, gt=0, lt=1, description="validate's engine-agreement gate: |vLLM AL - "
+                                                                  "validate AL| / validate AL at most this")
+
+    @field_validator("enabled", mode="before")
+    @classmethod
+    def _bool_words(cls, v):
+        return {True: "true", False: "false"}.get(v, v) if isinstance(v, bool) else v
+
+
 def _root_model():
     from pipeline.registry import stages
 
     fields: dict[str, Any] = {
         "run": (RunConfig, Field(default_factory=RunConfig)),
         "hardware": (HardwareConfig, Field(default_factory=HardwareConfig)),
+        "vllm": (VllmConfig, Field(default_factory=VllmConfig)),
     }
     for st in stages():
         # `target` has required fields (what to load or build); every other section has full defaults.
