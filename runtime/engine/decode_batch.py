@@ -319,5 +319,6 @@ def _cat_caches(a: KVCache, b: KVCache, min_capacity: int = 0) -> KVCache:
     out.v = [torch.cat((grow(x, a.capacity), grow(y, b.capacity))) for x, y in zip(a.v, b.v)]
     out.lengths = torch.cat((a.lengths, b.lengths))
     out.capacity = cap
+    out.fp8_scale = a.fp8_scale      # the same drafter's caches: the same KV precision
     return out
 
