@@ -145,7 +145,8 @@ def test_monitor_probes_the_real_cpu_triton_with_chat_rendered_prompts(run_dir, 
                                               tokenize=False, add_generation_prompt=True)
         r["prompt_ids"] = tok(r["prompt"], add_special_tokens=False)["input_ids"]
     (data / "eval" / "code.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    r = run_cli("build", str(TINY_CONFIG), "--workdir", str(wd), *tiny_overrides(), "--only", "export", timeout=600)
+    r = run_cli("build", str(TINY_CONFIG), "--workdir", str(wd), *tiny_overrides(), "--only", "export", "--force", "export",
+                timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     fmt = json.loads((wd / "artifacts" / "export" / "triton" / "prompt_format.json").read_text())
     assert fmt["domains"] == {"code": "chat", "prose": "raw"}
