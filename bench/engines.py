@@ -42,6 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--engines", default="vllm,runtime,hf", help="decode part: which engines")
     ap.add_argument("--prompts-per-domain", type=int, default=8)
     ap.add_argument("--domains", default=None, help="comma-separated; default all")
+    ap.add_argument("--prompts-from", type=Path, default=None,
+                    help="another run of the same target whose data stage has more evaluation prompts (default: --workdir)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--draft-len", type=int, default=None, help="default: the exported draft length")
@@ -266,8 +268,9 @@ def main(argv=None) -> int:
     a.batch_list = [int(b) for b in a.batches.split(",")]
     p = pair(a.workdir)
     k = a.draft_len or p["k"]
-    per_domain = prompts(a.workdir, a.prompts_per_domain, a.domains)
+    per_domain = prompts(a.prompts_from or a.workdir, a.prompts_per_domain, a.domains)
     res: dict = {"command": " ".join(sys.argv), "workdir": str(a.workdir), "draft_len": k,
+                 "prompts_from": str(a.prompts_from or a.workdir),
                  "max_new_tokens": a.max_new_tokens, "prompts_per_domain": a.prompts_per_domain, "decode": [], "serve": []}
     parts, engines = a.parts.split(","), a.engines.split(",")
     if "decode" in parts:
