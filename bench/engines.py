@@ -197,15 +197,16 @@ def _post(url: str, body: dict, timeout: float = 600) -> dict:
 
 def load(send, texts: list[str], concurrency: int, requests: int, count_tokens) -> dict:
     """`requests` requests (the texts in turn) from `concurrency` threads; throughput and latency."""
-    lat, toks, failed, lock = [], [0], [0], threading.Lock()
+    lat, toks, failed, lock, errors = [], [0], [0], threading.Lock(), []
 
     def one(i: int) -> None:
         t0 = time.perf_counter()
         try:
             n = count_tokens(send(texts[i % len(texts)]))
-        except Exception:   # noqa: BLE001 - a failed request is counted, not fatal
+        except Exception as e:   # noqa: BLE001 - a failed request is counted (its first error kept), not fatal
             with lock:
                 failed[0] += 1
+                errors.append(f"{type(e).__name__}: {getattr(e, 'read', lambda: b'')()[:300]!r} {e}"[:500])
             return
         with lock:
             lat.append(time.perf_counter() - t0)
@@ -215,9 +216,10 @@ def load(send, texts: list[str], concurrency: int, requests: int, count_tokens) 
     with ThreadPoolExecutor(concurrency) as ex:
         list(ex.map(one, range(requests)))
     wall = time.perf_counter() - t0
-    q = statistics.quantiles(lat, n=100) if len(lat) > 1 else lat * 99
+    q = statistics.quantiles(lat, n=100) if len(lat) > 1 else (lat * 99 or [float("nan")] * 99)
     return {"concurrency": concurrency, "requests": requests, "failed": failed[0], "tokens": toks[0],
-            "tok_s": round(toks[0] / wall, 1), "latency_p50_s": round(q[49], 3), "latency_p99_s": round(q[98], 3)}
+            "tok_s": round(toks[0] / wall, 1), "latency_p50_s": round(q[49], 3), "latency_p99_s": round(q[98], 3),
+            "first_error": errors[0] if errors else None}
 
 
 def serve_rows(p: dict, workdir: Path, a: argparse.Namespace, k: int) -> list[dict]:
