@@ -72,7 +72,15 @@ def cli_server(run_dir, *args: str):
             info["ready"] = True
         if proc.poll() is not None and lines.empty():
             pytest.fail(f"specpipe serve exited with {proc.returncode}: {proc.stderr.read()}")
-    yield info
+    try:
+        yield info
+    except BaseException:   # the test failed inside the block: stop the server anyway, or it outlives the session
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        raise
     proc.send_signal(signal.SIGINT)
     rc = proc.wait(timeout=120)
     err = proc.stderr.read()
