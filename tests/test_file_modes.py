@@ -7,22 +7,9 @@ import os
 import stat
 from pathlib import Path
 
-import pytest
-
-from conftest import artifact_dir
-
 # What a deployment loads: the Triton repositories and the speculators export (export/), the TensorRT-LLM deployment
 # (build/deployment/), the FP8 target every serve command names (quantize/target_fp8/), and the drafts they name.
 TREES = ("export", "build/deployment", "quantize/target_fp8", "train_draft/draft")
-
-
-@pytest.fixture(scope="module")
-def run_dir(request) -> Path:
-    if os.environ.get("SPECPIPE_TEST_RUN"):
-        return Path(os.environ["SPECPIPE_TEST_RUN"])
-    wd, _ = request.getfixturevalue("tiny_run")
-    artifact_dir(wd, "export")
-    return wd
 
 
 def unreadable(root: Path, top: Path) -> list[str]:

@@ -16,7 +16,6 @@ probe and domain (threshold ln 1000).
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -101,15 +100,6 @@ def test_baseline_at_a_shorter_deployed_draft_length():
 
 
 # ---------------------------------------------------------------------------------------------- for real
-
-
-@pytest.fixture(scope="module")
-def run_dir(request) -> Path:
-    if os.environ.get("SPECPIPE_TEST_RUN"):
-        return Path(os.environ["SPECPIPE_TEST_RUN"])
-    wd, _ = request.getfixturevalue("tiny_run")
-    artifact_dir(wd, "export")
-    return wd
 
 
 @pytest.fixture(scope="module")

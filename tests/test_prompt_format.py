@@ -12,7 +12,6 @@ and the text they send must give validate's prompt_ids under add_special_tokens=
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from test_export import gate, run_stage
 from pipeline.errors import UsageError
 from stages import build, export
 
-from conftest import TINY_CONFIG, artifact_dir, run_cli, tiny_overrides
+from conftest import TINY_CONFIG, run_cli, tiny_overrides
 
 # a template that opens with the BOS, like Llama-3's
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
@@ -114,15 +113,6 @@ def test_monitor_probes_with_the_text_clients_send_and_refuses_another_template(
 
 
 # ---------------------------------------------------------------------------------------------- for real
-
-
-@pytest.fixture(scope="module")
-def run_dir(request) -> Path:
-    if os.environ.get("SPECPIPE_TEST_RUN"):
-        return Path(os.environ["SPECPIPE_TEST_RUN"])
-    wd, _ = request.getfixturevalue("tiny_run")
-    artifact_dir(wd, "export")
-    return wd
 
 
 @pytest.mark.slow

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import shutil
 import stat
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY_CONFIG, artifact_dir, run_cli, status_json, tiny_overrides
+from conftest import TINY_CONFIG, run_cli, status_json, tiny_overrides
 
 # build_profile's keys at edf879d3 (the ModelOpt schema 1.0 a consumer reads)
 MODELOPT_KEYS = {"schema_version", "measured", "method", "draft_checkpoint", "target_model", "num_speculative_tokens",
@@ -29,15 +28,6 @@ MODELOPT_KEYS = {"schema_version", "measured", "method", "draft_checkpoint", "ta
                  "marginal_accept_rates", "mean_accept_length", "mean_accept_length_per_request", "accept_length_model",
                  "accept_length_by_k", "acceptance_length_histogram", "per_category", "measurement_conditions",
                  "validation"}
-
-
-@pytest.fixture(scope="module")
-def run_dir(request) -> Path:
-    if os.environ.get("SPECPIPE_TEST_RUN"):
-        return Path(os.environ["SPECPIPE_TEST_RUN"])
-    wd, _ = request.getfixturevalue("tiny_run")
-    artifact_dir(wd, "export")
-    return wd
 
 
 def _copy(run_dir: Path, tmp_path: Path) -> Path:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, artifact_dir
+from conftest import REPO
 
 TF457_ENV = "SPECPIPE_TF457_PYTHON"
 DEFAULT_PY = REPO / ".venv-tf457" / "bin" / "python"
@@ -70,15 +70,6 @@ def assert_same_in_both(dirs: list[Path]) -> dict:
             f"{k}: {str(a.get(k))[:200]} vs {str(b.get(k))[:200]}" for k in diff)
         assert old[d]["class"] == "PreTrainedTokenizerFast", old[d]["class"]
     return old
-
-
-@pytest.fixture(scope="module")
-def run_dir(request) -> Path:
-    if os.environ.get("SPECPIPE_TEST_RUN"):
-        return Path(os.environ["SPECPIPE_TEST_RUN"])
-    wd, _ = request.getfixturevalue("tiny_run")
-    artifact_dir(wd, "export")
-    return wd
 
 
 def shipped_tokenizers(run: Path) -> list[Path]:
