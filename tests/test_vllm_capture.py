@@ -50,12 +50,9 @@ def test_the_final_layer_capture_note_names_the_minimum_vllm():
     assert not any("capture id" in n for n in eagle3_notes([1, 2, 3], [0, 1, 2], 4))
 
 
-def test_the_tiny_exports_readme_states_it():
+def test_the_tiny_exports_readme_states_it(run_dir):
     """The tiny run's speculators export captures the final layer (id 4 of 4): its README says which vLLM reads it."""
-    run = os.environ.get("SPECPIPE_TEST_RUN")
-    if not run:
-        pytest.skip("set SPECPIPE_TEST_RUN to a tiny run to read its speculators README (test_export covers the writer)")
-    readme = (Path(run) / "artifacts" / "export" / "speculators" / "README.md").read_text()
+    readme = (Path(run_dir) / "artifacts" / "export" / "speculators" / "README.md").read_text()
     assert "vLLM >= 0.18.0" in readme
 
 
