@@ -50,6 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--concurrency", default="1,2,4,8,16")
     ap.add_argument("--requests", type=int, default=32, help="serve part: requests per concurrency point")
     ap.add_argument("--vllm-python", default=None)
+    ap.add_argument("--vllm-fp8", action="store_true",
+                    help="decode part: also vLLM plain on the deployed FP8 target (first domain only: slow on CPU)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path)
     return ap.parse_args(argv)
@@ -143,13 +145,15 @@ def vllm_rows(p: dict, per_domain: dict, a: argparse.Namespace, k: int) -> tuple
 
     inst = find_vllm(a.vllm_python)
     rows, info = [], {"vllm_version": inst.version, "device": inst.device, "argv": {}}
-    for mode in ("plain", "speculative"):
+    modes = ["plain", "speculative"] + (["plain, FP8 target"] if a.vllm_fp8 else [])
+    for mode in modes:
         spec = dict(draft=str(p["speculators"]), num_speculative_tokens=k) if mode == "speculative" else {}
-        srv = VllmServer(inst, str(p["target"]), max_model_len=2048, **spec)
+        fp8 = mode.endswith("FP8 target")
+        srv = VllmServer(inst, str(p["deployed_target" if fp8 else "target"]), max_model_len=2048, **spec)
         info["argv"][mode] = srv.argv
         with srv.start():
             srv.generate([per_domain[next(iter(per_domain))][0].prompt_ids], max_tokens=4)    # warm-up
-            for domain, ps in per_domain.items():
+            for domain, ps in list(per_domain.items())[:1 if fp8 else None]:
                 ids = [x.prompt_ids for x in ps]
                 for b in a.batch_list:
                     c0 = srv.spec_decode()
