@@ -148,3 +148,116 @@ def test_sampling_with_ngram_keeps_the_target_distribution(tiny_target):
     exact = p1[:, None] * p2
     tv = 0.5 * (joint.sum(0) - exact.sum(0)).abs().sum().item()
     assert tv < 0.04, tv
+
+
+# ---------------------------------------------------------------------------------------------- validate and build
+
+
+def test_validate_measures_ngram_per_domain_beside_the_trained_draft(run_dir):
+    """The tiny run's validate: n-gram drafting on every domain (same prompts), which pays more judged on AL, in
+    acceptance.json, the stage metrics (`status --json`) and the report's table."""
+    from conftest import artifact_dir, run_cli, status_json
+
+    acc = json.loads((artifact_dir(run_dir, "validate") / "acceptance.json").read_text())
+    ng = acc["ngram"]
+    assert (ng["min_n"], ng["max_n"], ng["k"]) == (1, 4, acc["max_draft_len"])
+    assert set(ng["comparison"]) == set(acc["domains"]) | {"overall"}
+    for d, v in acc["domains"].items():
+        n, t = v["ngram"], v["fp8"]
+        assert n["prompts"] == t["prompts"] and n["steps"] > 0 and 0 <= n["accepted"] <= n["drafted"]
+        c = ng["comparison"][d]
+        assert c["ngram"]["acceptance_length"] == n["acceptance_length"]
+        assert c["pays_more"] == ("ngram" if n["acceptance_length"] > t["acceptance_length"] else "trained")
+        assert c["al_difference"] == pytest.approx(n["acceptance_length"] - t["acceptance_length"], abs=1e-3)
+    assert acc["lossless"]["invariant"]["pairs"]["fp8"]["passed"]      # the n-gram runs are checked there too
+    m = next(s for s in status_json(run_dir)["stages"] if s["name"] == "validate")["metrics"]["ngram"]
+    assert set(m) == set(ng["comparison"]) and all(x["pays_more"] in ("ngram", "trained") for x in m.values())
+    r = run_cli("report", "--workdir", str(run_dir))
+    assert r.returncode == 0, r.stderr
+    assert "free n-gram (prompt-lookup) drafting" in (run_dir / "report.html").read_text()
+
+
+def test_ngram_deployment_files_and_key_checks(run_dir, tmp_path):
+    """build.ngram's writer on the tiny run's deployment options: TensorRT-LLM options with NGramDecodingConfig
+    (every key in 1.2.1's field list), vLLM's speculative_config, serve scripts, the README naming the winners; a
+    key TensorRT-LLM does not know fails with its name."""
+    import yaml
+
+    from runtime.trtllm import ngram as N
+    from runtime.trtllm.schema import unknown_keys
+
+    from conftest import artifact_dir
+
+    base = yaml.safe_load((artifact_dir(run_dir, "build") / "deployment" / "llm_api_options.yaml").read_text())
+    acc = json.loads((artifact_dir(run_dir, "validate") / "acceptance.json").read_text())
+    settings, src = N.resolve({"k": None, "min_n": None, "max_n": None}, acc["ngram"], 4)
+    assert settings == {"k": acc["ngram"]["k"], "min_n": 1, "max_n": 4} and src == "validate's measurement"
+    doc = N.write_ngram(tmp_path / "ngram", base, "1.2.1", "/m/target", settings, acc["ngram"]["comparison"], None)
+    opts = yaml.safe_load((tmp_path / "ngram" / "llm_api_options.yaml").read_text())
+    assert opts["speculative_config"] == {"decoding_type": "NGram", "max_draft_len": settings["k"],
+                                          "max_matching_ngram_size": 4, "is_keep_all": True, "is_use_oldest": True,
+                                          "is_public_pool": False}
+    assert unknown_keys(opts, "1.2.1") == [] and opts["max_batch_size"] == base["max_batch_size"]
+    sc = json.loads((tmp_path / "ngram" / "vllm_speculative_config.json").read_text())
+    assert sc == {"method": "ngram", "num_speculative_tokens": settings["k"], "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+    assert "--speculative-config" in (tmp_path / "ngram" / "serve_vllm.sh").read_text()
+    assert os.access(tmp_path / "ngram" / "serve_trtllm.sh", os.X_OK)
+    assert doc["ngram_pays_more_on"] == N.winners(acc["ngram"]["comparison"])
+    bad = lambda k, n: {**N_sc(k, n), "is_use_newest": True}  # noqa: E731
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(N, "ngram_speculative_config", bad)
+        with pytest.raises(ValueError, match="speculative_config.is_use_newest"):
+            N.ngram_options(base, 3, 2, "1.2.1")
+
+
+def N_sc(k, n):
+    from runtime.trtllm.ngram import ngram_speculative_config
+
+    return ngram_speculative_config(k, n)
+
+
+def test_real_vllm_serves_the_written_ngram_config(run_dir, tmp_path):
+    """vLLM 0.32 CPU serves the target with the speculative_config build writes (runtime/vllm/ngram.py): greedy
+    output identical to plain greedy decoding of the same target (specpipe's runtime, fp32), and vLLM's spec-decode
+    counters move. The target: a random tiny Llama with head_dim 32 (vLLM's CPU attention has no kernel for 16,
+    vllm/v1/attention/backends/cpu_attn.py at v0.32.0) and a peaky head, so its output loops and lookup hits;
+    the tokenizer is the tiny run's."""
+    import shutil
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from runtime.vllm import engine as E
+    from runtime.vllm import ngram as VN
+
+    from conftest import artifact_dir
+
+    try:
+        inst = E.find_vllm()
+    except E.VllmUnavailable as e:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(str(e))
+        pytest.skip(str(e))
+    src = artifact_dir(run_dir, "target") / "model"
+    tcfg = json.loads((src / "config.json").read_text())
+    torch.manual_seed(1)
+    cfg = LlamaConfig(vocab_size=tcfg["vocab_size"], hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                      tie_word_embeddings=False, bos_token_id=tcfg.get("bos_token_id"), eos_token_id=tcfg.get("eos_token_id"))
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(6)
+    model.save_pretrained(tmp_path / "target")
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, tmp_path / "target" / f.name)
+    prompts = [[1, 17, 42, 99, 7, 17, 42], [1, 300, 301, 12, 300, 301]]
+    ref = SpeculativeEngine(model).generate(prompts, max_new_tokens=24).tokens
+    sc = VN.speculative_config(3, 1, 4)
+    srv = E.VllmServer(inst, str(tmp_path / "target"), max_model_len=256, kv_cache_gib=1, dtype="float32",
+                       extra_args=["--speculative-config", json.dumps(sc)], log_path=tmp_path / "vllm.log")
+    with srv:
+        before = srv.spec_decode()
+        out = srv.generate(prompts, max_tokens=24, ignore_eos=True)
+        d = srv.spec_decode() - before
+    assert out == ref
+    assert d.drafts > 0 and 0 < d.accepted <= d.draft_tokens
