@@ -203,17 +203,12 @@ def test_ngram_deployment_files_and_key_checks(run_dir, tmp_path):
     assert "--speculative-config" in (tmp_path / "ngram" / "serve_vllm.sh").read_text()
     assert os.access(tmp_path / "ngram" / "serve_trtllm.sh", os.X_OK)
     assert doc["ngram_pays_more_on"] == N.winners(acc["ngram"]["comparison"])
-    bad = lambda k, n: {**N_sc(k, n), "is_use_newest": True}  # noqa: E731
+    good = N.ngram_speculative_config
+    bad = lambda k, n: {**good(k, n), "is_use_newest": True}  # noqa: E731
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(N, "ngram_speculative_config", bad)
         with pytest.raises(ValueError, match="speculative_config.is_use_newest"):
             N.ngram_options(base, 3, 2, "1.2.1")
-
-
-def N_sc(k, n):
-    from runtime.trtllm.ngram import ngram_speculative_config
-
-    return ngram_speculative_config(k, n)
 
 
 def test_real_vllm_serves_the_written_ngram_config(run_dir, tmp_path):
