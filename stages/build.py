@@ -19,6 +19,8 @@ version the shipped Triton image pins, `runtime/trtllm/compat.py`) and in that v
   deployment/README.md              what was built, for which version/container, which batch sizes get which
                                     draft length, the checks, how to run it
   deployment.json                   the same facts for `export` and `status`
+  deployment/ngram/                 with build.ngram.enabled: n-gram (prompt-lookup) drafting of the target, TensorRT-LLM's
+                                    NGramDecodingConfig options and vLLM's ngram speculative_config (runtime/trtllm/ngram.py)
 
 When `tune` found that speculation never pays, the deployment is the target alone (no speculative_config) and
 the README says why. Every key is checked against the version's field list, and the named consistency checks
@@ -41,7 +43,7 @@ from pipeline.artifacts import train_draft as train_draft_artifact
 from pipeline.artifacts import tune as tune_artifact
 from pipeline.errors import StageError
 from pipeline.stage import Artifact, StageContext, StageSection, Strict
-from runtime.trtllm import compat, config_checks
+from runtime.trtllm import compat, config_checks, draft_schedule
 
 if TYPE_CHECKING:
     from runtime.trtllm.checks import Check
@@ -50,7 +52,7 @@ if TYPE_CHECKING:
 
 NAME = "build"
 CONSUMES: tuple[str, ...] = ("target", "data", "train_draft", "quantize", "validate", "tune")
-VERSION = "2"
+VERSION = "3"   # 3: build.ngram (deployment/ngram/)
 PACKAGES = ("tensorrt_llm",)
 USES = ("hardware",)
 
@@ -79,6 +81,15 @@ class Bench(Strict):
     model_name: str | None = Field(None, description="trtllm-bench --model (a name, not a path); default from the target")
 
 
+class NgramDeploy(Strict):
+    """n-gram (prompt-lookup) drafting deployed beside the trained pair: deployment/ngram/ (runtime/trtllm/ngram.py)."""
+
+    enabled: bool = Field(False, description="write TensorRT-LLM's and vLLM's n-gram configs for the target")
+    k: int | None = Field(None, ge=1, le=16, description="draft tokens per step; default: what validate measured")
+    min_n: int | None = Field(None, ge=1, description="vLLM prompt_lookup_min (TensorRT-LLM has none); default: validate's")
+    max_n: int | None = Field(None, ge=1, description="vLLM prompt_lookup_max, TensorRT-LLM max_matching_ngram_size")
+
+
 class Config(StageSection):
     backend: Literal["pytorch", "tensorrt"] = Field("pytorch", description=(
         "TensorRT-LLM backend; EAGLE-3 and DFlash run only in pytorch (the LLM API), tensorrt is refused"))
@@ -96,6 +107,7 @@ class Config(StageSection):
     acceptance_guard: AcceptanceGuard | None = Field(None, description="switch speculation off when acceptance collapses")
     bench: Bench = Field(default_factory=Bench, description="trtllm-bench command and dataset")
     load: Literal["auto", "never"] = Field("auto", description="auto: instantiate LLM(...) where TensorRT-LLM and a GPU exist")
+    ngram: NgramDeploy = Field(default_factory=NgramDeploy)
 
     @field_validator("trtllm_version", mode="before")
     @classmethod
@@ -195,6 +207,7 @@ def run(ctx: StageContext) -> dict:
     ctx.log.info("load: %s", "loaded" if loaded["loaded"] else loaded["reason"])
     runs = _runs(plan, options)
     doc = _deployment_doc(ctx, plan, options, ddraft, runs, (guard_doc, guard_note), bench, checks, loaded)
+    doc["ngram"] = _ngram(ctx, plan, options, out) if sec.ngram.enabled else None
     (ctx.out_dir / "deployment.json").write_text(json.dumps(doc, indent=2))
     (out / "README.md").write_text(readme.readme(doc, options))
     if plan.speculation:
@@ -207,6 +220,18 @@ def run(ctx: StageContext) -> dict:
             "decoding_type": doc["decoding_type"], "max_draft_len": plan.kmax, "draft_schedule": runs.describe(mbs),
             "max_batch_size": mbs, "max_num_tokens": options["max_num_tokens"], "checks_passed": len(checks),
             "loaded": loaded["loaded"], "load_note": loaded.get("reason", "loaded"), "bench_requests": bench.requests}
+
+
+def _ngram(ctx: StageContext, plan: _Plan, options: dict, out: Path) -> dict:
+    from pipeline.artifacts import validate as validate_artifact
+    from runtime.trtllm import ngram as N
+
+    acc = validate_artifact.read_acceptance(ctx.input("validate").path)
+    try:
+        return N.deploy(out / "ngram", options, plan.version, plan.target_dir, ctx.section.ngram.model_dump(), acc,
+                        acc.get("max_draft_len") or plan.kmax or 4, ctx.log)
+    except ValueError as e:
+        raise StageError(f"build.ngram: {e}") from None
 
 
 def _write_profile(ctx: StageContext, plan: _Plan, where: Path, doc: dict, k1: int) -> None:
@@ -239,7 +264,10 @@ def _plan(ctx: StageContext) -> _Plan:
     if (p := compat.algorithm_problem(version, algo)) is not None:
         raise StageError(p)
     mode = rel.mode(algo, sec.eagle3_mode == "one_model")
-    schedule = _tuned_schedule(tuning, version, mode)
+    try:
+        schedule = draft_schedule.tuned_schedule(tuning, version, mode)
+    except ValueError as e:
+        raise StageError(str(e)) from None
     mbs = sec.max_batch_size or int(tuning.get("max_batch_size") or 64)
     speculation = schedule.speculates(mbs)
     if not speculation:
@@ -322,8 +350,8 @@ def _checked(ctx: StageContext, plan: _Plan, options: dict, ddraft: _DeployedDra
         target_vocab_size=tcfg.get("vocab_size"), target_hidden_size=tcfg.get("hidden_size"),
         num_target_layers=int(tcfg.get("num_hidden_layers") or 0) or None,
         capture_layers=plan.capture_layers, schedule=plan.schedule,
-        target_rope_theta=_theta(ctx.input("target").path / "model" / "config.json", hf_config),
-        draft_rope_theta=(_theta(ctx.input("train_draft").path / "draft" / "config.json", hf_config)
+        target_rope_theta=hf_config.theta_of(ctx.input("target").path / "model" / "config.json"),
+        draft_rope_theta=(hf_config.theta_of(ctx.input("train_draft").path / "draft" / "config.json")
                           if plan.speculation else None))
     for c in checks:
         ctx.log.info("check %-28s %s  %s", c.name, "ok  " if c.ok else "FAIL", c.message)
@@ -354,8 +382,6 @@ def _write_options_and_commands(ctx: StageContext, plan: _Plan, options: dict, o
 
 def _runs(plan: _Plan, options: dict) -> DraftSchedule:
     """The draft length per batch size the written options make TensorRT-LLM run (0 without speculation)."""
-    from runtime.trtllm import draft_schedule
-
     sc = options.get("speculative_config") or {}
     return draft_schedule.decode(sc, plan.rel, plan.mode, plan.mbs) if sc else draft_schedule.DraftSchedule.constant(0)
 
@@ -388,34 +414,6 @@ def _deployment_doc(ctx: StageContext, plan: _Plan, options: dict, ddraft: _Depl
     }
 
 
-def _theta(config_path: Path, hf_config) -> float | None:
-    """The RoPE theta a model's config.json states (None when unreadable or absent)."""
-    try:
-        rope = hf_config.read(json.loads(Path(config_path).read_text()))
-    except (OSError, ValueError):
-        return None
-    return rope.theta if rope else None
-
-
-def _tuned_schedule(tuning: dict, version: str, mode: str):
-    """tune's draft-length schedule, which it fitted to what `version` runs in `mode`."""
-    from runtime.trtllm.draft_schedule import DraftSchedule
-
-    d = tuning.get("deployment") or {}
-    if "draft_schedule" not in tuning or not d:
-        raise StageError("tuning.json has no draft_schedule/deployment: it was written by an older specpipe; "
-                         "rerun tune (specpipe build --from tune)")
-    if compat.normalize_version(d.get("trtllm_version") or "") != version or d.get("mode") != mode:
-        raise StageError(f"tuning.json was tuned for TensorRT-LLM {d.get('trtllm_version')} {d.get('mode')}, but build "
-                         f"deploys {version} {mode}: which draft lengths the deployment can run differs, so tune must "
-                         "run again (its fingerprint includes the build section: `specpipe build` reruns it; with "
-                         "tune.trtllm_version set, remove it)")
-    try:
-        return DraftSchedule.from_json(tuning["draft_schedule"])
-    except ValueError as e:
-        raise StageError(f"tuning.json draft_schedule: {e}; rerun tune") from None
-
-
 # ---------------------------------------------------------------------------------------------- report
 
 
@@ -431,6 +429,9 @@ def report(artifact: Artifact) -> str:
             f"{esc('loaded' if doc['load']['loaded'] else doc['load']['reason'])}</p>")
     if doc.get("schedule_note"):
         html += f"<p>{esc(doc['schedule_note'])}</p>"
+    if ng := doc.get("ngram"):
+        html += f"<p>n-gram deployment in {esc(ng['dir'])}: {esc(str(ng['settings']))}; pays more than the trained draft " \
+                f"on: {esc(', '.join(ng['ngram_pays_more_on']) or 'no domain')} (validate)</p>"
     html += table([{"check": c["name"], "result": "ok" if c["ok"] else "FAILED", "detail": c["message"]} for c in doc["checks"]])
     import matplotlib.pyplot as plt
 

@@ -43,15 +43,16 @@ from pipeline.artifacts import target as target_artifact
 from pipeline.artifacts import train_draft as train_draft_artifact
 from pipeline.errors import StageError
 from pipeline.stage import StageContext, StageSection, Strict
+from runtime.validate import ngram as NG
 from runtime.validate import vllm_arm as V
 from runtime.validate.decode import MeasureSettings
-from runtime.validate.gates import gate_table, lossless_rows, lossless_summary
+from runtime.validate.gates import gate_table, lossless_rows, lossless_summary, lossless_tables
 from runtime.validate.reference import DraftLoadError, run_reference
 from runtime.validate.trtllm import run_trtllm, trtllm_available
 
 NAME = "validate"
 CONSUMES: tuple[str, ...] = ("target", "data", "train_draft", "quantize")
-VERSION = "3"
+VERSION = "4"
 USES = ("vllm",)   # validate measures the pair in vLLM too when the `vllm` section enables it
 PACKAGES = ("torch", "transformers", "safetensors")
 
@@ -76,6 +77,15 @@ class Gates(Strict):
         "deployed pair: fail when the one-sided exact test rejects H0 (rate <= ratio x noise) at this p-value"))
 
 
+class NgramMeasure(Strict):
+    """Free n-gram (prompt-lookup) drafting measured beside the trained draft (runtime/validate/ngram.py)."""
+
+    enabled: bool = Field(True, description="measure n-gram drafting on every domain (reference runtime)")
+    min_n: int = Field(1, ge=1, description="shortest n-gram matched (vLLM prompt_lookup_min)")
+    max_n: int = Field(4, ge=1, description="longest n-gram matched (vLLM prompt_lookup_max)")
+    k: int | None = Field(None, ge=1, le=16, description="draft tokens per step; default validate.max_draft_len")
+
+
 class Config(StageSection):
     runtime: Literal["auto", "reference", "tensorrt_llm"] = "auto"
     max_draft_len: int = Field(4, ge=1, le=16, description="draft tokens per step while measuring (DFlash: capped at "
@@ -98,6 +108,7 @@ class Config(StageSection):
         "the deployed draft's KV cache: auto = FP8 (unit scale) when the deployed target's KV cache is FP8, as "
         "TensorRT-LLM runs the draft in one-model mode; the gate is on it, the BF16-KV figure is reported beside it"))
     seed: int = 0
+    ngram: NgramMeasure = Field(default_factory=NgramMeasure)
     gates: Gates = Field(default_factory=Gates)
 
 
@@ -123,6 +134,8 @@ def check(cfg) -> list[tuple[str, str]]:
     if mo is not None and mo > sec.max_draft_len + 1:
         problems.append(("validate.gates.min_overall_acceptance_length",
                          f"{mo} > max_draft_len + 1 = {sec.max_draft_len + 1}: no draft can reach it"))
+    if sec.ngram.min_n > sec.ngram.max_n:
+        problems.append(("validate.ngram.min_n", f"{sec.ngram.min_n} > validate.ngram.max_n = {sec.ngram.max_n}"))
     if sec.gates.min_retention is not None and not sec.measure_bf16:
         problems.append(("validate.gates.min_retention", "needs validate.measure_bf16: true"))
     return problems
@@ -209,7 +222,7 @@ def _metrics(runtime: str, res: dict) -> dict:
             "overall_retention": res["overall"].get("retention"),
             "acceptance_length": {d: v["fp8"]["acceptance_length"] for d, v in res["domains"].items()},
             "retention": {d: v.get("retention") for d, v in res["domains"].items()},
-            "speedup_measured": res.get("tokens_per_s", {}).get("speedup"),
+            "speedup_measured": res.get("tokens_per_s", {}).get("speedup"), "ngram": NG.summary(res),
             "vllm": V.summary((res.get("engines") or {}).get("vllm") or {})}
 
 
@@ -249,13 +262,14 @@ def draft_kv_cache(sec: Config, target_kv_fp8: bool) -> dict:
 
 def measure_settings(sec: Config, draft_kv_cache: str = "bf16") -> MeasureSettings:
     """What runtime.validate measures with: the section's decoding settings and the lossless gates' parameters."""
-    g = sec.gates
+    g, n = sec.gates, sec.ngram
     return MeasureSettings(max_draft_len=sec.max_draft_len, max_new_tokens=sec.max_new_tokens, batch_size=sec.batch_size,
                            temperature=sec.temperature, seed=sec.seed, lossless_prompts=sec.lossless_prompts,
                            noise_prefill_chunk=sec.noise_prefill_chunk, measure_bf16=sec.measure_bf16,
                            first_layer_norm=sec.first_layer_norm, measure_other_norm=sec.measure_other_norm,
                            tie_margin=g.tie_margin, max_divergence_ratio=g.max_divergence_ratio,
-                           divergence_alpha=g.divergence_alpha, draft_kv_cache=draft_kv_cache)
+                           divergence_alpha=g.divergence_alpha, draft_kv_cache=draft_kv_cache,
+                           ngram=NG.NgramSettings(n.min_n, n.max_n, n.k or sec.max_draft_len) if n.enabled else None)
 
 
 def _choose_runtime(want: str) -> tuple[str, str]:
@@ -362,6 +376,8 @@ def _render(a: dict) -> str:
     parts.append(table(rows, ["domain", "AL deployed (FP8)", "AL BF16", "retention", "acceptance rate", "accepted",
                               "drafted"] + ([f"AL FP8, {other} first-layer norm"] if other else [])
                        + (["AL FP8, draft BF16 KV"] if kv_arm else [])))
+    if ng := NG.table_rows(a):
+        parts.append("<p>free n-gram (prompt-lookup) drafting on the deployed target, same runtime and prompts:</p>" + table(*ng))
     g = a["gates"]
     parts.append("<p>gates: <span "
                  f"class='{'pass' if g['passed'] else 'fail'}'>{'passed' if g['passed'] else 'FAILED'}</span></p>")
@@ -414,37 +430,9 @@ def _render_lossless(ll: dict) -> str:
     parts = [f"<p>lossless check: <b>{esc(str(ll.get('passed')))}</b> "
              f"({ll.get('checked_prompts', 0)} prompts x {ll.get('max_new_tokens', '?')} new tokens, greedy)"
              + (f"; {esc(ll['note'])}" if ll.get("note") else "") + "</p>"]
-    rows = []
-    if ex := ll.get("exact"):
-        rows.append(["exact", f"{ex['pair']} pair (unquantized)", ex["rule"],
-                     f"{ex['compared_prompts']} prompts, {ex['generated_tokens']} tokens: {ex['differ']} differ, "
-                     f"{ex['numerical_ties']} fp32 ties", ex["passed"]])
-    if inv := ll.get("invariant"):
-        for p, v in inv.get("pairs", {}).items():
-            kinds = ", ".join(f"{k}: {n}" for k, n in v["by_kind"].items()) or "none"
-            rows.append(["acceptance rule", f"{p} pair, every run",
-                         "each emitted token = the rule's choice from the same verification forward's logits; "
-                         "each step verifies the last emitted token; cache advances by accepted + 1",
-                         f"{v['rows_checked']} rows in {v['forwards']} forwards of {v['generations']} runs: "
-                         f"{v['violations']} violations ({kinds})", v["passed"]])
-    if st := ll.get("statistical"):
-        s, nz = st["speculative"], st["noise"]["pooled"]
-        rows.append(["statistical", f"{st['pair']} pair (deployed)", st["statistic"] + "; " + st["test"],
-                     f"speculative {s['rate_per_token']:.4f}/token ({s['diverging']}/{s['prompts']} prompts) vs noise "
-                     f"{nz['rate_per_token']:.4f}/token ({nz['diverging']}/{nz['prompts']}); p = {st['p_value']:.3g}, "
-                     f"required {st['threshold']}", st["passed"]])
-    if rows:
-        parts.append(table(rows, ["part", "on", "checks", "measured", "passed"]))
-    if st := ll.get("statistical"):
-        arms = [["speculative: " + st["speculative_arm"], st["speculative"]]] + \
-               [[k, v] for k, v in st["noise"].items()]
-        parts.append(table([[name, v["prompts"], v["diverging"], v["share_diverging"], v["exposure"], v["rate_per_token"],
-                             "" if v.get("mean_first_divergence") is None else v["mean_first_divergence"]]
-                            for name, v in arms],
-                           ["arm (vs " + st["reference"] + ")", "prompts", "diverging", "share", "tokens compared",
-                            "divergences / token", "mean first divergence"]))
-        if st.get("speculative_divergence_margins") or st.get("noise_divergence_margins"):
-            parts.append(f"<p>the target's top-2 logit margin where the outputs diverged (an fp32 tie is below "
-                         f"1e-3): speculative {esc(str(st.get('speculative_divergence_margins')))}, noise arms "
-                         f"{esc(str(st.get('noise_divergence_margins')))}</p>")
+    parts += [table(rows, header) for rows, header in lossless_tables(ll) if rows]
+    if (st := ll.get("statistical")) and (st.get("speculative_divergence_margins") or st.get("noise_divergence_margins")):
+        parts.append(f"<p>the target's top-2 logit margin where the outputs diverged (an fp32 tie is below "
+                     f"1e-3): speculative {esc(str(st.get('speculative_divergence_margins')))}, noise arms "
+                     f"{esc(str(st.get('noise_divergence_margins')))}</p>")
     return "".join(parts)

@@ -162,6 +162,7 @@ class DecodeBatch:
         tgt.reset(B, cap)
         if drafter is not None:
             drafter.reset(B, cap)
+            drafter.begin(prompts)
         lens = torch.tensor([len(p) for p in prompts], device=dev)
         T = int(lens.max())
         toks = torch.zeros(B, T, dtype=torch.long, device=dev)
@@ -188,42 +189,40 @@ class DecodeBatch:
         n_live = len(self.rows)
         x = self.x
         t0 = time.perf_counter()
-        if drafter is not None:
-            d, q = drafter.propose(x, k, self.temperature, self.gen)
-            verify = torch.cat((x[:, None], d), 1)
-        else:
-            d, q = None, None
-            verify = x[:, None]
+        d, q, lens = self._propose(x)
+        verify = x[:, None] if d is None else torch.cat((x[:, None], d), 1)
         t1 = time.perf_counter()
         before = tgt.lengths.clone()
         logits, hid = tgt.forward(verify)
         t2 = time.perf_counter()
+        ragged = {} if lens is None else {"lens": lens}
         acc, bonus = self.engine._accept(
-            logits, d, q, self.temperature, self.gen, self.top_p
+            logits, d, q, self.temperature, self.gen, self.top_p, **ragged
         )  # the engine's rule (a subclass may replace it)
         tgt.commit(acc + 1)
         if self.on_verify is not None:
-            self.on_verify(VerifyStep(self.keys(), verify, logits, before, acc, bonus))
+            self.on_verify(VerifyStep(self.keys(), _mark_padding(verify, lens), logits, before, acc, bonus))
         t3 = time.perf_counter()
         if drafter is not None:       # draft-side work: counted as draft time
-            nxt = torch.cat((d, d.new_zeros(n_live, 1)), 1)
+            nxt = bonus[:, None].clone() if d is None else torch.cat((d, d.new_zeros(n_live, 1)), 1)
             nxt[torch.arange(n_live, device=dev), acc] = bonus
             drafter.observe(hid, nxt, acc + 1)
         t4 = time.perf_counter()
         new = []
         acc_l, bonus_l = acc.tolist(), bonus.tolist()
         d_l = d.tolist() if d is not None else None
+        n_l = [k] * n_live if lens is None else lens.tolist()
         for r, req in enumerate(self.rows):
             a = acc_l[r]
             new.append((d_l[r][:a] if d_l else []) + [bonus_l[r]])
             if k:
                 rs = req.stats
                 rs.steps += 1
-                rs.drafted += k
+                rs.drafted += n_l[r]
                 rs.accepted += a
-                stats.record_step(a, k)
+                stats.record_step(a, n_l[r])
         stats.steps += n_live if k else 0
-        stats.drafted += k * n_live
+        stats.drafted += sum(n_l) if k else 0
         stats.accepted += int(acc.sum()) if k else 0
         stats.rows_per_step.append(n_live)
         self.x = bonus
@@ -234,6 +233,18 @@ class DecodeBatch:
         stats.target_s += t2 - t1
         stats.other_s += (t3 - t2) + (t5 - t4)
         return finished
+
+    def _propose(self, x: torch.Tensor):
+        """(drafts [B, k'] or None, q or None, real lengths [B] or None) for this step. A drafter whose proposals
+        vary in length (`draft_lens`) may return fewer than k columns, none when no row has a proposal."""
+        drafter = self.drafter
+        if drafter is None:
+            return None, None, None
+        d, q = drafter.propose(x, self.k, self.temperature, self.gen)
+        lens = drafter.draft_lens
+        if d.shape[1] == 0:
+            return None, None, torch.zeros(len(x), dtype=torch.long, device=x.device)
+        return d, q, lens
 
     # -- leaving
     def cancel(self, keys: Iterable[int]) -> list[int]:
@@ -305,6 +316,16 @@ class DecodeBatch:
         for r in gone:
             self.finished[r.key] = r
         return [r.key for r in gone]
+
+
+def _mark_padding(verify: torch.Tensor, lens: torch.Tensor | None) -> torch.Tensor:
+    """The verified block as `on_verify` reports it: a padded (not proposed) draft position reads -1."""
+    if lens is None or verify.shape[1] == 1:
+        return verify
+    pos = torch.arange(1, verify.shape[1], device=verify.device)[None]
+    out = verify.clone()
+    out[:, 1:] = verify[:, 1:].masked_fill(pos > lens[:, None], -1)
+    return out
 
 
 def _cat_caches(a: KVCache, b: KVCache, min_capacity: int = 0) -> KVCache:

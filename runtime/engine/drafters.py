@@ -25,8 +25,13 @@ class Drafter(abc.ABC):
     # Attributes holding per-row state (a KVCache or a list with one entry per row), in batch order. A drafter
     # that declares them can take new rows into a running batch (`DecodeBatch.add`); None: it cannot.
     row_state: tuple[str, ...] | None = None
+    # After `propose`: the real draft length per row when it varies ([B]; the rest of the block is padding that
+    # is never accepted, see runtime.engine.ngram), None when every row drafts k.
+    draft_lens = None
 
     def reset(self, batch: int, capacity: int) -> None: ...
+    def begin(self, prompts: list[list[int]]) -> None:
+        """The new rows' prompts, after `reset` (a drafter that reads token ids needs the first one)."""
     def select_rows(self, idx: torch.Tensor) -> None: ...
     def observe(self, hidden, next_tokens: torch.Tensor, counts: torch.Tensor) -> None: ...
     @abc.abstractmethod

@@ -30,15 +30,18 @@ def pick(logits: torch.Tensor, temperature: float, gen, top_p: float = 1.0) -> t
     return torch.multinomial(flat, 1, generator=gen).reshape(p.shape[:-1]), p
 
 
-def accept(logits, d, q, temperature, gen, top_p: float = 1.0):
-    """logits [B, k+1, V]. Returns (accepted count [B], next token [B])."""
+def accept(logits, d, q, temperature, gen, top_p: float = 1.0, lens: torch.Tensor | None = None):
+    """logits [B, k+1, V]. Returns (accepted count [B], next token [B]). `lens` [B]: only the first lens[b] drafts
+    of row b are proposals (the rest is padding, never accepted; its q must be zero)."""
     B, T, V = logits.shape
     rows = torch.arange(B, device=logits.device)
+    real = None if lens is None or d is None else torch.arange(d.shape[1], device=d.device)[None] < lens[:, None]
     if temperature <= 0:
         tgt = logits.argmax(-1)
         if d is None:
             return torch.zeros(B, dtype=torch.long, device=logits.device), tgt[:, 0]
-        acc = torch.cumprod((d == tgt[:, :-1]).long(), 1).sum(1)
+        same = d == tgt[:, :-1]
+        acc = torch.cumprod((same if real is None else same & real).long(), 1).sum(1)
         return acc, tgt[rows, acc]
     p = probs(logits, temperature, top_p)
     if d is None:
@@ -48,6 +51,8 @@ def accept(logits, d, q, temperature, gen, top_p: float = 1.0):
     qd = q.gather(-1, d[..., None])[..., 0]
     u = torch.rand(B, k, generator=gen, device=logits.device)
     ok = u * qd < pd                                # u < min(1, p/q) without dividing by q
+    if real is not None:
+        ok &= real                                  # padding: stop there; its q = 0, so the next token is from p
     acc = torch.cumprod(ok.long(), 1).sum(1)
     # where rejected at position a: residual norm(max(0, p_a - q_a)); all accepted: p_k
     q_full = torch.cat((q, q.new_zeros(B, 1, V)), 1)

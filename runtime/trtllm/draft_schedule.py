@@ -199,3 +199,21 @@ def schedule_problems(sched: dict, max_draft_len: int, rel: compat.Release) -> l
     if rel.schedule_semantics == "upper_bound" and vals[keys[0]] != max_draft_len:
         probs.append(f"TensorRT-LLM {rel.line} needs the smallest key's value to equal max_draft_len ({max_draft_len})")
     return probs
+
+
+def tuned_schedule(tuning: dict, version: str, mode: str):
+    """tune's draft-length schedule, which it fitted to what `version` runs in `mode` (ValueError with the build
+    stage's message when tuning.json does not fit)."""
+    d = tuning.get("deployment") or {}
+    if "draft_schedule" not in tuning or not d:
+        raise ValueError("tuning.json has no draft_schedule/deployment: it was written by an older specpipe; "
+                         "rerun tune (specpipe build --from tune)")
+    if compat.normalize_version(d.get("trtllm_version") or "") != version or d.get("mode") != mode:
+        raise ValueError(f"tuning.json was tuned for TensorRT-LLM {d.get('trtllm_version')} {d.get('mode')}, but build "
+                         f"deploys {version} {mode}: which draft lengths the deployment can run differs, so tune must "
+                         "run again (its fingerprint includes the build section: `specpipe build` reruns it; with "
+                         "tune.trtllm_version set, remove it)")
+    try:
+        return DraftSchedule.from_json(tuning["draft_schedule"])
+    except ValueError as e:
+        raise ValueError(f"tuning.json draft_schedule: {e}; rerun tune") from None

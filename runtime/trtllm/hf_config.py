@@ -123,3 +123,12 @@ def problems(cfg: dict, form: str, *, expected_theta: float | None = None) -> li
     if expected_theta is not None and abs(rope.theta - float(expected_theta)) > 1e-6 * max(1.0, abs(expected_theta)):
         out.append(f"RoPE theta {rope.theta:g} differs from the model's {float(expected_theta):g}")
     return out
+
+
+def theta_of(config_path: Path) -> float | None:
+    """The RoPE theta a model's config.json states (None when unreadable or absent)."""
+    try:
+        rope = read(json.loads(Path(config_path).read_text()))
+    except (OSError, ValueError):
+        return None
+    return rope.theta if rope else None

@@ -23,6 +23,7 @@ class MeasureSettings:
     max_divergence_ratio: float    # statistical check: H0 rate_speculative <= ratio x rate_noise
     divergence_alpha: float        # statistical check: fail when H0 is rejected at this p-value
     draft_kv_cache: str = "bf16"   # the deployed pair's draft KV cache as the engine runs it: "bf16" or "fp8"
+    ngram: object = None           # runtime.validate.ngram.NgramSettings: also measure n-gram drafting (None: not)
 
 
 def measure(eng, prompts, s: MeasureSettings, K: int, eos, *, speculative: bool, temperature: float | None = None,

@@ -61,3 +61,37 @@ def gate_table(rows: list[dict]) -> str:
         lines.append(f"  {r['domain']:<{wd}} {r['metric']:<18} {fmt(r['measured']):>{wm}}  {fmt(r['required']):>{wq}}  "
                      f"{'pass' if r['passed'] else 'FAIL'}")
     return "\n".join(lines)
+
+
+def lossless_tables(ll: dict) -> list[tuple[list[list], list[str]]]:
+    """The lossless check's report tables as (rows, header): the parts, and the statistical check's arms."""
+    out = []
+    rows = []
+    if ex := ll.get("exact"):
+        rows.append(["exact", f"{ex['pair']} pair (unquantized)", ex["rule"],
+                     f"{ex['compared_prompts']} prompts, {ex['generated_tokens']} tokens: {ex['differ']} differ, "
+                     f"{ex['numerical_ties']} fp32 ties", ex["passed"]])
+    if inv := ll.get("invariant"):
+        for p, v in inv.get("pairs", {}).items():
+            kinds = ", ".join(f"{k}: {n}" for k, n in v["by_kind"].items()) or "none"
+            rows.append(["acceptance rule", f"{p} pair, every run",
+                         "each emitted token = the rule's choice from the same verification forward's logits; "
+                         "each step verifies the last emitted token; cache advances by accepted + 1",
+                         f"{v['rows_checked']} rows in {v['forwards']} forwards of {v['generations']} runs: "
+                         f"{v['violations']} violations ({kinds})", v["passed"]])
+    if st := ll.get("statistical"):
+        s, nz = st["speculative"], st["noise"]["pooled"]
+        rows.append(["statistical", f"{st['pair']} pair (deployed)", st["statistic"] + "; " + st["test"],
+                     f"speculative {s['rate_per_token']:.4f}/token ({s['diverging']}/{s['prompts']} prompts) vs noise "
+                     f"{nz['rate_per_token']:.4f}/token ({nz['diverging']}/{nz['prompts']}); p = {st['p_value']:.3g}, "
+                     f"required {st['threshold']}", st["passed"]])
+    if rows:
+        out.append((rows, ["part", "on", "checks", "measured", "passed"]))
+    if st := ll.get("statistical"):
+        arms = [["speculative: " + st["speculative_arm"], st["speculative"]]] + \
+               [[k, v] for k, v in st["noise"].items()]
+        out.append(([[name, v["prompts"], v["diverging"], v["share_diverging"], v["exposure"], v["rate_per_token"],
+                      "" if v.get("mean_first_divergence") is None else v["mean_first_divergence"]] for name, v in arms],
+                    ["arm (vs " + st["reference"] + ")", "prompts", "diverging", "share", "tokens compared",
+                     "divergences / token", "mean first divergence"]))
+    return out

@@ -1,12 +1,14 @@
 """Acceptance of a target + draft pair per evaluation domain on specpipe's reference runtime
 (`runtime.engine.speculative`): each pair loaded from its exported files, speculative decoding of every domain's
 prompts (acceptance length, per-position acceptance), the lossless check and speed on the deployed pair
-(lossless_arms.py), the other EAGLE-3 first-layer norm, and the acceptance-rule invariant tallied over every run."""
+(lossless_arms.py), the other EAGLE-3 first-layer norm, n-gram drafting on the deployed target (ngram.py), and the
+acceptance-rule invariant tallied over every run."""
 from __future__ import annotations
 
 from runtime.errors import RuntimeFailure
 from runtime.validate.decode import MeasureSettings, lossless_subset, measure
 from runtime.validate.lossless_arms import exact_check, lossless_and_speed
+from runtime.validate.ngram import measure_ngram
 
 
 class DraftLoadError(RuntimeFailure):
@@ -33,7 +35,7 @@ def run_reference(s: MeasureSettings, deployed: dict, bf16: dict | None, prompts
     K = s.max_draft_len
     measured = [label for label, _ in pairs if label == "fp8" or s.measure_bf16]
     n_runs = len(measured) * len(prompts) + (len(pairs) * len(prompts) if s.lossless_prompts else 0) \
-        + (len(prompts) if s.draft_kv_cache == "fp8" else 0)
+        + (len(prompts) if s.draft_kv_cache == "fp8" else 0) + (len(prompts) if s.ngram else 0)
     with progress(total=n_runs, desc="validate") as bar:
         for label, pair in pairs:
             model, draft = load_measured_pair(s, label, pair, dev, expected)
@@ -44,6 +46,8 @@ def run_reference(s: MeasureSettings, deployed: dict, bf16: dict | None, prompts
             tally = tallies[label]
             if label in measured:
                 res["overall"][label] = acceptance_per_domain(log, eng, s, K, eos, prompts, tally, label, res, bar)
+            if label == "fp8" and s.ngram:
+                measure_ngram(log, model, s, s.ngram, eos, prompts, res, tally, bar)
             if label == "fp8":
                 ll, res["tokens_per_s"], res["step_ms"] = lossless_and_speed(
                     log, eng, s, K, eos, prompts, bar, draft.algorithm, tally, exact=same)
