@@ -36,7 +36,8 @@ from pipeline.artifacts import target as target_artifact
 from pipeline.errors import StageError
 from pipeline.stage import StageContext, StageSection, Strict
 from pipeline.store import fault_point
-from runtime.data.regenerate import regenerate, regenerated_rows, select_jobs, template_consistency
+from runtime.data.regen_engines import EngineConfigError, choose_engine, run_regeneration
+from runtime.data.regenerate import regenerated_rows, select_jobs, template_consistency
 from runtime.data.render import encode_samples, has_assistant, load_renderer
 from runtime.data.sources import Malformed, Sample, read_bootstrap, read_hf, read_jsonl
 from runtime.data.splits import dedup_and_split, eval_prompts, split_stats, token_rows
@@ -98,8 +99,14 @@ class RegenerateConfig(Strict):
     top_p: float = Field(0.95, gt=0, le=1, description="nucleus sampling mass (mode: sample)")
     max_new_tokens: int = Field(128, ge=1, description="tokens generated per response at most; prompts longer than "
                                                        "data.max_length minus this are skipped")
-    batch_size: int = Field(16, ge=1, description="prompts decoded together (sorted by length to limit padding); 16 suits a CPU, "
-                                                  "larger suits a GPU")
+    batch_size: int = Field(16, ge=1, description="prompts decoded together (sorted by length to limit padding); through a "
+                                                  "server: requests in flight")
+    engine: Literal["auto", "vllm", "endpoint", "runtime"] = Field(
+        "auto", description="auto: the endpoint when set, else vLLM where installed (the `vllm` section), else specpipe's "
+                            "runtime (runtime/data/regen_engines.py)")
+    endpoint: str | None = Field(None, description="base URL of an OpenAI-compatible completions server (vllm serve, "
+                                                   "trtllm-serve, SGLang), e.g. http://host:8000")
+    endpoint_model: str | None = Field(None, description="model name at the endpoint (default: the first id of GET /v1/models)")
 
 
 def _default_sources():
@@ -173,6 +180,12 @@ def check(cfg) -> list[tuple[str, str]]:
     if sec.regenerate.enabled and sec.regenerate.max_new_tokens >= sec.max_length:
         problems.append(("data.regenerate.max_new_tokens", f"{sec.regenerate.max_new_tokens} leaves no room for a prompt within "
                          f"data.max_length={sec.max_length}; lower it or raise data.max_length"))
+    rc = sec.regenerate
+    if rc.enabled and (rc.engine != "auto" or rc.endpoint):     # auto without an endpoint is decided when it runs
+        try:
+            choose_engine(rc, getattr(cfg, "vllm", None))
+        except EngineConfigError as e:
+            problems.append((e.field, e.message))
     return problems
 
 
@@ -332,8 +345,12 @@ def _regenerate_splits(ctx: StageContext, sec: Config, renderer, tok, tinfo: dic
                  "greedy" if greedy else f"sampling T={rc.temperature} top_p={rc.top_p} seed={sec.seed}",
                  [f"{i} ({tok.convert_ids_to_tokens(i)})" for i in stop_ids])
     jobs = train_jobs + held_jobs
-    gens, rs = regenerate(
-        model_dir, [j.prompt for j in jobs], [j.sample.key for j in jobs], batch_size=rc.batch_size,
+    vllm_cfg = getattr(ctx.config, "vllm", None)     # where/how vLLM runs; what it generates: data.regenerate.engine
+    gens, rs = run_regeneration(
+        choose_engine(rc, vllm_cfg, model_dir=model_dir, new_tokens=len(jobs) * rc.max_new_tokens), vllm_cfg=vllm_cfg,
+        model_dir=model_dir, dtype=tinfo.get("dtype"),
+        max_model_len=sec.max_length + 8, tok=tok, end_id=tmpl_info.get("end_of_turn_id") or (stop_ids or [None])[0],
+        prompts=[j.prompt for j in jobs], keys=[j.sample.key for j in jobs], batch_size=rc.batch_size,
         max_new_tokens=rc.max_new_tokens, temperature=0.0 if greedy else rc.temperature, top_p=1.0 if greedy else rc.top_p,
         stop_ids=stop_ids, seed=sec.seed, scratch=ctx.scratch_dir / "regenerate", log=ctx.log,
         progress=ctx.progress, on_batch=lambda n: fault_point(NAME, f"regenerate-batch-{n}"))
@@ -382,9 +399,9 @@ def _metrics(stats: dict, tmpl_info: dict) -> dict:
         "mask_method": tmpl_info.get("mask_method"),
     }
     if regen:
-        metrics["regeneration"] = {k: regen[k] for k in ("prompts", "resumed_prompts", "seconds", "prompts_per_s",
-                                                         "new_tokens_per_s", "mean_new_tokens", "ended_at_stop",
-                                                         "hit_max_new_tokens")}
+        metrics["regeneration"] = {k: regen.get(k) for k in ("engine", "prompts", "resumed_prompts", "seconds", "prompts_per_s",
+                                                             "new_tokens_per_s", "mean_new_tokens", "ended_at_stop",
+                                                             "hit_max_new_tokens", "retokenized")}
     return metrics
 
 
@@ -402,7 +419,8 @@ def report(artifact) -> str:
                       ["assistant header", repr(t["generation_prompt"])]], ["chat template", ""])
     g = s.get("regeneration")
     if g:
-        rows = [["prompts (resumed)", f"{g['prompts']} ({g['resumed_prompts']})"], ["seconds", g["seconds"]],
+        rows = [["engine", f"{g['engine']} ({g.get('engine_why', '')})"],
+                ["prompts (resumed)", f"{g['prompts']} ({g['resumed_prompts']})"], ["seconds", g["seconds"]],
                 ["prompts/s", g["prompts_per_s"]], ["new tokens/s", g["new_tokens_per_s"]],
                 ["mean new tokens", g["mean_new_tokens"]], ["ended at a stop id", g["ended_at_stop"]],
                 ["hit max_new_tokens", f"{g['hit_max_new_tokens']} (max {g['max_new_tokens']})"],

@@ -6,6 +6,7 @@ chat template renders exactly those rows."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import time
 from dataclasses import dataclass
@@ -14,6 +15,8 @@ from pathlib import Path
 from runtime.data.render import need_template, render_prompt, template_error
 from runtime.data.sources import Malformed, Sample
 from runtime.files import atomic_write_text
+
+RUNTIME_DETAIL = "runtime.engine.speculative (autoregressive, KV cache, draft_len 0)"
 
 
 @dataclass
@@ -79,13 +82,14 @@ def select_jobs(r, tok, candidates: list[Sample], limit: int, budget: int, max_l
 
 def regenerate(model_dir: Path, prompts: list[list[int]], keys: list[str], *, batch_size: int, max_new_tokens: int,
                temperature: float, top_p: float, stop_ids: list[int], seed: int, scratch: Path | None, log,
-               progress=None, on_batch=None) -> tuple[list[list[int]], dict]:
+               progress=None, on_batch=None, generate_batches=None) -> tuple[list[list[int]], dict]:
     """The target's continuation of every prompt, through specpipe's runtime (`runtime.engine.speculative`: batched
-    KV-cache decoding, draft_len 0). Prompts are sorted by (length, key) into batches of `batch_size`; batch b is
-    decoded with seed `seed + b`; each finished batch is written to `scratch` and reused on a rerun (an interrupted
-    regeneration continues where it stopped). `progress(total=, desc=)`: a progress context (none when None);
-    `on_batch(n)`: called after the n-th batch this run decoded (the stage's fault points). Returns (generated ids per
-    prompt, cut after the first stop id, and statistics)."""
+    KV-cache decoding, draft_len 0) or `generate_batches` (an engine of runtime/data/regen_engines.py, same
+    signature as `_generate_batches` without `model_dir`). Prompts are sorted by (length, key) into batches of
+    `batch_size`; batch b is decoded with seed `seed + b`; each finished batch is written to `scratch` and reused on a
+    rerun, whatever engine wrote it (an interrupted regeneration continues where it stopped). `progress(total=,
+    desc=)`: a progress context (none when None); `on_batch(n)`: called after the n-th batch this run decoded (the
+    stage's fault points). Returns (generated ids per prompt, cut after the first stop id, and statistics)."""
     n = len(prompts)
     order = sorted(range(n), key=lambda j: (len(prompts[j]), keys[j]))
     batches = [order[i: i + batch_size] for i in range(0, n, batch_size)]
@@ -94,15 +98,16 @@ def regenerate(model_dir: Path, prompts: list[list[int]], keys: list[str], *, ba
     if resumed:
         log.info("regeneration: resumed %d finished batches (%d prompts) from %s; %d prompts left", resumed_batches, resumed,
                  scratch, n - resumed)
-    run = _generate_batches(model_dir, prompts, keys, todo, results, resumed=resumed, max_new_tokens=max_new_tokens,
-                            temperature=temperature, top_p=top_p, stop_ids=stop_ids, seed=seed, scratch=scratch,
-                            log=log, progress=progress, on_batch=on_batch)
+    gen = generate_batches or functools.partial(_generate_batches, model_dir)
+    run = gen(prompts, keys, todo, results, resumed=resumed, max_new_tokens=max_new_tokens, temperature=temperature,
+              top_p=top_p, stop_ids=stop_ids, seed=seed, scratch=scratch, log=log, progress=progress, on_batch=on_batch)
     stop = set(stop_ids)
     outs = [t or [] for t in results]
     ended = sum(1 for t in outs if t and t[-1] in stop)
     gen_s, new_tokens, generated = run["gen_s"], run["new_tokens"], run["generated"]
     stats = {
-        "engine": "runtime.engine.speculative (autoregressive, KV cache, draft_len 0)",
+        "engine": run.get("engine", "runtime"), "engine_detail": run.get("detail", RUNTIME_DETAIL),
+        "retokenized": run.get("retokenized", 0),
         "prompts": n, "batches": len(batches), "batch_size": batch_size, "resumed_prompts": resumed,
         "resumed_batches": resumed_batches, "generated_prompts": generated, "max_new_tokens": max_new_tokens,
         "temperature": temperature, "top_p": top_p, "stop_ids": list(stop_ids),
@@ -168,9 +173,7 @@ def _generate_batches(model_dir: Path, prompts: list[list[int]], keys: list[str]
             dt = time.perf_counter() - t0
             for j, t in zip(idx, g.tokens):
                 results[j] = t
-            if scratch is not None:
-                atomic_write_text(scratch / f"batch-{b:05d}.json",
-                                  json.dumps({"keys": [keys[j] for j in idx], "tokens": g.tokens, "seconds": round(dt, 3)}))
+            write_batch(scratch, b, [keys[j] for j in idx], g.tokens, dt)
             gen_s += dt
             generated += len(idx)
             new_tokens += sum(len(t) for t in g.tokens)
@@ -182,6 +185,13 @@ def _generate_batches(model_dir: Path, prompts: list[list[int]], keys: list[str]
             if on_batch is not None:
                 on_batch(done)
     return {"load_s": load_s, "gen_s": gen_s, "new_tokens": new_tokens, "padded": padded, "generated": generated}
+
+
+def write_batch(scratch: Path | None, b: int, keys: list[str], tokens: list[list[int]], seconds: float) -> None:
+    """`scratch/batch-<b>.json`: one finished batch (its prompts' keys and generated ids), what a rerun resumes."""
+    if scratch is not None:
+        atomic_write_text(scratch / f"batch-{b:05d}.json",
+                          json.dumps({"keys": keys, "tokens": tokens, "seconds": round(seconds, 3)}))
 
 
 def regenerated_rows(jobs: list[RegenJob], gens: list[list[int]]) -> list[tuple[list[int], list[int]]]:
