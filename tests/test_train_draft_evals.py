@@ -174,3 +174,18 @@ def test_d2t_stats_count_the_trained_on_tokens_outside_the_draft_vocabulary(tmp_
     s = d2t_stats(tmp_path / "d2t.pt", train, str(tmp_path / "heldout.parquet"))
     assert s == {"draft_vocab_size": 3, "token_coverage": 0.6, "train_tokens": 5, "heldout_oov_rate": 0.75,
                  "heldout_tokens": 4}
+
+
+def test_validate_counts_the_generated_tokens_outside_the_draft_vocabulary():
+    """validate's `outside_draft_vocab` (runtime/validate/reference.py): target ids d2t reaches, the share of the
+    generated tokens outside them; 0.0 for a draft without d2t (the whole vocabulary)."""
+    import types
+
+    import torch
+
+    from runtime.validate.reference import draft_vocab_ids, outside_share
+
+    vocab = draft_vocab_ids(types.SimpleNamespace(d2t=torch.tensor([2, 4, 7])))   # draft ids 0 1 2 -> 2 5 9
+    assert vocab == {2, 5, 9}
+    assert outside_share(vocab, [[2, 3, 5], [9, 9, 1, 4, 2]]) == 0.375 and outside_share(vocab, [[]]) is None
+    assert draft_vocab_ids(types.SimpleNamespace(d2t=None)) is None and outside_share(None, [[1, 2]]) == 0.0
