@@ -39,8 +39,8 @@ from pipeline.store import fault_point
 from runtime.data.regen_engines import EngineConfigError, choose_engine, run_regeneration
 from runtime.data.regenerate import regenerated_rows, select_jobs, template_consistency
 from runtime.data.render import encode_samples, has_assistant, load_renderer
-from runtime.data.sources import Malformed, Sample, read_bootstrap, read_hf, read_jsonl
-from runtime.data.splits import dedup_and_split, eval_prompts, split_stats, token_rows
+from runtime.data.sources import Malformed, Sample, jsonl_problem, read_bootstrap, read_hf, read_jsonl
+from runtime.data.splits import dedup_and_split, eval_prompts, rows_problem, split_stats, token_rows
 from runtime.errors import RuntimeFailure
 
 NAME = "data"
@@ -157,11 +157,15 @@ def check(cfg) -> list[tuple[str, str]]:
             problems.append((f"data.sources.{i}.kind", "'bootstrap' needs target.bootstrap: tiny (there is no corpus otherwise)"))
         if s.kind == "jsonl" and not Path(s.path).expanduser().is_file():
             problems.append((f"data.sources.{i}.path", f"file not found: {s.path}"))
+        elif s.kind == "jsonl" and (why := jsonl_problem(s.path)):
+            problems.append((f"data.sources.{i}.path", why))
     for name, s in sec.eval_domains.items():
         if s.kind == "bootstrap" and not boot:
             problems.append((f"data.eval_domains.{name}.kind", "'bootstrap' needs target.bootstrap: tiny"))
         if s.kind == "jsonl" and not Path(s.path).expanduser().is_file():
             problems.append((f"data.eval_domains.{name}.path", f"file not found: {s.path}"))
+        elif s.kind == "jsonl" and (why := jsonl_problem(s.path)):
+            problems.append((f"data.eval_domains.{name}.path", why))
     if sec.chat_template is not None:
         p = Path(sec.chat_template).expanduser()
         if not p.is_file():
@@ -260,8 +264,11 @@ def _run(ctx: StageContext) -> dict:
         held_enc = encode_samples(renderer, tok, heldout, sec.max_length, eos_id, bad, tmpl_info)
         shown = _check_malformed(bad, sec, ctx.log, shown)
 
-    splits = _write_splits(ctx, sec, renderer, token_rows(train, encoded, sec.min_length),
-                           token_rows(heldout, held_enc, sec.min_length))
+    train_rows = token_rows(train, encoded, sec.min_length)
+    if not train_rows["input_ids"]:
+        raise StageError("data: no training sample is kept: " + rows_problem(train, encoded, sec.min_length)
+                         + " (no token to train on: a conversation whose assistant turns lie beyond data.max_length)")
+    splits = _write_splits(ctx, sec, renderer, train_rows, token_rows(heldout, held_enc, sec.min_length))
     stats = {
         "splits": {name: split_stats(r) for name, r in splits.items()},
         "domains": domain_stats,
@@ -377,9 +384,6 @@ def _regenerate_splits(ctx: StageContext, sec: Config, renderer, tok, tinfo: dic
 def _write_splits(ctx: StageContext, sec: Config, renderer, train_rows: dict, held_rows: dict) -> dict[str, dict]:
     from datasets import Dataset
 
-    if not train_rows["input_ids"]:
-        raise StageError(f"data: every training sample is shorter than data.min_length={sec.min_length} tokens or has no "
-                         "token to train on (a conversation whose assistant turns lie beyond data.max_length)")
     splits = {"train": train_rows, "heldout": held_rows,
               "calib": {k: v[: sec.calib_samples] for k, v in train_rows.items()}}
     for name, r in splits.items():

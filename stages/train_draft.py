@@ -28,6 +28,7 @@ from pipeline.errors import StageError
 from pipeline.stage import StageContext, StageSection, Strict
 from runtime.training.acceptance import ESTIMATORS
 from runtime.training.algorithm import EAGLE3_CAPTURE_LAYERS, shape_problems
+from runtime.training.evals import every_problems
 
 NAME = "train_draft"
 CONSUMES = ("target", "data")
@@ -142,7 +143,7 @@ class Offline(Strict):
 
 
 class Eval(Strict):
-    """The acceptance estimate at the end of training, on held-out prompts of each data.eval_domains entry."""
+    """The acceptance estimate during and at the end of training, on held-out prompts of each data.eval_domains entry."""
 
     estimator: Literal["runtime", "modelopt"] = Field("runtime", description=(
         "runtime: specpipe's speculative runtime on the BF16 target and the exported draft (KV cache, batched, the "
@@ -152,6 +153,11 @@ class Eval(Strict):
     osl: int = Field(64, ge=1, description="tokens generated per prompt")
     draft_len: int | None = Field(None, ge=1, description="draft tokens per step; default: the trained length")
     batch_size: int = Field(4, ge=1, description="runtime estimator: prompts decoded together (as validate.batch_size)")
+    every: int | None = Field(None, ge=0, description=(
+        "steps between held-out estimates during training (the best point is exported); default checkpoint_every where "
+        "they run (not with launcher.fsdp, nor the modelopt estimator under torchrun or offline); 0: at the end only"))
+    patience: int = Field(0, ge=0, description="eval points without improvement before training stops (0: never early)")
+    min_delta: float = Field(0.0, ge=0, description="improvement of the mean held-out AL over the domains that counts")
 
 
 class Config(StageSection):
@@ -212,7 +218,7 @@ def check(cfg) -> list[tuple[str, str]]:
     p = "train_draft"
     out = _draft_len_problems(sec, p)
     procs = sec.launcher.nproc_per_node * sec.launcher.nnodes if sec.launcher.kind == "torchrun" else 1
-    out += _placement_problems(sec, p, procs)
+    out += _placement_problems(sec, p, procs) + every_problems(sec, p)
     if (sec.dtype, sec.target_dtype) == ("bfloat16", "float32"):
         out.append((f"{p}.target_dtype", "float32 under dtype bfloat16 would run the target above the draft's own "
                     "precision; use target_dtype bfloat16 or auto (the training dtype)"))
@@ -305,7 +311,7 @@ def run(ctx: StageContext) -> dict:
     cfg = complete_export(draft_dir, Path(job["target_dir"]))
     checks = _check_export(ctx, job, draft_dir)
     acc = result.get("acceptance") or {}
-    (ctx.out_dir / "draft.json").write_text(json.dumps(draft_record(job, cfg, draft_dir, acc), indent=2))
+    (ctx.out_dir / "draft.json").write_text(json.dumps(draft_record(job, cfg, draft_dir, acc, result), indent=2))
     (ctx.out_dir / "curve.json").write_text(json.dumps(curve_record(job, result, acc), indent=2))
     _log_outcome(ctx, result, acc)
     return stage_metrics(job, result, acc, len(checks))
@@ -386,6 +392,7 @@ def report(artifact) -> str:
     import matplotlib.pyplot as plt
 
     from pipeline.report import figure, table
+    from runtime.training.records import eval_report
 
     m = artifact.metrics
     curve = artifact.read_json("curve.json")
@@ -428,6 +435,8 @@ def report(artifact) -> str:
     if acc.get("domains"):
         out += table([[d, v["acceptance_length"], v["prompts"]] for d, v in acc["domains"].items()],
                      ["eval domain", f"acceptance length (k={acc['draft_len']})", "prompts"])
+    pt_rows, pt_head, summary = eval_report(curve, artifact.read_json("draft.json"))
+    out += (table(pt_rows, pt_head) if pt_rows else "") + table(summary, ["", ""])
     checks = artifact.read_json("checks.json")
     out += table([[c["name"], "pass" if c["passed"] else "FAIL", c["message"]]
                   for c in checks], ["export check", "result", "message"])

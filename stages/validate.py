@@ -370,11 +370,11 @@ def _render(a: dict) -> str:
     for d, v in [*a["domains"].items(), ("overall", a["overall"])]:
         f, b = v["fp8"], v.get("bf16") or {}
         rows.append([d, f["acceptance_length"], b.get("acceptance_length", ""), v.get("retention", ""),
-                     f.get("draft_acceptance_rate"), f.get("accepted"), f.get("drafted")]
+                     f.get("draft_acceptance_rate"), f.get("accepted"), f.get("drafted"), f.get("outside_draft_vocab", "")]
                     + ([(v.get("fp8_other_norm") or {}).get("acceptance_length", "")] if other else [])
                     + ([(v.get("fp8_other_draft_kv") or {}).get("acceptance_length", "")] if kv_arm else []))
     parts.append(table(rows, ["domain", "AL deployed (FP8)", "AL BF16", "retention", "acceptance rate", "accepted",
-                              "drafted"] + ([f"AL FP8, {other} first-layer norm"] if other else [])
+                              "drafted", "outside draft vocab"] + ([f"AL FP8, {other} first-layer norm"] if other else [])
                        + (["AL FP8, draft BF16 KV"] if kv_arm else [])))
     if ng := NG.table_rows(a):
         parts.append("<p>free n-gram (prompt-lookup) drafting on the deployed target, same runtime and prompts:</p>" + table(*ng))

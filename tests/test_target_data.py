@@ -245,6 +245,44 @@ def test_malformed_lines_are_counted_and_limited(tmp_path, target_workdir):
     assert any(f"{src}:42" in x and "'messages' must be" in x for x in stats["malformed_examples"])
 
 
+def test_data_errors_name_the_source_and_what_was_wrong(tmp_path, target_workdir):
+    """An empty file and a file of blank lines are config errors before anything runs (exit 2, the field and the
+    file named); samples all shorter than data.min_length and a split that holds everything out fail the stage,
+    naming each source file and what became of its samples."""
+    ev = _jsonl(tmp_path, CONVS[:3], "ev.jsonl")
+    good = _jsonl(tmp_path, CONVS[3:20], "good.jsonl")
+    empty, blank = tmp_path / "empty.jsonl", tmp_path / "blank.jsonl"
+    empty.write_text("")
+    blank.write_text("\n  \n\t\n")
+
+    def data(*paths, **kw):
+        return {"sources": [{"kind": "jsonl", "path": str(p)} for p in paths], "min_length": 4,
+                "eval_domains": {"c": {"kind": "jsonl", "path": str(ev)}}, **kw}
+
+    r = run_cli("check", str(_config(tmp_path, {"model": str(target_workdir[1])}, data(good, empty, blank))))
+    assert r.returncode == 2, r.stderr
+    assert f"data.sources.1.path: {empty} is empty (0 bytes)" in r.stderr
+    assert f"data.sources.2.path: {blank} has 3 line(s), all blank" in r.stderr
+    short = _jsonl(tmp_path, [{"text": f"x{i}"} for i in range(6)], "short.jsonl")
+    (tmp_path / "a").mkdir()
+    _, r = _data_run(tmp_path / "a", target_workdir, data(short, min_length=40, eval_fraction=0.0))
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert f"{short}: 6 of 6 sample(s) shorter than data.min_length=40 tokens (longest " in r.stderr
+    assert "no training samples left after dedup and split" not in r.stderr
+    from runtime.data.sources import Sample
+    from runtime.data.splits import bucket
+
+    out = next(c for c in CONVS[20:] if bucket("heldout:" + Sample("messages", c["messages"], "d", "o").key, 0) < 0.49)
+    tiny = _jsonl(tmp_path, CONVS[:3] + [out], "tiny.jsonl")   # 3 are the eval prompts, the 4th is held out
+    dup = _jsonl(tmp_path, CONVS[:1], "dup.jsonl")
+    (tmp_path / "c").mkdir()
+    _, r = _data_run(tmp_path / "c", target_workdir, data(tiny, dup, eval_fraction=0.49, seed=0))
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "no training samples left after dedup and split:" in r.stderr
+    assert f"{tiny}: 4 sample(s), 0 duplicate(s), 3 also eval prompts, 1 held out by data.eval_fraction=0.49" in r.stderr
+    assert f"{dup}: 1 sample(s), 1 duplicate(s), 1 also eval prompts" in r.stderr
+
+
 def test_prompt_only_needs_regeneration_and_regeneration_masks_the_prompt(tmp_path, target_workdir):
     prompts = _jsonl(tmp_path, [{"prompt": f"def g{i}(a, b):"} for i in range(12)])
     ev = _jsonl(tmp_path, [{"prompt": "class A:"}, {"prompt": "import sys"}], "ev.jsonl")

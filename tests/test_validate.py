@@ -108,6 +108,7 @@ def test_acceptance_json_per_domain(measured):
             assert al == pytest.approx(s["acceptance_length"], rel=1e-5)
         assert d["retention"] == pytest.approx(d["fp8"]["acceptance_length"] / d["bf16"]["acceptance_length"], rel=1e-3)
         assert 0.8 < d["retention"] < 1.25           # FP8 of this target barely moves acceptance
+        assert d["fp8"]["outside_draft_vocab"] == 0.0   # this draft proposes from the whole vocabulary (no d2t)
         assert d["fp8_other_norm"]["first_layer_norm"] == "serving" and d["fp8_other_norm"]["acceptance_length"] >= 1.0
     ll = a["lossless"]
     assert ll["passed"] is True and ll["checked_prompts"] == 6

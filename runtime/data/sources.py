@@ -62,11 +62,32 @@ def _normalize(rec, fmt: str, where: str, bad: Malformed, columns: dict | None =
     return fmt, val
 
 
+def source_of(origin: str) -> str:
+    """The source (file or dataset) of a sample's origin: `file:line`, `dataset[index]` or `file#chunk`."""
+    return re.sub(r"(:\d+|\[\d+\]|#\d+)$", "", origin)
+
+
+def jsonl_problem(path: str | Path) -> str | None:
+    """What makes an existing JSONL source file unusable before any line is parsed: empty, or blank lines only."""
+    p = Path(path).expanduser()
+    if p.stat().st_size == 0:
+        return f"{path} is empty (0 bytes): no sample in it"
+    n = 0
+    with open(p, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if line.strip():
+                return None
+            n += 1
+    return f"{path} has {n} line(s), all blank: no sample in it"
+
+
 def read_jsonl(src, domain: str, bad: Malformed) -> list[Sample]:
     """The samples of a local JSONL file (`src`: the stage's `jsonl` source: path, format, chat, max_samples); a
-    line that is not a sample is counted in `bad`."""
+    line that is not a sample is counted in `bad`. RuntimeFailure for a file that is empty or blank."""
     out = []
     path = Path(src.path).expanduser()
+    if why := jsonl_problem(path):
+        raise RuntimeFailure(why)
     with open(path, encoding="utf-8", errors="replace") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 
 from runtime.data.render import render_prompt
-from runtime.data.sources import Sample
+from runtime.data.sources import Sample, source_of
 from runtime.errors import RuntimeFailure
 
 
@@ -36,7 +36,7 @@ def eval_prompts(name: str, samples: list[Sample], renderer, tok, *, limit: int,
 
 def dedup_and_split(train: list[Sample], chosen_keys: set[str], *, dedup: bool, seed: int, eval_fraction: float):
     """Dedup, drop what the eval prompts came from, and split into train / held-out by a seeded hash."""
-    n_raw, n_dup = len(train), 0
+    n_raw, n_dup, raw = len(train), 0, list(train)
     if dedup:
         seen, uniq = set(), []
         for s in train:
@@ -51,8 +51,40 @@ def dedup_and_split(train: list[Sample], chosen_keys: set[str], *, dedup: bool, 
     heldout = [s for s in train if bucket("heldout:" + s.key, seed) < eval_fraction]
     train = [s for s in train if bucket("heldout:" + s.key, seed) >= eval_fraction]
     if not train:
-        raise RuntimeFailure("no training samples left after dedup and split; add sources or lower data.eval_fraction")
+        raise RuntimeFailure("no training samples left after dedup and split: "
+                             + split_losses(raw, chosen_keys, heldout, eval_fraction)
+                             + "; add sources or lower data.eval_fraction")
     return train, heldout, {"raw_samples": n_raw, "dedup_removed": n_dup, "eval_overlap_removed": len(overlap)}
+
+
+def split_losses(raw: list[Sample], chosen_keys: set[str], heldout: list[Sample], eval_fraction: float) -> str:
+    """Per source, where its samples went when none was left to train on: duplicates, eval prompts, held out."""
+    held = {id(s) for s in heldout}
+    seen: set[str] = set()
+    dups = set()
+    for s in raw:   # a duplicate of an earlier sample, of any source
+        if s.key in seen:
+            dups.add(id(s))
+        seen.add(s.key)
+    parts = []
+    for src in dict.fromkeys(source_of(s.origin) for s in raw):
+        mine = [s for s in raw if source_of(s.origin) == src]
+        parts.append(f"{src}: {len(mine)} sample(s), {sum(id(s) in dups for s in mine)} duplicate(s), "
+                     f"{sum(s.key in chosen_keys for s in mine)} also eval prompts, "
+                     f"{sum(id(s) in held for s in mine)} held out by data.eval_fraction={eval_fraction}")
+    return "; ".join(parts) or "the sources gave no sample"
+
+
+def rows_problem(samples: list[Sample], enc: list, min_length: int) -> str:
+    """Per source, why none of its samples became a training row (token_rows' rule)."""
+    parts = []
+    for src in dict.fromkeys(source_of(s.origin) for s in samples):
+        mine = [e for s, e in zip(samples, enc) if source_of(s.origin) == src]
+        short = sum(1 for e in mine if not e or len(e[0]) < min_length)
+        longest = max((len(e[0]) for e in mine if e), default=0)
+        parts.append(f"{src}: {short} of {len(mine)} sample(s) shorter than data.min_length={min_length} tokens "
+                     f"(longest {longest}), {len(mine) - short} without a token to train on")
+    return "; ".join(parts)
 
 
 def token_rows(samples: list[Sample], enc: list, min_length: int) -> dict:

@@ -35,6 +35,7 @@ from typing import Callable
 
 from runtime.training.acceptance import modelopt_estimate, runtime_estimate
 from runtime.training.dist import dist_group, start_process
+from runtime.training.evals import conclude, end_only_summary
 from runtime.training.export import export_draft
 from runtime.training.job import JobError
 from runtime.training.loop import setup_training, train_steps
@@ -52,7 +53,7 @@ def train(job: dict, emit: Callable[[dict], None] | None = None, should_stop: Ca
     scratch = Path(job["scratch_dir"])
     scratch.mkdir(parents=True, exist_ok=True)
     data = read_training_data(job, proc.world)
-    calibrate_d2t_once(job, data.samples, proc.rank)
+    calibrate_d2t_once(job, data.samples, proc)
     offline = job["mode"] == "offline"
     if offline:
         dump_offline(job, data, scratch, proc)
@@ -72,9 +73,9 @@ def train(job: dict, emit: Callable[[dict], None] | None = None, should_stop: Ca
     if rank != 0 and not fsdp:
         return {}
     held = [run.model]   # _finish takes the only reference: the runtime estimate frees the training model first
-    curve, step_times, step0 = run.curve, run.step_times, run.step0
+    curve, step_times, step0, evals = run.curve, run.step_times, run.step0, run.evals
     del run   # the DDP wrapper, optimizer, schedule and parameter list with it
-    result = _finish(job, held, offline, proc.device, data.tok, curve, step_times, step0, proc.world, data.dump_info, rank)
+    result = _finish(job, held, offline, proc, data.tok, (curve, step_times, step0, evals), data.dump_info)
     held.clear()   # whatever _finish left of the model goes now, before the last barrier
     if d is not None and fsdp:
         d.barrier()
@@ -82,32 +83,43 @@ def train(job: dict, emit: Callable[[dict], None] | None = None, should_stop: Ca
     return result if rank == 0 else {}
 
 
-def _finish(job, held: list, offline, device, tok, curve, step_times, step0, world, dump_info, rank: int = 0) -> dict:
+def _finish(job, held: list, offline, proc, tok, progress: tuple, dump_info) -> dict:
     """After training: export, the acceptance estimate on held-out prompts, result.json. Rank 0 alone, or under
-    FSDP every rank (ModelOpt's estimate is collective there; only rank 0 exports and writes).
+    FSDP every rank (ModelOpt's estimate is collective there; only rank 0 exports and writes). `progress`: (curve,
+    step times, first step of this run, the eval points' `Evals`).
 
     `eval.estimator: runtime` (default): rank 0 exports, frees the training model, and measures the exported draft
     with the BF16 target through specpipe's runtime (`runtime_acceptance`, the validate stage's definition).
     `modelopt`: ModelOpt's `validate_online` on the in-memory model before the export (offline training first
     rebuilds the online model around the trained draft, since the offline model has no decoder layers).
-    `held` holds the only reference to the model (so that it can be freed here)."""
+    With eval points during training (`runtime.training.evals`), the last step is measured before the export
+    and the best point's weights are exported. `held` holds the only reference to the model (so that it can be
+    freed here)."""
+    curve, step_times, step0, evals = progress
+    device, rank = proc.device, proc.rank
     ev = job["eval"]
     estimator = ev.get("estimator", "runtime")
     prompts = read_prompts(job["eval_files"], ev["prompts_per_domain"])
     acc, eval_s = None, 0.0
-    if prompts and estimator == "modelopt":
+    if prompts and estimator == "modelopt" and not evals.early_stop:
         acc, eval_s = modelopt_estimate(job, held, offline, device, tok, prompts)
     elif prompts and (job.get("_fsdp") or job.get("shard_target")):
         raise JobError("train_draft.eval.estimator: runtime needs the whole target in one process; with launcher.fsdp "
                        "or shard_target use eval.estimator: modelopt")
     if rank != 0:
         return {}
-    export_dir = export_draft(job, held[0])
-    if prompts and estimator == "runtime":
-        held.clear()
-        _free_memory(device)
-        acc, eval_s = runtime_estimate(job, export_dir, prompts, device)
-    result = result_record(job, curve, step_times, step0, world, acc, eval_s, dump_info)
+    if prompts and evals.points:   # eval points during training: the last step measured, the best exported
+        acc, eval_s, summary = conclude(job, held[0], evals, prompts, tok, device, acc, proc.emit0)
+        export_dir = export_draft(job, held[0])
+    else:
+        export_dir = export_draft(job, held[0])
+        if prompts and estimator == "runtime":
+            held.clear()
+            _free_memory(device)
+            acc, eval_s = runtime_estimate(job, export_dir, prompts, device)
+        summary = end_only_summary(job, evals, acc, eval_s)
+    result = result_record(job, curve, step_times, step0, proc.world, acc, eval_s, dump_info)
+    result["evals"] = summary
     (Path(job["scratch_dir"]) / "result.json").write_text(json.dumps(result, indent=2))
     return result
 

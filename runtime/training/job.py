@@ -54,6 +54,7 @@ def make_job(sec, *, algo: dict, summary: dict, model_dir: Path, data_dir: Path,
         "target": {k: summary[k] for k in TARGET_SHAPE},
         "target_dir": str(model_dir),
         "train_parquet": str(data_dir / "train.parquet"),
+        "heldout_parquet": str(data_dir / "heldout.parquet"),
         "eval_files": eval_files,
         "scratch_dir": str(scratch_dir),
         "export_dir": str(out_dir / "draft"),
@@ -143,7 +144,10 @@ def train_options(sec, steps: int) -> dict:
 
 
 def eval_options(sec, algo: dict, summary: dict) -> dict:
+    from runtime.training.evals import job_options
+
     return {
+        **job_options(sec),
         "estimator": sec.eval.estimator,
         "prompts_per_domain": sec.eval.prompts_per_domain,
         "osl": sec.eval.osl,

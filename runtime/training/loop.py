@@ -1,7 +1,8 @@
 """The training loop: the converted model with its optimizer (AdamW/SGD) and warmup + cosine/linear schedule, restored
 from the checkpoint when there is one, DDP over several processes without FSDP; then each step (the batch a function
 of (seed, step, rank) only, forward under autocast when the target runs below the training dtype, gradients
-all-reduced under FSDP, clipping), the curve and the periodic checkpoints."""
+all-reduced under FSDP, clipping), the curve, the held-out eval points (`runtime.training.evals`: a checkpoint at each,
+an early stop when patience runs out) and the periodic checkpoints."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,10 +13,11 @@ from typing import Any, Callable
 
 from runtime.training.checkpoint import load_checkpoint, save_checkpoint
 from runtime.training.dist import Process, barrier, dist_group
+from runtime.training.evals import Evals, eval_point
 from runtime.training.fsdp import allreduce_grads, fsdp_active
 from runtime.training.job import target_dtype, torch_dtype
 from runtime.training.model import build_model
-from runtime.training.samples import Data, batch_indices
+from runtime.training.samples import Data, batch_indices, read_prompts
 
 
 def lr_factor(step: int, job: dict) -> float:
@@ -55,6 +57,7 @@ class Run:
     step0: int
     curve: list
     step_times: list
+    evals: Evals
 
 
 def _optimizer(params: list, t: dict):
@@ -87,29 +90,37 @@ def setup_training(job: dict, offline: bool, scratch: Path, proc: Process) -> Ru
 
         ddp = DistributedDataParallel(model, device_ids=[proc.local_rank] if job["device"] == "cuda" else None,
                                       find_unused_parameters=job["algorithm"]["name"] == "dflash")
-    return Run(model, ddp, params, opt, sched, fsdp, step0, curve, step_times)
+    evals = Evals.from_job(job, state.get("evals") if state else None)
+    return Run(model, ddp, params, opt, sched, fsdp, step0, curve, step_times, evals)
 
 
 def train_steps(job: dict, run: Run, data: Data, scratch: Path, proc: Process,
                  should_stop: Callable[[int], bool] | None) -> int | None:
-    """The steps from `run.step0` on, with the curve, progress and periodic checkpoints. Returns the step after
-    which `should_stop` ended training early, None when every step ran."""
+    """The steps from `run.step0` on, with the curve, progress, eval points and periodic checkpoints (one at each eval
+    point too). Returns the step after which `should_stop` ended training early (an interruption, not an early
+    stop: `run.evals.early_stop` says that), None when training ended."""
     import torch
 
     t = job["train"]
     rank, world = proc.rank, proc.world
     per_rank = t["batch_size"] // world
+    prompts = read_prompts(job["eval_files"], job["eval"]["prompts_per_domain"]) if run.evals.every else {}
     run.model.train()
     proc.emit0({"event": "train_start", "total": t["steps"], "done": run.step0, "world_size": world})
     for step in range(run.step0, t["steps"]):
+        if run.evals.early_stop:   # decided before the checkpoint this run resumed from
+            return None
         t_step = time.monotonic()
         torch.manual_seed(t["seed"] * 7919 + step * world + rank)   # DFlash anchors: a function of (seed, step, rank)
         idx = batch_indices(step, len(data.samples), t["batch_size"], t["seed"])[rank * per_rank:(rank + 1) * per_rank]
         stats = _optimizer_step(job, run, data.batch(idx, t["seq_len"], proc.device), proc)
         _record_step(job, run, step, stats, time.monotonic() - t_step, proc)
-        if step + 1 != t["steps"] and (step + 1) % t["checkpoint_every"] == 0:
+        at_eval = bool(prompts) and run.evals.due(step + 1, t["steps"])
+        new_best = at_eval and eval_point(job, run, data.tok, prompts, step + 1, proc)
+        if step + 1 != t["steps"] and (at_eval or (step + 1) % t["checkpoint_every"] == 0):
             if rank == 0:
-                save_checkpoint(scratch, run.model, run.opt, run.sched, step + 1, run.curve, {"step_times": run.step_times})
+                save_checkpoint(scratch, run.model, run.opt, run.sched, step + 1, run.curve,
+                                {"step_times": run.step_times, "evals": run.evals.state()}, new_best=new_best)
                 proc.emit0({"event": "checkpoint", "step": step + 1})
             barrier()
             if should_stop and should_stop(step + 1):

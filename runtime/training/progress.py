@@ -57,6 +57,18 @@ class Bars:
         elif kind == "step" and self.bar:
             acc = "/".join(f"{a:.2f}" for a in ev.get("accuracy", []))
             self.bar.update(1, loss=f"{ev['loss']:.3f}", acc=acc)
+        elif kind == "eval_point":
+            self.log.info("held-out AL at step %d: mean %.3f (%s; %.1f s), best %.3f at step %d", ev["step"], ev["mean"],
+                          ", ".join(f"{d} {v:.2f}" for d, v in ev["al"].items()), ev["seconds"], ev["best_mean"],
+                          ev["best_step"])
+        elif kind == "early_stop":
+            self.log.info("%s", ev["reason"])
+        elif kind == "export_choice":
+            self.log.info("exporting the draft of step %d: %s", ev["step"], ev["reason"])
+        elif kind == "d2t":
+            self.log.info("draft vocabulary: %d tokens cover %.2f%% of the trained-on tokens; %.2f%% of the held-out "
+                          "split's assistant tokens fall outside it", ev["draft_vocab_size"], 100 * ev["token_coverage"],
+                          100 * (ev.get("heldout_oov_rate") or 0.0))
         elif kind == "checkpoint":
             self.log.debug("checkpoint at step %d", ev["step"])
         elif kind == "error":

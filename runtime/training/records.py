@@ -25,9 +25,11 @@ def result_record(job: dict, curve: list, step_times: list, step0: int, world: i
     return result
 
 
-def draft_record(job: dict, cfg: dict, draft_dir: Path, acc: dict) -> dict:
-    """draft.json: the exported draft (`cfg` its config.json) and the acceptance estimate `acc`."""
+def draft_record(job: dict, cfg: dict, draft_dir: Path, acc: dict, result: dict) -> dict:
+    """draft.json: the exported draft (`cfg` its config.json), the acceptance estimate `acc`, which step was
+    exported and why, and the reduced vocabulary's statistics (`result`: the worker's result.json)."""
     a = job["algorithm"]
+    ev = result.get("evals") or {}
     return {
         "algorithm": a["name"], "num_layers": a["draft_layers"],
         ("aux_layer_ids" if a["name"] == "eagle3" else "target_layer_ids"): capture_layer_ids(job),
@@ -37,6 +39,8 @@ def draft_record(job: dict, cfg: dict, draft_dir: Path, acc: dict) -> dict:
         "rope_scaling": cfg.get("rope_scaling"), "serving_context": job["serving_context"], "mode": job["mode"],
         "acceptance_length": acc.get("acceptance_length"), "eval_draft_len": acc.get("draft_len"),
         "acceptance_estimator": acc.get("estimator"),
+        "exported_step": ev.get("exported_step", job["train"]["steps"]), "export_reason": ev.get("export_reason"),
+        "draft_vocab": result.get("d2t"),
     }
 
 
@@ -47,7 +51,10 @@ def curve_record(job: dict, result: dict, acc: dict) -> dict:
             "accuracy_positions": a["ttt_steps"] if a["name"] == "eagle3" else 1,
             "accuracy_note": "EAGLE-3: one accuracy per training-time-test step (draft position); DFlash: ModelOpt "
                              "reports the mean over the block's drafted positions",
-            "points": result["curve"], "acceptance": acc}
+            "points": result["curve"], "acceptance": acc,
+            "acceptance_points": (result.get("evals") or {}).get("points", []),
+            "exported_step": (result.get("evals") or {}).get("exported_step"),
+            "early_stop": (result.get("evals") or {}).get("early_stop")}
 
 
 def stage_metrics(job: dict, result: dict, acc: dict, n_checks: int) -> dict:
@@ -68,6 +75,10 @@ def stage_metrics(job: dict, result: dict, acc: dict, n_checks: int) -> dict:
         "eval_seconds": result.get("eval_seconds"),
         "acceptance_by_domain": {d: v["acceptance_length"] for d, v in acc.get("domains", {}).items()},
         "export_checks_passed": n_checks,
+        "exported_step": (result.get("evals") or {}).get("exported_step"),
+        "eval_points": len((result.get("evals") or {}).get("points", [])),
+        "early_stop_step": ((result.get("evals") or {}).get("early_stop") or {}).get("step"),
+        **{f"draft_vocab_{k}": v for k, v in (result.get("d2t") or {}).items() if k in ("token_coverage", "heldout_oov_rate")},
         **{k: result[k] for k in ("dump_bytes", "dump_estimate_bytes", "dump_seconds") if k in result},
         **(
             {
@@ -79,3 +90,20 @@ def stage_metrics(job: dict, result: dict, acc: dict, n_checks: int) -> dict:
             else {}
         ),
     }
+
+
+def eval_report(curve: dict, draft: dict) -> tuple[list, list, list]:
+    """The train_draft report's part on the held-out eval points: (their rows, header, summary rows: the exported
+    step and why, the early stop, the reduced draft vocabulary)."""
+    pts = curve.get("acceptance_points") or []
+    doms = sorted(pts[0]["al"]) if pts else []
+    rows = [[p["step"], *[p["al"].get(d) for d in doms], p["mean"],
+             "exported" if p["step"] == curve.get("exported_step") else ""] for p in pts]
+    summary = [["exported step", draft.get("exported_step")], ["why", draft.get("export_reason")],
+               ["early stop", (curve.get("early_stop") or {}).get("reason", "no")]]
+    dv = draft.get("draft_vocab") or {}
+    if dv:
+        summary += [["draft vocabulary", dv.get("draft_vocab_size")],
+                    ["trained-on tokens covered by it", dv.get("token_coverage")],
+                    ["held-out assistant tokens outside it", dv.get("heldout_oov_rate")]]
+    return rows, ["eval point (step)", *[f"AL {d}" for d in doms], "mean AL", ""], summary

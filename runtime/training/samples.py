@@ -130,9 +130,46 @@ def calibrate_d2t(samples, vocab_size: int, draft_vocab_size: int, path: Path) -
     return {"draft_vocab_size": draft_vocab_size, "token_coverage": round(covered, 4)}
 
 
-def calibrate_d2t_once(job: dict, samples, rank: int) -> None:
-    """EAGLE-3 with a reduced vocabulary: rank 0 writes the d2t map unless a previous run did; all wait for it."""
-    if job["algorithm"]["name"] == "eagle3" and job.get("d2t_path") and rank == 0 and not Path(job["d2t_path"]).exists():
-        job["d2t_stats"] = calibrate_d2t(samples, job["target"]["vocab_size"], job["algorithm"]["draft_vocab_size"],
-                                         Path(job["d2t_path"]))
+def calibrate_d2t_once(job: dict, samples, proc) -> None:
+    """EAGLE-3 with a reduced vocabulary: rank 0 writes the d2t map unless a previous run did, and (every run) its
+    statistics into job["d2t_stats"] (`d2t_stats`, a `d2t` event); all wait for it."""
+    if job["algorithm"]["name"] == "eagle3" and job.get("d2t_path") and proc.rank == 0:
+        if not Path(job["d2t_path"]).exists():
+            calibrate_d2t(samples, job["target"]["vocab_size"], job["algorithm"]["draft_vocab_size"], Path(job["d2t_path"]))
+        job["d2t_stats"] = d2t_stats(Path(job["d2t_path"]), samples, job.get("heldout_parquet"))
+        proc.emit0({"event": "d2t", **job["d2t_stats"]})
     barrier()
+
+
+def draft_vocab(d2t_path: Path) -> set[int]:
+    """The target ids of the reduced draft vocabulary (target_id = draft_id + d2t[draft_id])."""
+    import torch
+
+    d2t = torch.load(d2t_path, weights_only=True)
+    return {i + int(o) for i, o in enumerate(d2t.tolist())}
+
+
+def outside_share(vocab: set[int], rows) -> tuple[float | None, int]:
+    """(share of the trained-on tokens of `rows` ((ids, loss mask) pairs) outside `vocab`, their count)."""
+    n = out = 0
+    for ids, mask in rows:
+        for t, m in zip(ids, mask):
+            if m:
+                n += 1
+                out += t not in vocab
+    return (round(out / n, 4) if n else None), n
+
+
+def d2t_stats(d2t_path: Path, samples, heldout_parquet: str | None) -> dict:
+    """The draft vocabulary's size, the share of the training set's trained-on tokens it covers, and
+    `heldout_oov_rate`: the share of the held-out split's assistant (trained-on) tokens outside it."""
+    vocab = draft_vocab(d2t_path)
+    miss, n = outside_share(vocab, samples)
+    out = {"draft_vocab_size": len(vocab), "token_coverage": round(1 - miss, 4) if miss is not None else None,
+           "train_tokens": n, "heldout_oov_rate": None, "heldout_tokens": 0}
+    if heldout_parquet and Path(heldout_parquet).exists():
+        from runtime.data.rows import read_token_rows
+
+        held = read_token_rows(heldout_parquet, skip_untrained=True)
+        out["heldout_oov_rate"], out["heldout_tokens"] = outside_share(vocab, held)
+    return out

@@ -45,7 +45,8 @@ def run_reference(s: MeasureSettings, deployed: dict, bf16: dict | None, prompts
             eng = SpeculativeEngine(model, draft)
             tally = tallies[label]
             if label in measured:
-                res["overall"][label] = acceptance_per_domain(log, eng, s, K, eos, prompts, tally, label, res, bar)
+                res["overall"][label] = acceptance_per_domain(log, eng, s, K, eos, prompts, tally, label, res, bar,
+                                                              vocab=draft_vocab_ids(draft) if label == "fp8" else None)
             if label == "fp8" and s.ngram:
                 measure_ngram(log, model, s, s.ngram, eos, prompts, res, tally, bar)
             if label == "fp8":
@@ -97,14 +98,32 @@ def dflash_draft_len(log, draft, K: int) -> int:
     return K
 
 
+def draft_vocab_ids(draft) -> set[int] | None:
+    """The target ids an EAGLE-3 draft with a reduced vocabulary can propose (target_id = draft_id + d2t[draft_id]);
+    None for a draft that proposes any target token."""
+    d2t = getattr(draft, "d2t", None)
+    if d2t is None:
+        return None
+    return {i + int(o) for i, o in enumerate(d2t.tolist())}
+
+
+def outside_share(vocab: set[int] | None, outs: list[list[int]]) -> float | None:
+    """The share of the generated tokens `outs` outside the draft vocabulary `vocab` (0.0 for a full one)."""
+    toks = [t for o in outs for t in o]
+    if not toks:
+        return None
+    return 0.0 if vocab is None else round(sum(t not in vocab for t in toks) / len(toks), 4)
+
+
 def acceptance_per_domain(log, eng, s: MeasureSettings, K: int, eos, prompts: dict, tally, label: str, res: dict,
-                          bar) -> dict:
+                          bar, vocab: set[int] | None = None) -> dict:
     """Speculative decoding of every domain's prompts with the pair `label`: each domain's statistics into
-    res["domains"][domain][label]; returns the statistics over all domains."""
+    res["domains"][domain][label] with `outside_draft_vocab`, the share of the generated tokens (the target's own,
+    the decoding being lossless) that the draft's vocabulary `vocab` lacks; returns the statistics over all domains."""
     total = None
     for d, ps in prompts.items():
-        st = measure(eng, ps, s, K, eos, speculative=True, tally=tally, run=f"{label}/{d}")[0]
-        res["domains"][d][label] = {**st.as_dict(), "prompts": len(ps)}
+        st, outs = measure(eng, ps, s, K, eos, speculative=True, tally=tally, run=f"{label}/{d}")
+        res["domains"][d][label] = {**st.as_dict(), "prompts": len(ps), "outside_draft_vocab": outside_share(vocab, outs)}
         total = st if total is None else total.merge(st)
         log.info("%s %s: AL %.3f over %d steps, acceptance rate %s, per position %s", label, d,
                  st.acceptance_length, st.steps, res["domains"][d][label]["draft_acceptance_rate"],
