@@ -344,24 +344,24 @@ def test_dflash_two_process_training_exports_a_checked_draft(dflash):
     assert_al_is_the_counts(acc)
 
 
-def test_dflash_export_reloads_with_modelopt_warm_start(dflash):
-    """ModelOpt's own loader (`dflash_init_checkpoint`) accepts the export and raises on any mismatch."""
-    art = _art(dflash)
-    d = json.loads((art / "draft.json").read_text())
-    tj = json.loads((dflash / "artifacts" / "target" / "target.json").read_text())
+def _dflash_warm_started(wd: Path, ckpt: Path):
+    """The fixture's target converted to ModelOpt DFlash with `dflash_init_checkpoint=ckpt` (ModelOpt's own loader,
+    modelopt/torch/speculative/plugins/hf_dflash.py `_load_init_checkpoint`, nvidia-modelopt 0.47.0)."""
     import copy
 
     import modelopt.torch.speculative as mtsp
     import torch
     from transformers import AutoModelForCausalLM
 
-    m = AutoModelForCausalLM.from_pretrained(dflash / "artifacts" / "target" / "model", dtype=torch.float32)
+    d = json.loads((_art(wd) / "draft.json").read_text())
+    tj = json.loads((wd / "artifacts" / "target" / "target.json").read_text())
+    m = AutoModelForCausalLM.from_pretrained(wd / "artifacts" / "target" / "model", dtype=torch.float32)
     cfg = copy.deepcopy(mtsp.DFLASH_DEFAULT_CFG["config"])
     cfg.update(
         dflash_block_size=4,
         dflash_mask_token_id=d["mask_token_id"],
         dflash_use_torch_compile=False,
-        dflash_init_checkpoint=str(art / "draft"),
+        dflash_init_checkpoint=str(ckpt),
         dflash_architecture_config=dict(
             num_hidden_layers=2,
             target_layer_ids=d["target_layer_ids"],
@@ -372,9 +372,37 @@ def test_dflash_export_reloads_with_modelopt_warm_start(dflash):
         ),
     )
     mtsp.convert(m, [("dflash", cfg)])
-    m.eval()
+    return m.eval()
+
+
+def test_dflash_export_reloads_with_modelopt_warm_start(dflash, tmp_path):
+    """ModelOpt's warm start (`dflash_init_checkpoint`) loads every exported tensor as it is: the warm-started draft
+    module holds exactly the exported (trained) weights, and an export missing a tensor or with a wrong-shaped
+    one is refused, naming it."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    art = _art(dflash)
+    sd = load_file(str(art / "draft" / "model.safetensors"))
+    m = _dflash_warm_started(dflash, art / "draft")
+    msd = {k: v for k, v in m.dflash_module.state_dict().items() if "rotary_emb" not in k}
+    assert set(msd) == set(sd)                 # no draft tensor left at its fresh initialization
+    for k, v in sd.items():
+        assert msd[k].dtype == torch.float32 and torch.equal(msd[k], v.float()), k
+    # the export is the trained draft, not a fresh one: every RMSNorm weight moved off its initial ones
+    norms = [k for k in sd if k.endswith("norm.weight")]
+    assert len(norms) == 10 and all(bool((sd[k] != 1).any()) for k in norms), norms
     _, draft = m.pseudo_speculative_generate(torch.tensor([[5, 6, 7, 8]]), steps=3)
     assert draft.shape == (1, 3)
+
+    bad = tmp_path / "bad"
+    shutil.copytree(art / "draft", bad)
+    save_file({k: v for k, v in sd.items() if k != "layers.1.mlp.up_proj.weight"}, str(bad / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"missing from checkpoint: \['layers.1.mlp.up_proj.weight'\]"):
+        _dflash_warm_started(dflash, bad)
+    save_file({**sd, "fc.weight": sd["fc.weight"][:, :64].contiguous()}, str(bad / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"(?s)shape mismatch.*fc.weight: checkpoint \(64, 64\) vs module \(64, 128\)"):
+        _dflash_warm_started(dflash, bad)
 
 
 # ------------------------------------------------------------------------------------------- offline, disk
