@@ -118,8 +118,41 @@ def test_eagle3_exports_a_checked_deployable_draft(eagle):
     assert_al_is_the_counts(acc)
 
 
-def test_eagle3_curve_metrics_and_report(eagle):
-    curve = json.loads((_art(eagle) / "curve.json").read_text())
+def _report_with_figures(wd: Path, monkeypatch) -> tuple[str, dict]:
+    """The report written in this process, and what each embedded PNG drew: {base64 PNG: {axes title: [line xy]}}
+    (matplotlib's own savefig runs; the spy only records the figure it saved)."""
+    import base64
+
+    import matplotlib.figure
+
+    from pipeline.report import write_report
+    from pipeline.store import Store
+
+    drawn, save = {}, matplotlib.figure.Figure.savefig
+
+    def spy(fig, buf, **kw):
+        save(fig, buf, **kw)
+        drawn[base64.b64encode(buf.getvalue()).decode()] = {
+            ax.get_title(): [line.get_xydata().tolist() for line in ax.lines] for ax in fig.axes}
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", spy)
+    return write_report(Store(wd)).read_text(), drawn
+
+
+def _section(html: str, stage: str) -> str:
+    """The report's section of `stage`: from its <h2> to the next stage's."""
+    body = html.split(f"<h2>{stage}</h2>", 1)[1]
+    return body.split("<h2>", 1)[0]
+
+
+def test_eagle3_curve_metrics_and_report(eagle, monkeypatch):
+    import re
+
+    from pipeline.report import esc
+
+    art = _art(eagle)
+    curve = json.loads((art / "curve.json").read_text())
+    draft = json.loads((art / "draft.json").read_text())
     pts = curve["points"]
     assert pts[0]["step"] == 1 and pts[-1]["step"] == 12
     assert all(len(p["accuracy"]) == 3 and p["loss"] > 0 for p in pts)   # one accuracy per TTT position
@@ -127,15 +160,37 @@ def test_eagle3_curve_metrics_and_report(eagle):
     st = {s["name"]: s for s in status_json(eagle)["stages"]}["train_draft"]
     m = st["metrics"]
     assert m["acceptance_draft_len"] == 3 and 1.0 <= m["acceptance_length"] <= 4.0
-    assert m["acceptance_length"] == json.loads((_art(eagle) / "curve.json").read_text())["acceptance"]["acceptance_length"]
+    assert m["acceptance_length"] == curve["acceptance"]["acceptance_length"]
+    assert m["final_loss"] == pts[-1]["loss"] and m["final_accuracy"] == pts[-1]["accuracy"]
     assert set(m["acceptance_by_domain"]) == {"code", "prose"}
     assert m["step_ms_mean"] > 0 and m["world_size"] == 1 and m["resumed_from_step"] == 0
-    r = run_cli("report", "--workdir", str(eagle))
-    assert r.returncode == 0, r.stderr
-    html = (eagle / "report.html").read_text()
-    assert "draft training loss" in html or "data:image/png" in html
-    assert "specpipe runtime, BF16 target + exported draft" in html and m["acceptance_estimator"] == "runtime"
-    assert m["eval_seconds"] > 0
+    assert m["eval_seconds"] > 0 and m["acceptance_estimator"] == "runtime"
+
+    html, drawn = _report_with_figures(eagle, monkeypatch)
+    sec = _section(html, "train_draft")
+    # the section's one figure is this stage's curve: loss and the 3 accuracies at every logged step
+    imgs = re.findall(r'src="data:image/png;base64,([^"]+)"', sec)
+    assert len(imgs) == 1 and html.count(imgs[0]) == 1, len(imgs)
+    axes = drawn[imgs[0]]
+    assert axes["draft training loss"] == [[[p["step"], p["loss"]] for p in pts]]
+    assert axes["draft accuracy"] == [[[p["step"], p["accuracy"][k]] for p in pts] for k in range(3)]
+    # its tables: the stage's metrics, curve.json's estimate and eval points, draft.json's export, checks.json
+    assert f"<td>final loss</td><td>{pts[-1]['loss']:.4g}</td>" in sec and "<td>steps</td><td>12</td>" in sec
+    assert f"<td>{m['acceptance_length']} at 3 draft tokens ({m['eval_seconds']} s)</td>" in sec
+    assert "specpipe runtime, BF16 target + exported draft" in sec
+    acc = curve["acceptance"]
+    assert "<th>acceptance length (k=3)</th>" in sec
+    for d, v in acc["domains"].items():
+        assert f"<tr><td>{d}</td><td>{v['acceptance_length']:.4g}</td><td>{v['prompts']}</td></tr>" in sec, d
+    assert len(curve["acceptance_points"]) == 3
+    for p in curve["acceptance_points"]:
+        mark = "exported" if p["step"] == draft["exported_step"] else ""
+        assert (f"<tr><td>{p['step']}</td><td>{p['al']['code']:.4g}</td><td>{p['al']['prose']:.4g}</td>"
+                f"<td>{p['mean']:.4g}</td><td>{mark}</td></tr>") in sec, p
+    assert f"<td>exported step</td><td>{draft['exported_step']}</td>" in sec
+    assert f"<td>why</td><td>{esc(draft['export_reason'])}</td>" in sec
+    checks = json.loads((art / "checks.json").read_text())
+    assert all(f"<tr><td>{c['name']}</td><td>pass</td>" in sec for c in checks) and len(checks) >= 8
 
 
 def test_runtime_estimate_is_what_validate_measures(eagle, tmp_path):
