@@ -84,16 +84,34 @@ def test_worker_joins_train_draft_with_its_line(tmp_path):
 
 
 def test_worker_leaves_when_node0_is_done(tmp_path):
+    """A worker waits for train_draft's commands while node 0 runs, and leaves as soon as node 0 is done (the
+    draft was already trained): without running anything (not a previous job's commands file) and not before."""
     text, _ = _gen(tmp_path, "--nodes", "2")
     node = _node_script(text)
     wd = tmp_path / "wd"
-    wd.mkdir()
+    ran = tmp_path / "ran.log"
+    stale = wd / "scratch" / "train_draft" / "old"
+    stale.mkdir(parents=True)
+    (stale / "worker_commands.sh").write_text(f"echo stale-1 >> {ran}\necho stale-2 >> {ran}\n")
+    time.sleep(1.1)
     (wd / ".start").touch()
     p = _run_worker(node, wd, 1)
-    time.sleep(0.5)
-    (wd / ".done").touch()
-    p.communicate(timeout=30)
-    assert p.returncode == 0
+    try:
+        time.sleep(1.5)
+        assert p.poll() is None, p.communicate()   # still waiting: nothing but the done marker ends it
+        (wd / ".done").touch()
+        t0 = time.monotonic()
+        try:
+            out, err = p.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the worker kept waiting after node 0's done marker")
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 0 and (out, err) == ("", "")
+    assert time.monotonic() - t0 < 5              # at its next poll (every 0.2 s here), not at some timeout
+    assert not ran.exists()                       # it ran no worker command
 
 
 def test_submit_without_sbatch_says_what_to_do(tmp_path):

@@ -118,8 +118,41 @@ def test_eagle3_exports_a_checked_deployable_draft(eagle):
     assert_al_is_the_counts(acc)
 
 
-def test_eagle3_curve_metrics_and_report(eagle):
-    curve = json.loads((_art(eagle) / "curve.json").read_text())
+def _report_with_figures(wd: Path, monkeypatch) -> tuple[str, dict]:
+    """The report written in this process, and what each embedded PNG drew: {base64 PNG: {axes title: [line xy]}}
+    (matplotlib's own savefig runs; the spy only records the figure it saved)."""
+    import base64
+
+    import matplotlib.figure
+
+    from pipeline.report import write_report
+    from pipeline.store import Store
+
+    drawn, save = {}, matplotlib.figure.Figure.savefig
+
+    def spy(fig, buf, **kw):
+        save(fig, buf, **kw)
+        drawn[base64.b64encode(buf.getvalue()).decode()] = {
+            ax.get_title(): [line.get_xydata().tolist() for line in ax.lines] for ax in fig.axes}
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", spy)
+    return write_report(Store(wd)).read_text(), drawn
+
+
+def _section(html: str, stage: str) -> str:
+    """The report's section of `stage`: from its <h2> to the next stage's."""
+    body = html.split(f"<h2>{stage}</h2>", 1)[1]
+    return body.split("<h2>", 1)[0]
+
+
+def test_eagle3_curve_metrics_and_report(eagle, monkeypatch):
+    import re
+
+    from pipeline.report import esc
+
+    art = _art(eagle)
+    curve = json.loads((art / "curve.json").read_text())
+    draft = json.loads((art / "draft.json").read_text())
     pts = curve["points"]
     assert pts[0]["step"] == 1 and pts[-1]["step"] == 12
     assert all(len(p["accuracy"]) == 3 and p["loss"] > 0 for p in pts)   # one accuracy per TTT position
@@ -127,15 +160,37 @@ def test_eagle3_curve_metrics_and_report(eagle):
     st = {s["name"]: s for s in status_json(eagle)["stages"]}["train_draft"]
     m = st["metrics"]
     assert m["acceptance_draft_len"] == 3 and 1.0 <= m["acceptance_length"] <= 4.0
-    assert m["acceptance_length"] == json.loads((_art(eagle) / "curve.json").read_text())["acceptance"]["acceptance_length"]
+    assert m["acceptance_length"] == curve["acceptance"]["acceptance_length"]
+    assert m["final_loss"] == pts[-1]["loss"] and m["final_accuracy"] == pts[-1]["accuracy"]
     assert set(m["acceptance_by_domain"]) == {"code", "prose"}
     assert m["step_ms_mean"] > 0 and m["world_size"] == 1 and m["resumed_from_step"] == 0
-    r = run_cli("report", "--workdir", str(eagle))
-    assert r.returncode == 0, r.stderr
-    html = (eagle / "report.html").read_text()
-    assert "draft training loss" in html or "data:image/png" in html
-    assert "specpipe runtime, BF16 target + exported draft" in html and m["acceptance_estimator"] == "runtime"
-    assert m["eval_seconds"] > 0
+    assert m["eval_seconds"] > 0 and m["acceptance_estimator"] == "runtime"
+
+    html, drawn = _report_with_figures(eagle, monkeypatch)
+    sec = _section(html, "train_draft")
+    # the section's one figure is this stage's curve: loss and the 3 accuracies at every logged step
+    imgs = re.findall(r'src="data:image/png;base64,([^"]+)"', sec)
+    assert len(imgs) == 1 and html.count(imgs[0]) == 1, len(imgs)
+    axes = drawn[imgs[0]]
+    assert axes["draft training loss"] == [[[p["step"], p["loss"]] for p in pts]]
+    assert axes["draft accuracy"] == [[[p["step"], p["accuracy"][k]] for p in pts] for k in range(3)]
+    # its tables: the stage's metrics, curve.json's estimate and eval points, draft.json's export, checks.json
+    assert f"<td>final loss</td><td>{pts[-1]['loss']:.4g}</td>" in sec and "<td>steps</td><td>12</td>" in sec
+    assert f"<td>{m['acceptance_length']} at 3 draft tokens ({m['eval_seconds']} s)</td>" in sec
+    assert "specpipe runtime, BF16 target + exported draft" in sec
+    acc = curve["acceptance"]
+    assert "<th>acceptance length (k=3)</th>" in sec
+    for d, v in acc["domains"].items():
+        assert f"<tr><td>{d}</td><td>{v['acceptance_length']:.4g}</td><td>{v['prompts']}</td></tr>" in sec, d
+    assert len(curve["acceptance_points"]) == 3
+    for p in curve["acceptance_points"]:
+        mark = "exported" if p["step"] == draft["exported_step"] else ""
+        assert (f"<tr><td>{p['step']}</td><td>{p['al']['code']:.4g}</td><td>{p['al']['prose']:.4g}</td>"
+                f"<td>{p['mean']:.4g}</td><td>{mark}</td></tr>") in sec, p
+    assert f"<td>exported step</td><td>{draft['exported_step']}</td>" in sec
+    assert f"<td>why</td><td>{esc(draft['export_reason'])}</td>" in sec
+    checks = json.loads((art / "checks.json").read_text())
+    assert all(f"<tr><td>{c['name']}</td><td>pass</td>" in sec for c in checks) and len(checks) >= 8
 
 
 def test_runtime_estimate_is_what_validate_measures(eagle, tmp_path):
@@ -344,24 +399,24 @@ def test_dflash_two_process_training_exports_a_checked_draft(dflash):
     assert_al_is_the_counts(acc)
 
 
-def test_dflash_export_reloads_with_modelopt_warm_start(dflash):
-    """ModelOpt's own loader (`dflash_init_checkpoint`) accepts the export and raises on any mismatch."""
-    art = _art(dflash)
-    d = json.loads((art / "draft.json").read_text())
-    tj = json.loads((dflash / "artifacts" / "target" / "target.json").read_text())
+def _dflash_warm_started(wd: Path, ckpt: Path):
+    """The fixture's target converted to ModelOpt DFlash with `dflash_init_checkpoint=ckpt` (ModelOpt's own loader,
+    modelopt/torch/speculative/plugins/hf_dflash.py `_load_init_checkpoint`, nvidia-modelopt 0.47.0)."""
     import copy
 
     import modelopt.torch.speculative as mtsp
     import torch
     from transformers import AutoModelForCausalLM
 
-    m = AutoModelForCausalLM.from_pretrained(dflash / "artifacts" / "target" / "model", dtype=torch.float32)
+    d = json.loads((_art(wd) / "draft.json").read_text())
+    tj = json.loads((wd / "artifacts" / "target" / "target.json").read_text())
+    m = AutoModelForCausalLM.from_pretrained(wd / "artifacts" / "target" / "model", dtype=torch.float32)
     cfg = copy.deepcopy(mtsp.DFLASH_DEFAULT_CFG["config"])
     cfg.update(
         dflash_block_size=4,
         dflash_mask_token_id=d["mask_token_id"],
         dflash_use_torch_compile=False,
-        dflash_init_checkpoint=str(art / "draft"),
+        dflash_init_checkpoint=str(ckpt),
         dflash_architecture_config=dict(
             num_hidden_layers=2,
             target_layer_ids=d["target_layer_ids"],
@@ -372,9 +427,37 @@ def test_dflash_export_reloads_with_modelopt_warm_start(dflash):
         ),
     )
     mtsp.convert(m, [("dflash", cfg)])
-    m.eval()
+    return m.eval()
+
+
+def test_dflash_export_reloads_with_modelopt_warm_start(dflash, tmp_path):
+    """ModelOpt's warm start (`dflash_init_checkpoint`) loads every exported tensor as it is: the warm-started draft
+    module holds exactly the exported (trained) weights, and an export missing a tensor or with a wrong-shaped
+    one is refused, naming it."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    art = _art(dflash)
+    sd = load_file(str(art / "draft" / "model.safetensors"))
+    m = _dflash_warm_started(dflash, art / "draft")
+    msd = {k: v for k, v in m.dflash_module.state_dict().items() if "rotary_emb" not in k}
+    assert set(msd) == set(sd)                 # no draft tensor left at its fresh initialization
+    for k, v in sd.items():
+        assert msd[k].dtype == torch.float32 and torch.equal(msd[k], v.float()), k
+    # the export is the trained draft, not a fresh one: every RMSNorm weight moved off its initial ones
+    norms = [k for k in sd if k.endswith("norm.weight")]
+    assert len(norms) == 10 and all(bool((sd[k] != 1).any()) for k in norms), norms
     _, draft = m.pseudo_speculative_generate(torch.tensor([[5, 6, 7, 8]]), steps=3)
     assert draft.shape == (1, 3)
+
+    bad = tmp_path / "bad"
+    shutil.copytree(art / "draft", bad)
+    save_file({k: v for k, v in sd.items() if k != "layers.1.mlp.up_proj.weight"}, str(bad / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"missing from checkpoint: \['layers.1.mlp.up_proj.weight'\]"):
+        _dflash_warm_started(dflash, bad)
+    save_file({**sd, "fc.weight": sd["fc.weight"][:, :64].contiguous()}, str(bad / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"(?s)shape mismatch.*fc.weight: checkpoint \(64, 64\) vs module \(64, 128\)"):
+        _dflash_warm_started(dflash, bad)
 
 
 # ------------------------------------------------------------------------------------------- offline, disk
