@@ -28,7 +28,7 @@ from pipeline.errors import StageError
 from pipeline.stage import StageContext, StageSection, Strict
 from runtime.training.acceptance import ESTIMATORS
 from runtime.training.algorithm import EAGLE3_CAPTURE_LAYERS, shape_problems
-from runtime.training.evals import every_problems
+from runtime.training.eval_config import every_problems
 
 NAME = "train_draft"
 CONSUMES = ("target", "data")

@@ -108,8 +108,8 @@ def test_batches_of_different_sampling_share_one_engine(engine):
 
 
 def test_scheduler_bounds_cancels_and_stops_by_id(engine):
-    from runtime.serving.adapter import Overloaded
-    from runtime.serving.batching import Job, Scheduler
+    from runtime.serving.batching import Overloaded, Scheduler
+    from runtime.serving.jobs import Job
 
     counts: dict[str, float] = {}
     s = Scheduler(engine, max_batch=2, max_queue=1, cancel_check_s=0.01,
@@ -146,7 +146,8 @@ def test_a_response_is_counted_before_the_client_receives_it(engine):
     """`on_done` is the moment the Triton model sends the final response: the request's outcome must already be in
     the counters then, or a client that scrapes /metrics right after its last response misses it (seen on a loaded
     machine as test_serve's Prometheus test counting 1 completed request of 2)."""
-    from runtime.serving.batching import Job, Scheduler
+    from runtime.serving.batching import Scheduler
+    from runtime.serving.jobs import Job
 
     counts: dict[str, float] = {}
     s = Scheduler(engine, max_batch=2, metrics=lambda n, v: counts.__setitem__(n, counts.get(n, 0) + v))

@@ -1,5 +1,5 @@
-"""The runtime's fast paths compute what they claim (runtime/engine/fused.py `Gemm`, `LogitsHead`, `FusedLayer`,
-`qdq_e4m3_fast`; runtime/engine/target.py `TargetRunner(compute=...)`).
+"""The runtime's fast paths compute what they claim (runtime/engine/fused.py `Gemm`, `LogitsHead`, `FusedLayer`;
+runtime/engine/fp8/linear.py `qdq_e4m3_fast`; runtime/engine/target.py `TargetRunner(compute=...)`).
 
 - `fp32` (the default, the exact mode every stage uses): the fused forward is the Hugging Face forward of the same
   modules, on the tiny target and on SmolLM2 (logits, greedy tokens), with FP8Linear layers of both recipes it is
@@ -16,7 +16,8 @@ import json
 import pytest
 import torch
 
-from runtime.engine.fused import LogitsHead, qdq_e4m3_fast
+from runtime.engine.fp8.linear import qdq_e4m3_fast
+from runtime.engine.fused import LogitsHead
 from runtime.engine.lossless import lossless_diff
 from runtime.engine.speculative import SpeculativeEngine
 from runtime.engine.target import TargetRunner, load_target

@@ -148,7 +148,7 @@ def test_eval_points_where_they_cannot_run_are_config_errors(overrides, path):
 
 
 def test_default_every_is_checkpoint_every_or_the_end_only():
-    from runtime.training.evals import resolve_every
+    from runtime.training.eval_config import resolve_every
     from stages.train_draft import Config
 
     def every(**kw):

@@ -38,14 +38,27 @@ import tarfile
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 
-# The modules runtime/engine/speculative.py was split into (a revision that has them loads them as its own).
-def load_baseline(rev: str):
-    """The speculative runtime of git revision `rev` as a module: that revision's whole runtime/ tree, extracted
+# Where each name this bench uses is defined (the modules runtime/engine/speculative.py was split into); a revision
+# whose speculative module still re-exported them gets them from there.
+PARTS = {"TargetRunner": "engine.target", "target_shape": "engine.target", "make_drafter": "engine.drafters",
+         "load_draft": "engine.drafts"}
+
+
+def runtime_api(package: str, speculative=None) -> SimpleNamespace:
+    """`TargetRunner`, `target_shape`, `make_drafter`, `load_draft` of the runtime package `package` (`runtime`, or
+    `_base_runtime` for a baseline revision), from its speculative module where that has them."""
+    return SimpleNamespace(**{n: getattr(speculative, n, None) or getattr(importlib.import_module(f"{package}.{m}"), n)
+                              for n, m in PARTS.items()})
+
+
+def load_baseline(rev: str) -> SimpleNamespace:
+    """The speculative runtime of git revision `rev` (`runtime_api`): that revision's whole runtime/ tree, extracted
     (`git archive`) and imported as the package `_base_runtime`, so its modules import each other whatever its layout
     was (runtime/speculative.py before the runtime/ subpackages, runtime/engine/speculative.py and its parts after)."""
     d = Path(tempfile.mkdtemp(prefix="specpipe-base-"))
@@ -61,7 +74,7 @@ def load_baseline(rev: str):
     sys.path.insert(0, str(d))
     for name in ("_base_runtime.engine.speculative", "_base_runtime.speculative"):   # after / before the layout
         if (d / (name.replace(".", "/") + ".py")).is_file():
-            return importlib.import_module(name)
+            return runtime_api("_base_runtime", importlib.import_module(name))
     raise SystemExit(f"--baseline-rev {rev}: no runtime/speculative.py nor runtime/engine/speculative.py there")
 
 
@@ -173,14 +186,13 @@ def draft_table(model, draft_dirs: dict, modes: list[str], context: int, k: int,
                 base=None, batch: int = 1) -> list[dict]:
     import torch
 
-    import runtime.engine.speculative as S
-
+    now = runtime_api("runtime")
     rows = []
     for algo, path in draft_dirs.items():
         fns = {}
         for mode in (["base"] if base else []) + modes:
-            rt = base if mode == "base" else S
-            draft = rt.load_draft(path, S.target_shape(model))
+            rt = base if mode == "base" else now
+            draft = rt.load_draft(path, now.target_shape(model))
             caps = draft.aux_layer_ids if draft.algorithm == "eagle3" else draft.target_layer_ids
             r = rt.TargetRunner(model, caps) if mode == "base" else rt.TargetRunner(model, caps, compute=mode)
             dr = rt.make_drafter(draft, r)

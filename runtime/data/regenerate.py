@@ -160,7 +160,8 @@ def _generate_batches(model_dir: Path, prompts: list[list[int]], keys: list[str]
             bar.update(resumed)
         for b, idx in todo:
             if engine is None:
-                from runtime.engine.speculative import SpeculativeEngine, load_target
+                from runtime.engine.speculative import SpeculativeEngine
+                from runtime.engine.target import load_target
 
                 t0 = time.perf_counter()
                 engine = SpeculativeEngine(load_target(model_dir))

@@ -3,24 +3,26 @@ that requests join (`add`: one prefill forward) and leave (eos, token budget, `c
 `step` for every live row (target has processed n tokens; x is the next token, not yet processed):
   1. the drafter proposes k tokens d1..dk (`runtime.engine.drafters`);
   2. the target verifies [x, d1..dk] in ONE forward (positions n..n+k) with its KV cache;
-  3. acceptance (`runtime.engine.sampling.accept`, through `SpeculativeEngine._accept`);
+  3. acceptance (the rule the batch was given, `runtime.engine.sampling.accept` by default);
   4. rollback: the target keeps n + a + 1 cache positions (x and the a accepted tokens), the rest are
      overwritten later; the drafter receives the target hidden states of the kept positions.
-Every deciding target forward is reported as a `VerifyStep` (`on_verify`)."""
+Every deciding target forward is reported as a `VerifyStep` (`on_verify`).
+
+A batch is given what it runs on (the target runner, the drafter, the acceptance rule and the `Seat` its engine's
+batches share); it knows nothing of the engine that made it (`runtime.engine.speculative.SpeculativeEngine.batch`)."""
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable
+from typing import Callable, Iterable
 
 import torch
 
+from runtime.engine.drafters import Drafter
 from runtime.engine.layers import KVCache
-from runtime.engine.sampling import pick
+from runtime.engine.sampling import accept, pick
 from runtime.engine.stats import RequestStats, RunStats
-
-if TYPE_CHECKING:
-    from runtime.engine.speculative import SpeculativeEngine
+from runtime.engine.target import TargetRunner
 
 
 @dataclass
@@ -58,8 +60,17 @@ class BatchRequest:
     finish: str | None = None          # "stop" (an eos id) | "length" | "cancelled" once it left the batch
 
 
+class Seat:
+    """Which batch holds the target's cache and the drafter's per-row state now. Several batches may share one
+    target and drafter (one per sampling rule, `runtime.serving.batching`): they share one seat, and a batch that
+    runs parks the state of the one that held it (`DecodeBatch._enter`)."""
+
+    def __init__(self):
+        self.batch: DecodeBatch | None = None
+
+
 class DecodeBatch:
-    """The step-wise core of `SpeculativeEngine`: a batch of live requests that requests join and leave between
+    """The step-wise core of the speculative engine: a batch of live requests that requests join and leave between
     steps. `add(prompts)` prefills the new prompts (one target forward over them) and appends their rows to
     the running batch, so they take part in the next `step()`; `step()` drafts for every live row and verifies
     all of them in ONE target forward; a row leaves the batch when it reaches an eos id or its token budget,
@@ -69,17 +80,23 @@ class DecodeBatch:
     draws depend on what else is in the batch; greedy rows do not). Statistics accumulate in `stats` as in
     `generate`; finished requests wait in `finished` (key -> BatchRequest) until the caller pops them."""
 
-    def __init__(self, engine: SpeculativeEngine, *, draft_len: int, temperature: float, seed: int, speculative: bool,
-                 top_p: float, on_tokens=None, on_verify=None):
-        self.engine = engine
-        self.drafter = engine.drafter if (speculative and draft_len > 0) else None
+    def __init__(self, target: TargetRunner, drafter: Drafter | None, *, draft_len: int, temperature: float, seed: int,
+                 speculative: bool, top_p: float, on_tokens=None, on_verify=None, accept_rule: Callable = accept,
+                 seat: Seat | None = None):
+        """`accept_rule(logits, d, q, temperature, gen, top_p, lens=...)` -> (accepted [B], next tokens [B]): the
+        acceptance rule (`runtime.engine.sampling.accept`; an engine may pass its own). `seat`: the one every batch
+        on this target and drafter shares (a batch of its own when None)."""
+        self.target = target
+        self.accept_rule = accept_rule
+        self.seat = seat if seat is not None else Seat()
+        self.drafter = drafter if (speculative and draft_len > 0) else None
         self.k = draft_len if self.drafter is not None else 0
         d = self.drafter
         if d is not None and d.max_draft_len is not None and self.k > d.max_draft_len:
             raise ValueError(f"draft_len {self.k} exceeds what the drafter can propose ({d.max_draft_len})")
         self.temperature, self.top_p = temperature, top_p
         self.on_tokens, self.on_verify = on_tokens, on_verify
-        self.device = engine.target.device
+        self.device = target.device
         self.gen = torch.Generator(device=self.device).manual_seed(seed)  # on the device: multinomial needs it there
         self.stats = RunStats(self.k)
         self.rows: list[BatchRequest] = []       # live requests, in batch-row order
@@ -117,7 +134,7 @@ class DecodeBatch:
         self._next_key = max(self._next_key, max(keys) + 1)
         eos = _eos_set(eos_token_id)
         self._enter()
-        tgt, drafter = self.engine.target, self.drafter
+        tgt, drafter = self.target, self.drafter
         joining = bool(self.rows)
         if joining and drafter is not None and drafter.row_state is None:
             raise ValueError(f"{type(drafter).__name__} declares no row_state: it cannot take rows into a running batch")
@@ -157,7 +174,7 @@ class DecodeBatch:
     def _prefill(self, prompts: list[list[int]], cap: int):
         """The target processes every prompt token (fresh caches for these rows); its last logits give the
         first new token, and the drafter observes the prompt."""
-        tgt, drafter, dev = self.engine.target, self.drafter, self.device
+        tgt, drafter, dev = self.target, self.drafter, self.device
         B = len(prompts)
         tgt.reset(B, cap)
         if drafter is not None:
@@ -185,7 +202,7 @@ class DecodeBatch:
         if not self.rows:
             return []
         self._enter()
-        tgt, drafter, dev, k, stats = self.engine.target, self.drafter, self.device, self.k, self.stats
+        tgt, drafter, dev, k, stats = self.target, self.drafter, self.device, self.k, self.stats
         n_live = len(self.rows)
         x = self.x
         t0 = time.perf_counter()
@@ -196,9 +213,7 @@ class DecodeBatch:
         logits, hid = tgt.forward(verify)
         t2 = time.perf_counter()
         ragged = {} if lens is None else {"lens": lens}
-        acc, bonus = self.engine._accept(
-            logits, d, q, self.temperature, self.gen, self.top_p, **ragged
-        )  # the engine's rule (a subclass may replace it)
+        acc, bonus = self.accept_rule(logits, d, q, self.temperature, self.gen, self.top_p, **ragged)
         tgt.commit(acc + 1)
         if self.on_verify is not None:
             self.on_verify(VerifyStep(self.keys(), _mark_padding(verify, lens), logits, before, acc, bonus))
@@ -260,10 +275,9 @@ class DecodeBatch:
         return self._compact(done)
 
     def _enter(self) -> None:
-        """Several batches may share one engine (one per sampling rule): the target's cache and the drafter's
+        """Several batches may share one target and drafter (one `Seat`): the target's cache and the drafter's
         per-row state belong to whichever batch runs; the others' are parked until they run again."""
-        eng = self.engine
-        cur = getattr(eng, "_active_batch", None)
+        cur = self.seat.batch
         if cur is self:
             return
         if cur is not None and cur.rows:
@@ -271,16 +285,16 @@ class DecodeBatch:
         if self.rows:
             self._restore(self._parked)
             self._parked = None
-        eng._active_batch = self
+        self.seat.batch = self
 
     def _state(self):
         d = self.drafter
         if d is not None and d.row_state is None:
-            raise ValueError(f"{type(d).__name__} declares no row_state: two batches cannot share its engine")
-        return self.engine.target.cache, ({a: getattr(d, a) for a in d.row_state} if d is not None else {})
+            raise ValueError(f"{type(d).__name__} declares no row_state: two batches cannot share it")
+        return self.target.cache, ({a: getattr(d, a) for a in d.row_state} if d is not None else {})
 
     def _restore(self, state) -> None:
-        self.engine.target.cache = state[0]
+        self.target.cache = state[0]
         for a, v in state[1].items():
             setattr(self.drafter, a, v)
 
@@ -308,7 +322,7 @@ class DecodeBatch:
         keep = [i for i, dn in enumerate(done) if not dn]
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
         if keep:
-            self.engine.target.select_rows(idx)
+            self.target.select_rows(idx)
             if self.drafter is not None:
                 self.drafter.select_rows(idx)
         self.x = self.x.index_select(0, idx)

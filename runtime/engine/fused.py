@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.engine.fp8.linear import dequantize_weight, qdq_e4m3_fast, qdq_per_token, quantize_per_token
 from runtime.engine.layers import rope_heads
 
 _FP8 = torch.float8_e4m3fn
@@ -17,17 +18,6 @@ _FP8_MAX = 448.0
 # one with anything else (another recipe) runs through its own forward instead of a fused GEMM.
 _FP8_BUFFERS = {"weight", "weight_scale", "input_scale", "bias"}
 _FP8_ATTRS = {"out_features", "in_features", "compute_dtype", "use_scaled_mm", "dynamic_per_token", "_w_cache"}
-
-
-def qdq_e4m3_fast(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """`runtime.engine.fp8.qdq_e4m3` (x * (1 / scale) -> clamp +-448 -> E4M3 -> float32 * scale, TensorRT-LLM's static
-    quantization) in fewer ops, for float32 x and a float32 scale already on x's device; the same arithmetic, bit
-    for bit (tests/test_runtime_speed.py)."""
-    if x.dtype != torch.float32 or scale.dtype != torch.float32 or scale.device != x.device:
-        from runtime.engine.fp8 import qdq_e4m3
-
-        return qdq_e4m3(x, scale)
-    return (x * (1.0 / scale)).clamp_(-_FP8_MAX, _FP8_MAX).to(_FP8).float().mul_(scale)
 
 
 def _e4m3_codes(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -105,8 +95,6 @@ class Gemm:
                 self._w_exact = w            # for `LogitsHead` refinement (no copy: concatenation of one is a view)
                 w = w.to(torch.bfloat16)
         else:
-            from runtime.engine.fp8 import dequantize_weight
-
             self.act_dtype = mods[0].compute_dtype
             s_in = mods[0].input_scale if kind == "fp8" else None
             self.in_scale = None if s_in is None else s_in.detach().float().reshape(()).to(self.device)
@@ -141,8 +129,6 @@ class Gemm:
         quantize-dequantize)."""
         if self.compute == "bf16":
             if self.kind == "fp8_tok":
-                from runtime.engine.fp8 import quantize_per_token
-
                 q, s = quantize_per_token(x)
                 return q.to(torch.bfloat16), s
             if self.kind == "fp8" and self.in_scale is not None:
@@ -151,8 +137,6 @@ class Gemm:
         if x.dtype != self.act_dtype:
             x = x.to(self.act_dtype)
         if self.kind == "fp8_tok":
-            from runtime.engine.fp8 import qdq_per_token
-
             return qdq_per_token(x), None
         if self.kind == "fp8" and self.in_scale is not None:
             x = qdq_e4m3_fast(x, self.in_scale)

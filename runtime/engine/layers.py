@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.engine.fp8.linear import qdq_e4m3_fast
+
 
 class KVCache:
     """Preallocated K/V per layer for a batch of rows of different lengths.
@@ -34,8 +36,6 @@ class KVCache:
         """k, v as the FP8 cache holds them (E4M3 at `fp8_scale`, dequantized); unchanged without FP8."""
         if self.fp8_scale is None:
             return k, v
-        from runtime.engine.fused import qdq_e4m3_fast
-
         s = self.fp8_scale
         return qdq_e4m3_fast(k.float(), s).to(k.dtype), qdq_e4m3_fast(v.float(), s).to(v.dtype)
 

@@ -6,11 +6,12 @@ drafting and DFlash block drafting, for a batch of B requests of different lengt
   target.py        loading the target and running it with a per-row KV cache (`TargetRunner`, `load_target`);
   drafters.py      what a drafter does (`Drafter`) and the EAGLE-3 / DFlash drafters (`make_drafter`);
   sampling.py      sampling distributions (temperature, top_p) and the acceptance rule (`accept`);
-  decode_batch.py  the step-wise core: draft, verify in one target forward, accept, roll back (`DecodeBatch`);
+  decode_batch.py  the step-wise core: draft, verify in one target forward, accept, roll back (`DecodeBatch`),
+                   given the target runner, the drafter and the acceptance rule (it does not import this module);
   stats.py         acceptance statistics with TensorRT-LLM's definitions (`RunStats`, `RequestStats`);
   lossless.py      the lossless checks (`lossless_diff`, `tie_margins`, the acceptance-rule invariant);
-  drafts.py        the exported draft models and the fused layers both sides run.
-Every name that was public here before that split stays importable from here (`__all__`).
+  drafts/          the exported draft models (`load_draft`); fused.py the fused layers both sides run.
+Callers import each part from the module that defines it.
 """
 from __future__ import annotations
 
@@ -20,19 +21,12 @@ from typing import Callable, Iterable
 
 import torch
 
-from runtime.engine.decode_batch import BatchRequest, DecodeBatch, VerifyStep
-from runtime.engine.drafters import DFlashDrafter, Drafter, Eagle3Drafter, make_drafter
+from runtime.engine.decode_batch import DecodeBatch, Seat, VerifyStep
+from runtime.engine.drafters import Drafter, make_drafter
 from runtime.engine.drafts import load_draft
-from runtime.engine.lossless import lossless_diff, tie_margins
 from runtime.engine.sampling import accept
-from runtime.engine.stats import RequestStats, RunStats, predicted_speedup
-from runtime.engine.target import TargetPlan, TargetRunner, load_target, target_plan, target_shape
-
-__all__ = [
-    "BatchRequest", "DFlashDrafter", "DecodeBatch", "Drafter", "Eagle3Drafter", "Generation", "RequestStats", "RunStats",
-    "SpeculativeEngine", "TargetPlan", "TargetRunner", "VerifyStep", "load_draft", "load_pair", "load_target",
-    "lossless_diff", "make_drafter", "predicted_speedup", "target_plan", "target_shape", "tie_margins",
-]
+from runtime.engine.stats import RequestStats, RunStats
+from runtime.engine.target import TargetRunner, load_target, target_shape
 
 
 @dataclass
@@ -59,13 +53,16 @@ class SpeculativeEngine:
             self.drafter = drafter
             self.target = TargetRunner(target_model, drafter.capture_layers if drafter else (), compute=compute)
         self.compute = self.target.compute
+        self._seat = Seat()           # the batches on this engine share its target's cache and its drafter's rows
 
     def batch(self, *, draft_len: int = 0, temperature: float = 0.0, seed: int = 0, speculative: bool = True,
               top_p: float = 1.0, on_tokens: Callable[[int, list[int]], None] | None = None,
               on_verify: Callable[["VerifyStep"], None] | None = None) -> "DecodeBatch":
-        """A running batch on this engine's target and drafter (one at a time: it owns their caches)."""
-        return DecodeBatch(self, draft_len=draft_len, temperature=temperature, seed=seed, speculative=speculative,
-                           top_p=top_p, on_tokens=on_tokens, on_verify=on_verify)
+        """A running batch on this engine's target and drafter, with this engine's acceptance rule (`_accept`).
+        Batches on one engine take turns: the one that runs holds the target's cache and the drafter's rows."""
+        return DecodeBatch(self.target, self.drafter, draft_len=draft_len, temperature=temperature, seed=seed,
+                           speculative=speculative, top_p=top_p, on_tokens=on_tokens, on_verify=on_verify,
+                           accept_rule=self._accept, seat=self._seat)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, draft_len: int = 0, temperature: float = 0.0,
@@ -89,7 +86,7 @@ class SpeculativeEngine:
         b.stats.wall_s = time.perf_counter() - t_start
         return Generation([r.tokens for r in reqs], [r.stats for r in reqs], b.stats)
 
-    # The acceptance rule `DecodeBatch.step` applies (`runtime.engine.sampling.accept`: greedy or rejection sampling);
+    # The acceptance rule this engine's batches apply (`runtime.engine.sampling.accept`: greedy or rejection sampling);
     # a subclass may replace it.
     _accept = staticmethod(accept)
 

@@ -4,10 +4,10 @@
 validation with messages a client can act on, per-step streaming and the per-request statistics TensorRT-LLM
 reports (`acceptance_rate`, `total_accepted_draft_tokens`, `total_draft_tokens`: what the LLM-API Triton model
 returns with `sampling_param_return_perf_metrics`). This module
-and `runtime.serving.batching` are the only places that know the runtime's API, so the Triton model
+and `runtime.serving.jobs` are the only places that know the runtime's API, so the Triton model
 (runtime/serving/triton_model/model.py) and the tests that compare the server with the in-process runtime go through
-the same code: `ServingEngine.complete` runs one request through the same `batching` job logic the server's
-continuous-batching scheduler runs many requests through.
+the same code: `ServingEngine.complete` runs one request through the same job logic (`runtime.serving.jobs`) the
+server's continuous-batching scheduler (`runtime.serving.batching`) runs many requests through.
 
 Semantics follow TensorRT-LLM's LLM API where they are defined: the prompt is tokenized without special
 tokens; `text` is the generated text only (the LLM API's `CompletionOutput.text`, cumulative when
@@ -19,61 +19,14 @@ there too). A prompt plus `max_tokens` must fit the target's context (`max_posit
 from __future__ import annotations
 
 import json
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
+
+from runtime.serving.jobs import Completion, GenerationRequest, Job, run_alone
 
 
 class RequestError(ValueError):
     """A request the server refuses (the client can fix it); the message names the input and the limit."""
-
-
-class Overloaded(RuntimeError):
-    """Every batch slot is taken and the waiting queue is at its bound; the client should retry later."""
-
-
-@dataclass
-class Completion:
-    text: str
-    token_ids: list[int]
-    finish_reason: str                 # "stop" | "length"
-    stop_reason: str | None
-    total_draft_tokens: int
-    total_accepted_draft_tokens: int
-    steps: int
-    arrival_time_ns: int
-    first_token_time_ns: int
-    last_token_time_ns: int
-    draft_len: int
-    chunks: list[str] = field(default_factory=list)   # cumulative text after each decoding step
-    first_scheduled_time_ns: int = 0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.total_accepted_draft_tokens / self.total_draft_tokens if self.total_draft_tokens else 0.0
-
-    @property
-    def acceptance_length(self) -> float:
-        return (self.steps + self.total_accepted_draft_tokens) / self.steps if self.steps else 1.0
-
-
-@dataclass
-class GenerationRequest:
-    """A validated request: what `ServingEngine.request` returns and the scheduler runs."""
-
-    prompt: str
-    prompt_ids: list[int]
-    max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
-    stop: list[str] = field(default_factory=list)
-
-    @property
-    def sampling_key(self) -> tuple[float, float]:
-        """Requests with the same key share one running batch (one acceptance rule per batch)."""
-        return (0.0, 1.0) if self.temperature <= 0 else (float(self.temperature), float(self.top_p))
 
 
 class ServingEngine:
@@ -157,8 +110,6 @@ class ServingEngine:
                  on_text: Callable[[str], None] | None = None) -> Completion:
         """Generate for one prompt in-process (the same job logic as the server). `on_text(cumulative text)` is
         called after every decoding step whose text changed, until a stop string is reached."""
-        from runtime.serving.batching import Job, run_alone
-
         req = prompt if isinstance(prompt, GenerationRequest) else self.request(
             prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop)
         job = Job(self, req, on_text=on_text)
@@ -181,12 +132,3 @@ def eos_ids(model_dir: str | Path, tokenizer=None) -> list[int]:
             if int(e) not in ids:
                 ids.append(int(e))
     return ids
-
-
-def first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
-    hits = [(text.find(s), s) for s in stops if s in text]
-    return min(hits) if hits else None
-
-
-def now_ns() -> int:
-    return time.time_ns()

@@ -28,166 +28,17 @@ import time
 import traceback
 from typing import Callable
 
-from runtime.serving.adapter import Completion, GenerationRequest, Overloaded, ServingEngine, first_stop, now_ns
+from runtime.serving.jobs import Group, Job, TextEngine
 
 
-class Job:
-    """One request's life: decoding its tokens into text, stop strings, streaming callbacks, its result."""
-
-    def __init__(self, engine: ServingEngine, req: GenerationRequest, *, on_text: Callable[[str], None] | None = None,
-                 on_done: Callable[["Job"], None] | None = None, is_cancelled: Callable[[], bool] | None = None,
-                 request_id: str = ""):
-        self.engine, self.req = engine, req
-        self.on_text, self.on_done, self.is_cancelled = on_text, on_done, is_cancelled
-        self.request_id = request_id
-        self.arrival_ns = now_ns()
-        self.scheduled_ns = 0
-        self.tokens: list[int] = []
-        self.chunks: list[str] = []
-        self.times: list[int] = []
-        self.stop_hit: str | None = None
-        self.result: Completion | None = None
-        self.error: BaseException | None = None
-        self.cancelled = False
-        self.done = threading.Event()
-
-    def push(self, new: list[int]) -> bool:
-        """Tokens appended by one decoding step; returns True when a stop string ended the request."""
-        self.times.append(now_ns())
-        if self.stop_hit is not None:
-            return True
-        self.tokens.extend(new)
-        text = self.engine.decode(self.tokens)
-        hit = first_stop(text, self.req.stop)
-        if hit is not None:
-            self.stop_hit = hit[1]
-            text = text[:hit[0]]
-        if not self.chunks or text != self.chunks[-1]:
-            self.chunks.append(text)
-            if self.on_text is not None:
-                self.on_text(text)
-        return self.stop_hit is not None
-
-    def finish(self, finish: str, stats, draft_len: int) -> None:
-        """The request left the batch (`finish` from the batch: stop / length / cancelled)."""
-        text = self.engine.decode(self.tokens)
-        if self.stop_hit is not None:
-            text = text[:first_stop(text, self.req.stop)[0]]
-            finish = "stop"
-        if finish == "cancelled":
-            self.cancelled = True
-        self.result = Completion(
-            text=text, token_ids=list(self.tokens), finish_reason=finish, stop_reason=self.stop_hit,
-            total_draft_tokens=stats.drafted, total_accepted_draft_tokens=stats.accepted, steps=stats.steps,
-            arrival_time_ns=self.arrival_ns, first_token_time_ns=self.times[0] if self.times else self.arrival_ns,
-            last_token_time_ns=self.times[-1] if self.times else self.arrival_ns, draft_len=draft_len,
-            chunks=list(self.chunks), first_scheduled_time_ns=self.scheduled_ns or self.arrival_ns)
-        self._done()
-
-    def fail(self, error: BaseException) -> None:
-        self.error = error
-        self._done()
-
-    def _done(self) -> None:
-        self.done.set()
-        if self.on_done is not None:
-            self.on_done(self)
-
-
-class _Group:
-    """One running batch (one sampling key) and the jobs of its rows."""
-
-    def __init__(self, engine: ServingEngine, key: tuple[float, float], seed: int, metrics):
-        self.engine, self.key, self.metrics = engine, key, metrics
-        self.batch = engine.engine.batch(draft_len=engine.draft_len, temperature=key[0], top_p=key[1], seed=seed,
-                                         on_tokens=self._on_tokens)
-        self.jobs: dict[int, Job] = {}
-        self._next = 0
-        self.stopped: set[int] = set()          # keys whose stop string was reached in the last callback round
-
-    def _on_tokens(self, key: int, toks: list[int]) -> None:
-        self.metrics("output_tokens", len(toks))
-        if self.jobs[key].push(toks):
-            self.stopped.add(key)
-
-    @property
-    def live(self) -> int:
-        return self.batch.live
-
-    def add(self, jobs: list[Job]) -> None:
-        t = now_ns()
-        for j in jobs:
-            j.scheduled_ns = t
-        if self.batch.live:
-            self.metrics("requests_joined_running_batch", len(jobs))
-        keys = [self._next + i for i in range(len(jobs))]
-        self._next += len(jobs)
-        for k, j in zip(keys, jobs):        # registered first: the prefill emits their first tokens
-            self.jobs[k] = j
-        try:
-            self.batch.add([j.req.prompt_ids for j in jobs], max_new_tokens=[j.req.max_tokens for j in jobs],
-                           eos_token_id=self.engine.eos_token_ids, keys=keys)
-        except Exception:
-            for k in keys:                  # the running rows are untouched; these jobs get the error
-                self.jobs.pop(k, None)
-            raise
-        self._settle()
-
-    def step(self) -> None:
-        b = self.batch
-        before = (b.stats.drafted, b.stats.accepted, b.stats.steps)
-        rows = b.live
-        b.step()
-        self.metrics("target_forwards", 1)
-        self.metrics("decode_rows", rows)
-        if self.engine.draft_len:
-            self.metrics("draft_tokens", b.stats.drafted - before[0])
-            self.metrics("accepted_draft_tokens", b.stats.accepted - before[1])
-            self.metrics("verification_steps", b.stats.steps - before[2])
-        self._settle()
-
-    def cancel(self, keys: list[int]) -> None:
-        self.batch.cancel(keys)
-        self._settle()
-
-    def _settle(self) -> None:
-        """Stop-string rows leave the batch; every finished row's job gets its result."""
-        if self.stopped:
-            self.batch.cancel([k for k in self.stopped if k in self.batch.keys()])
-            self.stopped.clear()
-        for key in list(self.batch.finished):
-            req = self.batch.finished.pop(key)
-            job = self.jobs.pop(key)
-            finish = req.finish
-            if job.stop_hit is not None:
-                finish = "stop"
-            # counted first: finish() hands the response to the client, who may read /metrics at once
-            self.metrics("requests_cancelled" if finish == "cancelled" else "requests_completed", 1)
-            job.finish(finish, req.stats, self.batch.k)
-
-    def fail_all(self, error: BaseException) -> None:
-        for job in self.jobs.values():
-            self.metrics("requests_failed", 1)
-            job.fail(error)
-        self.jobs.clear()
-
-
-def run_alone(engine: ServingEngine, job: Job) -> None:
-    """One job on a batch of its own, in this thread: `ServingEngine.complete`."""
-    g = _Group(engine, job.req.sampling_key, job.req.seed, lambda *_: None)
-    try:
-        g.add([job])
-        while g.live:
-            g.step()
-    except Exception as e:  # noqa: BLE001 - reported through the job
-        if not job.done.is_set():
-            job.fail(e)
+class Overloaded(RuntimeError):
+    """Every batch slot is taken and the waiting queue is at its bound; the client should retry later."""
 
 
 class Scheduler:
     """The continuous-batching loop on one thread (see the module docstring)."""
 
-    def __init__(self, engine: ServingEngine, *, max_batch: int = 8, max_queue: int = 32, cancel_check_s: float = 0.05,
+    def __init__(self, engine: TextEngine, *, max_batch: int = 8, max_queue: int = 32, cancel_check_s: float = 0.05,
                  metrics: Callable[[str, float], None] | None = None, log: Callable[[str], None] | None = None):
         if max_batch < 1 or max_queue < 0:
             raise ValueError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch}, {max_queue}")
@@ -196,7 +47,7 @@ class Scheduler:
         self.metrics = metrics or (lambda *_: None)
         self.log = log or (lambda _m: None)
         self.queue: collections.deque[Job] = collections.deque()
-        self.groups: dict[tuple[float, float], _Group] = {}
+        self.groups: dict[tuple[float, float], Group] = {}
         self.cv = threading.Condition()
         self.running = True
         self._stop_ids: list[str] = []
@@ -292,7 +143,7 @@ class Scheduler:
             self.metrics("set:batch_rows", now[0])
             self.metrics("set:queue_depth", now[1])
 
-    def _guarded(self, fn, group: "_Group | None" = None) -> None:
+    def _guarded(self, fn, group: "Group | None" = None) -> None:
         """Run one batch operation; if it fails, that batch's requests get the error and the model keeps serving."""
         try:
             fn()
@@ -335,9 +186,9 @@ class Scheduler:
             if keys:
                 g.cancel(keys)
 
-    def _group(self, key, seed) -> _Group:
+    def _group(self, key, seed) -> Group:
         if key not in self.groups:
-            self.groups[key] = _Group(self.engine, key, seed, self.metrics)
+            self.groups[key] = Group(self.engine, key, seed, self.metrics)
         return self.groups[key]
 
     def _drop_empty(self) -> None:

@@ -25,7 +25,9 @@ def runtime_acceptance(target_dir: str | Path, draft_dir: str | Path, prompts: d
     import torch
 
     from runtime.engine.drafts import load_draft
-    from runtime.engine.speculative import RunStats, SpeculativeEngine, load_target, target_shape
+    from runtime.engine.speculative import SpeculativeEngine
+    from runtime.engine.stats import RunStats
+    from runtime.engine.target import load_target, target_shape
     from runtime.trtllm.draft_schedule import dflash_max_draft_len
 
     t0 = time.monotonic()

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from runtime.training.eval_config import job_options
+
 
 class JobError(Exception):
     """An expected failure with a message for the user (the stage turns it into a StageError)."""
@@ -144,8 +146,6 @@ def train_options(sec, steps: int) -> dict:
 
 
 def eval_options(sec, algo: dict, summary: dict) -> dict:
-    from runtime.training.evals import job_options
-
     return {
         **job_options(sec),
         "estimator": sec.eval.estimator,

@@ -32,7 +32,7 @@ def measure(eng, prompts, s: MeasureSettings, K: int, eos, *, speculative: bool,
     Returns (the merged RunStats, the output tokens per prompt); `per_prompt` (a list) gets one
     [verification steps, accepted draft tokens] row per prompt, in order."""
     from runtime.engine.lossless import checked_generate
-    from runtime.engine.speculative import RunStats
+    from runtime.engine.stats import RunStats
 
     bs = batch_size or s.batch_size
     total, outs = RunStats(K if speculative else 0), []

@@ -15,7 +15,7 @@ def exact_check(log, eng, s: MeasureSettings, K: int, eos, sub, tally, label: st
     """Unquantized pair: greedy speculative (batch `batch_size`) == autoregressive (batch 1), token for token.
     The one tolerance: at a divergence, the two tokens' logits from one fresh forward over the reference prefix
     differ by less than `gates.tie_margin` (an fp32 accumulation-order tie; see docs/stages/validate.md)."""
-    from runtime.engine.speculative import lossless_diff, tie_margins
+    from runtime.engine.lossless import lossless_diff, tie_margins
 
     if spec_out is None:
         spec_out = measure(eng, sub, s, K, eos, speculative=True, temperature=0.0, tally=tally, run=f"{label}/exact")[1]
@@ -43,7 +43,7 @@ def lossless_and_speed(log, eng, s: MeasureSettings, K: int, eos, prompts: dict,
     autoregressive reference and the noise-floor arms, the statistical check; `exact` (the deployed pair is
     the unquantized one): the exact check too."""
     from runtime.engine.lossless import decode_chunked_prefill
-    from runtime.engine.speculative import predicted_speedup
+    from runtime.engine.stats import predicted_speedup
 
     n = s.lossless_prompts
     if n == 0:
@@ -97,8 +97,7 @@ def statistical_check(log, model, s: MeasureSettings, K: int, sub, spec_out, ref
     """Deployed pair: the speculative arm's first-divergence rate against batch-1 autoregressive decoding,
     tested against the pooled rate of the noise arms (the same target and prompts, autoregressive, other
     forward shapes)."""
-    from runtime.engine.lossless import divergence, rate_test
-    from runtime.engine.speculative import lossless_diff, tie_margins
+    from runtime.engine.lossless import divergence, lossless_diff, rate_test, tie_margins
 
     spec = divergence(spec_out, ref)
     noise = {name: divergence(outs, ref) for name, outs in noise_arms.items()}

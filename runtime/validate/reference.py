@@ -139,7 +139,8 @@ def other_norm(log, s: MeasureSettings, model, pair, expected, K, eos, prompts, 
     """The deployed pair once more with the other EAGLE-3 first-layer norm: ModelOpt trains with
     hidden_norm(input_layernorm(h)), TensorRT-LLM/vLLM/SGLang serve hidden_norm(h) (docs/stages/validate.md)."""
     from runtime.engine.drafts import load_draft
-    from runtime.engine.speculative import SpeculativeEngine, target_shape
+    from runtime.engine.speculative import SpeculativeEngine
+    from runtime.engine.target import target_shape
 
     other = "serving" if s.first_layer_norm == "modelopt" else "modelopt"
     draft = load_draft(pair["draft_dir"], target_shape(model), device=dev, first_layer_norm=other,
@@ -158,7 +159,8 @@ def other_draft_kv(log, s: MeasureSettings, model, pair, expected, K, eos, promp
     TensorRT-LLM next to an FP8-KV target, runtime.engine.drafts.loading.DRAFT_KV_FP8_SCALE): both figures are
     reported, the FP8 one is gated. res["domains"][d] / res["overall"] get "fp8_other_draft_kv"."""
     from runtime.engine.drafts import load_draft
-    from runtime.engine.speculative import SpeculativeEngine, target_shape
+    from runtime.engine.speculative import SpeculativeEngine
+    from runtime.engine.target import target_shape
 
     draft = load_draft(pair["draft_dir"], target_shape(model), device=dev, first_layer_norm=s.first_layer_norm,
                        expected_capture_layers=expected, kv_cache="bf16")

@@ -212,14 +212,14 @@ class TritonPythonModel:
 
     @property
     def _overloaded(self):
-        from runtime.serving.adapter import Overloaded
+        from runtime.serving.batching import Overloaded
 
         return Overloaded
 
     def _job(self, request, sender):
         """The scheduler's Job for a valid generation request; a bad one raises _BadRequest (checked in this order:
         parameters, stop, text_input, unsupported inputs, streaming, stop strings, sampling values)."""
-        from runtime.serving.batching import Job
+        from runtime.serving.jobs import Job
 
         self._check_parameters(request)
         if bool(_scalar(request, "stop", False)):
@@ -288,8 +288,7 @@ class TritonPythonModel:
         return self._response(job.result.text, job.result, want)
 
     def _error(self, job):
-        from runtime.serving.adapter import Overloaded
-        from runtime.serving.batching import Cancelled
+        from runtime.serving.batching import Cancelled, Overloaded
 
         if job.cancelled or isinstance(job.error, Cancelled):
             return pb_utils.InferenceResponse(error=pb_utils.TritonError("Request cancelled by client",
