@@ -212,10 +212,7 @@ def _user_path(loc: tuple, raw: Any) -> list[str]:
     out: list[str] = []
     node = raw
     for el in loc:
-        if isinstance(node, dict) and el in node:
-            out.append(str(el))
-            node = node[el]
-        elif isinstance(node, list) and isinstance(el, int) and 0 <= el < len(node):
+        if (isinstance(node, dict) and el in node) or (isinstance(node, list) and isinstance(el, int) and 0 <= el < len(node)):
             out.append(str(el))
             node = node[el]
         elif isinstance(node, dict) and isinstance(el, str) and not any(c in el for c in "[]()") and el not in _tag_values(node):

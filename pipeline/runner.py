@@ -15,7 +15,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from functools import lru_cache
+from functools import cache, lru_cache
 from importlib import metadata
 from pathlib import Path
 
@@ -32,7 +32,7 @@ log = logging.getLogger("specpipe")
 # ------------------------------------------------------------------ fingerprints
 
 
-@lru_cache(maxsize=None)
+@cache
 def package_version(name: str) -> str | None:
     try:
         return metadata.version(name)

@@ -10,8 +10,9 @@ Every deciding target forward is reported as a `VerifyStep` (`on_verify`)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 

@@ -21,8 +21,8 @@ speculative decoding. (Measured on SmolLM2-135M: docs/stages/validate.md.)
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 import torch
 
@@ -202,7 +202,7 @@ class AcceptanceChecker:
                 self._bad("rejected", b, step, position=a + 1, token=nxt_l[r])
             q.emitted += drafts[:a] + [nxt_l[r]]
 
-    def finish(self, outputs: list[list[int]]) -> "AcceptanceChecker":
+    def finish(self, outputs: list[list[int]]) -> AcceptanceChecker:
         for b, q in enumerate(self.reqs):
             if q.steps == 0:
                 self._bad("missing", b, 0)

@@ -15,8 +15,8 @@ Every name that was public here before that split stays importable from here (`_
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 import torch
 
@@ -62,7 +62,7 @@ class SpeculativeEngine:
 
     def batch(self, *, draft_len: int = 0, temperature: float = 0.0, seed: int = 0, speculative: bool = True,
               top_p: float = 1.0, on_tokens: Callable[[int, list[int]], None] | None = None,
-              on_verify: Callable[["VerifyStep"], None] | None = None) -> "DecodeBatch":
+              on_verify: Callable[[VerifyStep], None] | None = None) -> DecodeBatch:
         """A running batch on this engine's target and drafter (one at a time: it owns their caches)."""
         return DecodeBatch(self, draft_len=draft_len, temperature=temperature, seed=seed, speculative=speculative,
                            top_p=top_p, on_tokens=on_tokens, on_verify=on_verify)
@@ -71,7 +71,7 @@ class SpeculativeEngine:
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, draft_len: int = 0, temperature: float = 0.0,
                  eos_token_id: int | Iterable[int] | None = None, seed: int = 0, speculative: bool = True,
                  top_p: float = 1.0, on_tokens: Callable[[int, list[int]], None] | None = None,
-                 on_verify: Callable[["VerifyStep"], None] | None = None) -> Generation:
+                 on_verify: Callable[[VerifyStep], None] | None = None) -> Generation:
         """`eos_token_id`: one id or several (an instruct model's end-of-turn and its eos); a request stops after
         the first of them. `top_p` < 1 restricts sampling (temperature > 0) to the nucleus; the acceptance rule
         then targets that distribution. `on_tokens(request index, tokens)` is called each time tokens are

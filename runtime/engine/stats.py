@@ -68,7 +68,7 @@ class RunStats:
             self.hits[j] += 1
         self.accepted_per_step[accepted] += 1
 
-    def merge(self, o: "RunStats") -> "RunStats":
+    def merge(self, o: RunStats) -> RunStats:
         out = RunStats(max(self.draft_len, o.draft_len))
         pad = lambda xs: xs + [0] * (out.draft_len - len(xs))  # noqa: E731
         for f in ("steps", "drafted", "accepted", "output_tokens", "prefill_s", "draft_s", "target_s", "other_s", "wall_s"):

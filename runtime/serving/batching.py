@@ -26,7 +26,7 @@ import collections
 import threading
 import time
 import traceback
-from typing import Callable
+from collections.abc import Callable
 
 from runtime.serving.adapter import Completion, GenerationRequest, Overloaded, ServingEngine, first_stop, now_ns
 
@@ -35,7 +35,7 @@ class Job:
     """One request's life: decoding its tokens into text, stop strings, streaming callbacks, its result."""
 
     def __init__(self, engine: ServingEngine, req: GenerationRequest, *, on_text: Callable[[str], None] | None = None,
-                 on_done: Callable[["Job"], None] | None = None, is_cancelled: Callable[[], bool] | None = None,
+                 on_done: Callable[[Job], None] | None = None, is_cancelled: Callable[[], bool] | None = None,
                  request_id: str = ""):
         self.engine, self.req = engine, req
         self.on_text, self.on_done, self.is_cancelled = on_text, on_done, is_cancelled
@@ -292,7 +292,7 @@ class Scheduler:
             self.metrics("set:batch_rows", now[0])
             self.metrics("set:queue_depth", now[1])
 
-    def _guarded(self, fn, group: "_Group | None" = None) -> None:
+    def _guarded(self, fn, group: _Group | None = None) -> None:
         """Run one batch operation; if it fails, that batch's requests get the error and the model keeps serving."""
         try:
             fn()

@@ -216,7 +216,7 @@ class TritonServer:
             shutil.rmtree(self.work_dir, ignore_errors=True)
         return rc
 
-    def __enter__(self) -> "TritonServer":
+    def __enter__(self) -> TritonServer:
         return self
 
     def __exit__(self, *exc) -> None:

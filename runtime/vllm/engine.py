@@ -139,14 +139,14 @@ class SpecDecodeCounters:
         """Tokens per target verification step, validate's definition: 1 + accepted / drafts."""
         return 1.0 + self.accepted / self.drafts if self.drafts else math.nan
 
-    def __sub__(self, other: "SpecDecodeCounters") -> "SpecDecodeCounters":
+    def __sub__(self, other: SpecDecodeCounters) -> SpecDecodeCounters:
         n = max(len(self.per_position), len(other.per_position))
         a = self.per_position + [0] * (n - len(self.per_position))
         b = other.per_position + [0] * (n - len(other.per_position))
         return SpecDecodeCounters(self.drafts - other.drafts, self.draft_tokens - other.draft_tokens,
                                   self.accepted - other.accepted, [x - y for x, y in zip(a, b)])
 
-    def __add__(self, other: "SpecDecodeCounters") -> "SpecDecodeCounters":
+    def __add__(self, other: SpecDecodeCounters) -> SpecDecodeCounters:
         neg = SpecDecodeCounters(-other.drafts, -other.draft_tokens, -other.accepted, [-x for x in other.per_position])
         return self - neg
 
@@ -263,7 +263,7 @@ class VllmServer:
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
-    def start(self) -> "VllmServer":
+    def start(self) -> VllmServer:
         """Start the server and wait for /health; on early exit or timeout stop it and raise with its log tail."""
         if self.alive():
             return self
@@ -318,7 +318,7 @@ class VllmServer:
         self.process = None
         return rc
 
-    def __enter__(self) -> "VllmServer":
+    def __enter__(self) -> VllmServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:
