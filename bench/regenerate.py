@@ -137,7 +137,7 @@ def main(argv=None) -> dict:
     for r in rows.values():
         r["ratio_to_runtime"] = round(r["new_tokens_per_s"] / base, 2) if base and r["new_tokens_per_s"] else None
     if "runtime" in rows:
-        for e, r in rows.items():
+        for r in rows.values():
             r["answers_equal_runtime"] = sum(x == y for x, y in zip(r["answers"], rows["runtime"]["answers"]))
     out = {"prompts": len(prompts), "batch": a.batch, "max_new_tokens": a.max_new_tokens, "threads": a.threads,
            "model": str(a.model), "engines": {e: {k: v for k, v in r.items() if k != "answers"} for e, r in rows.items()}}

