@@ -128,7 +128,7 @@ def parts(runner, batch: int, m: int, context: int):
     a = runner.layers[0].self_attn
 
     def run_gemms():
-        for G, x in zip(gemms, xs):
+        for G, x in zip(gemms, xs, strict=True):
             G(x)
 
     def run_attention():

@@ -122,7 +122,7 @@ class _Group:
             self.metrics("requests_joined_running_batch", len(jobs))
         keys = [self._next + i for i in range(len(jobs))]
         self._next += len(jobs)
-        for k, j in zip(keys, jobs):        # registered first: the prefill emits their first tokens
+        for k, j in zip(keys, jobs, strict=True):        # registered first: the prefill emits their first tokens
             self.jobs[k] = j
         try:
             self.batch.add([j.req.prompt_ids for j in jobs], max_new_tokens=[j.req.max_tokens for j in jobs],

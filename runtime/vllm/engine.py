@@ -145,7 +145,7 @@ class SpecDecodeCounters:
         a = self.per_position + [0] * (n - len(self.per_position))
         b = other.per_position + [0] * (n - len(other.per_position))
         return SpecDecodeCounters(self.drafts - other.drafts, self.draft_tokens - other.draft_tokens,
-                                  self.accepted - other.accepted, [x - y for x, y in zip(a, b)])
+                                  self.accepted - other.accepted, [x - y for x, y in zip(a, b, strict=True)])
 
     def __add__(self, other: SpecDecodeCounters) -> SpecDecodeCounters:
         neg = SpecDecodeCounters(-other.drafts, -other.draft_tokens, -other.accepted, [-x for x in other.per_position])

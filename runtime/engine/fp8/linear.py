@@ -204,7 +204,7 @@ def trtllm_fuse_scales(linears: Mapping[str, FP8Linear], dtype: torch.dtype = to
                     m.input_scale = s_in.clone()
             if all(torch.equal(x, s) for x in scales):
                 continue
-            for m, own in zip(mods, scales):
+            for m, own in zip(mods, scales, strict=True):
                 w = m.weight.to(dtype) * own            # bf16 * 0-dim float32 -> bf16, as on the GPU
                 m.set_weight((w / s).to(FP8_DTYPE), s.clone())
             changed.append([f"{parent}.{g}" if parent else g for g in group])
