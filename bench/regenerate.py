@@ -137,8 +137,8 @@ def main(argv=None) -> dict:
     for r in rows.values():
         r["ratio_to_runtime"] = round(r["new_tokens_per_s"] / base, 2) if base and r["new_tokens_per_s"] else None
     if "runtime" in rows:
-        for e, r in rows.items():
-            r["answers_equal_runtime"] = sum(x == y for x, y in zip(r["answers"], rows["runtime"]["answers"]))
+        for r in rows.values():
+            r["answers_equal_runtime"] = sum(x == y for x, y in zip(r["answers"], rows["runtime"]["answers"], strict=True))
     out = {"prompts": len(prompts), "batch": a.batch, "max_new_tokens": a.max_new_tokens, "threads": a.threads,
            "model": str(a.model), "engines": {e: {k: v for k, v in r.items() if k != "answers"} for e, r in rows.items()}}
     print(f"{'engine':34} {'new tok':>8} {'gen s':>8} {'load s':>7} {'tok/s':>8} {'x runtime':>9} {'=runtime':>8}")

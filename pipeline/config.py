@@ -6,6 +6,7 @@ the user wrote it (union tags and validator names stripped), with the file line 
 """
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any, Literal
 
@@ -135,10 +136,8 @@ def _line_map(text: str) -> dict[str, int]:
                 out[path] = v.start_mark.line + 1
                 walk(v, path)
 
-    try:
+    with contextlib.suppress(yaml.YAMLError):
         walk(yaml.compose(text, Loader=yaml.SafeLoader), "")
-    except yaml.YAMLError:
-        pass
     return out
 
 
@@ -212,10 +211,7 @@ def _user_path(loc: tuple, raw: Any) -> list[str]:
     out: list[str] = []
     node = raw
     for el in loc:
-        if isinstance(node, dict) and el in node:
-            out.append(str(el))
-            node = node[el]
-        elif isinstance(node, list) and isinstance(el, int) and 0 <= el < len(node):
+        if (isinstance(node, dict) and el in node) or (isinstance(node, list) and isinstance(el, int) and 0 <= el < len(node)):
             out.append(str(el))
             node = node[el]
         elif isinstance(node, dict) and isinstance(el, str) and not any(c in el for c in "[]()") and el not in _tag_values(node):

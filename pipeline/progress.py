@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from typing import Iterable
+from collections.abc import Iterable
 
 
 class Progress:
@@ -22,7 +22,7 @@ class Progress:
         self._t0 = time.monotonic()
         self._next_log = 0.0
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         if sys.stderr.isatty():
             from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
             from rich.progress import Progress as RichProgress

@@ -78,7 +78,7 @@ def write_report(store: Store, out: Path | None = None) -> Path:
     head = "".join(f"<th>{h}</th>" for h in ("stage", "state", "last build", "fingerprint", "wall time", "peak RSS", "error"))
     body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in r) + "</tr>" for r in rows)
     parts.append(f"<table><tr>{head}</tr>{body}</table>")
-    for spec, st in zip(registry.stages(), doc["stages"]):
+    for spec, st in zip(registry.stages(), doc["stages"], strict=True):
         art = store.artifact(spec.name)
         if st.get("failed_metrics") and st.get("last_build") == "failed":
             parts.append(f"<h2>{esc(spec.name)} <span class='fail'>failed</span></h2><p "

@@ -1,6 +1,7 @@
 """Stage runner: fingerprints, plan (what runs and why), execution with atomic commit and provenance."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -15,7 +16,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from functools import lru_cache
+from functools import cache, lru_cache
 from importlib import metadata
 from pathlib import Path
 
@@ -32,7 +33,7 @@ log = logging.getLogger("specpipe")
 # ------------------------------------------------------------------ fingerprints
 
 
-@lru_cache(maxsize=None)
+@cache
 def package_version(name: str) -> str | None:
     try:
         return metadata.version(name)
@@ -387,10 +388,8 @@ def _write_last_build(store: Store, outcomes: list[Outcome], argv: list[str], co
 def status(store: Store) -> dict:
     """The stable machine-readable summary printed by `specpipe status --json` (shape in README)."""
     last = {}
-    try:
+    with contextlib.suppress(OSError, ValueError):
         last = json.loads((store.root / "last_build.json").read_text())
-    except (OSError, ValueError):
-        pass
     out = {"workdir": str(store.root), "config": last.get("config"), "last_command": last.get("command"),
            "last_finished": last.get("finished"), "stages": []}
     for spec in registry.stages():

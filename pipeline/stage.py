@@ -47,9 +47,10 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict
 
@@ -101,7 +102,7 @@ class StageContext:
     fingerprint: str
     log: logging.Logger
 
-    def progress(self, iterable: Iterable | None = None, *, total: int | None = None, desc: str = "") -> "Progress":
+    def progress(self, iterable: Iterable | None = None, *, total: int | None = None, desc: str = "") -> Progress:
         """A progress bar on a terminal, periodic log lines otherwise. Use as a context manager:
 
             with ctx.progress(total=steps, desc="train") as bar:

@@ -27,7 +27,7 @@ import json
 import math
 import re
 from pathlib import Path
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 
@@ -87,7 +87,7 @@ class HFSource(Strict):
     trust_remote_code: bool = False
 
 
-Source = Annotated[Union[BootstrapSource, JsonlSource, HFSource], Field(discriminator="kind")]
+Source = Annotated[BootstrapSource | JsonlSource | HFSource, Field(discriminator="kind")]
 
 
 class RegenerateConfig(Strict):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -106,7 +106,7 @@ class DFlash(Strict):
         return self
 
 
-Algorithm = Annotated[Union[Eagle3, DFlash], Field(discriminator="kind")]
+Algorithm = Annotated[Eagle3 | DFlash, Field(discriminator="kind")]
 
 
 class Launcher(Strict):

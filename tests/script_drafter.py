@@ -22,11 +22,11 @@ class ScriptDrafter(Drafter):
         self.done = [self.done[i] for i in idx.tolist()]
 
     def observe(self, hidden, next_tokens, counts):
-        self.done = [d + int(c) for d, c in zip(self.done, counts)]
+        self.done = [d + int(c) for d, c in zip(self.done, counts, strict=True)]
 
     def propose(self, last, k, temperature, gen):
         out = []
-        for r, n in zip(self.rows, self.done):
+        for r, n in zip(self.rows, self.done, strict=True):
             g = n - self.plen[r] + 1          # generated tokens so far (x included)
             cont = (self.refs[r][g:g + k] + [0] * k)[:k]
             wrong = range(k) if self.wrong == "all" else [] if self.wrong is None else [self.wrong]

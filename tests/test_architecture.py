@@ -4,6 +4,7 @@ covers it."""
 from __future__ import annotations
 
 import ast
+import itertools
 import re
 from pathlib import Path
 
@@ -205,7 +206,7 @@ def import_cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
 
 def describe(cycle: list[str], graph: dict[str, dict[str, int]]) -> str:
     """`a:line -> b:line -> a`: each module with the line of its import of the next."""
-    return " -> ".join(f"{a}:{graph[a][b]}" for a, b in zip(cycle, cycle[1:])) + f" -> {cycle[-1]}"
+    return " -> ".join(f"{a}:{graph[a][b]}" for a, b in itertools.pairwise(cycle)) + f" -> {cycle[-1]}"
 
 
 def test_no_import_cycles_between_the_projects_modules():

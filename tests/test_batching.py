@@ -45,7 +45,7 @@ def solo(engine, ids, n=N, **kw):
 def test_requests_joining_a_running_batch_decode_what_they_decode_alone(engine):
     ps = engine.prompts[:4]
     budgets = [N, 7, N, 13]
-    want = [solo(engine, p, n)[0] for p, n in zip(ps, budgets)]
+    want = [solo(engine, p, n)[0] for p, n in zip(ps, budgets, strict=True)]
     b = engine.engine.batch(draft_len=engine.draft_len)
     k0 = b.add([ps[0]], max_new_tokens=budgets[0], eos_token_id=engine.eos_token_ids)
     b.step()

@@ -27,7 +27,7 @@ CHAT = [
 def _runs(tok, ids, mask) -> list[str]:
     """The masked tokens, decoded, one string per contiguous run."""
     out, cur = [], []
-    for t, m in zip(ids, mask):
+    for t, m in zip(ids, mask, strict=True):
         if m:
             cur.append(t)
         elif cur:
@@ -39,7 +39,7 @@ def _runs(tok, ids, mask) -> list[str]:
 
 
 def _unmasked(tok, ids, mask) -> str:
-    return tok.decode([t for t, m in zip(ids, mask) if not m])
+    return tok.decode([t for t, m in zip(ids, mask, strict=True) if not m])
 
 
 @pytest.fixture(scope="module")

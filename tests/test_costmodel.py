@@ -144,7 +144,7 @@ def test_schedule_round_trip_for_every_step_function():
     for ks_runs in itertools.product([5, 3, 1], [3, 1, 0], [1, 0]):
         for widths in ((1, 1, 1), (3, 7, 20), (10, 1, 5)):
             ks = []
-            for k, w in zip(ks_runs, widths):
+            for k, w in zip(ks_runs, widths, strict=True):
                 ks += [k] * w
             ks = [min(ks[: i + 1]) for i in range(len(ks))]        # non-increasing, as k_by_batch makes it
             n = len(ks)

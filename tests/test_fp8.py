@@ -73,7 +73,7 @@ def ckpts(tmp_path_factory):
         d = root / f"fp8_{str(dtype)[6:]}"
         # ModelOpt's own dtype argument, then what runtime.quant.export.export_target deploys (float32 export + cast)
         export_hf_checkpoint(m, dtype=dtype, export_dir=d)
-        cast_high_precision(d, lambda k, v: dtype)
+        cast_high_precision(d, lambda k, v, dtype=dtype: dtype)
         out[str(dtype)[6:]] = d
     with torch.no_grad():
         out["ref_logits"] = fp8.load_causal_lm(root / "ref")(input_ids=x).logits
@@ -292,12 +292,12 @@ def test_trtllm_fuse_scales_requantizes_like_tensorrt_llm():
     scales = [torch.tensor(0.3), torch.tensor(0.2), torch.tensor(0.07)]
     codes = [(torch.randn(6, 8) * 100).clamp(-448, 448).to(torch.float8_e4m3fn) for _ in scales]
     lins = {f"layer.{n}": fp8.FP8Linear(c, s, torch.tensor(0.01 * (i + 1)))
-            for i, (n, c, s) in enumerate(zip(("q_proj", "k_proj", "v_proj"), codes, scales))}
+            for i, (n, c, s) in enumerate(zip(("q_proj", "k_proj", "v_proj"), codes, scales, strict=True))}
     lins["layer.o_proj"] = fp8.FP8Linear(codes[0].clone(), torch.tensor(0.05), torch.tensor(0.01))
     changed = fp8.trtllm_fuse_scales(lins, torch.bfloat16)
     assert changed == [["layer.q_proj", "layer.k_proj", "layer.v_proj"]]
     smax = torch.tensor(0.3)
-    for n, c, s in zip(("q_proj", "k_proj", "v_proj"), codes, scales):
+    for n, c, s in zip(("q_proj", "k_proj", "v_proj"), codes, scales, strict=True):
         expect = ((c.to(torch.bfloat16) * s) / smax).to(torch.float8_e4m3fn)
         lin = lins[f"layer.{n}"]
         assert torch.equal(lin.weight.float(), expect.float()) and lin.weight_scale.item() == pytest.approx(0.3)
@@ -308,7 +308,7 @@ def test_trtllm_fuse_scales_requantizes_like_tensorrt_llm():
     assert fp8.trtllm_fuse_scales(lins, torch.bfloat16) == []                      # idempotent
     # per-channel members are concatenated by TensorRT-LLM (FP8RowwiseLinearMethod): left alone
     pc = {f"l.{n}": fp8.FP8Linear(c, torch.full((6,), 0.1 * (i + 1)), dynamic_per_token=True)
-          for i, (n, c) in enumerate(zip(("gate_proj", "up_proj"), codes))}
+          for i, (n, c) in enumerate(zip(("gate_proj", "up_proj"), codes, strict=False))}
     assert fp8.trtllm_fuse_scales(pc) == [] and pc["l.up_proj"].weight_scale[0].item() == pytest.approx(0.2)
 
 

@@ -80,7 +80,7 @@ def test_rule_equals_vllms_function_on_random_cases():
     assert r.returncode == 0, r.stderr[-3000:]
     theirs = json.loads(r.stdout.strip().splitlines()[-1])
     ours = [longest_match_proposal(*c) for c in cases]
-    bad = [(c, a, b) for c, a, b in zip(cases, ours, theirs) if a != b]
+    bad = [(c, a, b) for c, a, b in zip(cases, ours, theirs, strict=True) if a != b]
     assert not bad, bad[:5]
     assert sum(1 for t in theirs if t) > 500          # the cases do exercise matches
 
@@ -122,7 +122,7 @@ def test_speculative_with_ngram_equals_greedy_and_accepts(tiny_target):
     assert s.acceptance_length > 1.5, s.as_dict()
     assert 0 < s.drafted < 4 * s.steps                  # some steps proposed fewer than k (or nothing)
     assert s.accepted <= s.drafted
-    for p, want in zip(prompts[:2], ref[:2]):
+    for p, want in zip(prompts[:2], ref[:2], strict=True):
         assert eng.generate([p], max_new_tokens=40, draft_len=4).tokens[0] == want
     # a target whose greedy output never repeats a 5-gram of the prompt: no drafts at all, still exact
     eng5 = SpeculativeEngine(tiny_target, drafter=NgramDrafter(5, 5, 64))

@@ -219,8 +219,8 @@ def _to_high_precision(sd, d, p):
     sd[f"{p}.weight"] = fp8.dequantize_weight(sd[f"{p}.weight"], sd.pop(f"{p}.weight_scale"), torch.bfloat16)
     sd.pop(f"{p}.input_scale")
     for f in ("hf_quant_config.json", "config.json"):
-        _edit_json(d / f, lambda c: (c.get("quantization", c.get("quantization_config"))
-                                     .setdefault("exclude_modules" if f.startswith("hf") else "ignore", []).append(p)))
+        _edit_json(d / f, lambda c, f=f: (c.get("quantization", c.get("quantization_config"))
+                                          .setdefault("exclude_modules" if f.startswith("hf") else "ignore", []).append(p)))
 
 
 def _edit_json(p: Path, fn) -> None:

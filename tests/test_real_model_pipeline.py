@@ -83,8 +83,8 @@ def test_every_stage_commits_on_the_real_model(real_run):
 
     tok = AutoTokenizer.from_pretrained(artifact_dir(wd, "target") / "model")
     row = pq.read_table(str(artifact_dir(wd, "data") / "train.parquet")).slice(0, 1).to_pylist()[0]
-    masked = tok.decode([t for t, m in zip(row["input_ids"], row["loss_mask"]) if m])
-    unmasked = tok.decode([t for t, m in zip(row["input_ids"], row["loss_mask"]) if not m])
+    masked = tok.decode([t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m])
+    unmasked = tok.decode([t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if not m])
     assert "<|im_start|>user" in unmasked and "<|im_start|>" not in masked    # the stock template, masked right
 
     draft = _json(wd, "train_draft", "draft.json")

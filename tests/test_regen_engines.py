@@ -124,7 +124,7 @@ def test_vllm_regeneration_matches_the_runtime_and_resumes_without_a_server(smol
     assert "Application startup complete" in (work / "vllm" / "vllm.log").read_text(errors="replace")
     ref, rst = regenerate(smol["model_dir"], smol["prompts"], smol["keys"], batch_size=4, max_new_tokens=NEW,
                           temperature=0.0, top_p=1.0, stop_ids=[2], seed=0, scratch=None, log=LOG)
-    same = sum(a == b for a, b in zip(gens, ref))
+    same = sum(a == b for a, b in zip(gens, ref, strict=True))
     assert same >= 8, f"{same}/10 identical (vLLM vs the runtime, both fp32; 10/10 measured)"
     assert rst["engine"] == "runtime"
     # a rerun over the same scratch: every batch resumed, no server started
@@ -151,7 +151,7 @@ def test_endpoint_regeneration_equals_vllm_and_retokenizes_text_answers(smol, tm
                                max_new_tokens=NEW, temperature=0.0, top_p=1.0, stop_ids=[2], seed=0, scratch=None,
                                log=LOG, progress=None, on_batch=None)
         assert out["retokenized"] == N_PROMPTS
-        assert sum(a == b for a, b in zip(res, gens)) >= 8
+        assert sum(a == b for a, b in zip(res, gens, strict=True)) >= 8
         assert [g[-1] == 2 for g in res] == [g[-1] == 2 for g in gens]
     assert srv.process is None
     assert not Path(tmp_path / "regenerate").joinpath("batch-00003.json").exists()

@@ -150,7 +150,7 @@ def test_eagle3_exported_draft_matches_modelopt(tiny):
     eng.drafter.trace = []
     g = eng.generate(ids.tolist(), max_new_tokens=2, draft_len=3)
     assert g.tokens[0][0] == base.item()
-    for a, b in zip(ref, eng.drafter.trace[:3]):
+    for a, b in zip(ref, eng.drafter.trace[:3], strict=False):
         torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
     assert [int(t.argmax()) for t in eng.drafter.trace[:3]] == drafts[0].tolist()
 
@@ -233,7 +233,7 @@ def test_any_of_several_eos_ids_stops_a_request(tiny):
     ref = eng.generate(tiny["prompts"], max_new_tokens=16, draft_len=0).tokens
     a, b = ref[0][7], ref[1][3]                   # an "end of turn" and an "eos", as an instruct model has both
     g = eng.generate(tiny["prompts"], max_new_tokens=16, draft_len=3, eos_token_id=[a, b])
-    for got, want in zip(g.tokens, ref):
+    for got, want in zip(g.tokens, ref, strict=True):
         cut = next((i for i, t in enumerate(want) if t in (a, b)), None)
         assert got == (want if cut is None else want[:cut + 1])
     assert len(g.tokens[0]) <= 8 and len(g.tokens[1]) <= 4  # each stopped at the first of the two ids

@@ -183,7 +183,7 @@ def test_real_model_fp32_mode_is_hf_greedy_and_speculation_is_exact(smol):
         got, _ = r.forward(torch.tensor([p]))
         torch.testing.assert_close(got[0], ref, atol=1e-4, rtol=1e-5)
         ar = SpeculativeEngine(model, drafter=None).generate(prompts, max_new_tokens=N).tokens
-        for p, a in zip(prompts, ar):
+        for p, a in zip(prompts, ar, strict=True):
             hf = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
                                 max_new_tokens=N, do_sample=False, eos_token_id=None)[0, len(p):].tolist()
             assert a == hf
@@ -203,7 +203,7 @@ def test_real_model_bf16_mode_contract(smol):
     with torch.no_grad():
         ar = SpeculativeEngine(model, drafter=None).generate(prompts, max_new_tokens=32).tokens
         diffs, agree, n = [], 0, 0
-        for p, a in zip(prompts, ar):
+        for p, a in zip(prompts, ar, strict=True):
             seq = torch.tensor([p + a])
             out = {}
             for mode in ("fp32", "bf16"):

@@ -239,7 +239,7 @@ def test_streaming_returns_tokens_incrementally(server, reference, prompts):
     texts = [t for t, _, _ in got]
     assert len(texts) >= 3 and got[-1][2]          # several responses, the last one final
     assert texts == want.chunks                    # one response per decoding step, as the runtime produced them
-    for a, b in zip(texts, texts[1:]):             # cumulative text, growing
+    for a, b in zip(texts, texts[1:], strict=False):             # cumulative text, growing
         assert b.startswith(a) and len(b) > len(a)
     assert texts[-1] == want.text
     status, events = http_generate(server, {"text_input": prompts[0], "sampling_param_max_tokens": MAX_TOKENS,
@@ -383,7 +383,7 @@ def test_a_request_joins_the_running_batch_at_the_next_step(server, reference, p
     for attempt in range(3):
         m0 = metrics(server)
         got: dict[str, tuple] = {}
-        t = threading.Thread(target=lambda: got.setdefault("long", http_generate(
+        t = threading.Thread(target=lambda got=got: got.setdefault("long", http_generate(
             server, {"text_input": prompts[0], "sampling_param_max_tokens": LONG, **perf})))
         t.start()
         wait_for(lambda: metric(metrics(server), "specpipe_batch_rows") >= 1, what="the long request decoding")

@@ -2,6 +2,7 @@
 (run here with bash, without Slurm: the worker branch joins train_draft or leaves when node 0 is done)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
@@ -199,10 +200,8 @@ PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
     for pidfile in ("slurmd.pid", "slurmctld.pid", "munge/munged.pid"):
         p = d / pidfile
         if p.exists():
-            try:
+            with contextlib.suppress(ProcessLookupError, ValueError):
                 os.kill(int(p.read_text().strip()), signal.SIGTERM)
-            except (ProcessLookupError, ValueError):
-                pass
 
 
 def test_real_slurm_submission_runs_the_pipeline(tmp_path, slurm_cluster):

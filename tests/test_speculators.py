@@ -167,7 +167,8 @@ def run_check(cases: list[Case], work: Path) -> None:
         for f in files:
             f.parent.mkdir(parents=True, exist_ok=True)
     manifest = {"cases": [{"name": c.name, "spec_dir": str(c.spec_dir), "loading": str(work / f"{c.name}.loading.json"),
-                           "runs": [{"inputs": str(r["file"]), "output": str(o)} for r, o in zip(c.runs, out[c.name])]}
+                           "runs": [{"inputs": str(r["file"]), "output": str(o)}
+                                    for r, o in zip(c.runs, out[c.name], strict=True)]}
                           for c in cases]}
     (work / "manifest.json").write_text(json.dumps(manifest))
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
@@ -187,7 +188,7 @@ def assert_same_drafts(case: Case) -> float:
     assert info["not_in_checkpoint"] == [] and info["not_in_model"] == [] and info["nan_parameters"] == [], info
     assert info["differs_from_verifier"] == [], info
     total, bad = 0, []
-    for i, (r, out) in enumerate(zip(case.runs, case.result)):
+    for i, (r, out) in enumerate(zip(case.runs, case.result, strict=True)):
         got = out["target_ids"] if "target_ids" in out else out["argmax"]
         assert got.shape == r["expected"].shape, (got.shape, r["expected"].shape)
         ok = (got == r["expected"]) | ~r["valid"]
@@ -197,7 +198,7 @@ def assert_same_drafts(case: Case) -> float:
             bad.append((i, *pos, int(got[tuple(pos)]), int(r["expected"][tuple(pos)]), round(float(top[0] - top[1]), 6)))
     assert not bad, (f"{case.name}: speculators' draft differs from specpipe's runtime at {len(bad)} of {total} positions "
                      f"(run, step/anchor, position, speculators, runtime, speculators' top-1 margin): {bad[:12]}")
-    for r, out in zip(case.runs, case.result):     # EAGLE-3 step 0: the logits themselves, not only their argmax
+    for r, out in zip(case.runs, case.result, strict=True):     # EAGLE-3 step 0: the logits themselves, not only their argmax
         if "logits0" in r:
             ref = r["logits0"]
             assert float((out["logits"][0] - ref).abs().max()) <= 1e-4 * float(ref.abs().max()), case.name
@@ -218,7 +219,7 @@ def _seqs(tiny, n=3, extra=12):
     model = load_target(tiny["target_dir"])
     prompts = tiny["prompts"][:n]
     gen = SpeculativeEngine(model, drafter=None).generate(prompts, max_new_tokens=extra).tokens
-    return [p + g for p, g in zip(prompts, gen)]
+    return [p + g for p, g in zip(prompts, gen, strict=True)]
 
 
 def test_eagle3_export_is_modelopt_names_plus_t2d_with_speculators_numbering(tmp_path):
@@ -431,7 +432,7 @@ def test_pipeline_pair_drafts_the_same_in_speculators(tiny_run, tmp_path):
     prompts = [json.loads(line)["prompt_ids"] for f in sorted((a["data"] / "eval").glob("*.jsonl"))
                for line in f.read_text().splitlines()[:2]]
     gen = SpeculativeEngine(load_target(target), drafter=None).generate(prompts, max_new_tokens=12).tokens
-    case = build_case("pipeline", a["train_draft"] / "draft", target, [p + g for p, g in zip(prompts, gen)], k,
+    case = build_case("pipeline", a["train_draft"] / "draft", target, [p + g for p, g in zip(prompts, gen, strict=True)], k,
                       tmp_path, spec_dir=spec)
     run_check([case], tmp_path)
     assert assert_same_drafts(case) >= 60
@@ -497,7 +498,7 @@ def test_real_model_pair_drafts_the_same_in_speculators(real_model, tmp_path):
         text = tok.apply_chat_template(row["messages"][:1], tokenize=False, add_generation_prompt=True)
         prompts.append(tok(text)["input_ids"][-40:])
     gen = SpeculativeEngine(load_target(md), drafter=None).generate(prompts, max_new_tokens=16).tokens
-    seqs = [p + g for p, g in zip(prompts, gen)]
+    seqs = [p + g for p, g in zip(prompts, gen, strict=True)]
     cases = [build_case("smollm2_eagle3", drafts["eagle3"], md, seqs, 4, tmp_path),
              build_case("smollm2_dflash", drafts["dflash"], md, seqs, 3, tmp_path)]
     cfg = json.loads((cases[0].spec_dir / "config.json").read_text())

@@ -167,8 +167,8 @@ def test_conversations_train_on_assistant_tokens_only(tmp_path, target_workdir):
     for row in rows[:5]:
         ids, mask = row["input_ids"], row["loss_mask"]
         assert 0 < sum(mask) < len(mask)
-        trained = tok.decode([t for t, m in zip(ids, mask) if m])
-        untrained = tok.decode([t for t, m in zip(ids, mask) if not m])
+        trained = tok.decode([t for t, m in zip(ids, mask, strict=True) if m])
+        untrained = tok.decode([t for t, m in zip(ids, mask, strict=True) if not m])
         assert "def f" in trained and "Write function" in untrained and "Write function" not in trained
     # an eval prompt never appears in training: the same file as source and eval leaves nothing to train on
     stats = json.loads((wd / "artifacts" / "data" / "stats.json").read_text())
@@ -209,7 +209,7 @@ def test_template_without_generation_tags_masks_assistant_turns(tmp_path, target
     by_text = {c["messages"][0]["content"]: c["messages"][1]["content"] for c in CONVS}
     for row in rows:
         ids, mask = row["input_ids"], row["loss_mask"]
-        trained = tok.decode([t for t, m in zip(ids, mask) if m])
+        trained = tok.decode([t for t, m in zip(ids, mask, strict=True) if m])
         user = tok.decode(ids).split("<|user|>")[1].split("<|end|>")[0]
         assert trained == by_text[user] + "<|end|>"               # content + end of turn, not the <|assistant|> header
     stats = json.loads((wd / "artifacts" / "data" / "stats.json").read_text())
@@ -465,14 +465,14 @@ def test_real_model_stock_template_masks_every_assistant_turn(tmp_path, real_tar
         assert text.startswith(SMOL_SYSTEM)
         msgs = recs[text[len(SMOL_SYSTEM):].split("<|im_start|>user\n", 1)[1].split(REAL_EOT)[0]]
         runs, cur = [], []
-        for t, m in zip(ids + [None], mask + [0]):
+        for t, m in zip(ids + [None], mask + [0], strict=True):
             if m:
                 cur.append(t)
             elif cur:
                 runs.append(tok.decode(cur))
                 cur = []
         assert runs == [m["content"] + REAL_EOT for m in msgs if m["role"] == "assistant"]
-        untrained = tok.decode([t for t, m in zip(ids, mask) if not m])
+        untrained = tok.decode([t for t, m in zip(ids, mask, strict=True) if not m])
         assert all(m["content"] in untrained for m in msgs if m["role"] == "user") and "You are a helpful AI" in untrained
         n_multi += len(runs) >= 2
     assert n_multi == 6
@@ -576,7 +576,7 @@ def test_user_chat_template_renders_samples_and_eval_prompts(tmp_path, real_targ
 
     tok = AutoTokenizer.from_pretrained(real_target[1]["model_dir"])
     for row in _rows(wd, "train"):
-        prompt = tok.decode([t for t, m in zip(row["input_ids"], row["loss_mask"]) if not m])
+        prompt = tok.decode([t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if not m])
         assert prompt.startswith("<|im_start|>user\n") and "SmolLM" not in prompt and prompt.endswith("<|im_start|>assistant\n")
     assert (art / "chat_template.jinja").read_text() == tmpl.read_text()
     stats = json.loads((art / "stats.json").read_text())
@@ -628,6 +628,6 @@ def test_every_conversation_is_checked_not_only_the_first(tmp_path, real_target)
     tok = AutoTokenizer.from_pretrained(real_target[1]["model_dir"])
     answers = {g["messages"][1]["content"] for g in gsm}
     for row in _rows(wd, "train"):
-        trained = tok.decode([t for t, m in zip(row["input_ids"], row["loss_mask"]) if m])
+        trained = tok.decode([t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m])
         assert trained.startswith("<think>\n\n</think>\n\n") and trained.endswith(REAL_EOT)
         assert trained[len("<think>\n\n</think>\n\n"): -len(REAL_EOT)] in answers

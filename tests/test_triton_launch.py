@@ -112,9 +112,9 @@ def test_the_process_launch_sh_leaves_is_the_triton_server_and_lives_until_kille
                  "--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1",
                  "--allow-gpu-metrics=false", "--pinned-memory-pool-byte-size=0", "--exit-timeout-secs=5"]
     shm_before = set(Path("/dev/shm").glob("prefix0_*"))
-    log = open(tmp_path / "launch.log", "wb")
-    proc = subprocess.Popen(["bash", str(production / "launch.sh"), *cpu_flags], env=env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    with open(tmp_path / "launch.log", "wb") as log:  # the child holds its own copy of the descriptor
+        proc = subprocess.Popen(["bash", str(production / "launch.sh"), *cpu_flags], env=env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
         while not _ready(http):
@@ -138,6 +138,5 @@ def test_the_process_launch_sh_leaves_is_the_triton_server_and_lives_until_kille
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
-        log.close()
         for region in set(Path("/dev/shm").glob("prefix0_*")) - shm_before:
             region.unlink(missing_ok=True)

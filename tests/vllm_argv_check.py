@@ -46,5 +46,6 @@ def check(argv: list[str]) -> dict:
 
 
 if __name__ == "__main__":
-    cases = json.loads(open(sys.argv[1]).read())
+    with open(sys.argv[1]) as f:
+        cases = json.load(f)
     print("RESULT " + json.dumps([check(a) for a in cases]))

@@ -64,7 +64,7 @@ def uptime() -> str:
     try:
         return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     except OSError:
-        return "load average: %.2f, %.2f, %.2f" % os.getloadavg()
+        return "load average: {:.2f}, {:.2f}, {:.2f}".format(*os.getloadavg())
 
 
 def parse_args(argv):
@@ -96,7 +96,8 @@ def setup(a) -> dict:
     try:
         q = quantize.read_info(arts / "quantize")
     except StageError as e:
-        raise SystemExit(f"{a.workdir}: no committed quantize artifact ({e}); run `specpipe build <config>` through quantize")
+        raise SystemExit(f"{a.workdir}: no committed quantize artifact ({e}); "
+                         "run `specpipe build <config>` through quantize") from None
     env = {"target_dir": q.target_dir(arts), "draft_dir": q.draft_dir(arts), "bf16_dir": arts / "target" / "model",
            "k": a.draft_len or deployed_draft_len(arts) or 4,
            "modes": a.compute.split(",") if a.compute else ["fp32"] + (["bf16"] if native_bf16_gemm() else []),
@@ -199,7 +200,7 @@ def step_times(env, models, ctx_len) -> tuple[dict, dict]:
         for mode, eng in models["engines"].items():
             r = eng.target
             for mm in (1, k + 1):
-                def f(r=r, mm=mm, b=b):
+                def f(r=r, mm=mm, b=b, toks=toks):
                     if r.cache is None or r.cache.k[0].shape[0] != b or int(r.cache.lengths[0]) != ctx_len:
                         fill_cache(r, b, ctx_len, k + 2)
                     r.forward(toks[mm])

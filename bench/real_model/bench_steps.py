@@ -141,7 +141,7 @@ def parts(runner, batch: int, m: int, context: int):
     a = runner.layers[0].self_attn
 
     def run_gemms():
-        for G, x in zip(gemms, xs):
+        for G, x in zip(gemms, xs, strict=True):
             G(x)
 
     def run_attention():
@@ -161,7 +161,7 @@ def target_table(label: str, runners: dict, points: list[tuple[int, int]], conte
         fns = {}
         for name, r in runners.items():
             fill_cache(r, batch, context, m + k + 2)
-            fns[name] = (lambda r=r: r.forward(toks))
+            fns[name] = (lambda r=r, toks=toks: r.forward(toks))
             if hasattr(r, "plan"):
                 ge, at, nbytes = parts(r, batch, m, context)
                 fns[f"{name}:gemm"], fns[f"{name}:attn"] = ge, at

@@ -117,7 +117,7 @@ def calibrate(shape: ModelShape, gemm_dtype: str, device, *, context: int = 512,
                           "gemm_at_ridge": {"rows": roof.ridge, "seconds": roof.t_knee, "over_roofline": roof.ratio},
                           "gemv_by_footprint": footprints, "gemm_by_rows": curve,
                           "attention": [{"batch": attn_batch, "q_len": q_len, "context": context, "seconds": m[0],
-                                         "flops": m[1], "bytes": m[2]} for q_len, m in zip((1, attn_q), meas)],
+                                         "flops": m[1], "bytes": m[2]} for q_len, m in zip((1, attn_q), meas, strict=True)],
                           "elementwise": {"rows": elem_rows, "bytes": elem_bytes, "seconds": t_elem},
                           "miniature_forward": {"ops": n_ops, "seconds": t_mini}}}
     cal["gemm_row_factors"] = gemm_row_factors(cal, gemm_dtype)
@@ -307,11 +307,11 @@ def best_calibration(a: dict, b: dict, gemm_dtype: str) -> dict:
     out["op_overhead_us"] = min(a["op_overhead_us"], b["op_overhead_us"])
     # each GEMM call's fastest round; the factors are then taken against the merged machine
     curve = copy.deepcopy(a["benchmarks"]["gemm_by_rows"])
-    for ca, cb in zip(curve, b["benchmarks"]["gemm_by_rows"]):
-        for ga, gb in zip(ca["gemms"], cb["gemms"]):
+    for ca, cb in zip(curve, b["benchmarks"]["gemm_by_rows"], strict=True):
+        for ga, gb in zip(ca["gemms"], cb["gemms"], strict=True):
             ga["seconds"] = min(ga["seconds"], gb["seconds"])
     foot = copy.deepcopy(a["benchmarks"]["gemv_by_footprint"])
-    for fa, fb in zip(foot, b["benchmarks"]["gemv_by_footprint"]):
+    for fa, fb in zip(foot, b["benchmarks"]["gemv_by_footprint"], strict=True):
         fa["seconds"] = min(fa["seconds"], fb["seconds"])
     out["footprint_bandwidth_tb_s"] = _footprint_rates(foot, a["benchmarks"]["stream_gemv"]["bytes"])
     out["benchmarks"] = {**a["benchmarks"], "gemm_by_rows": curve, "gemv_by_footprint": foot}

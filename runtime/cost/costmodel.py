@@ -21,6 +21,7 @@ positions in one parallel pass.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -173,7 +174,7 @@ class Machine:
             return f[0][1]
         if working_set >= f[-1][0]:
             return self.bandwidth
-        for (w0, b0), (w1, b1) in zip(f, f[1:]):
+        for (w0, b0), (w1, b1) in itertools.pairwise(f):
             if w0 <= working_set <= w1:
                 x = math.log(working_set / w0) / math.log(w1 / w0)
                 return math.exp(math.log(b0) + x * (math.log(b1) - math.log(b0)))
@@ -187,7 +188,7 @@ class Machine:
             return f[0][1]
         if rows >= f[-1][0]:
             return f[-1][1]
-        for (r0, f0), (r1, f1) in zip(f, f[1:]):
+        for (r0, f0), (r1, f1) in itertools.pairwise(f):
             if r0 <= rows <= r1:
                 w = math.log(rows / r0) / math.log(r1 / r0)
                 return f0 + w * (f1 - f0)

@@ -104,7 +104,7 @@ class Stack:
             for m in self.inputs:
                 x = m(feats)
         q_dim = s.heads * s.head_dim
-        for layer, (k_cache, v_cache) in zip(self.layers, kv):
+        for layer, (k_cache, v_cache) in zip(self.layers, kv, strict=True):
             h = rms_norm(x)
             if self.qkv_in != s.hidden:  # EAGLE-3's first layer reads [embedding, hidden]
                 h = torch_cat([h] * (self.qkv_in // s.hidden))

@@ -57,7 +57,7 @@ def profile(shapes: dict[str, ModelShape], *, device, gemm_dtype: str, rows=DEFA
             if key not in measured:
                 measured[key] = pts
             else:
-                for old, new in zip(measured[key], pts):
+                for old, new in zip(measured[key], pts, strict=True):
                     old["measured_ms"] = min(old["measured_ms"], new["measured_ms"])
     name = device_name(device)
     machine = machine_from_calibration(cal, gemm_dtype, name)

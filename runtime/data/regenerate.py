@@ -138,7 +138,7 @@ def _resume_batches(batches: list[list[int]], keys: list[str], scratch: Path | N
             except (OSError, json.JSONDecodeError):
                 rec = None
             if rec and rec.get("keys") == [keys[j] for j in idx] and len(rec.get("tokens", [])) == len(idx):
-                for j, t in zip(idx, rec["tokens"]):
+                for j, t in zip(idx, rec["tokens"], strict=True):
                     results[j] = t
                 resumed += len(idx)
                 resumed_batches += 1
@@ -172,7 +172,7 @@ def _generate_batches(model_dir: Path, prompts: list[list[int]], keys: list[str]
             g = engine.generate(batch, max_new_tokens=max_new_tokens, draft_len=0, temperature=temperature, top_p=top_p,
                                 eos_token_id=stop_ids, seed=seed + b)
             dt = time.perf_counter() - t0
-            for j, t in zip(idx, g.tokens):
+            for j, t in zip(idx, g.tokens, strict=True):
                 results[j] = t
             write_batch(scratch, b, [keys[j] for j in idx], g.tokens, dt)
             gen_s += dt
@@ -197,7 +197,7 @@ def write_batch(scratch: Path | None, b: int, keys: list[str], tokens: list[list
 
 def regenerated_rows(jobs: list[RegenJob], gens: list[list[int]]) -> list[tuple[list[int], list[int]]]:
     """prompt ids + generated ids exactly as the target produced them; loss on the generated ids (end of turn included)."""
-    return [(j.prompt + g, [0] * len(j.prompt) + [1] * len(g)) for j, g in zip(jobs, gens)]
+    return [(j.prompt + g, [0] * len(j.prompt) + [1] * len(g)) for j, g in zip(jobs, gens, strict=True)]
 
 
 def template_consistency(r, tok, jobs: list[RegenJob], gens: list[list[int]], eot_id: int | None) -> dict:
@@ -207,7 +207,7 @@ def template_consistency(r, tok, jobs: list[RegenJob], gens: list[list[int]], eo
     from runtime.text.chat_template import ChatTemplateError
 
     checked, same, first = 0, 0, None
-    for j, g in zip(jobs, gens):
+    for j, g in zip(jobs, gens, strict=True):
         if j.context is None or eot_id is None or not g or g[-1] != eot_id:
             continue
         checked += 1

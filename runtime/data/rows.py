@@ -29,7 +29,8 @@ def read_token_rows(path: str | Path, *, limit: int | None = None, max_len: int 
     if limit is not None and not skip_untrained:
         table = table.slice(0, limit)
     out = []
-    for i, (ids, mask) in enumerate(zip(table.column("input_ids").to_pylist(), table.column("loss_mask").to_pylist())):
+    columns = table.column("input_ids").to_pylist(), table.column("loss_mask").to_pylist()
+    for i, (ids, mask) in enumerate(zip(*columns, strict=True)):
         if limit is not None and len(out) == limit:
             break
         if skip_untrained and not any(mask):

@@ -79,7 +79,7 @@ def rows_problem(samples: list[Sample], enc: list, min_length: int) -> str:
     """Per source, why none of its samples became a training row (token_rows' rule)."""
     parts = []
     for src in dict.fromkeys(source_of(s.origin) for s in samples):
-        mine = [e for s, e in zip(samples, enc) if source_of(s.origin) == src]
+        mine = [e for s, e in zip(samples, enc, strict=True) if source_of(s.origin) == src]
         short = sum(1 for e in mine if not e or len(e[0]) < min_length)
         longest = max((len(e[0]) for e in mine if e), default=0)
         parts.append(f"{src}: {short} of {len(mine)} sample(s) shorter than data.min_length={min_length} tokens "
@@ -90,7 +90,7 @@ def rows_problem(samples: list[Sample], enc: list, min_length: int) -> str:
 def token_rows(samples: list[Sample], enc: list, min_length: int) -> dict:
     """Parquet columns of the encoded samples that meet the data contract's row rule (>= min_length tokens, at
     least one trained on)."""
-    keep = [(s, e) for s, e in zip(samples, enc) if e and len(e[0]) >= min_length and sum(e[1]) > 0]
+    keep = [(s, e) for s, e in zip(samples, enc, strict=True) if e and len(e[0]) >= min_length and sum(e[1]) > 0]
     return {"input_ids": [e[0] for _, e in keep], "loss_mask": [e[1] for _, e in keep],
             "domain": [s.domain for s, _ in keep], "source": [s.origin for s, _ in keep]}
 

@@ -13,8 +13,8 @@ batches share); it knows nothing of the engine that made it (`runtime.engine.spe
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
 
 import torch
 
@@ -140,7 +140,7 @@ class DecodeBatch:
             raise ValueError(f"{type(drafter).__name__} declares no row_state: it cannot take rows into a running batch")
         t0 = time.perf_counter()
         B = len(prompts)
-        cap = max(len(p) + n for p, n in zip(prompts, budgets)) + self.k + 2
+        cap = max(len(p) + n for p, n in zip(prompts, budgets, strict=True)) + self.k + 2
         T = max(len(p) for p in prompts)
         if joining:                                         # set the running batch's state aside
             saved = self._state()
@@ -161,7 +161,7 @@ class DecodeBatch:
             self.x = torch.cat((self.x, x))
         else:
             self.x = x
-        new_rows = [BatchRequest(key, n, eos, len(p)) for key, p, n in zip(keys, prompts, budgets)]
+        new_rows = [BatchRequest(key, n, eos, len(p)) for key, p, n in zip(keys, prompts, budgets, strict=True)]
         self.rows += new_rows
         self.stats.prefill_s += time.perf_counter() - t0
         if self.on_verify is not None:
@@ -269,7 +269,7 @@ class DecodeBatch:
         done = [r.key in ks for r in self.rows]
         if any(done):
             self._enter()
-        for r, dn in zip(self.rows, done):
+        for r, dn in zip(self.rows, done, strict=True):
             if dn:
                 r.finish = "cancelled"
         return self._compact(done)
@@ -300,7 +300,7 @@ class DecodeBatch:
 
     def _append(self, rows: list[BatchRequest], new: list[list[int]]) -> list[bool]:
         done = []
-        for req, toks in zip(rows, new):
+        for req, toks in zip(rows, new, strict=True):
             stop = next((i for i, t in enumerate(toks) if t in req.eos), None)
             if stop is not None:
                 toks = toks[: stop + 1]
@@ -318,7 +318,7 @@ class DecodeBatch:
     def _compact(self, done: list[bool]) -> list[int]:
         if not any(done):
             return []
-        gone = [r for r, dn in zip(self.rows, done) if dn]
+        gone = [r for r, dn in zip(self.rows, done, strict=True) if dn]
         keep = [i for i, dn in enumerate(done) if not dn]
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
         if keep:
@@ -350,8 +350,8 @@ def _cat_caches(a: KVCache, b: KVCache, min_capacity: int = 0) -> KVCache:
         return t if c == cap else torch.cat((t, t.new_zeros(*t.shape[:2], cap - c, t.shape[3])), 2)
 
     out = object.__new__(KVCache)
-    out.k = [torch.cat((grow(x, a.capacity), grow(y, b.capacity))) for x, y in zip(a.k, b.k)]
-    out.v = [torch.cat((grow(x, a.capacity), grow(y, b.capacity))) for x, y in zip(a.v, b.v)]
+    out.k = [torch.cat((grow(x, a.capacity), grow(y, b.capacity))) for x, y in zip(a.k, b.k, strict=True)]
+    out.v = [torch.cat((grow(x, a.capacity), grow(y, b.capacity))) for x, y in zip(a.v, b.v, strict=True)]
     out.lengths = torch.cat((a.lengths, b.lengths))
     out.capacity = cap
     out.fp8_scale = a.fp8_scale      # the same drafter's caches: the same KV precision

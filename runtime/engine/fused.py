@@ -83,7 +83,7 @@ class Gemm:
             return
         bias = [m.bias for m in mods]
         self.bias = (torch.cat([b.detach().float() if b is not None else torch.zeros(n, device=self.device)
-                                for b, n in zip(bias, self.splits)]) if any(b is not None for b in bias) else None)
+                                for b, n in zip(bias, self.splits, strict=True)]) if any(b is not None for b in bias) else None)
         cpu = self.device.type == "cpu"
         if kind == "dense":
             w = torch.cat([m.weight.detach() for m in mods])
@@ -100,7 +100,8 @@ class Gemm:
             self.in_scale = None if s_in is None else s_in.detach().float().reshape(()).to(self.device)
             if compute == "bf16":
                 w = torch.cat([m.weight for m in mods]).to(torch.bfloat16)            # E4M3 codes, exact in bf16
-                ws = torch.cat([m.weight_scale.detach().float().reshape(-1).expand(n) for m, n in zip(mods, self.splits)])
+                ws = torch.cat([m.weight_scale.detach().float().reshape(-1).expand(n)
+                                for m, n in zip(mods, self.splits, strict=True)])
                 self.scale = ws * (self.in_scale if self.in_scale is not None else 1.0)
                 self._w_exact = None
             else:

@@ -21,8 +21,8 @@ speculative decoding. (Measured on SmolLM2-135M: docs/stages/validate.md.)
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 import torch
 
@@ -34,9 +34,9 @@ from runtime.engine.target import TargetRunner
 def lossless_diff(spec: list[list[int]], ref: list[list[int]]) -> list[dict]:
     """Requests whose greedy speculative output differs from target-only output, with the first divergence."""
     bad = []
-    for i, (a, b) in enumerate(zip(spec, ref)):
+    for i, (a, b) in enumerate(zip(spec, ref, strict=True)):
         if a != b:
-            j = next((n for n, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            j = next((n for n, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
             bad.append({"request": i, "position": j, "speculative": a[j:j + 4], "target": b[j:j + 4]})
     return bad
 
@@ -202,7 +202,7 @@ class AcceptanceChecker:
                 self._bad("rejected", b, step, position=a + 1, token=nxt_l[r])
             q.emitted += drafts[:a] + [nxt_l[r]]
 
-    def finish(self, outputs: list[list[int]]) -> "AcceptanceChecker":
+    def finish(self, outputs: list[list[int]]) -> AcceptanceChecker:
         for b, q in enumerate(self.reqs):
             if q.steps == 0:
                 self._bad("missing", b, 0)
@@ -210,7 +210,8 @@ class AcceptanceChecker:
             want = self._cut(q.emitted)
             got = list(outputs[b]) if b < len(outputs) else None
             if got != want:
-                j = next((n for n, (u, v) in enumerate(zip(got or [], want)) if u != v), min(len(got or []), len(want)))
+                j = next((n for n, (u, v) in enumerate(zip(got or [], want, strict=False)) if u != v),
+                         min(len(got or []), len(want)))
                 self._bad("output", b, q.steps, position=j, got=(got or [])[j:j + 4], want=want[j:j + 4])
         return self
 
@@ -300,7 +301,7 @@ def decode_chunked_prefill(model, prompts: list[list[int]], *, max_new_tokens: i
 def first_divergence(out: list[int], ref: list[int]) -> int | None:
     if out == ref:
         return None
-    return next((n for n, (x, y) in enumerate(zip(out, ref)) if x != y), min(len(out), len(ref)))
+    return next((n for n, (x, y) in enumerate(zip(out, ref, strict=False)) if x != y), min(len(out), len(ref)))
 
 
 def divergence(outs: list[list[int]], refs: list[list[int]]) -> dict:
@@ -308,8 +309,8 @@ def divergence(outs: list[list[int]], refs: list[list[int]]) -> dict:
     positions compared up to and including the first divergence (all of the reference when none). The
     divergence rate per token = diverging / exposure is the maximum-likelihood hazard of a first divergence
     when each emitted token flips independently with the same small probability (a geometric model)."""
-    first = [first_divergence(o, r) for o, r in zip(outs, refs)]
-    exposure = sum((f + 1) if f is not None else len(r) for f, r in zip(first, refs))
+    first = [first_divergence(o, r) for o, r in zip(outs, refs, strict=True)]
+    exposure = sum((f + 1) if f is not None else len(r) for f, r in zip(first, refs, strict=True))
     n_div = sum(f is not None for f in first)
     hit = [f for f in first if f is not None]
     return {"prompts": len(refs), "diverging": n_div, "share_diverging": round(n_div / len(refs), 4) if refs else 0.0,

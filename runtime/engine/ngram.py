@@ -86,7 +86,7 @@ class NgramDrafter(Drafter):
 
     def begin(self, prompts):
         # observe() receives each position's following token: the prompt's first token comes from here
-        for h, p in zip(self.history, prompts):
+        for h, p in zip(self.history, prompts, strict=True):
             h[:] = [int(p[0])]
 
     def select_rows(self, idx):
@@ -94,7 +94,7 @@ class NgramDrafter(Drafter):
 
     def observe(self, hidden, next_tokens, counts):
         rows = next_tokens.tolist()
-        for h, row, c in zip(self.history, rows, counts.tolist()):
+        for h, row, c in zip(self.history, rows, counts.tolist(), strict=True):
             h.extend(row[:c])
 
     def propose(self, last, k, temperature, gen):

@@ -16,8 +16,8 @@ Callers import each part from the module that defines it.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 import torch
 
@@ -57,7 +57,7 @@ class SpeculativeEngine:
 
     def batch(self, *, draft_len: int = 0, temperature: float = 0.0, seed: int = 0, speculative: bool = True,
               top_p: float = 1.0, on_tokens: Callable[[int, list[int]], None] | None = None,
-              on_verify: Callable[["VerifyStep"], None] | None = None) -> "DecodeBatch":
+              on_verify: Callable[[VerifyStep], None] | None = None) -> DecodeBatch:
         """A running batch on this engine's target and drafter, with this engine's acceptance rule (`_accept`).
         Batches on one engine take turns: the one that runs holds the target's cache and the drafter's rows."""
         return DecodeBatch(self.target, self.drafter, draft_len=draft_len, temperature=temperature, seed=seed,
@@ -68,7 +68,7 @@ class SpeculativeEngine:
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, draft_len: int = 0, temperature: float = 0.0,
                  eos_token_id: int | Iterable[int] | None = None, seed: int = 0, speculative: bool = True,
                  top_p: float = 1.0, on_tokens: Callable[[int, list[int]], None] | None = None,
-                 on_verify: Callable[["VerifyStep"], None] | None = None) -> Generation:
+                 on_verify: Callable[[VerifyStep], None] | None = None) -> Generation:
         """`eos_token_id`: one id or several (an instruct model's end-of-turn and its eos); a request stops after
         the first of them. `top_p` < 1 restricts sampling (temperature > 0) to the nucleus; the acceptance rule
         then targets that distribution. `on_tokens(request index, tokens)` is called each time tokens are

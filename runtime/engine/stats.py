@@ -57,7 +57,7 @@ class RunStats:
 
     @property
     def per_position(self) -> list[float | None]:
-        return [h / r if r else None for h, r in zip(self.hits, self.reached)]
+        return [h / r if r else None for h, r in zip(self.hits, self.reached, strict=True)]
 
     def record_step(self, accepted: int, k: int) -> None:
         """One row's verification step that drafted k tokens and accepted `accepted` of them (per position and the
@@ -68,15 +68,15 @@ class RunStats:
             self.hits[j] += 1
         self.accepted_per_step[accepted] += 1
 
-    def merge(self, o: "RunStats") -> "RunStats":
+    def merge(self, o: RunStats) -> RunStats:
         out = RunStats(max(self.draft_len, o.draft_len))
         pad = lambda xs: xs + [0] * (out.draft_len - len(xs))  # noqa: E731
         for f in ("steps", "drafted", "accepted", "output_tokens", "prefill_s", "draft_s", "target_s", "other_s", "wall_s"):
             setattr(out, f, getattr(self, f) + getattr(o, f))
-        out.reached = [a + b for a, b in zip(pad(self.reached), pad(o.reached))]
-        out.hits = [a + b for a, b in zip(pad(self.hits), pad(o.hits))]
+        out.reached = [a + b for a, b in zip(pad(self.reached), pad(o.reached), strict=True)]
+        out.hits = [a + b for a, b in zip(pad(self.hits), pad(o.hits), strict=True)]
         hist = lambda xs: xs + [0] * (out.draft_len + 1 - len(xs))  # noqa: E731
-        out.accepted_per_step = [a + b for a, b in zip(hist(self.accepted_per_step), hist(o.accepted_per_step))]
+        out.accepted_per_step = [a + b for a, b in zip(hist(self.accepted_per_step), hist(o.accepted_per_step), strict=True)]
         out.rows_per_step = self.rows_per_step + o.rows_per_step
         return out
 

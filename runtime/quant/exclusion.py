@@ -123,7 +123,7 @@ def _compare(ref: list, test: list, samples) -> tuple[float, float]:
     """(relative perplexity increase, mean KL(ref || test)) over the scored positions."""
     nll_r = nll_t = kl = 0.0
     n = 0
-    for a, b, s in zip(ref, test, samples):
+    for a, b, s in zip(ref, test, samples, strict=True):
         tgt, mask = scored_positions(s, a.device)
         t = tgt[mask][:, None]
         nll_r -= a.gather(1, t).sum().item()

@@ -160,7 +160,7 @@ def layerwise_agreement(test, captured: list) -> list[float]:
     _, layers = decoder_layers(test)
     errs = []
     with torch.no_grad():
-        for layer, (h, kw, ref) in zip(layers, captured):
+        for layer, (h, kw, ref) in zip(layers, captured, strict=False):
             dev = next(iter(list(layer.parameters()) + list(layer.buffers()))).device
             kw = {k: (v.to(dev) if torch.is_tensor(v) else tuple(t.to(dev) for t in v) if isinstance(v, tuple) else v)
                   for k, v in kw.items()}
@@ -185,7 +185,7 @@ def noise_floor(test, samples: list[dict], base_logits: list, *, device=None) ->
     kl = agree = n = 0.0
     try:
         with torch.no_grad():
-            for s, base in zip(samples, base_logits):
+            for s, base in zip(samples, base_logits, strict=True):
                 lp = test(input_ids=s["input_ids"][None].to(device), use_cache=False).logits[0, :-1].float().to(device)
                 _, mask = scored_positions(s, device)
                 a, g, k = _kl_top1(base.to(device)[mask], lp[mask])

@@ -19,8 +19,8 @@ there too). A prompt plus `max_tokens` must fit the target's context (`max_posit
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from runtime.serving.jobs import Completion, GenerationRequest, Job, run_alone
 

@@ -26,7 +26,7 @@ import collections
 import threading
 import time
 import traceback
-from typing import Callable
+from collections.abc import Callable
 
 from runtime.serving.jobs import Group, Job, TextEngine
 
@@ -113,7 +113,7 @@ class Scheduler:
                             self.metrics("requests_failed", 1)
                             j.fail(RuntimeError(f"generation failed: {e}"))
             for rid in stop_ids:                 # after admission: a stopped request may just have been admitted
-                self._guarded(lambda rid=rid: self._cancel_where(lambda j: j.request_id == rid))
+                self._guarded(lambda rid=rid: self._cancel_where(lambda job: job.request_id == rid))
             for key in list(self.groups):
                 g = self.groups[key]
                 if g.live:
@@ -121,7 +121,7 @@ class Scheduler:
             now = time.monotonic()
             if now - self._last_cancel_check >= self.cancel_check_s:
                 self._last_cancel_check = now
-                self._guarded(lambda: self._cancel_where(lambda j: j.is_cancelled is not None and j.is_cancelled()))
+                self._guarded(lambda: self._cancel_where(lambda job: job.is_cancelled is not None and job.is_cancelled()))
                 with self.cv:
                     self._check_cancelled_locked()
             self._drop_empty()
@@ -143,7 +143,7 @@ class Scheduler:
             self.metrics("set:batch_rows", now[0])
             self.metrics("set:queue_depth", now[1])
 
-    def _guarded(self, fn, group: "Group | None" = None) -> None:
+    def _guarded(self, fn, group: Group | None = None) -> None:
         """Run one batch operation; if it fails, that batch's requests get the error and the model keeps serving."""
         try:
             fn()

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Protocol
 
 
 class TextEngine(Protocol):
@@ -69,7 +70,7 @@ class Job:
     """One request's life: decoding its tokens into text, stop strings, streaming callbacks, its result."""
 
     def __init__(self, engine: TextEngine, req: GenerationRequest, *, on_text: Callable[[str], None] | None = None,
-                 on_done: Callable[["Job"], None] | None = None, is_cancelled: Callable[[], bool] | None = None,
+                 on_done: Callable[[Job], None] | None = None, is_cancelled: Callable[[], bool] | None = None,
                  request_id: str = ""):
         self.engine, self.req = engine, req
         self.on_text, self.on_done, self.is_cancelled = on_text, on_done, is_cancelled
@@ -156,7 +157,7 @@ class Group:
             self.metrics("requests_joined_running_batch", len(jobs))
         keys = [self._next + i for i in range(len(jobs))]
         self._next += len(jobs)
-        for k, j in zip(keys, jobs):        # registered first: the prefill emits their first tokens
+        for k, j in zip(keys, jobs, strict=True):        # registered first: the prefill emits their first tokens
             self.jobs[k] = j
         try:
             self.batch.add([j.req.prompt_ids for j in jobs], max_new_tokens=[j.req.max_tokens for j in jobs],

@@ -15,6 +15,7 @@ What this module guarantees:
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -200,23 +201,20 @@ class TritonServer:
                 try:
                     self.process.wait(timeout=grace)
                 except subprocess.TimeoutExpired:
-                    try:  # the server is a session leader (start_new_session): its group = its stubs
+                    # the server is a session leader (start_new_session): its group = its stubs
+                    with contextlib.suppress(ProcessLookupError):
                         os.killpg(self.process.pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
                     self.process.wait(timeout=10)
             rc = self.process.returncode
             self.process = None
         for region in Path("/dev/shm").glob(f"{self.shm_prefix}*"):
-            try:
+            with contextlib.suppress(OSError):
                 region.unlink()
-            except OSError:
-                pass
         if self._own_work_dir:  # a temporary directory start() made: backends copy and log
             shutil.rmtree(self.work_dir, ignore_errors=True)
         return rc
 
-    def __enter__(self) -> "TritonServer":
+    def __enter__(self) -> TritonServer:
         return self
 
     def __exit__(self, *exc) -> None:

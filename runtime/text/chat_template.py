@@ -65,7 +65,7 @@ def _snip(s: str, at: int, width: int = 48) -> str:
 
 
 def _first_difference(a: str, b: str) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def dist_group():

@@ -30,8 +30,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from runtime.training.acceptance import modelopt_estimate, runtime_estimate
 from runtime.training.dist import dist_group, start_process

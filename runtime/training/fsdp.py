@@ -134,7 +134,7 @@ def allreduce_grads(params, world: int) -> None:
     dist.all_reduce(flat)
     flat /= world
     off = 0
-    for p, g in zip(params, grads):
+    for p, g in zip(params, grads, strict=True):
         n = g.numel()
         p.grad = flat[off: off + n].view_as(p).clone()
         off += n

@@ -8,8 +8,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from runtime.training.checkpoint import load_checkpoint, save_checkpoint
 from runtime.training.dist import Process, barrier, dist_group

@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from runtime.training.dist import Process, barrier, rank_world
 from runtime.training.fsdp import fsdp_active, load_target_skeleton, shard_target_layers

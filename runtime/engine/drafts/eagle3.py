@@ -62,7 +62,7 @@ class Eagle3Draft(nn.Module):
         out[..., ids] = logits
         return out
 
-    def plan(self, compute: str = "fp32") -> "DraftPlan":
+    def plan(self, compute: str = "fp32") -> DraftPlan:
         """The fused weights for `compute` (`fp32` | `bf16`), built on first use and kept (see `TargetRunner`)."""
         return draft_plan(self, compute)
 

@@ -2,7 +2,7 @@
 attention function that passes keys (after RoPE) and values through E4M3 with them."""
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 from torch import nn

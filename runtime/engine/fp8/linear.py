@@ -4,7 +4,7 @@ channel), `FP8Linear`, and the re-quantization of fused q/k/v and gate/up member
 (`trtllm_fuse_scales`)."""
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -188,7 +188,7 @@ class FP8Linear(nn.Module):
                 f"compute_dtype={self.compute_dtype}")
 
 
-def trtllm_fuse_scales(linears: Mapping[str, "FP8Linear"], dtype: torch.dtype = torch.bfloat16) -> list[list[str]]:
+def trtllm_fuse_scales(linears: Mapping[str, FP8Linear], dtype: torch.dtype = torch.bfloat16) -> list[list[str]]:
     """Re-quantize per-tensor FP8 members of TensorRT-LLM's fused GEMMs (q/k/v, gate/up of one block) onto one
     weight scale, the way TensorRT-LLM 1.2 loads them (tensorrt_llm/_torch/modules/linear.py @ ed53795b,
     FP8QDQLinearMethod.load_weights_fused_qkv_linear / _gate_up_linear): scale = max(member scales);
@@ -213,7 +213,7 @@ def trtllm_fuse_scales(linears: Mapping[str, "FP8Linear"], dtype: torch.dtype = 
                     m.input_scale = s_in.clone()
             if all(torch.equal(x, s) for x in scales):
                 continue
-            for m, own in zip(mods, scales):
+            for m, own in zip(mods, scales, strict=True):
                 w = m.weight.to(dtype) * own            # bf16 * 0-dim float32 -> bf16, as on the GPU
                 m.set_weight((w / s).to(FP8_DTYPE), s.clone())
             changed.append([f"{parent}.{g}" if parent else g for g in group])

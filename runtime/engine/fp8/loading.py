@@ -4,8 +4,8 @@ or FP8, tied embeddings kept tied)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Iterable, Mapping
 
 import torch
 from torch import nn
