@@ -35,6 +35,7 @@ from pipeline.artifacts import tune as tune_artifact
 from pipeline.artifacts import validate as validate_artifact
 from pipeline.errors import StageError
 from pipeline.stage import Artifact, StageContext, StageSection
+from runtime.quant import hf_quant_config
 
 NAME = "export"
 CONSUMES: tuple[str, ...] = ("data", "train_draft", "quantize", "validate", "build", "tune")   # tune: vLLM's per-batch k
@@ -244,11 +245,10 @@ def _speculators(ctx: StageContext, dep: dict, options: dict) -> dict:
     except S.SpeculatorsFormatError as e:
         raise StageError(f"the draft cannot be written in the speculators format for vLLM: {e} "
                          "(export.speculators: false exports without it)") from None
-    qcfg = Path(dep["target_dir"]) / "hf_quant_config.json"
-    kv = json.loads(qcfg.read_text()).get("quantization", {}).get("kv_cache_quant_algo") if qcfg.exists() else None
+    kv = hf_quant_config.kv_cache_quant_algo(dep["target_dir"])
     sched = V.schedule_from_predicted(tune_artifact.read_tuning(ctx.input("tune").path).get("predicted"))
     argv = V.vllm_serve_command(spec, target=dep["target_dir"], draft=str(final), max_model_len=dep.get("max_seq_len"),
-                                kv_cache_fp8=str(kv).upper() == "FP8",
+                                kv_cache_fp8=kv == "FP8",
                                 tensor_parallel_size=int(options.get("tensor_parallel_size") or 1), schedule=sched)
     (spec.path / "README.md").write_text(V.readme(spec, argv, draft=str(final), source_draft=str(src.resolve()),
                                                   deployed_draft=dep["draft_dir"]))

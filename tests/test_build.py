@@ -372,6 +372,8 @@ def _edit(path: Path, **kv):
     ("token_budget", lambda o, ck: o.update(max_num_tokens=40), "max_batch_size 16 x (1 + max_total_draft_tokens 4) = 80"),
     ("cuda_graph_batch_sizes", lambda o, ck: o["cuda_graph_config"]["batch_sizes"].append(32), "too large: [32]"),
     ("target_quant_config", lambda o, ck: (ck["target"] / "hf_quant_config.json").unlink(), "unquantized"),
+    # one reader (runtime/quant/hf_quant_config.py): a file that is not JSON is named as found, not a crash
+    ("target_quant_config", lambda o, ck: (ck["target"] / "hf_quant_config.json").write_text("{not json"), "found: unreadable"),
     ("draft_vocab", lambda o, ck: _resave(ck, drop=("d2t",)), "needs a d2t tensor of 256"),
     # eagle3.py: unset, TensorRT-LLM captures its own default layers (and raises for L <= 5)
     ("eagle3_capture_layers", lambda o, ck: o["speculative_config"].pop("eagle3_layers_to_capture"), "Not enough hidden layers"),

@@ -7,16 +7,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from runtime.quant import hf_quant_config
 from runtime.quant.modules import fused_groups, matches
 
 
 def read_hf_quant_config(path: Path) -> dict:
     """The `quantization` section of `path/hf_quant_config.json` ({} when the file is missing)."""
-    f = Path(path) / "hf_quant_config.json"
-    if not f.exists():
-        return {}
-    doc = json.loads(f.read_text())
-    return doc.get("quantization", doc)
+    return hf_quant_config.read(path) or {}
 
 
 def check_checkpoint(path: Path, *, kv_cache: bool, exclude: list[str] = (), quant_algo: str = "FP8") -> list[dict]:

@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from runtime.quant import hf_quant_config
 from runtime.trtllm import compat, draft_schedule, hf_config
 from runtime.trtllm.draft_schedule import DraftSchedule
 from runtime.trtllm.draft_weights import safetensors_dtypes, safetensors_tensors
@@ -44,11 +45,11 @@ def _read_json(path: Path) -> tuple[dict, str | None]:
 
 
 def _quant_algo(d: Path) -> tuple[str | None, bool]:
-    qc = Path(d) / "hf_quant_config.json"
-    if not qc.exists():
-        return None, False
-    doc, err = _read_json(qc)
-    return ("unreadable" if err else (doc.get("quantization") or {}).get("quant_algo")), True
+    try:
+        block = hf_quant_config.read(d)
+    except hf_quant_config.HFQuantConfigError:
+        return "unreadable", True
+    return (None, False) if block is None else (block.get("quant_algo"), True)
 
 
 def consistency_checks(options: dict, *, version: str, algorithm: str, target_dir: Path, draft_dir: Path | None,

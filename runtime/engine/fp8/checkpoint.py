@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from runtime.quant import hf_quant_config
+
 SCALE_SUFFIXES = ("weight_scale", "input_scale", "k_scale", "v_scale", "output_scale")
 
 # hf_quant_config.json quant_algo -> how activations are quantized (ModelOpt 0.47 export names; TensorRT-LLM 1.2
@@ -23,10 +25,9 @@ def read_quant_config(path: str | Path) -> dict | None:
     here; `stages.quantize` checks separately that the file exists, since TensorRT-LLM 1.2 needs it.
     """
     path = Path(path)
-    f = path / "hf_quant_config.json"
-    if f.exists():
-        doc = json.loads(f.read_text())
-        return doc.get("quantization", doc)
+    block = hf_quant_config.read(path)
+    if block is not None:
+        return block
     cfg_file = path / "config.json"
     if cfg_file.exists():
         qc = json.loads(cfg_file.read_text()).get("quantization_config")
@@ -39,12 +40,7 @@ def read_quant_config(path: str | Path) -> dict | None:
 
 def quant_algo(path: str | Path) -> str | None:
     """`quant_algo` of the checkpoint's `hf_quant_config.json` (upper case), or None when the file is absent."""
-    f = Path(path) / "hf_quant_config.json"
-    if not f.exists():
-        return None
-    doc = json.loads(f.read_text())
-    algo = doc.get("quantization", doc).get("quant_algo")
-    return str(algo).upper() if algo else None
+    return hf_quant_config.quant_algo(path)
 
 
 def is_fp8_checkpoint(path: str | Path) -> bool:
