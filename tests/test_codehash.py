@@ -2,6 +2,8 @@
 reaches re-runs that stage, an edit of one it does not reach leaves it current."""
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 from pipeline import codehash, registry
@@ -49,6 +51,28 @@ def test_an_edit_of_reached_code_changes_the_digests_and_names_the_file(tmp_path
     after = codehash.code_digests(stage, tmp_path)
     assert after != before and codehash.changed_files(before, after) == ["runtime/sub/deep.py"]
     assert codehash.changed_files("an old single hash", after) == []
+
+
+def test_cached_imports_follow_every_edit_and_survive_a_broken_cache(tmp_path, monkeypatch):
+    """The imports cache (one parse per file version, kept on disk for the next process) never answers for another
+    version of a file: an import added after the file was cached is followed; a corrupt cache is only a slower parse."""
+    monkeypatch.setenv("SPECPIPE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(codehash, "_CACHE", codehash._ImportCache())
+    stage = _tree(tmp_path / "repo")
+    root = tmp_path / "repo"
+    first = codehash.closure(stage, root)
+    cache_file = tmp_path / "cache" / "code-imports.json"
+    cached = json.loads(cache_file.read_text())
+    assert f"runtime/a.py:{hashlib.sha256((root / 'runtime/a.py').read_bytes()).hexdigest()}" in cached
+    (root / "runtime/a.py").write_text("from . import b, c\n\ndef f(x):\n    return b.g(x) + c.unused()\n")
+    assert root / "runtime/c.py" in codehash.closure(stage, root) and root / "runtime/c.py" not in first
+    # a new process reads the cache from disk: same answers; a corrupt file is ignored and rewritten
+    monkeypatch.setattr(codehash, "_CACHE", codehash._ImportCache())
+    assert codehash.closure(stage, root) == codehash.closure(stage, root)
+    cache_file.write_text("{not json")
+    monkeypatch.setattr(codehash, "_CACHE", codehash._ImportCache())
+    assert root / "runtime/c.py" in codehash.closure(stage, root)
+    assert isinstance(json.loads(cache_file.read_text()), dict)
 
 
 def test_each_stage_fingerprints_the_runtime_it_runs():
