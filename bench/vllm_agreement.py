@@ -25,6 +25,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", type=Path, required=True)
     ap.add_argument("--prompts-per-domain", type=int, default=16)
+    ap.add_argument("--eval-dir", type=Path, default=None,
+                    help="a data artifact to take the evaluation prompts from (default: the workdir's); e.g. one the "
+                         "data stage wrote with a larger data.eval_prompts, to measure on more prompts than validate has")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--draft-len", type=int, default=4)
     ap.add_argument("--batch", type=int, default=4, help="the runtime's batch (validate.batch_size)")
@@ -80,7 +83,13 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     arts = a.workdir / "artifacts"
     eos = json.loads((arts / "target" / "target.json").read_text()).get("eos_token_ids") or []
-    prompts = read_eval(arts / "data", per_domain=a.prompts_per_domain)
+    prompts = read_eval(a.eval_dir or arts / "data", per_domain=a.prompts_per_domain)
+    short = {d: len(ps) for d, ps in prompts.items() if len(ps) < a.prompts_per_domain}
+    if short:
+        print(f"error: --prompts-per-domain {a.prompts_per_domain}, but {a.eval_dir or arts / 'data'} holds only "
+              f"{short}: pass --eval-dir with a data artifact written with data.eval_prompts >= "
+              f"{a.prompts_per_domain}", file=sys.stderr)
+        return 2
     rt = runtime_side(arts, prompts, a, eos)
     with tempfile.TemporaryDirectory(prefix="vllm-agreement-") as tmp:
         vl = vllm_side(arts, prompts, a, Path(tmp))
