@@ -110,7 +110,7 @@ def test_the_check_fails_when_a_package_loses_its_fast_tests(selected):
     stage_modules = {f"stages/{p.name}" for p in (REPO / "stages").glob("*.py") if p.name != "__init__.py"}
     imported = set().union(*(reached(REPO, REPO / m) for m in modules))
     no_build = {n: f for n, f in selected.items() if "tiny_run" not in f}
-    assert set(unreached(REPO, no_build)) == stage_modules - imported
+    assert {s for s in unreached(REPO, no_build) if s.startswith("stages/")} == stage_modules - imported
     assert unreached(REPO, {}) == sorted(packages(REPO) | stage_modules)
 
 
