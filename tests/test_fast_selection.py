@@ -7,6 +7,7 @@ made from it: every registered stage runs and commits)."""
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import re
 import subprocess
@@ -52,7 +53,8 @@ def packages(repo: Path) -> set[str]:
     return {d for d in dirs if d.replace("/", ".") not in data}
 
 
-def reached(repo: Path, module: Path) -> set[str]:
+@functools.cache
+def reached(repo: Path, module: Path) -> frozenset[str]:
     """The project folders (and stage modules, as `stages/<name>.py`) one test module imports from."""
     names = set()
     for node in ast.walk(ast.parse(module.read_text())):
@@ -69,7 +71,7 @@ def reached(repo: Path, module: Path) -> set[str]:
             out.add(p.parent.relative_to(repo).as_posix())
             if p.parent.name == "stages":
                 out.add(p.with_suffix(".py").relative_to(repo).as_posix())
-    return out
+    return frozenset(out)
 
 
 def unreached(repo: Path, selection: dict[str, list[str]]) -> list[str]:
