@@ -12,6 +12,8 @@ import pytest
 
 from pipeline import registry
 
+pytestmark = pytest.mark.fast
+
 REPO = Path(__file__).resolve().parent.parent
 
 

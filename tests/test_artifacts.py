@@ -9,6 +9,8 @@ import pytest
 from pipeline.artifacts import data, quantize, target
 from pipeline.errors import StageError
 
+pytestmark = pytest.mark.fast
+
 
 def _parquet(path, ids, masks):
     from datasets import Dataset

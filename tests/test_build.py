@@ -167,6 +167,7 @@ ONE_ENGINE_13 = dict(version="1.3.0rc27", schedule=DraftSchedule.from_json({"run
 # ------------------------------------------------------------------------------------------ schema keys
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("version,kw", [
     ("1.2.1", {}),
     ("1.2.1", {**TWO_MODEL_12, "acceptance_window": 32, "min_acceptance_rate": 0.3}),
@@ -208,6 +209,7 @@ def test_packaged_schemas_match_the_reference():
 # ------------------------------------------------------------------------------------------ schedules per version and mode
 
 
+@pytest.mark.fast
 def test_schedule_is_written_in_each_versions_semantics_and_read_back():
     """1.2 keys are lower bounds, 1.3 upper bounds (runtime/trtllm/schemas rules, from llm_args.py); what is written
     decodes back to the same step function under the version's rules."""
@@ -307,6 +309,7 @@ def test_tensorrt_engine_backend_with_eagle3_is_a_config_error_that_explains():
     assert "EAGLE-3" in msg and "PyTorch backend" in msg and "build.backend: pytorch" in msg
 
 
+@pytest.mark.fast
 def test_other_config_errors():
     assert "build.pipeline_parallel_size" in dict(build.check(_cfg("eagle3", pipeline_parallel_size=2)))
     assert "build.eagle3_mode" in dict(build.check(_cfg("eagle3", trtllm_version="1.3.0rc27", eagle3_mode="two_model")))
@@ -339,6 +342,7 @@ def _checks(opts, ck, **kw):
                       target_rope_theta=1e5, draft_rope_theta=1e4, **kw)
 
 
+@pytest.mark.fast
 def test_consistency_checks_pass_on_a_good_deployment(tmp_path):
     opts, ck = _good(tmp_path)
     got = _checks(opts, ck)
@@ -368,6 +372,7 @@ def _edit(path: Path, **kv):
     path.write_text(json.dumps(d))
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("name,breaker,needle", [
     ("token_budget", lambda o, ck: o.update(max_num_tokens=40), "max_batch_size 16 x (1 + max_total_draft_tokens 4) = 80"),
     ("cuda_graph_batch_sizes", lambda o, ck: o["cuda_graph_config"]["batch_sizes"].append(32), "too large: [32]"),
@@ -419,6 +424,7 @@ def test_schedule_as_tuned_fails_when_options_would_run_something_else(tmp_path)
 # ------------------------------------------------------------------------------------------ the stage
 
 
+@pytest.mark.fast
 def test_build_stage_writes_a_checked_deployment(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorrt_llm", None)   # `import tensorrt_llm` fails, whatever is installed
     ck = write_checkpoints(tmp_path)

@@ -223,6 +223,7 @@ def test_token_across_the_header_boundary_is_a_sample_error(smol_dir):
     assert "has ['istant', '<|end_header_id|>', 'Ċ', 'Ċ']" in msg
 
 
+@pytest.mark.fast
 def test_generation_tags_are_used_exactly_and_agree_with_the_derivation(tmp_path):
     """The tiny target's template has {% generation %} tags: its mask is transformers' assistant mask, unchanged;
     the same template without the tags gives the same mask by derivation."""
@@ -240,6 +241,7 @@ def test_generation_tags_are_used_exactly_and_agree_with_the_derivation(tmp_path
     assert not plain.tagged and plain.encode(chat) == (ids, mask)
 
 
+@pytest.mark.fast
 def test_template_syntax_check():
     assert check_template_syntax((TEMPLATES / "qwen3-0.6b.jinja").read_text()) is None
     assert check_template_syntax("{% generation %}{{ x }}{% endgeneration %}") is None

@@ -6,7 +6,11 @@ import hashlib
 import json
 from pathlib import Path
 
+import pytest
+
 from pipeline import codehash, registry
+
+pytestmark = pytest.mark.fast
 
 REPO = Path(__file__).resolve().parent.parent
 

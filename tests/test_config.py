@@ -47,6 +47,7 @@ BAD = [
 ]
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("extra,path,word", BAD, ids=[b[1] for b in BAD])
 def test_bad_config_names_the_dotted_path(tmp_path, extra, path, word):
     doc = _merge(BASE, extra)
@@ -61,6 +62,7 @@ def test_bad_config_names_the_dotted_path(tmp_path, extra, path, word):
     assert word in msg, msg
 
 
+@pytest.mark.fast
 def test_every_problem_is_reported_at_once(tmp_path):
     p = _write(tmp_path, _merge(BASE, {"target": {"tiny": {"steps": "x", "lr": "y"}}, "bogus": 1}))
     with pytest.raises(ConfigError) as ei:
@@ -68,6 +70,7 @@ def test_every_problem_is_reported_at_once(tmp_path):
     assert {pp for pp, _ in ei.value.problems} >= {"target.tiny.steps", "target.tiny.lr", "bogus"}
 
 
+@pytest.mark.fast
 def test_union_tags_never_appear_in_paths(tmp_path):
     p = _write(tmp_path, _merge(BASE, {"data": {"sources": [{"kind": "hf", "name": "x", "columns": {"weird": "c"}}]}}))
     with pytest.raises(ConfigError) as ei:
@@ -77,6 +80,7 @@ def test_union_tags_never_appear_in_paths(tmp_path):
         assert pp.startswith("data.sources.0.columns"), pp
 
 
+@pytest.mark.fast
 def test_line_numbers_point_into_the_file(tmp_path):
     p = _write(tmp_path, "target:\n  bootstrap: tiny\n  tiny:\n    steps: lots\n")
     with pytest.raises(ConfigError) as ei:
@@ -84,6 +88,7 @@ def test_line_numbers_point_into_the_file(tmp_path):
     assert "line 4" in dict(ei.value.problems)["target.tiny.steps"]
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("text,word", [
     ("target:\n  bootstrap: tiny\n   tiny: {}\n", "YAML syntax error"),
     ("target: {bootstrap: tiny}\ntarget: {bootstrap: tiny}\n", "duplicate key 'target'"),
@@ -98,12 +103,14 @@ def test_yaml_problems(tmp_path, text, word):
         assert ":3:" in ei.value.lines()[0]   # file:line:column
 
 
+@pytest.mark.fast
 def test_missing_file(tmp_path):
     with pytest.raises(ConfigError) as ei:
         load_config(tmp_path / "nope.yaml")
     assert "config file not found" in ei.value.lines()[0]
 
 
+@pytest.mark.fast
 def test_overrides_are_typed_and_validated(tmp_path):
     p = _write(tmp_path, BASE)
     cfg = load_config(p, ["target.tiny.steps=7", "target.tiny.lr=0.01", "data.regenerate.enabled=true"])
@@ -122,6 +129,7 @@ def test_overrides_are_typed_and_validated(tmp_path):
         load_config(p, ["novalue"])
 
 
+@pytest.mark.fast
 def test_disabled_input_stage_is_a_config_error(tmp_path):
     p = _write(tmp_path, BASE)
     with pytest.raises(ConfigError) as ei:
@@ -140,6 +148,7 @@ def test_every_shipped_config_validates(path, request):
     assert "specpipe build configs/" in text.split("\n\n")[0], f"{path.name}: opening comment must give the command"
 
 
+@pytest.mark.fast
 def test_cli_check_exit_codes_and_no_traceback(tmp_path):
     good = run_cli("check", str(REPO / "configs" / "tiny_fp8_eagle3.yaml"))
     assert good.returncode == 0, good.stderr
@@ -159,6 +168,7 @@ def test_cli_check_exit_codes_and_no_traceback(tmp_path):
     assert not (tmp_path / "w" / "artifacts").exists()
 
 
+@pytest.mark.fast
 def test_status_and_report_need_a_workdir_unless_one_run_exists(tmp_path):
     for cmd in ("status", "report"):
         r = run_cli(cmd, cwd=tmp_path)

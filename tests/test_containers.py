@@ -12,6 +12,8 @@ from runtime.trtllm import compat
 
 from conftest import REPO
 
+pytestmark = pytest.mark.fast
+
 INSTRUCTIONS = {"FROM", "ARG", "ENV", "RUN", "COPY", "ADD", "WORKDIR", "ENTRYPOINT", "CMD", "EXPOSE", "LABEL",
                 "USER", "VOLUME", "HEALTHCHECK", "SHELL", "STOPSIGNAL", "ONBUILD"}
 SHARED_SCHEMAS = REPO / "tests" / "data" / "trtllm_reference"   # upstream extractions, see its README

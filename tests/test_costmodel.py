@@ -18,6 +18,8 @@ from runtime.cost import tuning
 
 from conftest import run_cli, tiny_overrides
 
+pytestmark = pytest.mark.fast
+
 L8B = cm.llama("8b", num_layers=32, hidden=4096, heads=32, kv_heads=8, intermediate=14336, vocab=128256)
 L70B = cm.llama("70b", num_layers=80, hidden=8192, heads=64, kv_heads=8, intermediate=28672, vocab=128256)
 FP8 = cm.Precision("fp8", 1.0, 1.0)

@@ -1,9 +1,13 @@
 """The README stays true: its config reference matches the code, its first commands are the ones CI runs."""
 from __future__ import annotations
 
+import pytest
+
 from pipeline.docs import BEGIN, END, generate
 
 from conftest import REPO
+
+pytestmark = pytest.mark.fast
 
 
 def test_readme_config_reference_is_current():

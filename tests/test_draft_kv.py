@@ -41,6 +41,7 @@ def run_dir(request) -> Path:
     return wd
 
 
+@pytest.mark.fast
 def test_fp8_kv_cache_holds_e4m3_values_at_its_scale():
     torch.manual_seed(0)
     k, v = torch.randn(2, 2, 3, 8) * 3, torch.randn(2, 2, 3, 8) * 3
@@ -134,6 +135,7 @@ def test_validate_without_fp8_draft_kv_measures_one_arm(run_dir, tmp_path):
     assert "AL FP8, draft BF16 KV" not in V._render(a)
 
 
+@pytest.mark.fast
 def test_draft_kv_cache_resolution():
     auto = V.Config()
     assert V.draft_kv_cache(auto, True)["dtype"] == "fp8" and V.draft_kv_cache(auto, False)["dtype"] == "bf16"

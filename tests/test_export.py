@@ -60,6 +60,7 @@ def parse(p: Path):
     return text_format.Parse(p.read_text(), model_config_pb2.ModelConfig())
 
 
+@pytest.mark.fast
 def test_export_refuses_when_the_gate_failed(tmp_path):
     write_checkpoints(tmp_path)
     gate(tmp_path, False)
@@ -98,6 +99,7 @@ def test_production_config_pbtxt_states_decoupled_and_max_batch_size(exported):
     assert body["triton_config"]["decoupled"] is True
 
 
+@pytest.mark.fast
 def test_a_broken_config_is_a_parse_error_with_its_position(tmp_path):
     p = tmp_path / "config.pbtxt"
     p.write_text('name: "m"\nbackend: "python"\ninput { name: "x" data_type: TYPE_INT33 dims: [ 1 ] }\n')
@@ -172,6 +174,7 @@ def test_dflash_exports_for_1_3_with_a_custom_image_note(tmp_path):
     assert json.loads((out / "export.json").read_text())["triton_image"] is None
 
 
+@pytest.mark.fast
 def test_export_without_speculation(tmp_path):
     """Defect 7 end to end: tune says speculation never pays; build deploys the target alone; export writes both
     repositories without a draft, and says why."""
@@ -216,6 +219,7 @@ def _assert_deployment_is_the_targeted_versions(arts: Path, version: str) -> dic
     return {"dep": dep, "sc": sc, "tcfg": tcfg}
 
 
+@pytest.mark.fast
 def test_tiny_pipeline_deployment_is_the_targeted_versions(tiny_run):
     """The tiny pipeline end to end (configs/tiny_fp8_eagle3.yaml, TensorRT-LLM 1.2.1 one-model)."""
     from conftest import artifact_dir
@@ -294,6 +298,7 @@ def test_real_model_deployment_is_the_targeted_versions(real_model, tmp_path):
         assert "theta 100000" in names["target_rope"]["message"]
 
 
+@pytest.mark.fast
 def test_serve_without_an_export_is_a_usage_error(tmp_path):
     from conftest import run_cli
 

@@ -7,6 +7,10 @@ import os
 import stat
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.fast
+
 # What a deployment loads: the Triton repositories and the speculators export (export/), the TensorRT-LLM deployment
 # (build/deployment/), the FP8 target every serve command names (quantize/target_fp8/), and the drafts they name.
 TREES = ("export", "build/deployment", "quantize/target_fp8", "train_draft/draft")

@@ -235,6 +235,7 @@ def test_per_channel_per_token_checkpoint_loads_and_matches_fake_quant(ckpts, tm
     assert diff.median().item() < 1e-6 and diff.max().item() < effect / 3
 
 
+@pytest.mark.fast
 def test_static_activation_quantization_multiplies_by_the_reciprocal():
     """TensorRT-LLM's static FP8 quantization computes x * (1 / scale) (cudaFp8Utils.cu scaleMatrix<PER_TENSOR>).
     x = -9.75 with scale 13/448 sits exactly on a tie in x / scale (-336, between -320 and -352): division rounds it
@@ -247,6 +248,7 @@ def test_static_activation_quantization_multiplies_by_the_reciprocal():
     assert got[2].item() == 448.0                     # saturates at the largest finite E4M3 value
 
 
+@pytest.mark.fast
 def test_per_token_quantization_on_known_values():
     """s = max(amax(row) / 448, 1 / (448 * 512)) per row, q = E4M3(x / s) (TensorRT-LLM dynamicQuantizeMatrixPerToken)."""
     x = torch.tensor([[2.0, -1.0, 0.5, 0.0],           # amax 2: x / s = 448, -224, 112, 0 exactly
@@ -272,6 +274,7 @@ def test_per_token_quantization_on_known_values():
     assert torch.allclose(lin(x), expect, atol=1e-6)
 
 
+@pytest.mark.fast
 def test_per_channel_weight_scales():
     torch.manual_seed(3)
     w = torch.randn(8, 16)
@@ -285,6 +288,7 @@ def test_per_channel_weight_scales():
         fp8.FP8Linear(wq, ws[:4])
 
 
+@pytest.mark.fast
 def test_trtllm_fuse_scales_requantizes_like_tensorrt_llm():
     """FP8QDQLinearMethod.load_weights_fused_qkv_linear (linear.py @ ed53795b): weight_scale = max(scales);
     w_i = w_i.to(bf16) * scale_i; fused = (cat(w) / weight_scale).to(float8); input_scale = max(input_scales)."""
@@ -335,6 +339,7 @@ def test_tied_embeddings_share_one_tensor_and_a_diverging_head_is_refused(tmp_pa
         fp8.load_causal_lm(tmp_path / "t")
 
 
+@pytest.mark.fast
 def test_fp8linear_arithmetic():
     torch.manual_seed(1)
     w = torch.randn(32, 16)
@@ -355,6 +360,7 @@ def test_fp8linear_arithmetic():
         fp8.FP8Linear(w, ws)
 
 
+@pytest.mark.fast
 def test_swap_and_load_on_any_module_tree():
     """The draft runtime's path: a module tree transformers does not know, loaded from an FP8 state dict."""
     torch.manual_seed(2)

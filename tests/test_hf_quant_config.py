@@ -10,6 +10,8 @@ import pytest
 from runtime.engine.fp8 import checkpoint
 from runtime.quant import checks, hf_quant_config
 
+pytestmark = pytest.mark.fast
+
 
 def _write(d, doc):
     d.mkdir(parents=True, exist_ok=True)

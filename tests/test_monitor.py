@@ -68,6 +68,7 @@ def test_false_alarm_rate_is_below_the_design_under_the_baseline():
     assert rate <= 1e-3
 
 
+@pytest.mark.fast
 def test_a_deviation_inside_the_tolerance_band_does_not_alarm():
     from pipeline.monitor import scaled_for_mean, step_moments
 
@@ -77,6 +78,7 @@ def test_a_deviation_inside_the_tolerance_band_does_not_alarm():
     assert alarms.sum() / (1000 * 100) <= 1e-3
 
 
+@pytest.mark.fast
 def test_the_designed_drop_is_detected_within_a_few_probes():
     from pipeline.monitor import scaled_for_mean, step_moments
 
@@ -89,6 +91,7 @@ def test_the_designed_drop_is_detected_within_a_few_probes():
     assert np.percentile(first, 99) <= 10
 
 
+@pytest.mark.fast
 def test_baseline_at_a_shorter_deployed_draft_length():
     """validate measured 4 positions; deployed at 2 the baseline uses the first two: AL = 1 + p1 + p1 p2."""
     from pipeline.monitor import Design, make_test

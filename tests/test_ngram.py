@@ -35,6 +35,7 @@ FIXED = [
 ]
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("tokens,min_n,max_n,k,max_len,want", FIXED)
 def test_rule_on_fixed_cases(tokens, min_n, max_n, k, max_len, want):
     assert longest_match_proposal(tokens, min_n, max_n, k, max_len) == want
@@ -153,6 +154,7 @@ def test_sampling_with_ngram_keeps_the_target_distribution(tiny_target):
 # ---------------------------------------------------------------------------------------------- validate and build
 
 
+@pytest.mark.fast
 def test_validate_measures_ngram_per_domain_beside_the_trained_draft(run_dir):
     """The tiny run's validate: n-gram drafting on every domain (same prompts), which pays more judged on AL, in
     acceptance.json, the stage metrics (`status --json`) and the report's table."""
@@ -177,6 +179,7 @@ def test_validate_measures_ngram_per_domain_beside_the_trained_draft(run_dir):
     assert "free n-gram (prompt-lookup) drafting" in (run_dir / "report.html").read_text()
 
 
+@pytest.mark.fast
 def test_ngram_deployment_files_and_key_checks(run_dir, tmp_path):
     """build.ngram's writer on the tiny run's deployment options: TensorRT-LLM options with NGramDecodingConfig
     (every key in 1.2.1's field list), vLLM's speculative_config, serve scripts, the README naming the winners; a

@@ -82,6 +82,7 @@ def test_export_tells_clients_the_templated_text_that_gives_validates_tokens(tmp
     assert doc["prompt_format"]["file"] == "triton/prompt_format.json"
 
 
+@pytest.mark.fast
 def test_without_a_chat_template_clients_send_raw_text(tmp_path):
     write_checkpoints(tmp_path)
     gate(tmp_path, True)
@@ -93,6 +94,7 @@ def test_without_a_chat_template_clients_send_raw_text(tmp_path):
     assert "send `text_input` as plain text" in (triton / "README.md").read_text()
 
 
+@pytest.mark.fast
 def test_monitor_probes_with_the_text_clients_send_and_refuses_another_template(tmp_path):
     from pipeline import monitor
     from runtime.serving.prompt_format import describe, text_input_for

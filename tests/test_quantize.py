@@ -289,6 +289,7 @@ def test_quality_gate_fails_the_stage_naming_the_numbers(built):
     assert len(msgs) == 1 and "10.0000" in msgs[0] and "10.3100" in msgs[0] and "+3.100%" in msgs[0] and "2.000%" in msgs[0]
 
 
+@pytest.mark.fast
 def test_config():
     from pydantic import ValidationError
 
@@ -332,6 +333,7 @@ def test_excluding_a_whole_layer_keeps_its_kv_scales(built, tmp_path):
     assert not typo["excluded_high_precision"]["passed"] and "matches no linear" in typo["excluded_high_precision"]["message"]
 
 
+@pytest.mark.fast
 def test_placement_spreads_a_model_larger_than_one_gpu():
     """The decision behind quantize's model placement on GPUs (the dispatch itself needs several GPUs):
     Llama-3.3-70B in bf16 on 8 x H200 is spread, an 8B stays on one, 1.1 TB of weights on one node is refused."""
@@ -347,6 +349,7 @@ def test_placement_spreads_a_model_larger_than_one_gpu():
         plan(1, [])
 
 
+@pytest.mark.fast
 def test_placement_on_cpu_is_a_plain_move():
     import torch
 

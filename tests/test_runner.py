@@ -26,6 +26,7 @@ def _fps(cfg, store) -> dict[str, str]:
     return {p.name: p.fingerprint for p in runner.make_plan(cfg, store)}
 
 
+@pytest.mark.fast
 def test_fingerprints_are_deterministic_and_scoped(tmp_path):
     store = Store(tmp_path)
     a, b = _fps(_cfg(), store), _fps(_cfg(), store)
@@ -52,6 +53,7 @@ def _fake_commit(store: Store, cfg, name: str) -> None:
                              "metrics": {}, "provenance": {}})
 
 
+@pytest.mark.fast
 def test_plan_reasons(tmp_path):
     store = Store(tmp_path)
     cfg = _cfg()
@@ -94,6 +96,7 @@ def test_plan_reasons(tmp_path):
         runner.make_plan(cfg, store, only="nope")
 
 
+@pytest.mark.fast
 def test_only_requires_up_to_date_inputs(tmp_path):
     store = Store(tmp_path)
     cfg = _cfg()
@@ -104,6 +107,7 @@ def test_only_requires_up_to_date_inputs(tmp_path):
     assert plan["data"].action == "run" and plan["target"].action == "excluded"
 
 
+@pytest.mark.fast
 def test_commit_is_atomic_and_replaces(tmp_path):
     store = Store(tmp_path)
     tmp = store.new_tmp("s")
@@ -126,6 +130,7 @@ def test_commit_is_atomic_and_replaces(tmp_path):
     assert store.manifest("s") is None and store.artifact("s") is None
 
 
+@pytest.mark.fast
 def test_lock_refuses_a_second_build(tmp_path):
     wd = tmp_path / "w"
     holder = Store(wd)
@@ -208,6 +213,7 @@ def test_sigkill_mid_training_resumes_from_checkpoint(tmp_path):
     assert not (wd / "scratch" / "target").exists()   # scratch is dropped once committed
 
 
+@pytest.mark.fast
 def test_execution_only_fields_stay_out_of_fingerprints(tmp_path):
     store = Store(tmp_path)
     def launcher(**kw):

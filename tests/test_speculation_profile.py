@@ -39,6 +39,7 @@ def _copy(run_dir: Path, tmp_path: Path) -> Path:
 # ---------------------------------------------------------------------------------------------- the numbers
 
 
+@pytest.mark.fast
 def test_vectors_follow_modelopts_conventions():
     """PR #2247's worked example (nvidia/MiniMax-M2.7-DFlash on MT-Bench): marginal [0.816, 0.634, 0.475] with
     conditional [0.816, 0.777, 0.750] and AL 2.925; as a histogram of accepted counts over 1000 steps."""
@@ -56,6 +57,7 @@ def test_vectors_follow_modelopts_conventions():
     assert block({"per_position": None, "acceptance_length": 1.7}, 3)["measured"] is False   # TensorRT-LLM runtime
 
 
+@pytest.mark.fast
 def test_run_stats_record_the_accepted_count_histogram():
     """validate's statistics carry the histogram; the per-position conditionals are its ratios, and a histogram
     derived from per_position and steps (an acceptance.json written before the histogram) is the same."""
@@ -80,6 +82,7 @@ def test_run_stats_record_the_accepted_count_histogram():
     assert derived == a_d["accepted_per_step"] and source.startswith("derived")
 
 
+@pytest.mark.fast
 def test_engine_measured_entries_become_measurements():
     """The hook for engine-measured acceptance: acceptance.json `engines` -> one measurement per engine, after
     validate's (which stays the top level)."""
@@ -103,6 +106,7 @@ def test_engine_measured_entries_become_measurements():
 # ---------------------------------------------------------------------------------------------- the tiny run
 
 
+@pytest.mark.fast
 def test_every_exported_draft_carries_the_profile(run_dir):
     arts = run_dir / "artifacts"
     ex = json.loads((arts / "export" / "export.json").read_text())

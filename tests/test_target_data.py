@@ -97,6 +97,7 @@ def test_bad_local_models_fail_clearly(tmp_path, local_model, case):
     assert not (tmp_path / "w" / "artifacts" / "target").exists()
 
 
+@pytest.mark.fast
 def test_hub_id_offline_fails_with_advice(tmp_path):
     cfg = _config(tmp_path, {"model": "some-org/some-model"})
     r = run_cli("build", str(cfg), "--workdir", str(tmp_path / "w"), *_only_upto("target"))
@@ -590,6 +591,7 @@ def test_user_chat_template_renders_samples_and_eval_prompts(tmp_path, real_targ
     assert f"{gsm}:" in r.stderr and "is not closed by the end-of-turn token '<|im_end|>'" in r.stderr
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("case", ["missing", "syntax"])
 def test_user_chat_template_is_validated(tmp_path, case):
     p = tmp_path / "t.jinja"

@@ -26,6 +26,8 @@ from stages import tune
 
 from conftest import run_cli
 
+pytestmark = pytest.mark.fast
+
 LLAMA_8B = dict(architecture="LlamaForCausalLM", num_layers=32, hidden_size=4096, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, intermediate_size=14336, vocab_size=128256,
                 max_position_embeddings=131072, dtype="bfloat16")

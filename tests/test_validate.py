@@ -181,6 +181,7 @@ def test_runtime_choice(monkeypatch):
     assert V._choose_runtime("auto")[0] == "tensorrt_llm" and V._choose_runtime("tensorrt_llm")[0] == "tensorrt_llm"
 
 
+@pytest.mark.fast
 def test_trtllm_is_unavailable_without_its_package(monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorrt_llm", None)
     ok, why = trtllm_available()
@@ -283,6 +284,7 @@ def test_impossible_gate_blocks_later_stages(tiny_run, tmp_path):
     assert all(st[n]["last_build"] == "blocked" for n in after)
 
 
+@pytest.mark.fast
 def test_lossless_gate_rows():
     """Each part of the lossless check is its own gate row; fp32 ties pass the exact part, nothing else does."""
     base = {"domains": {}, "overall": {"fp8": {"acceptance_length": 2.0}}}
@@ -520,6 +522,7 @@ def test_broken_engine_fails_the_stage_gate(arts, tmp_path, monkeypatch, name, f
 # ---------------------------------------------------------------------------------------------- statistics
 
 
+@pytest.mark.fast
 def test_divergence_and_rate_test_known_answers():
     from runtime.engine.lossless import binom_sf, divergence, rate_test
 
@@ -562,6 +565,7 @@ def test_chunked_prefill_decoder_equals_generate_on_an_exact_target(tiny):
 # ---------------------------------------------------------------------------------------------- eos
 
 
+@pytest.mark.fast
 def test_eos_ids_from_target_json():
     assert stop_ids({"eos_token_id": 2}) == [2]
     assert stop_ids({"eos_token_id": 2, "eos_token_ids": [2, 7]}) == [2, 7]

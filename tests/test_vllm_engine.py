@@ -39,6 +39,7 @@ vllm:spec_decode_num_accepted_tokens_per_pos_created{engine="0",model_name="m",p
 """
 
 
+@pytest.mark.fast
 def test_parse_spec_decode_counters_and_delta():
     c = E.parse_spec_decode(METRICS)
     assert (c.drafts, c.draft_tokens, c.accepted, c.per_position) == (12, 48, 30, [11, 9, 6, 4])
@@ -50,6 +51,7 @@ def test_parse_spec_decode_counters_and_delta():
     assert E.parse_spec_decode("vllm:num_requests_running{engine=\"0\"} 0.0\n") is None
 
 
+@pytest.mark.fast
 def test_missing_vllm_says_so_and_how_to_install(tmp_path):
     with pytest.raises(E.VllmUnavailable) as e:
         E.find_vllm(str(tmp_path / "nope" / "python"))
@@ -60,6 +62,7 @@ def test_missing_vllm_says_so_and_how_to_install(tmp_path):
         E.probe(sys.executable)
 
 
+@pytest.mark.fast
 def test_server_argv_and_cpu_env():
     inst = E.VllmInstall(python="/venv/bin/python", version="0.32.0", device="cpu")
     s = E.VllmServer(inst, "/m/target", draft="/m/spec", num_speculative_tokens=3, max_model_len=256, port=18399,
@@ -214,6 +217,7 @@ def test_validate_measures_the_tiny_pair_in_vllm(vllm_tiny_run: Path):
     assert "vLLM 0.32.0 (cpu) ran target" in html.read_text()
 
 
+@pytest.mark.fast
 def test_spec_vs_plain_judged_against_vllms_noise_floor():
     """Identical passes; as many diverging prompts as plain decoding at another concurrency passes (SmolLM2 smoke,
     measured: 4 of 9 both); speculative diverging everywhere while plain never does fails."""
@@ -234,6 +238,7 @@ def test_spec_vs_plain_judged_against_vllms_noise_floor():
     assert V.excess_p_value(1, 0, 8) == pytest.approx(0.5)      # one divergence in 8 is no evidence
 
 
+@pytest.mark.fast
 def test_agreement_gate_tolerance_and_counting_granularity():
     from runtime.validate import vllm_arm as V
 
@@ -247,6 +252,7 @@ def test_agreement_gate_tolerance_and_counting_granularity():
     assert not gate(1.16, 31, 1.032, 31)       # 4 tokens' worth: fails
 
 
+@pytest.mark.fast
 def test_agreement_noise_comes_from_the_prompts():
     """runtime/validate/agreement.py: the same per-prompt rows give noise 0; a difference carried by one prompt of
     four is within the noise and passes; a larger difference on every one of 64 prompts is no noise and fails."""

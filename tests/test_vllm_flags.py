@@ -26,6 +26,7 @@ from runtime.vllm.speculators_format import SpeculatorsExport
 HERE = Path(__file__).parent
 
 
+@pytest.mark.fast
 def test_schedule_in_vllm_form():
     assert V.vllm_schedule(DraftSchedule.constant(4)) == (4, None)
     sched = DraftSchedule(((1, 2, 4), (3, 8, 3), (9, None, 0)))
@@ -47,6 +48,7 @@ def _spec(run: Path) -> SpeculatorsExport:
                              block_size=d.get("block_size"))
 
 
+@pytest.mark.fast
 def test_command_and_readme_carry_the_schedule(tmp_path):
     spec = SpeculatorsExport(tmp_path, "eagle3", 4, [1, 2, 4], [0, 1, 3], 512, 512, False, "/t")
     argv = V.vllm_serve_command(spec, target="/t", draft="/d", max_model_len=2048, kv_cache_fp8=True,
