@@ -110,7 +110,7 @@ def check_export(ex: Export, *, target: TargetShape | None = None) -> list[Probl
     if q is not None and len(q[0]) == 2 and q[0][1] != 2 * H:
         out.append(Problem("first_layer_shape", f"{ex.where}: layers.0.self_attn.q_proj takes {q[0][1]} inputs, "
                                                 f"expected 2 x hidden = {2 * H} ([embedding, hidden])"))
-    out += _vocab_problems(ex)
+    out += vocab_problems(ex)
     if target is not None:
         out += _pairing_problems(ex, ids, target)
     return out
@@ -158,7 +158,7 @@ def _tensor_problems(ex: Export, num_layers: int) -> list[Problem]:
     return out
 
 
-def _vocab_problems(ex: Export) -> list[Problem]:
+def vocab_problems(ex: Export) -> list[Problem]:
     """lm_head has draft_vocab_size rows; a reduced vocabulary ships a valid d2t, a full one none (or zeros)."""
     cfg = ex.cfg
     V, dv = int(cfg["vocab_size"]), cfg.get("draft_vocab_size")

@@ -97,29 +97,6 @@ def read_export(src, cfg: dict | None = None, where: str | None = None) -> Expor
     return Export(where, cfg, shapes, tensor)
 
 
-def algorithm_of(cfg: dict) -> str | None:
-    """The algorithm config.json's `architectures` declares (None when neither)."""
-    from runtime.algorithms import dflash, eagle3
-
-    archs = cfg.get("architectures") or []
-    return "eagle3" if eagle3.ARCHITECTURE in archs else "dflash" if dflash.ARCHITECTURE in archs else None
-
-
-def check_export(src, cfg: dict | None = None, *, target: TargetShape | None = None, where: str | None = None,
-                 algorithm: str | None = None) -> list[Problem]:
-    """Every problem of an export (a directory, or `cfg` + tensors) as its algorithm defines them; `algorithm`
-    defaults to the one config.json declares."""
-    from runtime.algorithms import dflash, eagle3
-
-    ex = src if isinstance(src, Export) else read_export(src, cfg, where)
-    algo = algorithm or algorithm_of(ex.cfg)
-    if algo is None:
-        archs = ex.cfg.get("architectures")
-        return [Problem("config", f"{ex.where}: architectures {archs} is neither {eagle3.ARCHITECTURE} nor "
-                                  f"{dflash.ARCHITECTURE}; export the draft with ModelOpt's export_speculative_decoding")]
-    return (eagle3 if algo == "eagle3" else dflash).check_export(ex, target=target)
-
-
 def raise_first(problems: list[Problem], error=DraftExportError) -> None:
     """Raise `error` with the first problem's message (the order of a check is the order a reader fixes them)."""
     if problems:
