@@ -43,10 +43,10 @@ from pipeline.artifacts import train_draft as train_draft_artifact
 from pipeline.artifacts import tune as tune_artifact
 from pipeline.errors import StageError
 from pipeline.stage import Artifact, StageContext, StageSection, Strict
+from runtime.algorithms.schedule import DraftSchedule
 from runtime.trtllm import compat, config_checks, draft_schedule
 
 if TYPE_CHECKING:
-    from runtime.algorithms.schedule import DraftSchedule
     from runtime.trtllm.checks import Check
     from runtime.trtllm.options import DeploymentSpec
 
@@ -419,7 +419,6 @@ def _deployment_doc(ctx: StageContext, plan: _Plan, options: dict, ddraft: _Depl
 
 def report(artifact: Artifact) -> str:
     from pipeline.report import esc, figure, table
-    from runtime.algorithms.schedule import DraftSchedule
 
     doc = artifact.read_json("deployment.json")
     sched = DraftSchedule.from_json(doc["draft_schedule"])
