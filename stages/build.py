@@ -43,11 +43,11 @@ from pipeline.artifacts import train_draft as train_draft_artifact
 from pipeline.artifacts import tune as tune_artifact
 from pipeline.errors import StageError
 from pipeline.stage import Artifact, StageContext, StageSection, Strict
+from runtime.algorithms.schedule import DraftSchedule
 from runtime.trtllm import compat, config_checks, draft_schedule
 
 if TYPE_CHECKING:
     from runtime.trtllm.checks import Check
-    from runtime.trtllm.draft_schedule import DraftSchedule
     from runtime.trtllm.options import DeploymentSpec
 
 NAME = "build"
@@ -383,7 +383,7 @@ def _write_options_and_commands(ctx: StageContext, plan: _Plan, options: dict, o
 def _runs(plan: _Plan, options: dict) -> DraftSchedule:
     """The draft length per batch size the written options make TensorRT-LLM run (0 without speculation)."""
     sc = options.get("speculative_config") or {}
-    return draft_schedule.decode(sc, plan.rel, plan.mode, plan.mbs) if sc else draft_schedule.DraftSchedule.constant(0)
+    return draft_schedule.decode(sc, plan.rel, plan.mode, plan.mbs) if sc else DraftSchedule.constant(0)
 
 
 def _deployment_doc(ctx: StageContext, plan: _Plan, options: dict, ddraft: _DeployedDraft, runs: DraftSchedule,
@@ -419,7 +419,6 @@ def _deployment_doc(ctx: StageContext, plan: _Plan, options: dict, ddraft: _Depl
 
 def report(artifact: Artifact) -> str:
     from pipeline.report import esc, figure, table
-    from runtime.trtllm.draft_schedule import DraftSchedule
 
     doc = artifact.read_json("deployment.json")
     sched = DraftSchedule.from_json(doc["draft_schedule"])

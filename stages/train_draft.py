@@ -26,8 +26,9 @@ from pydantic import Field, field_validator, model_validator
 
 from pipeline.errors import StageError
 from pipeline.stage import StageContext, StageSection, Strict
+from runtime.algorithms import dflash, eagle3
 from runtime.training.acceptance import ESTIMATORS
-from runtime.training.algorithm import EAGLE3_CAPTURE_LAYERS, shape_problems
+from runtime.training.algorithm import shape_problems
 from runtime.training.eval_config import every_problems
 
 NAME = "train_draft"
@@ -69,8 +70,8 @@ class Eagle3(Strict):
     @classmethod
     def _ids(cls, v):
         v = _distinct_nonneg(v)
-        if v is not None and len(v) != EAGLE3_CAPTURE_LAYERS:
-            raise ValueError(f"{v} has {len(v)} layers; EAGLE-3 drafts capture exactly {EAGLE3_CAPTURE_LAYERS} (TensorRT-LLM, "
+        if v is not None and len(v) != eagle3.CAPTURE_LAYERS:
+            raise ValueError(f"{v} has {len(v)} layers; EAGLE-3 drafts capture exactly {eagle3.CAPTURE_LAYERS} (TensorRT-LLM, "
                              "vLLM and speculators build fc as 3 x hidden)")
         # sorted: ModelOpt's online hooks and TensorRT-LLM concatenate the captured layers in layer order
         return sorted(v) if v is not None else v
@@ -242,11 +243,9 @@ def _draft_len_problems(sec: Config, p: str) -> list[tuple[str, str]]:
         if sec.seq_len % a.block_size:
             out.append((f"{p}.seq_len",
                         f"{sec.seq_len} is not divisible by algorithm.block_size {a.block_size} (DFlash trains whole blocks)"))
-        from runtime.trtllm.draft_schedule import dflash_max_draft_len
-
-        if sec.eval.draft_len and sec.eval.draft_len > dflash_max_draft_len(a.block_size):
+        if sec.eval.draft_len and sec.eval.draft_len > dflash.max_draft_len(a.block_size):
             out.append((f"{p}.eval.draft_len", f"{sec.eval.draft_len} exceeds block_size - 1 = "
-                        f"{dflash_max_draft_len(a.block_size)}, what one DFlash block drafts"))
+                        f"{dflash.max_draft_len(a.block_size)}, what one DFlash block drafts"))
     elif sec.eval.draft_len and sec.eval.draft_len > 3 * a.ttt_steps:
         out.append((f"{p}.eval.draft_len",
                     f"{sec.eval.draft_len} is far beyond the {a.ttt_steps} trained positions (algorithm.ttt_steps)"))

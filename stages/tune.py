@@ -344,10 +344,11 @@ def report(artifact) -> str:
     ax.legend(fontsize=8, ncol=2)
     ax.grid(alpha=0.3)
     html = [figure(fig)]
+    from runtime.algorithms.schedule import DraftSchedule
     from runtime.trtllm import compat, draft_schedule
 
     d = t["deployment"]
-    sched = draft_schedule.DraftSchedule.from_json(t["draft_schedule"])
+    sched = DraftSchedule.from_json(t["draft_schedule"])
     rel = compat.release(d["trtllm_version"])
     try:
         settings = draft_schedule.encode(sched, rel, d["mode"], t["max_batch_size"]) if t["speculation"] else {}

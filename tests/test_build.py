@@ -24,9 +24,9 @@ import yaml
 
 from pipeline.errors import StageError
 from pipeline.stage import Artifact, StageContext
+from runtime.algorithms.schedule import DraftSchedule
 from runtime.trtllm import checks, compat, draft_schedule, draft_weights, hf_config, load, schema
 from runtime.trtllm import options as T
-from runtime.trtllm.draft_schedule import DraftSchedule
 from stages import build
 
 REF_SCHEMAS = Path(__file__).resolve().parent / "data" / "trtllm_reference"   # upstream extractions, see its README
@@ -379,7 +379,7 @@ def _edit(path: Path, **kv):
     ("target_quant_config", lambda o, ck: (ck["target"] / "hf_quant_config.json").unlink(), "unquantized"),
     # one reader (runtime/quant/hf_quant_config.py): a file that is not JSON is named as found, not a crash
     ("target_quant_config", lambda o, ck: (ck["target"] / "hf_quant_config.json").write_text("{not json"), "found: unreadable"),
-    ("draft_vocab", lambda o, ck: _resave(ck, drop=("d2t",)), "needs a d2t tensor of 256"),
+    ("draft_vocab", lambda o, ck: _resave(ck, drop=("d2t",)), "no d2t tensor"),
     # eagle3.py: unset, TensorRT-LLM captures its own default layers (and raises for L <= 5)
     ("eagle3_capture_layers", lambda o, ck: o["speculative_config"].pop("eagle3_layers_to_capture"), "Not enough hidden layers"),
     # modeling_speculative.py Eagle3DraftModel: fc = Linear(hidden_in x num_capture_layers, hidden)

@@ -296,7 +296,7 @@ def test_writer_refuses_what_the_format_cannot_carry(tmp_path):
         (_edit(tiny["eagle_dir"], tmp_path / "fp8", fn_sd=lambda sd: sd.update(
             {"fc.weight": sd["fc.weight"].to(torch.float8_e4m3fn), "fc.weight_scale": torch.tensor(1.0)})), "FP8"),
         (_edit(tiny["eagle_dir"], tmp_path / "extra", fn_sd=lambda sd: sd.update(
-            {"midlayer.x.weight": torch.zeros(2)})), "no place in the speculators format"),
+            {"midlayer.x.weight": torch.zeros(2)})), "unexpected tensors"),
         (_edit(tiny["dflash_dir"], tmp_path / "causal", lambda c: c["dflash_config"].__setitem__("causal", True)),
          "causal"),
     ]

@@ -340,7 +340,7 @@ def test_default_capture_layers_are_three_distinct_layers():
     tensorrt_llm/_torch/speculative/eagle3.py, `_get_eagle3_default_capture_layers` on NVIDIA/TensorRT-LLM main,
     the same tuple inline in Eagle3SpecMetadata.__post_init__ on the 1.2 line), else the first, middle and last
     layer; fewer than 3 layers is refused."""
-    from runtime.training.algorithm import default_aux_layer_ids
+    from runtime.algorithms.eagle3 import default_aux_layer_ids
 
     assert default_aux_layer_ids(80) == [1, 39, 76] and default_aux_layer_ids(30) == [1, 14, 26]
     assert default_aux_layer_ids(36) == [1, 17, 32] and default_aux_layer_ids(7) == [1, 2, 3]
@@ -1000,7 +1000,8 @@ def test_shipped_config_runs_within_its_own_budgets(path):
     offline config's hidden-state dump (`estimate_dump_bytes`, what the preflight compares) fits its
     `offline.max_dump_gb`, which an offline shipped config must state."""
     from pipeline.config import load_config
-    from runtime.training.algorithm import default_aux_layer_ids, shape_problems
+    from runtime.algorithms.eagle3 import default_aux_layer_ids
+    from runtime.training.algorithm import shape_problems
     from runtime.training.offline import estimate_dump_bytes
 
     cfg = load_config(path)

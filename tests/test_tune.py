@@ -19,9 +19,9 @@ import pytest
 from pipeline.config import HardwareConfig
 from pipeline.errors import StageError
 from pipeline.stage import Artifact, StageContext
+from runtime.algorithms.schedule import DraftSchedule
 from runtime.trtllm import compat, draft_schedule
 from runtime.trtllm import schema as trtllm_schema
-from runtime.trtllm.draft_schedule import DraftSchedule
 from stages import tune
 
 from conftest import run_cli

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.trtllm.draft_schedule import DraftSchedule
+from runtime.algorithms.schedule import DraftSchedule
 from runtime.vllm import serve as V
 from runtime.vllm.speculators_format import SpeculatorsExport
 

@@ -23,7 +23,7 @@ def read_options(art: Path, deployment: dict) -> dict:
 
 def draft_schedule(deployment: dict):
     """The draft length per batch size the deployment runs (`deployment.json` `draft_schedule`), as the one
-    schedule type (`runtime.trtllm.draft_schedule.DraftSchedule`; `k_at(batch)`)."""
-    from runtime.trtllm.draft_schedule import DraftSchedule
+    schedule type (`runtime.trtllm.DraftSchedule`; `k_at(batch)`)."""
+    from runtime.algorithms.schedule import DraftSchedule
 
     return DraftSchedule.from_json(deployment["draft_schedule"])

@@ -124,7 +124,7 @@ def choose_schedule(dep: Deployment, curves, weights, max_batch: int, K: int, re
     """The draft length per batch size the deployment runs, fitted to what `rel` does in `mode`
     (runtime/trtllm/compat.py, SOURCES per_batch_draft_len_1_2 and zero_draft_len_one_engine), and a description.
     `batch_sizes`: the predicted table's (a constant draft length is the best mean over those up to max_batch)."""
-    from runtime.trtllm.draft_schedule import DraftSchedule
+    from runtime.algorithms.schedule import DraftSchedule
 
     line = f"TensorRT-LLM {rel.line}"
     if mode not in rel.per_batch_draft_len:

@@ -136,9 +136,9 @@ def acceptance_curves(acc: dict, draft: dict, *, domain_weights: dict[str, float
     if max_draft_len:
         K = min(K, max_draft_len)
     if draft.get("algorithm") == "dflash" and draft.get("block_size"):
-        from runtime.trtllm.draft_schedule import dflash_max_draft_len
+        from runtime.algorithms import dflash
 
-        K = min(K, dflash_max_draft_len(int(draft["block_size"])))
+        K = min(K, dflash.max_draft_len(int(draft["block_size"])))
     return curves, weights, K
 
 

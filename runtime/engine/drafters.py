@@ -9,10 +9,10 @@ import abc
 
 import torch
 
+from runtime.algorithms import dflash
 from runtime.engine.layers import positions_for
 from runtime.engine.sampling import pick
 from runtime.engine.target import TargetRunner
-from runtime.trtllm.draft_schedule import dflash_max_draft_len
 
 
 class Drafter(abc.ABC):
@@ -130,7 +130,7 @@ class DFlashDrafter(Drafter):
         self.lm_head = target.head          # the target's lm_head as the runner computes it (float32 logits)
         self.compute = target.compute
         self.capture_layers = list(draft.target_layer_ids)
-        self.max_draft_len = dflash_max_draft_len(draft.block_size)
+        self.max_draft_len = dflash.max_draft_len(draft.block_size)
         self.row_state = ("cache",)
 
     def reset(self, batch, capacity):

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
+from runtime.algorithms.export import TargetShape
 from runtime.engine.compute import resolve_compute
-from runtime.engine.drafts import TargetShape
 from runtime.engine.fp8.linear import qdq_e4m3_fast
 from runtime.engine.fused import FusedLayer, LogitsHead, Norm
 from runtime.engine.layers import KVCache, RopeTable, attention, causal_mask, positions_for

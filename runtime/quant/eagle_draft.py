@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from runtime.algorithms import eagle3
+from runtime.algorithms.export import read_export
 from runtime.errors import RuntimeFailure
 from runtime.files import publish_tree
 from runtime.quant.export import cast_high_precision, copy_tokenizer
@@ -57,9 +59,11 @@ def _eagle_model(target_dir: Path, draft_dir: Path, device, dtype):
     from runtime.engine.fp8 import FP8_DTYPE, read_safetensors
 
     dcfg = json.loads((draft_dir / "config.json").read_text())
-    if "LlamaForCausalLMEagle3" not in (dcfg.get("architectures") or []):
-        raise DraftRebuildError(f"fp8 supports EAGLE-3 drafts (LlamaForCausalLMEagle3); {draft_dir} is "
+    if eagle3.ARCHITECTURE not in (dcfg.get("architectures") or []):
+        raise DraftRebuildError(f"fp8 supports EAGLE-3 drafts ({eagle3.ARCHITECTURE}); {draft_dir} is "
                          f"{dcfg.get('architectures')}. Use quantize.draft: none")
+    if problems := eagle3.check_export(read_export(draft_dir, dcfg)):   # what a valid draft is: runtime/algorithms/
+        raise DraftRebuildError(f"{problems[0].message} (quantize.draft: none skips the draft's FP8)")
     dsd = read_safetensors(draft_dir)
     if any(v.dtype == FP8_DTYPE for v in dsd.values()):
         raise DraftRebuildError(f"{draft_dir} is already FP8")

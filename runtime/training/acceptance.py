@@ -24,18 +24,18 @@ def runtime_acceptance(target_dir: str | Path, draft_dir: str | Path, prompts: d
     verification steps over all its requests (`RunStats.acceptance_length`), overall the same over every domain."""
     import torch
 
+    from runtime.algorithms import dflash
     from runtime.engine.drafts import load_draft
     from runtime.engine.speculative import SpeculativeEngine
     from runtime.engine.stats import RunStats
     from runtime.engine.target import load_target, target_shape
-    from runtime.trtllm.draft_schedule import dflash_max_draft_len
 
     t0 = time.monotonic()
     model = load_target(target_dir, device=device)
     draft = load_draft(draft_dir, target_shape(model), device=device, expected_capture_layers=expected_capture_layers)
-    if draft.algorithm == "dflash" and draft_len > dflash_max_draft_len(draft.block_size):
+    if draft.algorithm == "dflash" and draft_len > dflash.max_draft_len(draft.block_size):
         raise JobError(f"train_draft.eval.draft_len {draft_len} exceeds what one DFlash block drafts "
-                       f"({dflash_max_draft_len(draft.block_size)})")
+                       f"({dflash.max_draft_len(draft.block_size)})")
     eng = SpeculativeEngine(model, draft)
     per_domain, total = {}, None
     for domain, ps in prompts.items():

@@ -1,20 +1,25 @@
 """Checks of an exported draft directory (EAGLE-3 or DFlash) before anything deploys it.
 
 `check_draft(draft_dir, expect)` returns one `Check` per named check; each failure message says what was
-expected, what was found and what it breaks at serving time. Pure file reads (config.json, safetensors
+expected, what was found and what it breaks at serving time. What a valid export is (tensors, d2t, config keys)
+is runtime/algorithms/{eagle3,dflash}.py's `check_export`; this module adds what training used (capture layers,
+draft vocabulary, block size, mask token), the serving context and the tokenizer. Pure file reads (config.json, safetensors
 headers, tokenizer files): cheap enough to run in the stage, in later stages, and in tests on a
 deliberately broken export.
 """
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from runtime.algorithms import eagle3
+from runtime.algorithms.export import DraftExportError, Export, read_export
+from runtime.algorithms.registry import ALGORITHMS
 from runtime.text.tokenizer_files import TOKENIZER_FILES, same_tokenizer_config
 
-ARCHITECTURES = {"eagle3": "LlamaForCausalLMEagle3", "dflash": "DFlashDraftModel"}
+# the named checks every report lists (passed or not); other problems of check_export join them by their own name
+_ALWAYS = {"eagle3": ("config", "required_tensors", "draft_vocab_size", "d2t"), "dflash": ("config", "required_tensors")}
 
 
 @dataclass
@@ -41,32 +46,6 @@ class Check:
     details: dict = field(default_factory=dict)
 
 
-def _tensor_shapes(draft_dir: Path) -> dict[str, tuple[list[int], str]]:
-    from safetensors import safe_open
-
-    shapes = {}
-    for f in sorted(draft_dir.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as sf:
-            for k in sf.keys():
-                sl = sf.get_slice(k)
-                shapes[k] = (list(sl.get_shape()), sl.get_dtype())
-    return shapes
-
-
-def required_tensors(e: Expect) -> list[str]:
-    layer = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "post_attention_layernorm"]
-    if e.algorithm == "eagle3":
-        names = ["fc", "norm", "lm_head", "layers.0.hidden_norm", "layers.0.input_layernorm"]
-        names += [f"layers.{i}.{n}" for i in range(e.num_layers) for n in layer]
-        names += [f"layers.{i}.input_layernorm" for i in range(1, e.num_layers)]
-    else:  # DFlash reuses the target's embeddings and lm_head
-        names = ["fc", "hidden_norm", "norm"]
-        names += [f"layers.{i}.{n}" for i in range(e.num_layers)
-                  for n in layer + ["input_layernorm", "self_attn.q_norm", "self_attn.k_norm"]]
-    return [n + ".weight" for n in names]
-
-
 def _covered_positions(cfg: dict) -> tuple[int, str]:
     """Positions the draft's RoPE covers: max_position_embeddings, or a scaling's factor x original length."""
     mpe = int(cfg.get("max_position_embeddings") or 0)
@@ -84,36 +63,39 @@ def _sha(p: Path) -> str:
     return hashlib.sha256(p.read_bytes()).hexdigest()
 
 
+def format_checks(ex: Export, algorithm: str) -> list[Check]:
+    """The export's problems as its algorithm's `check_export` reports them (runtime/algorithms/), one named Check
+    per rule: those in `_ALWAYS` whether they pass or not, any other only when it fails."""
+    probs = ALGORITHMS[algorithm].check_export(ex)
+    names = list(_ALWAYS[algorithm]) + [p.check for p in probs if p.check not in _ALWAYS[algorithm]]
+    out = []
+    for n in dict.fromkeys(names):
+        msgs = [p.message for p in probs if p.check == n]
+        out.append(Check(n, not msgs, "; ".join(msgs)))
+    for c in out:
+        if c.name == "required_tensors":
+            c.details = {"tensors": len(ex.shapes)}
+        if c.name == "d2t":
+            c.details = {"needed": ex.cfg.get("draft_vocab_size") not in (None, ex.cfg.get("vocab_size"))}
+    return out
+
+
 def check_draft(draft_dir: Path, e: Expect) -> list[Check]:
     draft_dir = Path(draft_dir)
-    out: list[Check] = []
-    cfg_path = draft_dir / "config.json"
     try:
-        cfg = json.loads(cfg_path.read_text())
-    except (OSError, ValueError) as ex:
-        return [Check("config", False, f"{cfg_path}: cannot read the draft config ({ex})")]
-    arch = (cfg.get("architectures") or [None])[0]
-    want = ARCHITECTURES[e.algorithm]
-    out.append(Check("config", arch == want,
-                     "" if arch == want else f"config.json architectures is {cfg.get('architectures')}, expected ['{want}'] "
-                                             f"(TensorRT-LLM picks the draft implementation from it)"))
-
-    shapes = _tensor_shapes(draft_dir)
-    missing = [n for n in required_tensors(e) if n not in shapes]
-    out.append(Check("required_tensors", not missing,
-                     "" if not missing else f"missing {len(missing)} tensor(s) in {draft_dir.name}/*.safetensors: "
-                                            f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}",
-                     {"tensors": len(shapes)}))
-    fc = shapes.get("fc.weight")
-    n_cap = len(e.capture_layer_ids)
-    if fc is not None and fc[0] != [e.hidden_size, n_cap * e.hidden_size]:
-        out.append(Check("fc_shape", False, f"fc.weight has shape {fc[0]}, expected [{e.hidden_size}, {n_cap * e.hidden_size}] "
-                                            f"for {n_cap} captured target layers of width {e.hidden_size}"))
-
+        ex = read_export(draft_dir)
+    except DraftExportError as x:
+        return [Check("config", False, str(x))]
+    cfg = ex.cfg
+    out = format_checks(ex, e.algorithm)
     if e.algorithm == "eagle3":
+        fc = ex.shapes.get("fc.weight")
         if fc is not None:   # a missing fc is required_tensors' failure
-            out.append(_fc_in_features(fc, e.hidden_size))
-        out += _eagle_checks(draft_dir, cfg, shapes, e)
+            n_in = fc[0][1] if len(fc[0]) == 2 else None
+            msg = eagle3.deployable_fc(n_in, e.hidden_size)
+            out.append(Check("fc_in_features", not msg, msg, {"in_features": n_in,
+                                                              "expected": eagle3.CAPTURE_LAYERS * e.hidden_size}))
+        out += _eagle_checks(cfg, e)
     else:
         out += _dflash_checks(cfg, e)
 
@@ -129,72 +111,18 @@ def check_draft(draft_dir: Path, e: Expect) -> list[Check]:
     return out
 
 
-# The capture-layer count every EAGLE-3 consumer builds its fc for: TensorRT-LLM (3 unless
-# eagle3_layers_to_capture says otherwise; tensorrt_llm/_torch/speculative/eagle3.py), vLLM
-# (vllm/model_executor/models/llama_eagle3.py: Linear(hidden_size * 3, hidden_size)), speculators' converter.
-EAGLE3_FC_LAYERS = 3
-
-
-def _fc_in_features(fc, hidden: int) -> Check:
-    n_in = fc[0][1] if len(fc[0]) == 2 else None
-    ok = n_in == EAGLE3_FC_LAYERS * hidden
-    return Check("fc_in_features", ok,
-                 "" if ok else f"fc.weight takes {n_in} inputs, expected {EAGLE3_FC_LAYERS} x hidden = "
-                               f"{EAGLE3_FC_LAYERS * hidden}: TensorRT-LLM (default capture count), vLLM's llama_eagle3 and "
-                               f"speculators build fc for {EAGLE3_FC_LAYERS} captured layers and refuse this shape at load; "
-                               "train on 3 distinct capture layers (train_draft.algorithm.aux_layer_ids)",
-                 {"in_features": n_in, "expected": EAGLE3_FC_LAYERS * hidden})
-
-
-def _eagle_checks(draft_dir: Path, cfg: dict, shapes: dict, e: Expect) -> list[Check]:
+def _eagle_checks(cfg: dict, e: Expect) -> list[Check]:
+    """The export against what training used (its format is `format_checks`')."""
     out = []
-    dvs = cfg.get("draft_vocab_size")
-    out.append(Check("draft_vocab_size", dvs is not None,
-                     "" if dvs is not None else "config.json has no draft_vocab_size: TensorRT-LLM then assumes the full "
-                                                "vocabulary, which is wrong for a reduced-vocabulary draft"))
-    want_dvs = e.draft_vocab_size or e.vocab_size
+    dvs, want_dvs = cfg.get("draft_vocab_size"), e.draft_vocab_size or e.vocab_size
     if dvs is not None and dvs != want_dvs:
         out.append(Check("draft_vocab_size_value", False, f"config.json draft_vocab_size is {dvs}, training used {want_dvs}"))
-    dvs = dvs if dvs is not None else want_dvs
-    lm = shapes.get("lm_head.weight")
-    if lm is not None and lm[0][0] != dvs:
-        out.append(Check("lm_head_rows", False, f"lm_head.weight has {lm[0][0]} rows but draft_vocab_size is {dvs}"))
-    if dvs != e.vocab_size:
-        d2t = shapes.get("d2t")
-        if d2t is None:
-            out.append(Check("d2t", False, f"draft_vocab_size {dvs} != vocab_size {e.vocab_size} but there is no d2t tensor: "
-                                           "draft ids would be read as target ids and acceptance collapses silently"))
-        elif d2t[0] != [dvs]:
-            out.append(Check("d2t", False, f"d2t has shape {d2t[0]}, expected [{dvs}] (one offset per draft token)"))
-        else:
-            c = check_d2t_map(draft_dir, e.vocab_size)
-            out.append(Check("d2t", c.passed, c.message, {"needed": True, "length": dvs}))
-    else:
-        out.append(Check("d2t", True, "", {"needed": False}))
-    ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    ok = ids is not None and list(ids) == list(e.capture_layer_ids)
+    ids = eagle3.capture_layer_ids(cfg)
+    ok = ids is not None and ids == list(e.capture_layer_ids)
     out.append(Check("aux_layer_ids", ok,
                      "" if ok else f"eagle_config.eagle_aux_hidden_state_layer_ids is {ids}, training captured "
                                    f"{list(e.capture_layer_ids)}; pass the trained set as eagle3_layers_to_capture"))
     return out
-
-
-def check_d2t_map(draft_dir: Path, vocab_size: int) -> Check:
-    """Every draft id maps to a distinct target id inside the vocabulary."""
-    import torch
-    from safetensors import safe_open
-
-    with safe_open(str(Path(draft_dir) / "model.safetensors"), "pt") as sf:
-        if "d2t" not in sf.keys():
-            return Check("d2t_map", True, "", {"needed": False})
-        d2t = sf.get_tensor("d2t")
-
-    tgt = torch.arange(len(d2t)) + d2t
-    bad = int(((tgt < 0) | (tgt >= vocab_size)).sum())
-    dup = len(tgt) - len(set(tgt.tolist()))
-    ok = bad == 0 and dup == 0
-    return Check("d2t_map", ok, "" if ok else f"d2t maps {bad} draft ids outside the vocabulary [0, {vocab_size}) "
-                                              f"and {dup} onto an already-used target id")
 
 
 def _dflash_checks(cfg: dict, e: Expect) -> list[Check]:

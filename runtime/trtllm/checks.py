@@ -7,9 +7,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from runtime.algorithms import dflash, eagle3
+from runtime.algorithms.export import read_export
+from runtime.algorithms.schedule import DraftSchedule
 from runtime.quant import hf_quant_config
 from runtime.trtllm import compat, draft_schedule, hf_config
-from runtime.trtllm.draft_schedule import DraftSchedule
 from runtime.trtllm.draft_weights import safetensors_dtypes, safetensors_tensors
 from runtime.trtllm.schema import unknown_keys
 
@@ -115,7 +117,7 @@ def _draft_checks(add, options, sc, rel, version, mode, algorithm, draft_dir, ta
     tensors = _draft_tensors(draft_dir) if not err else {}
     k = sc.get("max_draft_len") or 0
     if algorithm == "eagle3":
-        _eagle3_checks(add, sc, rel, version, dcfg, err, tensors, target_vocab_size, target_hidden_size,
+        _eagle3_checks(add, sc, rel, version, draft_dir, dcfg, err, tensors, target_vocab_size, target_hidden_size,
                        num_target_layers, capture_layers)
         add("draft_fc_precision", *eagle3_fc_precision(draft_dir, rel, version))
     else:
@@ -126,12 +128,12 @@ def _draft_checks(add, options, sc, rel, version, mode, algorithm, draft_dir, ta
     _acceptance_guard_check(add, sc, rel, version, mode, k)
 
 
-def _eagle3_checks(add, sc, rel, version, dcfg, err, tensors, target_vocab_size, target_hidden_size,
+def _eagle3_checks(add, sc, rel, version, draft_dir, dcfg, err, tensors, target_vocab_size, target_hidden_size,
                    num_target_layers, capture_layers) -> None:
     if err:
         add("draft_vocab", False, f"draft config unreadable: {err}")
     else:
-        add("draft_vocab", *_draft_vocab(dcfg, tensors, target_vocab_size))
+        add("draft_vocab", *_draft_vocab(draft_dir, {"vocab_size": target_vocab_size, **dcfg}))
     # the layers TensorRT-LLM captures = the ones the draft was trained on, and fc is sized for them
     written = sc.get("eagle3_layers_to_capture")
     trained = capture_layers if capture_layers is not None else \
@@ -143,24 +145,18 @@ def _eagle3_checks(add, sc, rel, version, dcfg, err, tensors, target_vocab_size,
     _draft_weight_names_check(add, tensors, rel, version)
 
 
-def _draft_vocab(dcfg: dict, tensors: dict, target_vocab_size: int | None) -> tuple[bool, str]:
-    """A reduced draft vocabulary ships its d2t map and an lm_head of that many rows; a full one none."""
-    dvs, vs = dcfg.get("draft_vocab_size"), dcfg.get("vocab_size") or target_vocab_size
-    d2t = tensors.get("d2t")
-    lm = tensors.get("lm_head.weight")
-    if dvs is None:
-        ok = d2t is None
-        msg = ("draft config has no draft_vocab_size (TensorRT-LLM assumes the full vocab)"
-               + ("" if ok else f" but ships a d2t map of {d2t[0]} entries"))
-    elif vs is not None and dvs != vs:
-        ok = d2t is not None and d2t[0] == dvs and (lm is None or lm[0] == dvs)
-        msg = (f"draft_vocab_size {dvs} != vocab_size {vs} needs a d2t tensor of {dvs} entries "
-               f"(found {'none' if d2t is None else d2t[0]}) and an lm_head of {dvs} rows "
-               f"(found {lm[0] if lm else 'none'}); without it acceptance collapses silently")
-    else:
-        ok = d2t is None or d2t[0] == dvs
-        msg = f"draft_vocab_size {dvs} == vocab_size {vs}" + ("" if ok else f", but d2t has {d2t[0]} entries")
-    return ok, msg
+def _draft_vocab(draft_dir: Path, dcfg: dict) -> tuple[bool, str]:
+    """The draft's vocabulary and d2t as runtime/algorithms/eagle3.py defines them (`vocab_problems`), with a missing
+    draft_vocab_size read as the full vocabulary, as TensorRT-LLM's `_ensure_draft_vocab_size` does."""
+    cfg = dict(dcfg)
+    if cfg.get("draft_vocab_size") is None:
+        cfg["draft_vocab_size"] = cfg.get("vocab_size")
+    if cfg.get("vocab_size") is None:
+        return False, f"{draft_dir}/config.json has no vocab_size"
+    probs = eagle3.vocab_problems(read_export(draft_dir, cfg))
+    dvs, vs = cfg["draft_vocab_size"], cfg["vocab_size"]
+    return not probs, "; ".join(p.message for p in probs) or (
+        f"draft_vocab_size {dvs} {'==' if dvs == vs else '<'} vocab_size {vs}" + ("" if dvs == vs else ", d2t valid"))
 
 
 def _capture_layer_problems(written, trained, num_target_layers: int | None) -> list[str]:
@@ -227,7 +223,7 @@ def _draft_weight_names_check(add, tensors: dict, rel: compat.Release, version: 
 def _dflash_checks(add, algorithm: str, dcfg: dict, k: int) -> None:
     add("draft_vocab", True, f"not applicable to {algorithm} (the draft reuses the target's vocabulary)")
     bs = dcfg.get("block_size")
-    cap = draft_schedule.dflash_max_draft_len(bs) if isinstance(bs, int) and bs >= 2 else None
+    cap = dflash.max_draft_len(bs) if isinstance(bs, int) and bs >= 2 else None
     add("dflash_block_size", cap is not None and k <= cap,
         f"DFlash max_draft_len {k} must be <= block_size - 1 ({cap if cap is not None else 'block_size missing'})")
 

@@ -12,12 +12,13 @@ is_use_oldest: true proposes the earliest match, as vLLM's rule does.
 """
 from __future__ import annotations
 
+from runtime.algorithms import ngram
 from runtime.trtllm.schema import unknown_keys
 
 
 def ngram_speculative_config(k: int, max_n: int) -> dict:
-    if k < 1 or max_n < 1:
-        raise ValueError(f"NGram needs max_draft_len > 0 and max_matching_ngram_size > 0, got {k} and {max_n}")
+    if probs := ngram.check_export({"k": k, "min_n": ngram.TRTLLM_MIN_N, "max_n": max_n}, "NGram speculative_config"):
+        raise ValueError("; ".join(p.message for p in probs))
     return {"decoding_type": "NGram", "max_draft_len": k, "max_matching_ngram_size": max_n,
             "is_keep_all": True, "is_use_oldest": True, "is_public_pool": False}
 

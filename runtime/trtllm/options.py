@@ -2,7 +2,8 @@
 
 Pure functions (no TensorRT-LLM import; it cannot be installed here). The behaviour that differs between versions
 and modes comes from `runtime/trtllm/compat.py` (with the upstream source of each fact); the draft-length schedule
-and its encodings from `runtime/trtllm/draft_schedule.py`. What the build stage writes is then checked:
+(`runtime/algorithms/schedule.py`) and its encodings from `runtime/trtllm/draft_schedule.py`. What the build stage
+writes is then checked:
 `runtime/trtllm/schema.py` (every key exists in the targeted version's field list) and `runtime/trtllm/checks.py`
 (named checks against the checkpoints the options point at).
 """
@@ -10,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from runtime.algorithms.schedule import DraftSchedule
 from runtime.trtllm import compat, draft_schedule
-from runtime.trtllm.draft_schedule import DraftSchedule
 
 
 @dataclass

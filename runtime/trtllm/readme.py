@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import shlex
 
+from runtime.algorithms.schedule import DraftSchedule
 from runtime.trtllm import compat
-from runtime.trtllm.draft_schedule import DraftSchedule
 from runtime.trtllm.options import dump_yaml
 
 

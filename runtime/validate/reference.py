@@ -88,10 +88,10 @@ def load_measured_pair(s: MeasureSettings, label: str, pair: dict, dev, expected
 
 def dflash_draft_len(log, draft, K: int) -> int:
     """`K`, or the most a DFlash draft of its block size drafts when that is fewer (logged)."""
-    from runtime.trtllm.draft_schedule import dflash_max_draft_len
+    from runtime.algorithms import dflash
 
-    if draft.algorithm == "dflash" and K > dflash_max_draft_len(draft.block_size):
-        kmax = dflash_max_draft_len(draft.block_size)
+    if draft.algorithm == "dflash" and K > dflash.max_draft_len(draft.block_size):
+        kmax = dflash.max_draft_len(draft.block_size)
         log.warning("DFlash block_size %d drafts at most %d tokens: measuring %d positions, not %d",
                     draft.block_size, kmax, kmax, K)
         return kmax

@@ -70,9 +70,9 @@ def run_trtllm(s: MeasureSettings, deployed: dict, bf16: dict | None, prompts: d
     import tensorrt_llm
     from tensorrt_llm import LLM, SamplingParams, llmapi
 
+    from runtime.algorithms import dflash
     from runtime.engine.drafts import draft_algorithm
     from runtime.trtllm import compat
-    from runtime.trtllm.draft_schedule import dflash_max_draft_len
     from runtime.trtllm.draft_weights import trtllm_draft_dir
 
     res: dict = {"domains": {d: {} for d in prompts}, "overall": {}, "trtllm_version": tensorrt_llm.__version__,
@@ -81,7 +81,7 @@ def run_trtllm(s: MeasureSettings, deployed: dict, bf16: dict | None, prompts: d
         dcfg = json.loads((Path(pair["draft_dir"]) / "config.json").read_text())
         tcfg = json.loads((Path(pair["target_dir"]) / "config.json").read_text())
         algo = draft_algorithm(pair["draft_dir"])
-        K = min(s.max_draft_len, dflash_max_draft_len(dcfg["block_size"])) if algo == "dflash" else s.max_draft_len
+        K = min(s.max_draft_len, dflash.max_draft_len(dcfg["block_size"])) if algo == "dflash" else s.max_draft_len
         longest = max(len(p) for ps in prompts.values() for p in ps)
         draft_dir = Path(pair["draft_dir"])
         if algo == "eagle3":   # the layer names the installed loader reads (build does the same for the deployment)

@@ -74,7 +74,7 @@ def vllm_serve_command(spec: SpeculatorsExport, *, target: str, draft: str, max_
 def schedule_from_predicted(predicted: list[dict]):
     """tune's predicted table (best k per measured batch size, not constrained by a TensorRT-LLM version) as a
     step function: each measured batch size's k holds up to the next measured one. None if the table is empty."""
-    from runtime.trtllm.draft_schedule import DraftSchedule
+    from runtime.algorithms.schedule import DraftSchedule
 
     rows = sorted((int(r["batch"]), int(r["k"])) for r in predicted or []
                   if r.get("within_max_batch_size", True) and r.get("k") is not None)

@@ -47,7 +47,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runtime.trtllm.draft_schedule import dflash_max_draft_len
+from runtime.algorithms import dflash
 from runtime.vllm import speculators_weights as W
 from runtime.vllm.speculators_config import (
     SPECULATORS_VERSION,
@@ -112,13 +112,13 @@ class _Converted:
 
 def _eagle3(cfg: dict, sd: dict, verifier: Verifier, dtype: str | None, where: str) -> _Converted:
     mo_ids = check_eagle3_config(cfg, verifier.num_layers, where)
-    H, L, V = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]), int(cfg["vocab_size"])
+    H, V = int(cfg["hidden_size"]), int(cfg["vocab_size"])
     dv = int(cfg.get("draft_vocab_size") or V)
-    W.check_eagle3_tensors(sd, H, L, dv, mo_ids, where)
+    W.check_draft(cfg, sd, "eagle3", where)
     check_verifier_vocab(verifier, V, where)
     tensors = {k: v.contiguous() for k, v in sd.items() if k != "d2t"}
     tensors["embed_tokens.weight"] = W.verifier_embeddings(verifier.dir, V, H)
-    tensors.update(W.vocab_map(sd, dv, V, where))
+    tensors.update(W.vocab_map(sd, dv, V))
     conv = _Converted("eagle3", {}, tensors, mo_ids, dv, V, has_d2t=dv < V)
     ids = conv.aux_hidden_state_layer_ids
     conv.notes = eagle3_notes(ids, mo_ids, verifier.num_layers)
@@ -129,16 +129,15 @@ def _eagle3(cfg: dict, sd: dict, verifier: Verifier, dtype: str | None, where: s
 def _dflash(cfg: dict, sd: dict, verifier: Verifier, dtype: str | None, speculative_tokens: int,
             where: str) -> _Converted:
     mo_ids = check_dflash_config(cfg, verifier.num_layers, where)
-    H, L, V = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]), int(cfg["vocab_size"])
+    V = int(cfg["vocab_size"])
     block_size = int(cfg["block_size"])
-    if speculative_tokens > dflash_max_draft_len(block_size):
+    if speculative_tokens > dflash.max_draft_len(block_size):
         raise SpeculatorsFormatError(f"speculative_tokens {speculative_tokens} > block_size - 1 = {block_size - 1}, "
                                      "what one DFlash block drafts")
-    W.check_dflash_tensors(sd, L, where)
-    W.check_fc(sd, H, mo_ids, f"target_layer_ids {mo_ids}", where)
+    W.check_draft(cfg, sd, "dflash", where)
     check_verifier_vocab(verifier, V, where)
     conv = _Converted("dflash", {}, {k: v.contiguous() for k, v in sd.items()}, mo_ids, V, V, block_size=block_size)
-    if speculative_tokens < dflash_max_draft_len(block_size):
+    if speculative_tokens < dflash.max_draft_len(block_size):
         conv.notes.append(f"vLLM queries 1 + num_speculative_tokens = {speculative_tokens + 1} positions per request, "
                           f"the draft was trained and validated with blocks of {block_size}: its drafts can differ "
                           f"from the validated ones unless num_speculative_tokens is {block_size - 1}")

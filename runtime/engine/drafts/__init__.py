@@ -22,19 +22,21 @@ Every format problem raises `DraftFormatError` with what was expected and what w
 loader is told to behave like TensorRT-LLM (`strict=False`): then a missing `d2t` maps draft ids as target
 ids, as TensorRT-LLM does, and the acceptance collapse shows up in the measurement instead.
 
-Modules: `format` (the directory: architectures, config.json and weights, `DraftFormatError`, `TargetShape`),
+What a valid export is (tensors, d2t, capture layers, config keys) lives in runtime/algorithms/{eagle3,dflash}.py;
+this package's checks call their `check_export`. Modules: `format` (the directory: architectures, config.json and
+weights, `DraftFormatError`),
 `blocks` (linears, norms and decoder layers read from the exported tensors; the fused `DraftPlan`), `eagle3` and
-`dflash` (each format's module and the checks of its export), `loading` (`load_draft`, `summarize`). The
+`dflash` (each format's module; the checks of its export), `loading` (`load_draft`, `summarize`). The
 primitives the drafts share with the target runner live beside this package: `runtime.engine.layers` (KV cache,
 masks, RoPE, attention), `runtime.engine.fused` (fused GEMMs and layers), `runtime.engine.compute` (compute modes).
 """
+from runtime.algorithms.export import TargetShape
 from runtime.engine.drafts.dflash import DFlashDraft
 from runtime.engine.drafts.eagle3 import Eagle3Draft
 from runtime.engine.drafts.format import (
     DFLASH_ARCH,
     EAGLE3_ARCH,
     DraftFormatError,
-    TargetShape,
     draft_algorithm,
     read_draft_dir,
 )

@@ -7,8 +7,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from runtime.algorithms import dflash
+from runtime.algorithms.export import TargetShape, raise_first, read_export
 from runtime.engine.drafts.blocks import DraftPlan, decoder_layer, draft_plan, make_linear, make_norm, set_attention_shape
-from runtime.engine.drafts.format import DraftFormatError, TargetShape, strip_scales
+from runtime.engine.drafts.format import DraftFormatError
 from runtime.engine.layers import KVCache, RopeTable, attention, rope_heads, rope_module
 
 
@@ -90,41 +92,9 @@ _UNSUPPORTED_DFLASH = ("attention_sink_bias", "use_swa", "projector_type")
 
 
 def check_dflash(cfg: dict, sd: dict, path: Path, target: TargetShape | None) -> dict:
-    dc = cfg.get("dflash_config")
-    if not isinstance(dc, dict):
-        raise DraftFormatError(f"{path}/config.json: no dflash_config; not a DFlash export")
-    for k in ("mask_token_id", "target_layer_ids"):
-        if dc.get(k) is None:
-            raise DraftFormatError(f"{path}: dflash_config.{k} is missing")
-    if cfg.get("block_size") is None or int(cfg["block_size"]) < 2:
-        raise DraftFormatError(f"{path}: block_size must be >= 2, found {cfg.get('block_size')}")
-    if bad := [k for k in _UNSUPPORTED_DFLASH if dc.get(k)]:
+    """The export checked by `runtime.algorithms.dflash.check_export` (and its pairing with `target`), then what this
+    runtime does not implement; raises DraftFormatError at the first problem. Returns `cfg`."""
+    raise_first(dflash.check_export(read_export(sd, cfg, str(path)), target=target), DraftFormatError)
+    if bad := [k for k in _UNSUPPORTED_DFLASH if cfg["dflash_config"].get(k)]:
         raise DraftFormatError(f"{path}: dflash_config uses {bad}, which this runtime does not implement")
-    H, L = cfg["hidden_size"], cfg["num_hidden_layers"]
-    ids = dc["target_layer_ids"]
-    required = {"fc.weight", "hidden_norm.weight", "norm.weight"}
-    for i in range(L):
-        required |= {f"layers.{i}.{n}.weight" for n in (
-            "input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
-            "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm", "self_attn.k_norm",
-            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
-    keys = strip_scales(sd.keys())
-    allowed = required | {k.replace(".weight", ".bias") for k in required}
-    if missing := sorted(required - keys):
-        raise DraftFormatError(f"{path}: missing tensors {missing[:8]} for a {L}-layer DFlash draft")
-    if unexpected := sorted(keys - allowed):
-        raise DraftFormatError(f"{path}: unexpected tensors {unexpected[:8]} (embeddings and lm_head come from the target)")
-    if sd["fc.weight"].shape[1] != len(ids) * H:
-        raise DraftFormatError(f"{path}: fc.weight takes {sd['fc.weight'].shape[1]} inputs but target_layer_ids "
-                               f"{ids} x hidden {H} = {len(ids) * H}")
-    if target is not None:
-        if H != target.hidden_size:
-            raise DraftFormatError(f"{path}: draft hidden_size {H} != target hidden_size {target.hidden_size}")
-        if not 0 <= int(dc["mask_token_id"]) < target.vocab_size:
-            raise DraftFormatError(f"{path}: mask_token_id {dc['mask_token_id']} is outside the target vocabulary")
-        if bad := [i for i in ids if not 0 <= int(i) < target.num_layers]:
-            raise DraftFormatError(f"{path}: target_layer_ids {bad} are outside the target's {target.num_layers} layers")
-        n = cfg.get("num_target_layers")
-        if n is not None and int(n) != target.num_layers:
-            raise DraftFormatError(f"{path}: exported for a {n}-layer target, paired with a {target.num_layers}-layer one")
     return cfg

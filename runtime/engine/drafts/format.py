@@ -1,23 +1,21 @@
-"""What an exported draft directory is: its architecture (EAGLE-3 or DFlash), its config.json and weights as
-ModelOpt's export_speculative_decoding writes them, the error every format check raises, and the shape of the
-target a draft is paired with."""
+"""Reading an exported draft directory: its architecture (EAGLE-3 or DFlash), its config.json and weights as
+ModelOpt's export_speculative_decoding writes them, and the error the loader raises. What a valid export is lives in
+runtime/algorithms/ (`TargetShape`, the shape of the target a draft is paired with, too)."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
-EAGLE3_ARCH = "LlamaForCausalLMEagle3"
-DFLASH_ARCH = "DFlashDraftModel"
-_SCALE_SUFFIXES = ("weight_scale", "input_scale", "k_scale", "v_scale", "weight_scale_2", "pre_quant_scale")
+from runtime.algorithms import dflash, eagle3
+from runtime.algorithms.export import DraftExportError
+
+EAGLE3_ARCH = eagle3.ARCHITECTURE
+DFLASH_ARCH = dflash.ARCHITECTURE
 
 
-class DraftFormatError(ValueError):
-    """The draft directory does not match the exported format (or the target it is paired with)."""
-
-
-def strip_scales(keys) -> set[str]:
-    return {k for k in keys if k.rsplit(".", 1)[-1] not in _SCALE_SUFFIXES}
+class DraftFormatError(DraftExportError):
+    """The draft directory does not match the exported format (runtime/algorithms/: what a valid draft is) or the
+    target it is paired with."""
 
 
 def read_draft_dir(path: Path) -> tuple[dict, dict]:
@@ -38,15 +36,6 @@ def read_draft_dir(path: Path) -> tuple[dict, dict]:
     for f in files:
         sd.update(load_file(str(f)))
     return cfg, sd
-
-
-@dataclass
-class TargetShape:
-    """What a draft must agree with: read from the target's config."""
-
-    hidden_size: int
-    vocab_size: int
-    num_layers: int
 
 
 def draft_algorithm(path: str | Path) -> str:

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import torch
 
+from runtime.algorithms.export import TargetShape
 from runtime.engine.drafts.dflash import DFlashDraft, check_dflash
 from runtime.engine.drafts.eagle3 import Eagle3Draft, check_eagle3
-from runtime.engine.drafts.format import DraftFormatError, TargetShape, draft_algorithm, read_draft_dir
+from runtime.engine.drafts.format import DraftFormatError, draft_algorithm, read_draft_dir
 
 log = logging.getLogger("specpipe.runtime")
 

@@ -1,0 +1,108 @@
+"""DFlash: what a valid draft export is, in one place, and the draft-length cap.
+
+The export is what ModelOpt 0.47's `export_speculative_decoding` writes (`DFlashExporter`,
+modelopt/torch/export/plugins/hf_spec_export.py; the module in modelopt/torch/speculative/plugins/modeling_dflash.py,
+nvidia-modelopt 0.47.0 as installed):
+
+- config.json: `architectures: ["DFlashDraftModel"]`, `block_size`, `dflash_config.{mask_token_id,
+  target_layer_ids}`, hidden_size, num_hidden_layers, vocab_size, and `num_target_layers` (the target it was trained
+  on) (`CONFIG_KEYS`).
+- tensors: the draft module with its prefix stripped and the rotary buffers skipped: fc ([hidden, len(target_layer_ids)
+  x hidden], DFlashModule: `nn.Linear(num_fused_layers * hidden, hidden)`), hidden_norm, norm, and per layer the HF
+  decoder tensors plus Qwen3's q_norm/k_norm. No embeddings and no lm_head: the draft reuses the target's; no d2t
+  (the full vocabulary). Bias tensors and quantization scales may sit beside any weight.
+- capture layers: `dflash_config.target_layer_ids` (0-based, ModelOpt / TensorRT-LLM numbering).
+- draft length: one block of `block_size` slots whose first is the last verified token drafts at most
+  block_size - 1 tokens (`max_draft_len`).
+"""
+from __future__ import annotations
+
+from runtime.algorithms.export import LAYER_TENSORS, Export, Problem, TargetShape
+
+ARCHITECTURE = "DFlashDraftModel"
+UPSTREAM = "modelopt 0.47.0 modelopt/torch/export/plugins/hf_spec_export.py DFlashExporter"
+CONFIG_KEYS = ("hidden_size", "num_hidden_layers", "vocab_size", "block_size", "dflash_config")
+DFLASH_CONFIG_KEYS = ("mask_token_id", "target_layer_ids")
+
+
+def max_draft_len(block_size: int) -> int:
+    """A DFlash draft fills one block of `block_size` slots, the first being the last verified token: it drafts
+    at most block_size - 1 tokens per step (TensorRT-LLM 1.3 DFlashDecodingConfig: max_draft_len <= block_size - 1,
+    runtime.trtllm.compat.SOURCES['dflash_block_size']; ModelOpt's DFlash trains exactly that many)."""
+    if int(block_size) < 2:
+        raise ValueError(f"DFlash block_size {block_size} < 2 drafts nothing")
+    return int(block_size) - 1
+
+
+def default_target_layer_ids(n_layers: int, draft_layers: int) -> tuple[list[int], list[int] | None]:
+    """(the target layers a DFlash draft reads by default, ModelOpt's own choice when it was replaced else None).
+    ModelOpt's `build_target_layer_ids` spread skips the first and last 3 layers and repeats layers on shallow
+    targets (4 layers, 2 draft layers -> [1, 1]); then the ids are spread over the whole stack instead."""
+    from modelopt.torch.speculative.plugins.modeling_dflash import build_target_layer_ids
+
+    ids = list(build_target_layer_ids(n_layers, draft_layers))
+    if len(set(ids)) == len(ids):
+        return ids, None
+    return [round(i * (n_layers - 1) / (draft_layers - 1)) for i in range(draft_layers)], ids
+
+
+def required_tensors(num_layers: int) -> set[str]:
+    names = {"fc.weight", "hidden_norm.weight", "norm.weight"}
+    for i in range(num_layers):
+        names |= {f"layers.{i}.{n}.weight" for n in (*LAYER_TENSORS, "self_attn.q_norm", "self_attn.k_norm")}
+    return names
+
+
+def capture_layer_ids(cfg: dict) -> list[int] | None:
+    ids = (cfg.get("dflash_config") or {}).get("target_layer_ids")
+    return [int(i) for i in ids] if ids else None
+
+
+def check_export(ex: Export, *, target: TargetShape | None = None) -> list[Problem]:
+    """Every problem of a DFlash export: config keys, tensors, fc's shape, then the pairing with `target`."""
+    cfg, out = ex.cfg, []
+    archs = cfg.get("architectures")
+    if ARCHITECTURE not in (archs or []):
+        out.append(Problem("config", f"{ex.where}: config.json architectures is {archs}, expected ['{ARCHITECTURE}'] "
+                                     "(TensorRT-LLM picks the draft implementation from it)"))
+    dc = cfg.get("dflash_config") if isinstance(cfg.get("dflash_config"), dict) else {}
+    missing = [k for k in CONFIG_KEYS if cfg.get(k) is None] + [f"dflash_config.{k}" for k in DFLASH_CONFIG_KEYS
+                                                                 if dc.get(k) is None and cfg.get("dflash_config")]
+    if missing:
+        return out + [Problem("config_keys", f"{ex.where}: config.json lacks {missing}, which ModelOpt's DFlash export "
+                                             "writes and every consumer reads; re-export with export_speculative_decoding")]
+    if int(cfg["block_size"]) < 2:
+        out.append(Problem("block_size", f"{ex.where}: block_size must be >= 2, found {cfg['block_size']}"))
+    H, L = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"])
+    ids = [int(i) for i in dc["target_layer_ids"]]
+    required = required_tensors(L)
+    keys = ex.names()
+    if miss := sorted(required - keys):
+        out.append(Problem("required_tensors", f"{ex.where}: missing {len(miss)} tensor(s) {miss[:8]}"
+                                               f"{' ...' if len(miss) > 8 else ''} for a {L}-layer DFlash draft"))
+    if unexpected := sorted(keys - required - {k.replace(".weight", ".bias") for k in required}):
+        out.append(Problem("unexpected_tensors", f"{ex.where}: unexpected tensors {unexpected[:8]} (embeddings and "
+                                                 "lm_head come from the target)"))
+    fc = ex.shapes.get("fc.weight")
+    if fc is not None and len(fc[0]) == 2 and fc[0][1] != len(ids) * H:
+        out.append(Problem("fc_shape", f"{ex.where}: fc.weight takes {fc[0][1]} inputs but target_layer_ids {ids} x "
+                                       f"hidden {H} = {len(ids) * H}"))
+    if target is not None:
+        out += _pairing_problems(ex, dc, ids, target)
+    return out
+
+
+def _pairing_problems(ex: Export, dc: dict, ids: list[int], target: TargetShape) -> list[Problem]:
+    H, out = int(ex.cfg["hidden_size"]), []
+    if H != target.hidden_size:
+        out.append(Problem("pairing", f"{ex.where}: draft hidden_size {H} != target hidden_size {target.hidden_size}"))
+    if not 0 <= int(dc["mask_token_id"]) < target.vocab_size:
+        out.append(Problem("pairing", f"{ex.where}: mask_token_id {dc['mask_token_id']} is outside the target vocabulary"))
+    if bad := [i for i in ids if not 0 <= i < target.num_layers]:
+        out.append(Problem("pairing", f"{ex.where}: target_layer_ids {bad} are outside the target's {target.num_layers} "
+                                      "layers"))
+    n = ex.cfg.get("num_target_layers")
+    if n is not None and int(n) != target.num_layers:
+        out.append(Problem("pairing", f"{ex.where}: exported for a {n}-layer target, paired with a "
+                                      f"{target.num_layers}-layer one"))
+    return out
