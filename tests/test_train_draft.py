@@ -480,6 +480,7 @@ def _stage_ctx(wd: Path, *overrides: str, config: Path = TINY_CONFIG):
     import logging
 
     from pipeline.config import load_config
+    from pipeline.device import resolve_device
     from pipeline.stage import StageContext
     from pipeline.store import Store
 
@@ -497,6 +498,7 @@ def _stage_ctx(wd: Path, *overrides: str, config: Path = TINY_CONFIG):
         workdir=wd,
         fingerprint="0" * 16,
         log=logging.getLogger("test_train_draft"),
+        device=resolve_device(cfg.run),
     )
 
 
@@ -1096,6 +1098,7 @@ def _real_ctx(inputs: Path, tmp_path: Path, *overrides: str):
     import logging
 
     from pipeline.config import load_config
+    from pipeline.device import resolve_device
     from pipeline.stage import StageContext
     from pipeline.store import Store
 
@@ -1116,6 +1119,7 @@ def _real_ctx(inputs: Path, tmp_path: Path, *overrides: str):
         workdir=wd,
         fingerprint="0" * 16,
         log=logging.getLogger("test_train_draft"),
+        device=resolve_device(cfg.run),
     )
 
 
