@@ -690,6 +690,21 @@ def test_mask_token_not_in_vocab_is_a_stage_error(inputs, tmp_path):
         td.run(ctx)
 
 
+def test_make_job_takes_the_runners_device(inputs, tmp_path):
+    """train_draft trains where `ctx.device` (the runner's one resolution of run.device) says, not where it would
+    re-resolve run.device itself: a context resolved to cuda gives a cuda job, bf16 under `dtype: auto`, whatever
+    this machine and the config's run.device are (make_job only assembles the job; nothing touches a GPU)."""
+    import dataclasses
+
+    import stages.train_draft as td
+    from pipeline.device import ResolvedDevice
+
+    ctx = _stage_ctx(_workdir(inputs, tmp_path), "run.device=cpu")
+    assert (ctx.device.type, td.make_job(ctx)["train_dtype"]) == ("cpu", "float32")
+    job = td.make_job(dataclasses.replace(ctx, device=ResolvedDevice("auto", "cuda")))
+    assert (job["device"], job["train_dtype"], job["target_dtype"]) == ("cuda", "bfloat16", "bfloat16")
+
+
 # ------------------------------------------------------------------------------------------- bf16 target
 
 
