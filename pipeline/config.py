@@ -20,7 +20,9 @@ from pipeline.stage import Strict
 class RunConfig(Strict):
     """How to execute. Never part of a fingerprint: changing it does not invalidate artifacts."""
 
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where stages run models; auto = cuda when available")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="where stages run models; auto = cuda when available; cuda where torch sees none: a config "
+                            "error before any stage runs (resolved once, pipeline/device.py)")
     threads: int | None = Field(default=None, ge=1, description="torch intra-op threads; default: all cores")
     log_level: Literal["debug", "info", "warning"] = Field("info", description="console log level (stage logs in <workdir>/logs "
                                                                                "always keep info)")

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from pipeline import codehash, registry
 from pipeline.config import section_dict
+from pipeline.device import ResolvedDevice, resolve_device
 from pipeline.errors import StageError, UsageError
 from pipeline.stage import StageContext
 from pipeline.store import Store, atomic_write_text, fault_point
@@ -306,7 +307,7 @@ def _failed(e: BaseException, lg: logging.Logger) -> tuple[str, dict | None]:
     return msg, failed_metrics
 
 
-def run_stage(item: PlanItem, cfg, store: Store, argv: list[str]) -> Outcome:
+def run_stage(item: PlanItem, cfg, store: Store, argv: list[str], device: ResolvedDevice) -> Outcome:
     spec = registry.get(item.name)
     lg, fh = _stage_logger(store, spec.name)
     tmp = store.new_tmp(spec.name)
@@ -314,7 +315,7 @@ def run_stage(item: PlanItem, cfg, store: Store, argv: list[str]) -> Outcome:
     ctx = StageContext(
         name=spec.name, config=cfg, section=getattr(cfg, spec.name), out_dir=tmp,
         scratch_dir=store.scratch_dir(spec.name, item.fingerprint), inputs=inputs, workdir=store.root,
-        fingerprint=item.fingerprint, log=lg,
+        fingerprint=item.fingerprint, log=lg, device=device,
     )
     started = datetime.now(timezone.utc)
     t0 = time.monotonic()
@@ -325,7 +326,9 @@ def run_stage(item: PlanItem, cfg, store: Store, argv: list[str]) -> Outcome:
             metrics = spec.module.run(ctx) or {}
         fault_point(spec.name, "after-run")
         wall = time.monotonic() - t0
-        store.commit(spec.name, tmp, _manifest(item, cfg, spec, argv, inputs, metrics, started, wall, mem.peak))
+        manifest = _manifest(item, cfg, spec, argv, inputs, metrics, started, wall, mem.peak)
+        manifest["provenance"]["device"] = device.type   # run.device as resolved (never fingerprinted)
+        store.commit(spec.name, tmp, manifest)
         lg.info("committed in %.1fs (peak RSS %.0f MB)", wall, mem.peak / 2**20)
         return Outcome(spec.name, "ran", item.reason, item.fingerprint, wall, log_file=log_file)
     except BaseException as e:
@@ -350,6 +353,11 @@ def build(cfg, store: Store, *, argv: list[str], config_path: str, only=None, fr
         if removed:
             log.info("removed leftovers of an interrupted run: %s", ", ".join(removed))
         plan = make_plan(cfg, store, only=only, from_=from_, force=force)
+        # run.device, resolved once before any stage runs (a bad value: ConfigError, exit 2); a build with nothing
+        # to run does not resolve it (auto would import torch)
+        device = resolve_device(cfg.run) if any(i.action == "run" for i in plan) else None
+        if device is not None:
+            log.info("run.device %s: stages run on %s", device.requested, device.type)
         outcomes: list[Outcome] = []
         failed = False
         for item in plan:
@@ -358,7 +366,7 @@ def build(cfg, store: Store, *, argv: list[str], config_path: str, only=None, fr
                 continue
             if item.action == "run":
                 log.info("[%s] run: %s", item.name, item.reason)
-                o = run_stage(item, cfg, store, argv)
+                o = run_stage(item, cfg, store, argv, device)
                 if o.action == "failed":
                     failed = True
                     log.error("[%s] failed after %.1fs: %s", item.name, o.wall_s, o.error)

@@ -27,7 +27,8 @@ and optionally (every hook the pipeline reads; `pipeline.registry` picks them up
 
 Config reads across sections: a stage reads `ctx.config.<section>` only for its own section, `run` (never
 fingerprinted), a section in USES, or the section of a stage it consumes (directly or not: that stage's
-fingerprint holds it). tests/test_architecture.py checks this.
+fingerprint holds it). tests/test_architecture.py checks this. `run.device` is resolved once by the runner
+(`pipeline.device`): a stage reads `ctx.device`, never `run.device`.
 
 Rules that keep the pipeline honest:
 - Import heavy libraries (torch, transformers, modelopt, datasets) inside `run`, never at module top:
@@ -55,6 +56,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict
 
 if TYPE_CHECKING:
+    from pipeline.device import ResolvedDevice
     from pipeline.progress import Progress
 
 
@@ -101,6 +103,7 @@ class StageContext:
     workdir: Path
     fingerprint: str
     log: logging.Logger
+    device: ResolvedDevice         # run.device resolved once by the runner (pipeline.device.resolve_device)
 
     def progress(self, iterable: Iterable | None = None, *, total: int | None = None, desc: str = "") -> Progress:
         """A progress bar on a terminal, periodic log lines otherwise. Use as a context manager:

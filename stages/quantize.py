@@ -143,7 +143,7 @@ def run(ctx: StageContext) -> dict:
     data = ctx.input("data").path
     tinfo = target_artifact.read_info(ctx.input("target").path)
     export_dtype = getattr(torch, tinfo.get("dtype") or "bfloat16")
-    device = _device(ctx)
+    device = ctx.device.torch
     calib_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     calib, heldout = _read_calib_and_heldout(ctx, sec, data, device)
 
@@ -325,15 +325,6 @@ def _try_recipe(ctx: StageContext, sec: Config, recipe: str, target_dir: Path, c
     return {"recipe": recipe, "path": out, "quality": quality, "checks": checks, "auto_excluded": auto,
             "exclude_modules": read_hf_quant_config(out).get("exclude_modules"), "search": search, "gate_problems": problems,
             "seconds": round(time.monotonic() - t0, 1)}
-
-
-def _device(ctx: StageContext):
-    import torch
-
-    want = getattr(getattr(ctx.config, "run", None), "device", "auto")
-    if want == "cuda" and not torch.cuda.is_available():
-        raise StageError("run.device is cuda but torch sees no CUDA device")
-    return torch.device("cuda" if want in ("auto", "cuda") and torch.cuda.is_available() else "cpu")
 
 
 @contextlib.contextmanager

@@ -280,7 +280,7 @@ def make_job(ctx: StageContext) -> dict:
     from transformers import AutoTokenizer
 
     from runtime.training.algorithm import resolve_algorithm
-    from runtime.training.job import JobError, resolve_device
+    from runtime.training.job import JobError
     from runtime.training.job import make_job as assemble
 
     sec: Config = ctx.section
@@ -293,7 +293,7 @@ def make_job(ctx: StageContext) -> dict:
         algo = resolve_algorithm(sec.algorithm, summary, tok, ctx.log)
         return assemble(sec, algo=algo, summary=summary, model_dir=model_dir, data_dir=data.path,
                         train_samples=data.metrics.get("train_samples"), scratch_dir=ctx.scratch_dir, out_dir=ctx.out_dir,
-                        device=resolve_device(ctx.config.run.device), threads=ctx.config.run.threads,
+                        device=ctx.device.type, threads=ctx.config.run.threads,
                         trust_remote_code=trust)
     except JobError as e:
         raise StageError(str(e)) from None

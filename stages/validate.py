@@ -163,7 +163,7 @@ def run(ctx: StageContext) -> dict:
                          scratch_dir=ctx.scratch_dir)
     else:
         try:
-            res = run_reference(s, deployed, bf16 if need_bf16 else None, prompts, eos, device=_device(ctx),
+            res = run_reference(s, deployed, bf16 if need_bf16 else None, prompts, eos, device=ctx.device.type,
                                 expected=_trained_layers(ctx), log=ctx.log, progress=ctx.progress, same=same)
         except DraftLoadError as e:
             raise StageError(f"validate: {e}") from None
@@ -229,9 +229,7 @@ def _metrics(runtime: str, res: dict) -> dict:
 def _vllm(ctx: StageContext, sec: Config, prompts: dict, deployed: dict, bf16: dict, res: dict) -> dict:
     """The pair measured in vLLM too (runtime/validate/vllm_arm.py), as the `vllm` section asks: where vLLM is
     missing or cannot run the pair, a plain skip with the reason, or (on_unavailable: fail) a failed stage."""
-    from pipeline.config import VllmConfig
-
-    vc = getattr(ctx.config, "vllm", None) or VllmConfig()   # a bare StageContext (tests) has no config: defaults
+    vc = ctx.config.vllm
     s = V.ArmSettings(python=vc.python, kv_cache_gib=vc.kv_cache_gib, ready_timeout=vc.ready_timeout_s,
                       tolerance=vc.tolerance, draft_len=res["max_draft_len"], max_new_tokens=sec.max_new_tokens,
                       batch=sec.batch_size, try_fp8=vc.try_fp8, first_layer_norm=sec.first_layer_norm,
@@ -291,18 +289,6 @@ def _read_prompts(ctx: StageContext, sec: Config) -> dict[str, list[list[int]]]:
     if isinstance(g, dict) and (missing := sorted(set(g) - set(out))):
         raise StageError(f"validate.gates.min_acceptance_length names domains {missing} that data did not write")
     return out
-
-
-def _device(ctx) -> str:
-    """`run.device` (not part of any fingerprint): auto = CUDA when present."""
-    import torch
-
-    want = getattr(getattr(ctx.config, "run", None), "device", "auto")
-    if want == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if want == "cuda" and not torch.cuda.is_available():
-        raise StageError("run.device: cuda requested but no CUDA GPU is available")
-    return want
 
 
 def _trained_layers(ctx) -> list[int] | None:

@@ -97,3 +97,20 @@ def run_dir(request) -> Path:
     wd, _ = request.getfixturevalue("tiny_run")
     artifact_dir(wd, "export")
     return wd
+
+
+def stage_context(name: str, section, *, inputs: dict, out_dir: Path, scratch_dir: Path, workdir: Path,
+                  config: Path = TINY_CONFIG, overrides: tuple[str, ...] = ()):
+    """A StageContext the way the runner builds one, for calling a stage's `run` directly: the whole config loaded from
+    a real config file (+ overrides) with this stage's section replaced by `section`, and `run.device` resolved by
+    `pipeline.device.resolve_device` (the runner's one resolution)."""
+    import logging
+
+    from pipeline.config import load_config
+    from pipeline.device import resolve_device
+    from pipeline.stage import StageContext
+
+    cfg = load_config(config, list(overrides)).model_copy(update={name: section})
+    return StageContext(name=name, config=cfg, section=section, out_dir=out_dir, scratch_dir=scratch_dir, inputs=inputs,
+                        workdir=workdir, fingerprint="x", log=logging.getLogger(f"specpipe.test.{name}"),
+                        device=resolve_device(cfg.run))

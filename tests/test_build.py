@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import yaml
 
+from pipeline.device import ResolvedDevice
 from pipeline.errors import StageError
 from pipeline.stage import Artifact, StageContext
 from runtime.algorithms.schedule import DraftSchedule
@@ -140,7 +141,8 @@ def make_ctx(root: Path, section: build.Config, tp: int = 1) -> StageContext:
     inputs = {n: Artifact(n, arts / n, {"fingerprint": n, "metrics": {}}) for n in build.CONSUMES}
     cfg = SimpleNamespace(hardware=SimpleNamespace(tensor_parallel_size=tp), build=section)
     return StageContext(name="build", config=cfg, section=section, out_dir=out, scratch_dir=root / "scratch",
-                        inputs=inputs, workdir=root, fingerprint="x", log=logging.getLogger("test.build"))
+                        inputs=inputs, workdir=root, fingerprint="x", log=logging.getLogger("test.build"),
+                        device=ResolvedDevice("cpu", "cpu"))
 
 
 def run_build(root: Path, **section) -> tuple[dict, dict, Path]:

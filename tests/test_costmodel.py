@@ -257,6 +257,10 @@ def test_profile_fp8_without_a_gpu_is_a_usage_error(tmp_path):
     r = run_cli("profile", "configs/tiny_fp8_eagle3.yaml", "--workdir", str(tmp_path / "wd"), "--dtype", "fp8",
                 *tiny_overrides("target"))
     assert r.returncode == 2 and "--dtype fp8 needs a CUDA GPU" in r.stderr and "Traceback" not in r.stderr
+    # run.device through the runner's resolution (pipeline/device.py): a config error naming the field, exit code 2
+    r = run_cli("profile", "configs/tiny_fp8_eagle3.yaml", "--workdir", str(tmp_path / "wd"), "-o", "run.device=cuda",
+                *tiny_overrides("target"))
+    assert r.returncode == 2 and "run.device: cuda, but torch sees no CUDA device" in r.stderr, r.stderr
 
 
 def test_gpu_check_script_runs_in_smoke_mode(tmp_path):

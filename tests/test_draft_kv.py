@@ -16,7 +16,6 @@ wrote an FP8 KV cache; the artifacts are only read.
 from __future__ import annotations
 
 import json
-import logging
 import os
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from runtime.engine.fp8 import qdq_e4m3
 from runtime.engine.layers import KVCache
 from stages import validate as V
 
-from conftest import artifact_dir
+from conftest import artifact_dir, stage_context
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +97,7 @@ def _ctx(arts: Path, tmp: Path, **section) -> StageContext:
     scratch.mkdir(parents=True)
     sec = V.Config(**{"max_new_tokens": 8, "num_prompts": 2, "batch_size": 2, "lossless_prompts": 0,
                       "measure_bf16": False, "measure_other_norm": False, "runtime": "reference", **section})
-    return StageContext(name="validate", config=None, section=sec, out_dir=out, scratch_dir=scratch, inputs=inputs,
-                        workdir=arts.parent, fingerprint="x", log=logging.getLogger("specpipe.test.draft_kv"))
+    return stage_context("validate", sec, inputs=inputs, out_dir=out, scratch_dir=scratch, workdir=arts.parent)
 
 
 def test_validate_gates_on_the_fp8_kv_draft_and_reports_both(run_dir, tmp_path):

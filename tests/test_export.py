@@ -20,6 +20,7 @@ from google.protobuf import text_format
 from test_build import write_checkpoints
 from tritonclient.grpc import model_config_pb2
 
+from pipeline.device import ResolvedDevice
 from pipeline.errors import StageError
 from pipeline.stage import Artifact, StageContext
 from runtime.trtllm import draft_weights, hf_config, schema
@@ -34,7 +35,8 @@ def run_stage(root: Path, module, section) -> Path:
     inputs = {n: Artifact(n, arts / n, {"fingerprint": n, "metrics": {}}) for n in module.CONSUMES}
     ctx = StageContext(name=module.NAME, config=SimpleNamespace(hardware=SimpleNamespace(tensor_parallel_size=1)),
                        section=section, out_dir=out, scratch_dir=root / "scratch", inputs=inputs, workdir=root,
-                       fingerprint="x", log=logging.getLogger(f"test.{module.NAME}"))
+                       fingerprint="x", log=logging.getLogger(f"test.{module.NAME}"),
+                       device=ResolvedDevice("cpu", "cpu"))
     module.run(ctx)
     out.rename(arts / module.NAME)
     return arts / module.NAME

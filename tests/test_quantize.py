@@ -8,7 +8,6 @@ FP8 draft."""
 from __future__ import annotations
 
 import json
-import logging
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -26,6 +25,8 @@ from runtime.quant.exclusion import search_exclusions
 from runtime.quant.modules import matches
 from runtime.quant.quality import fake_quant_reference, layerwise_agreement, measure_quality, modulewise_agreement
 from stages import quantize as Q
+
+from conftest import stage_context
 
 SEQ = 64
 
@@ -111,9 +112,8 @@ def _ctx(root: Path, out: str, **section) -> StageContext:
         shutil.rmtree(out_dir)
     out_dir.mkdir()
     inputs = {n: Artifact(n, root / n, {"fingerprint": n, "metrics": {}}) for n in ("target", "data", "train_draft")}
-    return StageContext(name="quantize", config=SimpleNamespace(run=SimpleNamespace(device="cpu")), section=sec,
-                        out_dir=out_dir, scratch_dir=root / "scratch", inputs=inputs, workdir=root, fingerprint="x",
-                        log=logging.getLogger("test_quantize"))
+    return stage_context("quantize", sec, inputs=inputs, out_dir=out_dir, scratch_dir=root / "scratch", workdir=root,
+                         overrides=("run.device=cpu",))
 
 
 @pytest.fixture(scope="module")

@@ -480,6 +480,7 @@ def _stage_ctx(wd: Path, *overrides: str, config: Path = TINY_CONFIG):
     import logging
 
     from pipeline.config import load_config
+    from pipeline.device import resolve_device
     from pipeline.stage import StageContext
     from pipeline.store import Store
 
@@ -497,6 +498,7 @@ def _stage_ctx(wd: Path, *overrides: str, config: Path = TINY_CONFIG):
         workdir=wd,
         fingerprint="0" * 16,
         log=logging.getLogger("test_train_draft"),
+        device=resolve_device(cfg.run),
     )
 
 
@@ -686,6 +688,21 @@ def test_mask_token_not_in_vocab_is_a_stage_error(inputs, tmp_path):
     ctx = _stage_ctx(wd, "train_draft.algorithm={kind: dflash, block_size: 4, mask_token: '<|nope|>'}", config=DFLASH_CONFIG)
     with pytest.raises(StageError, match=r"'<\|nope\|>' is not a token of the target's vocabulary"):
         td.run(ctx)
+
+
+def test_make_job_takes_the_runners_device(inputs, tmp_path):
+    """train_draft trains where `ctx.device` (the runner's one resolution of run.device) says, not where it would
+    re-resolve run.device itself: a context resolved to cuda gives a cuda job, bf16 under `dtype: auto`, whatever
+    this machine and the config's run.device are (make_job only assembles the job; nothing touches a GPU)."""
+    import dataclasses
+
+    import stages.train_draft as td
+    from pipeline.device import ResolvedDevice
+
+    ctx = _stage_ctx(_workdir(inputs, tmp_path), "run.device=cpu")
+    assert (ctx.device.type, td.make_job(ctx)["train_dtype"]) == ("cpu", "float32")
+    job = td.make_job(dataclasses.replace(ctx, device=ResolvedDevice("auto", "cuda")))
+    assert (job["device"], job["train_dtype"], job["target_dtype"]) == ("cuda", "bfloat16", "bfloat16")
 
 
 # ------------------------------------------------------------------------------------------- bf16 target
@@ -1097,6 +1114,7 @@ def _real_ctx(inputs: Path, tmp_path: Path, *overrides: str):
     import logging
 
     from pipeline.config import load_config
+    from pipeline.device import resolve_device
     from pipeline.stage import StageContext
     from pipeline.store import Store
 
@@ -1117,6 +1135,7 @@ def _real_ctx(inputs: Path, tmp_path: Path, *overrides: str):
         workdir=wd,
         fingerprint="0" * 16,
         log=logging.getLogger("test_train_draft"),
+        device=resolve_device(cfg.run),
     )
 
 

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 from pipeline.config import HardwareConfig
+from pipeline.device import ResolvedDevice
 from pipeline.errors import StageError
 from pipeline.stage import Artifact, StageContext
 from runtime.algorithms.schedule import DraftSchedule
@@ -86,7 +87,8 @@ def run_tune(tmp: Path, *, target=LLAMA_8B, curves=None, gpu="h200", tp=1, quant
     out = tmp / "out"
     out.mkdir(exist_ok=True)
     ctx = StageContext(name="tune", config=cfg, section=sec, out_dir=out, scratch_dir=tmp / "scratch", inputs=inputs,
-                       workdir=tmp, fingerprint="x", log=logging.getLogger("specpipe.test.tune"))
+                       workdir=tmp, fingerprint="x", log=logging.getLogger("specpipe.test.tune"),
+                       device=ResolvedDevice("cpu", "cpu"))
     metrics = tune.run(ctx)
     doc = json.loads((out / "tuning.json").read_text())
     doc["_metrics"] = metrics

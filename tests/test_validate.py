@@ -26,6 +26,7 @@ from runtime.validate.lossless_arms import STATISTIC, exact_check, lossless_and_
 from runtime.validate.trtllm import trtllm_available, trtllm_llm_kwargs, trtllm_sampling_kwargs
 from stages import validate as V
 
+from conftest import stage_context
 from test_runtime import _batches, tiny_assets
 
 # The reference schemas where the shared reference exists; elsewhere (CI) the project's extracted copies.
@@ -77,8 +78,7 @@ def _ctx(arts: Path, tmp: Path, **section) -> StageContext:
     out.mkdir(parents=True, exist_ok=True)
     scratch.mkdir(parents=True, exist_ok=True)
     sec = V.Config(**{"max_new_tokens": 20, "num_prompts": 6, "batch_size": 3, "lossless_prompts": 3, **section})
-    return StageContext(name="validate", config=None, section=sec, out_dir=out, scratch_dir=scratch, inputs=inputs,
-                        workdir=arts.parent, fingerprint="x", log=logging.getLogger("specpipe.test.validate"))
+    return stage_context("validate", sec, inputs=inputs, out_dir=out, scratch_dir=scratch, workdir=arts.parent)
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pipeline.device import resolve_device
 from pipeline.errors import UsageError
 
 
@@ -49,7 +50,8 @@ def measure(cfg, artifacts: Path, *, rows: list[int], context: int, rounds: int,
     from runtime.cost import profile as P
 
     shapes, source = profile_shapes(cfg, artifacts)
-    device, gemm_dtype = P.resolve_device_dtype(cfg.run.device, dtype)
+    device = resolve_device(cfg.run).torch
+    gemm_dtype = P.resolve_gemm_dtype(device, dtype)
     import torch
 
     if cfg.run.threads:

@@ -137,16 +137,14 @@ def shapes_from_artifacts(target: dict, draft: dict | None = None, draft_config:
     return shapes
 
 
-def resolve_device_dtype(device_opt: str, dtype_opt: str):
-    """`auto` -> CUDA when present; GEMM dtype `auto` -> FP8 on GPUs with FP8 tensor cores (sm89+), BF16 on
-    other GPUs, float32 on a CPU (its float32 GEMMs are the fast, well-defined path)."""
+def resolve_gemm_dtype(dev, dtype_opt: str) -> str:
+    """The GEMM dtype on `dev` (a torch.device, `run.device` as the caller resolved it): `auto` -> FP8 on GPUs with
+    FP8 tensor cores (sm89+), BF16 on other GPUs, float32 on a CPU (its float32 GEMMs are the fast, well-defined
+    path)."""
     import torch
 
     from runtime.errors import RuntimeUsageError
 
-    if device_opt == "cuda" and not torch.cuda.is_available():
-        raise RuntimeUsageError("run.device is cuda but no CUDA device is visible")
-    dev = torch.device("cuda" if device_opt in ("cuda", "auto") and torch.cuda.is_available() else "cpu")
     if dtype_opt == "auto":
         if dev.type == "cuda":
             dtype_opt = "fp8" if torch.cuda.get_device_capability(dev) >= (8, 9) else "bfloat16"
@@ -154,4 +152,4 @@ def resolve_device_dtype(device_opt: str, dtype_opt: str):
             dtype_opt = "float32"
     if dtype_opt == "fp8" and dev.type != "cuda":
         raise RuntimeUsageError("--dtype fp8 needs a CUDA GPU with FP8 tensor cores (torch._scaled_mm)")
-    return dev, dtype_opt
+    return dtype_opt

@@ -80,15 +80,6 @@ def make_job(sec, *, algo: dict, summary: dict, model_dir: Path, data_dir: Path,
     }
 
 
-def resolve_device(device: str) -> str:
-    """run.device, with auto resolved: cuda when a GPU is visible, else cpu."""
-    if device == "auto":
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return device
-
-
 def resolve_dtypes(sec, device: str) -> tuple[str, str]:
     """(training dtype, target dtype) with auto resolved; JobError for a target above the training precision."""
     train_dtype = sec.dtype if sec.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
