@@ -373,7 +373,7 @@ def test_d2t_map_out_of_vocab_is_caught(eagle, tmp_path):
     shutil.copytree(_art(eagle) / "draft", draft)
     _rewrite_tensors(draft, lambda sd: {**sd, "d2t": torch.full_like(sd["d2t"], 10_000)})
     c = _checks(draft, eagle)["d2t"]
-    assert not c.passed and "outside the vocabulary" in c.message
+    assert not c.passed and "outside the target vocabulary" in c.message
 
 
 # ------------------------------------------------------------------------------------------- DFlash, 2 processes
