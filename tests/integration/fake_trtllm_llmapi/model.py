@@ -1,5 +1,5 @@
 """FAKE TensorRT-LLM LLM-API Triton model (TensorRT-LLM cannot be installed here): stands in for the container's
-/app/all_models/llmapi/tensorrt_llm/1/model.py in tests/test_triton_launch.py, which checks how launch.sh starts the
+/app/all_models/llmapi/tensorrt_llm/1/model.py in tests/integration/test_triton_launch.py, which checks how launch.sh starts the
 real Triton server, not what the model computes. Like the real model it reads model.yaml next to it (the symlink
 launch.sh makes) in initialize and answers through the decoupled response sender; it echoes text_input."""
 import json

@@ -322,7 +322,7 @@ def test_profile_measures_the_committed_target_and_draft(tmp_path):
     pipeline.artifacts and handed to runtime.cost.profile), not the tiny config's."""
     from pipeline.commands.profile import profile_shapes
 
-    from test_tune import LLAMA_8B, eagle3
+    from support.synthetic import LLAMA_8B, eagle3
 
     arts = tmp_path / "artifacts"
     draft, dcfg = eagle3(LLAMA_8B, 32000)

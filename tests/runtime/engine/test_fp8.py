@@ -2,7 +2,7 @@
 
 One module-scoped fixture builds a tiny random Llama (hidden 64, 2 layers), quantizes it with ModelOpt (FP8 per-tensor
 weights/activations + FP8 KV) and exports it: with float32 and with bfloat16 high-precision tensors (the latter is what
-the quantize stage deploys). The real-model counterparts (SmolLM2) are in tests/test_quantize.py.
+the quantize stage deploys). The real-model counterparts (SmolLM2) are in tests/stages/test_quantize.py.
 
 Upstream behaviour encoded here (read from source, cited where used):
 - TensorRT-LLM cpp/tensorrt_llm/common/cudaFp8Utils.cu (stored version, 2026 copyright; the kernels unchanged in the

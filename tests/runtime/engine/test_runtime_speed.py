@@ -22,14 +22,14 @@ from runtime.engine.lossless import lossless_diff
 from runtime.engine.speculative import SpeculativeEngine
 from runtime.engine.target import TargetRunner, load_target
 
-from script_drafter import ScriptDrafter
+from support.script_drafter import ScriptDrafter
 
 # ---------------------------------------------------------------------------------------------- FP8 arithmetic
 
 
 def test_fast_qdq_is_the_reference_qdq_bit_for_bit():
     """qdq_e4m3_fast == runtime.engine.fp8.qdq_e4m3 (TensorRT-LLM's x * (1/scale)), including the value where x / scale
-    and x * (1/scale) round to different E4M3 codes (tests/test_fp8.py, -9.75 at scale 13/448), saturation and
+    and x * (1/scale) round to different E4M3 codes (tests/runtime/engine/test_fp8.py, -9.75 at scale 13/448), saturation and
     subnormals."""
     from runtime.engine.fp8 import qdq_e4m3
 
@@ -70,7 +70,7 @@ def test_fp8_fused_forward_is_the_fp8_executor(recipe):
     """FP8Linear layers (both recipes) run as fused GEMMs (not module by module) and the fp32-mode forward gives
     the Hugging Face forward through runtime.engine.fp8's FP8Linear modules: same logits (float32 rounding), same greedy
     tokens; the bf16 mode's FP8 GEMMs are FP8Linear's output to bf16 rounding."""
-    from test_runtime import tiny_assets
+    from support.tiny_models import tiny_assets
 
     tiny = tiny_assets()
     model = _fp8_model(load_target(tiny["target_dir"]), recipe)
@@ -102,7 +102,7 @@ def test_fp8_fused_forward_is_the_fp8_executor(recipe):
 def test_fp32_mode_decode_steps_are_the_hf_forward():
     """On the tiny target, each one-token decode step of the fused fp32 forward gives the logits of a fresh
     Hugging Face forward over the whole sequence (to float32 rounding)."""
-    from test_runtime import tiny_assets
+    from support.tiny_models import tiny_assets
 
     tiny = tiny_assets()
     model = load_target(tiny["target_dir"])
@@ -223,7 +223,7 @@ def test_serving_engine_takes_the_exported_compute_mode():
     told otherwise; an unknown mode is refused naming the valid ones."""
     from runtime.serving.adapter import ServingEngine
 
-    from test_runtime import tiny_assets
+    from support.tiny_models import tiny_assets
 
     d = tiny_assets()["target_dir"]
     assert ServingEngine(d, None, draft_len=0).engine.target.plan.compute == "fp32"

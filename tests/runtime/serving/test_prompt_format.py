@@ -16,13 +16,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-from test_build import write_checkpoints
-from test_export import gate, run_stage
 
 from pipeline.errors import UsageError
 from stages import build, export
 
 from conftest import TINY_CONFIG, run_cli, tiny_overrides
+from support.synthetic import gate, run_stage, write_checkpoints
 
 # a template that opens with the BOS, like Llama-3's
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"

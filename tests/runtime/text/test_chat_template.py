@@ -8,13 +8,13 @@ transformers 5.14.1 (`apply_chat_template`, installed).
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from runtime.text.chat_template import ChatRenderer, ChatTemplateError, check_template_syntax, resolve_stop_ids
 
-TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
+from support import DATA
+
+TEMPLATES = DATA / "chat_templates"
 
 CHAT = [
     {"role": "user", "content": "What is 7 times 6?"},

@@ -10,7 +10,7 @@ transformers 5 writes `"tokenizer_class": "TokenizersBackend"`, which 4.57.1's A
 (transformers v4.57.1 models/auto/tokenization_auto.py AutoTokenizer.from_pretrained: "Tokenizer class
 TokenizersBackend does not exist or is not currently imported"), and TensorRT-LLM's `load_hf_tokenizer` then returns
 None. runtime/text/tokenizer_files.py writes the portable form; these tests load each shipped tokenizer in both
-versions (tests/tokenizer_probe.py) and compare ids, decoding and chat-template rendering.
+versions (tests/runtime/text/tokenizer_probe.py) and compare ids, decoding and chat-template rendering.
 
 The 4.57.1 python: SPECPIPE_TF457_PYTHON (.ci/run builds .venv-tf457); missing: a failure under CI=true, a skip elsewhere.
 """

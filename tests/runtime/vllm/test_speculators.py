@@ -4,7 +4,7 @@ speculators cannot share the project's environment (it needs numpy >= 2; Triton'
 numpy < 2), so it lives in its own venv (`.ci/run` creates `.venv-speculators/`; elsewhere point
 SPECPIPE_SPECULATORS_PYTHON at its python). Each check computes, in this process, the target's hidden states and
 what specpipe's runtime drafts from them (runtime/engine/drafts/ `load_draft`, runtime/engine/speculative.py), saves inputs
-and expectations, then runs tests/speculators_check.py with the speculators venv's python, which loads the
+and expectations, then runs tests/runtime/vllm/speculators_check.py with the speculators venv's python, which loads the
 speculators export with the library's own classes, runs the library's forward on the same hidden states and
 returns its argmax. The runtime's first-layer norm is `serving`: speculators' Eagle3FirstLayerMixin (and vLLM's
 llama_eagle3.py) compute hidden_norm(h), see runtime/vllm/speculators_format.py.
@@ -49,7 +49,8 @@ from runtime.engine.speculative import SpeculativeEngine
 from runtime.engine.target import TargetRunner, load_target, target_shape
 from runtime.vllm import speculators_format as S
 
-REPO = Path(__file__).resolve().parent.parent
+from support import REPO
+
 CHECK = Path(__file__).with_name("speculators_check.py")
 SPEC_ENV = "SPECPIPE_SPECULATORS_PYTHON"
 DEFAULT_PY = REPO / ".venv-speculators" / "bin" / "python"
@@ -209,7 +210,7 @@ def assert_same_drafts(case: Case) -> float:
 
 
 def _tiny():
-    from test_runtime import tiny_assets
+    from support.tiny_models import tiny_assets
 
     return tiny_assets()
 
@@ -310,11 +311,10 @@ def test_writer_refuses_what_the_format_cannot_carry(tmp_path):
 def test_export_stage_fails_loudly_on_a_draft_it_cannot_convert(tmp_path):
     """A draft the format cannot carry stops the export with a message naming the switch; with the switch off,
     export.json says nothing was written."""
-    from test_build import write_checkpoints
-    from test_export import gate, run_stage
-
     from pipeline.errors import StageError
     from stages import build, export
+
+    from support.synthetic import gate, run_stage, write_checkpoints
 
     write_checkpoints(tmp_path)           # a synthetic draft: no decoder shape in its config.json
     gate(tmp_path, True)

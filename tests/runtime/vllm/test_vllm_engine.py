@@ -22,6 +22,8 @@ import pytest
 
 from runtime.vllm import engine as E
 
+from support.vllm_env import VLLM_TINY, vllm_install
+
 METRICS = """\
 # HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
 # TYPE vllm:spec_decode_num_drafts_total counter
@@ -76,21 +78,6 @@ def test_server_argv_and_cpu_env():
 
 
 # ---------------------------------------------------------------------------------------------- real vLLM
-
-
-def vllm_install() -> E.VllmInstall:
-    """The vLLM environment; missing: a failure under CI, a skip elsewhere (message: how to create it)."""
-    try:
-        return E.find_vllm()
-    except E.VllmUnavailable as e:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(str(e))
-        pytest.skip(str(e))
-
-
-# vLLM's CPU attention takes head sizes 32, 64, ...: the test-size tiny target (hidden 64, 4 heads) has 16, so the
-# vLLM run uses 2 heads (head_dim 32) and otherwise the shared test-size overrides.
-VLLM_TINY = ["-o", "target.tiny.num_heads=2", "-o", "target.tiny.num_kv_heads=1", "-o", "vllm.enabled=true"]
 
 
 @pytest.fixture(scope="session")

