@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import numpy as np
 
 from pipeline.stage import Artifact, StageContext
+from runtime.algorithms.schedule import DraftSchedule
 from runtime.trtllm import hf_config
-from runtime.trtllm.draft_schedule import DraftSchedule
 
 H = 8   # hidden size of the synthetic target and draft
 

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from support import REPO
+
 H, LAYERS, VOCAB, DV = 32, 4, 128, 64
 AUX = [0, 1, 3]
 
@@ -222,7 +224,7 @@ def test_dflash_cap_and_ngram_settings():
 def test_algorithms_import_no_engine_and_no_serving_package():
     import ast
 
-    root = Path(__file__).resolve().parent.parent / "runtime" / "algorithms"
+    root = REPO / "runtime" / "algorithms"
     for f in sorted(root.glob("*.py")):
         mods = {n.module for n in ast.walk(ast.parse(f.read_text())) if isinstance(n, ast.ImportFrom) and n.module}
         mods |= {a.name for n in ast.walk(ast.parse(f.read_text())) if isinstance(n, ast.Import) for a in n.names}
