@@ -237,3 +237,71 @@ def test_the_cycle_check_sees_imports_in_functions_and_under_type_checking(tmp_p
     assert describe(import_cycles(graph)[0], graph) == "pkg.a:4 -> pkg.b:2 -> pkg.a"
     (pkg / "b.py").write_text("def f():\n    return 1\n")
     assert import_cycles(import_graph(tmp_path, ("pkg",))) == []
+
+
+# ---------------------------------------------------------------------------------------------- the test tree
+
+TREE_WIDE = {"test_architecture.py", "test_fast_selection.py"}   # checks on the whole tree, at tests/ itself
+
+
+def suite_modules(repo: Path) -> list[Path]:
+    return sorted(p for p in (repo / "tests").rglob("test_*.py") if "__pycache__" not in p.parts)
+
+
+def misplaced_tests(repo: Path) -> dict[str, str]:
+    """Test modules outside the mirror of the code (docs/architecture.md): tests/pipeline/, tests/stages/,
+    tests/runtime/ (runtime/'s own modules) or tests/runtime/<package>/ naming a runtime package, tests/integration/;
+    at tests/ itself only the checks on the whole tree."""
+    out = {}
+    for p in suite_modules(repo):
+        parts = p.relative_to(repo / "tests").parts
+        if len(parts) == 1:
+            ok = parts[0] in TREE_WIDE
+        elif len(parts) == 2:
+            ok = parts[0] in ("pipeline", "stages", "runtime", "integration")
+        else:
+            ok = len(parts) == 3 and parts[0] == "runtime" and (repo / "runtime" / parts[1] / "__init__.py").is_file()
+        if not ok:
+            out[p.relative_to(repo).as_posix()] = "not in tests/{pipeline,stages,runtime/<package>,integration}/"
+    seen: dict[str, Path] = {}
+    for p in suite_modules(repo):   # pytest imports test modules by basename (prepend mode, no __init__.py)
+        if p.name in seen:
+            out[p.relative_to(repo).as_posix()] = f"same basename as {seen[p.name].relative_to(repo).as_posix()}"
+        seen.setdefault(p.name, p)
+    return out
+
+
+def imports_of_test_modules(repo: Path) -> list[str]:
+    """Imports of one test module by another (inside functions too): shared helpers belong in tests/support/."""
+    names = {p.stem for p in suite_modules(repo)}
+    out = []
+    for p in suite_modules(repo):
+        for node in ast.walk(ast.parse(p.read_text())):
+            mods = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                    [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else [])
+            out += [f"{p.relative_to(repo).as_posix()}:{node.lineno} imports {m}" for m in mods if top(m) in names]
+    return out
+
+
+def test_the_tests_mirror_the_code_and_import_no_other_test_module():
+    assert len(suite_modules(REPO)) > 40
+    assert misplaced_tests(REPO) == {}, "move them where the code they test lives (docs/architecture.md)"
+    assert imports_of_test_modules(REPO) == [], "move what they share to tests/support/"
+
+
+def test_the_test_tree_check_can_fail(tmp_path):
+    (tmp_path / "runtime" / "engine").mkdir(parents=True)
+    (tmp_path / "runtime" / "engine" / "__init__.py").write_text("")
+    files = {"tests/runtime/engine/test_a.py": "def f():\n    from test_b import x\n", "tests/runtime/nosuch/test_b.py": "",
+             "tests/test_c.py": "import test_a.sub\n", "tests/stages/test_a.py": "", "tests/pipeline/test_d.py": "",
+             "tests/support/test_e.py": ""}
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    assert misplaced_tests(tmp_path) == {
+        "tests/runtime/nosuch/test_b.py": "not in tests/{pipeline,stages,runtime/<package>,integration}/",
+        "tests/test_c.py": "not in tests/{pipeline,stages,runtime/<package>,integration}/",
+        "tests/support/test_e.py": "not in tests/{pipeline,stages,runtime/<package>,integration}/",
+        "tests/stages/test_a.py": "same basename as tests/runtime/engine/test_a.py"}
+    assert imports_of_test_modules(tmp_path) == ["tests/runtime/engine/test_a.py:2 imports test_b",
+                                             "tests/test_c.py:1 imports test_a.sub"]

@@ -14,8 +14,9 @@ Decoding: transformers 5 ignores `clean_up_tokenization_spaces: true` for a BPE 
 to "a, b"). The file says `false` for a BPE tokenizer, which is what transformers 5 does with `true`.
 
 The chat template stays where transformers 5 writes it, `chat_template.jinja`: 4.57.1 reads that file too
-(tokenization_utils_base.py, CHAT_TEMPLATE_FILE) and it wins over a `chat_template` key. tests/test_tokenizer_compat.py
-loads every shipped tokenizer under both versions and compares ids, decoding and chat rendering.
+(tokenization_utils_base.py, CHAT_TEMPLATE_FILE) and it wins over a `chat_template` key.
+tests/runtime/text/test_tokenizer_compat.py loads every shipped tokenizer under both versions and compares ids,
+decoding and chat rendering.
 
 `portable_tokenizer(dir)` is the one place this is done; every writer of a shipped model directory calls it (quantize's
 target and draft, train_draft's draft, build's renamed draft, export's repositories).

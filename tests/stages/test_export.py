@@ -1,0 +1,284 @@
+"""Stage `export`: the production (LLM-API) and CPU Triton repositories, checked without a server.
+
+Runs `build` then `export` on synthetic upstream artifacts (tests/support/synthetic.py `write_checkpoints`), on the tiny
+pipeline's real artifacts (the session's `tiny_run`) and on the real model (SmolLM2-135M-Instruct, exported by
+ModelOpt here); the checks that need a running server are in test_serve.py.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
+
+from pipeline.errors import StageError
+from runtime.trtllm import draft_weights, hf_config, schema
+from stages import build, export
+
+from support.synthetic import gate, run_stage, write_checkpoints
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    root = tmp_path_factory.mktemp("export")
+    ck = write_checkpoints(root)
+    gate(root, True)
+    run_stage(root, build, build.Config())
+    # the synthetic draft has no real shapes to write in the speculators format: tests/runtime/vllm/test_speculators.py covers it
+    return root, run_stage(root, export, export.Config(speculators=False)), ck
+
+
+def parse(p: Path):
+    return text_format.Parse(p.read_text(), model_config_pb2.ModelConfig())
+
+
+@pytest.mark.fast
+def test_export_refuses_when_the_gate_failed(tmp_path):
+    write_checkpoints(tmp_path)
+    gate(tmp_path, False)
+    run_stage(tmp_path, build, build.Config())
+    with pytest.raises(StageError, match="gate did not pass.*measured.*1.4"):
+        run_stage(tmp_path, export, export.Config())
+    assert not (tmp_path / "artifacts" / "export").exists()
+
+
+def test_every_config_pbtxt_parses_with_tritons_model_config(exported):
+    _, out, _ = exported
+    paths = sorted(out.rglob("config.pbtxt"))
+    assert [p.relative_to(out).as_posix() for p in paths] == ["triton/tensorrt_llm/config.pbtxt",
+                                                              "triton_cpu/tensorrt_llm/config.pbtxt"]
+    io = schema.load_schema("triton-llmapi-model")["config_pbtxt"]
+    for p in paths:
+        cfg = parse(p)
+        assert cfg.name == "tensorrt_llm" and cfg.backend == "python"
+        assert [i.name for i in cfg.input] == [i["name"] for i in io["inputs"]]
+        assert [o.name for o in cfg.output] == [o["name"] for o in io["outputs"]]
+        assert {o.name: model_config_pb2.DataType.Name(o.data_type) for o in cfg.output}["acceptance_rate"] == "TYPE_FP32"
+    cpu = parse(out / "triton_cpu" / "tensorrt_llm" / "config.pbtxt")
+    assert cpu.model_transaction_policy.decoupled and cpu.max_batch_size == 0
+
+
+def test_production_config_pbtxt_states_decoupled_and_max_batch_size(exported):
+    """Defect 2: the container's launcher always passes --disable-auto-complete-config
+    (triton_backend/scripts/launch_triton_server.py stored 0a2e2c1f1268b343), so model.py's auto_complete_config,
+    the only place that copies model.yaml's triton_config into the model config (all_models/llmapi/tensorrt_llm/1/
+    model.py stored 044a90d2), never runs: config.pbtxt itself must say decoupled and max_batch_size."""
+    _, out, _ = exported
+    prod = parse(out / "triton" / "tensorrt_llm" / "config.pbtxt")
+    body = yaml.safe_load((out / "triton" / "tensorrt_llm" / "1" / "model.yaml").read_text())
+    assert prod.HasField("model_transaction_policy") and prod.model_transaction_policy.decoupled is True
+    assert prod.max_batch_size == body["triton_config"]["max_batch_size"] == 0
+    assert body["triton_config"]["decoupled"] is True
+
+
+@pytest.mark.fast
+def test_a_broken_config_is_a_parse_error_with_its_position(tmp_path):
+    p = tmp_path / "config.pbtxt"
+    p.write_text('name: "m"\nbackend: "python"\ninput { name: "x" data_type: TYPE_INT33 dims: [ 1 ] }\n')
+    with pytest.raises(StageError, match=r"3:\d+.*TYPE_INT33"):
+        export.check_pbtxt([p])
+
+
+def test_model_yaml_is_the_llm_api_options_plus_triton_config(exported):
+    root, out, ck = exported
+    body = yaml.safe_load((out / "triton" / "tensorrt_llm" / "1" / "model.yaml").read_text())
+    assert schema.unknown_keys(body, "1.2.1", model_yaml=True) == []
+    assert body["triton_config"] == {"max_batch_size": 0, "decoupled": True, "cancellation_check_period_ms": 100}
+    assert body["model"] == "/opt/specpipe/triton/tensorrt_llm/1/target_fp8" and body["backend"] == "pytorch"
+    assert body["speculative_config"]["speculative_model"] == "/opt/specpipe/triton/tensorrt_llm/1/draft"
+    opts = yaml.safe_load((root / "artifacts" / "build" / "deployment" / "llm_api_options.yaml").read_text())
+    for k, v in opts.items():       # everything else is exactly what build wrote
+        if k != "speculative_config":
+            assert body[k] == v
+    assert body["speculative_config"]["eagle3_layers_to_capture"] == ck["aux"]
+    # the checkpoints are inside the repository (hard links of the committed artifacts): the target, and the draft
+    # TensorRT-LLM 1.2.1 loads (build's copy with midlayer.* names)
+    tdraft = root / "artifacts" / "build" / "deployment" / "draft"
+    for name, src in (("target_fp8", ck["target"]), ("draft", tdraft)):
+        d = out / "triton" / "tensorrt_llm" / "1" / name
+        assert (d / "config.json").stat().st_ino == (src / "config.json").stat().st_ino
+    names = draft_weights.safetensors_tensors(out / "triton" / "tensorrt_llm" / "1" / "draft" / "model.safetensors")
+    assert not [n for n in names if n.startswith("layers.")] and "midlayer.hidden_norm.weight" in names
+    cpu = draft_weights.safetensors_tensors(out / "triton_cpu" / "tensorrt_llm" / "1" / "draft" / "model.safetensors")
+    assert "layers.0.hidden_norm.weight" in cpu           # specpipe's runtime reads ModelOpt's names
+    assert (out / "triton" / "tensorrt_llm" / "1" / "target_fp8" / "hf_quant_config.json").exists()
+
+
+def test_launch_script_and_readme_explain_the_container(exported):
+    _, out, _ = exported
+    launch = out / "triton" / "launch.sh"
+    subprocess.run(["bash", "-n", str(launch)], check=True)
+    text = launch.read_text()
+    assert "/app/all_models/llmapi/tensorrt_llm/1" in text and "launch_triton_server.py" in text
+    readme = (out / "triton" / "README.md").read_text()
+    assert "nvcr.io/nvidia/tritonserver:26.07-trtllm-python-py3" in readme and "docker run --gpus all" in readme
+    assert "model.py" in readme and "helpers.py" in readme
+
+
+def test_cpu_repository_carries_the_model_and_its_spec(exported):
+    _, out, _ = exported
+    mdir = out / "triton_cpu" / "tensorrt_llm" / "1"
+    from importlib import resources
+
+    assert (mdir / "model.py").read_text() == resources.files("runtime.serving").joinpath("triton_model", "model.py").read_text()
+    spec = json.loads((mdir / "specpipe_model.json").read_text())
+    assert spec["target"] == "target_fp8" and spec["draft"] == "draft" and spec["draft_len"] == 4
+    assert spec["draft_schedule"] == {"runs": [[1, 16, 4]]}
+    assert (mdir / spec["target"] / "hf_quant_config.json").exists() and (mdir / spec["draft"] / "config.json").exists()
+    doc = json.loads((out / "export.json").read_text())
+    assert set(doc["config_pbtxt"].values()) == {"parsed"}
+
+
+def test_dflash_exports_for_1_3_with_a_custom_image_note(tmp_path):
+    write_checkpoints(tmp_path, algorithm="dflash", version="1.3.0rc27")
+    gate(tmp_path, True)
+    with pytest.raises(StageError, match="DFlash needs TensorRT-LLM 1.3"):
+        run_stage(tmp_path, build, build.Config())            # 1.2.1 default: refused at run time too
+    shutil.rmtree(tmp_path / ".tmp")
+    run_stage(tmp_path, build, build.Config(trtllm_version="1.3.0rc27"))
+    out = run_stage(tmp_path, export, export.Config(speculators=False))
+    body = yaml.safe_load((out / "triton" / "tensorrt_llm" / "1" / "model.yaml").read_text())
+    sc = body["speculative_config"]
+    assert sc["decoding_type"] == "DFlash" and "eagle3_one_model" not in sc and "eagle3_layers_to_capture" not in sc
+    assert schema.unknown_keys(body, "1.3.0rc27", model_yaml=True) == []
+    readme = (out / "triton" / "README.md").read_text()
+    assert "custom Triton image built on nvcr.io/nvidia/tensorrt-llm/release:1.3.0rc27" in readme
+    assert json.loads((out / "export.json").read_text())["triton_image"] is None
+
+
+@pytest.mark.fast
+def test_export_without_speculation(tmp_path):
+    """Defect 7 end to end: tune says speculation never pays; build deploys the target alone; export writes both
+    repositories without a draft, and says why."""
+    write_checkpoints(tmp_path, runs=[[1, 16, 0]])
+    gate(tmp_path, True)
+    run_stage(tmp_path, build, build.Config())
+    out = run_stage(tmp_path, export, export.Config())
+    mdir = out / "triton" / "tensorrt_llm" / "1"
+    body = yaml.safe_load((mdir / "model.yaml").read_text())
+    assert "speculative_config" not in body and not (mdir / "draft").exists() and (mdir / "target_fp8").exists()
+    assert schema.unknown_keys(body, "1.2.1", model_yaml=True) == []
+    spec = json.loads((out / "triton_cpu" / "tensorrt_llm" / "1" / "specpipe_model.json").read_text())
+    assert spec["draft"] is None and spec["draft_len"] == 0
+    assert not (out / "triton_cpu" / "tensorrt_llm" / "1" / "draft").exists()
+    assert "No draft" in (out / "triton" / "README.md").read_text()
+    assert json.loads((out / "export.json").read_text())["speculation"] is False
+    assert all(v == "parsed" for v in json.loads((out / "export.json").read_text())["config_pbtxt"].values())
+
+
+def _assert_deployment_is_the_targeted_versions(arts: Path, version: str) -> dict:
+    """What every EAGLE-3 deployment must satisfy, read from its committed files (defects 1-3 and RoPE)."""
+    from runtime.trtllm import compat
+
+    rel = compat.release(version)
+    draft = json.loads((arts / "train_draft" / "draft.json").read_text())
+    dep = json.loads((arts / "build" / "deployment.json").read_text())
+    sc = yaml.safe_load((arts / "build" / "deployment" / "llm_api_options.yaml").read_text())["speculative_config"]
+    tcfg = json.loads(Path(dep["target_dir"], "config.json").read_text())
+    assert sc["eagle3_layers_to_capture"] == sorted(set(draft["aux_layer_ids"])) == dep["eagle3_layers_to_capture"]
+    fc = draft_weights.safetensors_tensors(Path(dep["trtllm_draft_dir"]) / "model.safetensors")["fc.weight"]
+    assert fc[1] == len(sc["eagle3_layers_to_capture"]) * tcfg["hidden_size"]
+    names = draft_weights.safetensors_tensors(Path(dep["trtllm_draft_dir"]) / "model.safetensors")
+    if rel.eagle3_draft_layer_prefix == "midlayer":
+        assert not [n for n in names if n.startswith("layers.")] and any(n.startswith("midlayer.") for n in names)
+    if version.startswith("1.2") and dep["mode"] == "one_model":
+        assert "draft_len_schedule" not in sc and "max_concurrency" not in sc
+    prod = parse(arts / "export" / "triton" / "tensorrt_llm" / "config.pbtxt")
+    assert prod.model_transaction_policy.decoupled and prod.max_batch_size == 0
+    for d in {dep["target_dir"], dep["draft_dir"], dep["trtllm_draft_dir"]}:
+        cfg = json.loads(Path(d, "config.json").read_text())
+        assert hf_config.problems(cfg, rel.hf_rope_form) == [], d
+    return {"dep": dep, "sc": sc, "tcfg": tcfg}
+
+
+@pytest.mark.fast
+def test_tiny_pipeline_deployment_is_the_targeted_versions(tiny_run):
+    """The tiny pipeline end to end (configs/tiny_fp8_eagle3.yaml, TensorRT-LLM 1.2.1 one-model)."""
+    from conftest import artifact_dir
+
+    wd, r = tiny_run
+    artifact_dir(wd, "export")
+    got = _assert_deployment_is_the_targeted_versions(wd / "artifacts", "1.2.1")
+    tgt = json.loads((wd / "artifacts" / "target" / "model" / "config.json").read_text())
+    assert got["tcfg"]["rope_theta"] == hf_config.read(tgt).theta
+
+
+@pytest.mark.slow
+def test_real_model_deployment_is_the_targeted_versions(real_model, tmp_path):
+    """SmolLM2-135M-Instruct: FP8 target exported through quantize's export_target (its RoPE hook), an EAGLE-3
+    draft on 3 capture layers exported by ModelOpt 0.47 (untrained: only its format matters here) and normalized
+    as train_draft does; build + export for 1.2.1 and 1.3.0rc27. Theta must stay 1e5 in the target."""
+    import modelopt.torch.speculative as mtsp
+    import torch
+    from modelopt.torch.export import export_speculative_decoding
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from runtime.quant.export import export_target
+    from runtime.quant.ptq import quantize_model
+    from runtime.training.model import convert_config
+
+    md = real_model["model_dir"]
+    cfg = json.loads((md / "config.json").read_text())
+    tok = AutoTokenizer.from_pretrained(md)
+    src = tmp_path / "src"
+    arts = src / "artifacts"
+    (arts / "target" / "model").mkdir(parents=True)
+    (arts / "target" / "model" / "config.json").write_text((md / "config.json").read_text())
+    calib = [{"input_ids": torch.tensor(tok(t)["input_ids"])} for t in ("def add(a, b):", "The capital of France is")]
+    tq = quantize_model(md, calib, kv_cache="fp8")
+    export_target(tq, arts / "quantize" / "target_fp8", md, torch.bfloat16)
+    del tq
+    aux = [1, 14, 26]
+    m = AutoModelForCausalLM.from_pretrained(md, dtype=torch.float32)
+    job = {"algorithm": {"name": "eagle3", "draft_layers": 1, "intermediate_size": None, "aux_layer_ids": aux,
+                         "draft_vocab_size": cfg["vocab_size"], "ttt_steps": 3, "loss_decay_factor": 0.9},
+           "target": {k: cfg[k] for k in ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                                          "vocab_size")}, "torch_compile": False, "export_rope_scaling": {}}
+    mode, ccfg = convert_config(job, False)
+    mtsp.convert(m, [(mode, ccfg)])
+    ddir = arts / "train_draft" / "draft"
+    export_speculative_decoding(m.to(torch.bfloat16), export_dir=str(ddir))
+    del m
+    exported = json.loads((ddir / "config.json").read_text())
+    assert exported["rope_scaling"]["rope_type"] == "default"      # what ModelOpt 0.47 writes; 1.2 cannot read it
+    hf_config.normalize_file(ddir / "config.json")                 # train_draft's hook
+    (arts / "train_draft" / "draft.json").write_text(json.dumps({
+        "algorithm": "eagle3", "num_layers": 1, "aux_layer_ids": aux, "vocab_size": cfg["vocab_size"],
+        "draft_vocab_size": cfg["vocab_size"], "trained_draft_len": 3, "max_position_embeddings": 8192}))
+    (arts / "quantize" / "quantize.json").write_text(json.dumps({"format": "fp8", "kv_cache": "fp8",
+                                                                 "target_dir": "quantize/target_fp8",
+                                                                 "draft_dir": "train_draft/draft", "draft_format": "bf16"}))
+    (arts / "data" / "eval").mkdir(parents=True)
+    line = {"id": "gsm8k-0", "prompt": "2 + 2 =", "prompt_ids": [1, 2]}
+    (arts / "data" / "eval" / "gsm8k.jsonl").write_text(json.dumps(line) + "\n")
+    tcfg = json.loads((arts / "quantize" / "target_fp8" / "config.json").read_text())
+    assert tcfg["rope_theta"] == 1e5 and tcfg["rope_scaling"] is None and tcfg["rope_parameters"]["rope_theta"] == 1e5
+    for version, runs in (("1.2.1", [[1, 64, 3]]), ("1.3.0rc27", [[1, 8, 3], [9, 64, 2]])):
+        root = tmp_path / version
+        import shutil
+
+        shutil.copytree(src, root, copy_function=os.link)
+        from support.synthetic import write_tuning
+
+        write_tuning(root / "artifacts", runs, version=version, max_batch=64)
+        gate(root, True)
+        run_stage(root, build, build.Config(trtllm_version=version, max_seq_len=4096))
+        run_stage(root, export, export.Config())
+        got = _assert_deployment_is_the_targeted_versions(root / "artifacts", version)
+        assert got["sc"]["eagle3_layers_to_capture"] == aux and got["tcfg"]["hidden_size"] == 576
+        names = {c["name"]: c for c in got["dep"]["checks"]}
+        assert "theta 100000" in names["target_rope"]["message"]
+
+
+@pytest.mark.fast
+def test_serve_without_an_export_is_a_usage_error(tmp_path):
+    from conftest import run_cli
+
+    r = run_cli("serve", "--workdir", str(tmp_path))
+    assert r.returncode == 2 and "no committed export with a CPU repository" in r.stderr

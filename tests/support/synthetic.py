@@ -1,0 +1,153 @@
+"""Synthetic upstream artifacts laid out as the stages write them (docs/architecture.md contracts), and one stage
+module run on them: the build, export, tune, serving and cost-model tests share these."""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+from pipeline.device import ResolvedDevice
+from pipeline.stage import Artifact, StageContext
+from runtime.algorithms.schedule import DraftSchedule
+from runtime.trtllm import hf_config
+
+H = 8   # hidden size of the synthetic target and draft
+
+# a target.json as the target stage writes it, for Llama-3.1-8B
+LLAMA_8B = dict(architecture="LlamaForCausalLM", num_layers=32, hidden_size=4096, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, intermediate_size=14336, vocab_size=128256,
+                max_position_embeddings=131072, dtype="bfloat16")
+
+
+def eagle3(t: dict, draft_vocab: int | None = None) -> tuple[dict, dict]:
+    draft = {"algorithm": "eagle3", "num_layers": 1, "aux_layer_ids": [1, t["num_layers"] // 2 - 1, t["num_layers"] - 4],
+             "vocab_size": t["vocab_size"], "draft_vocab_size": draft_vocab or t["vocab_size"], "has_d2t": bool(draft_vocab),
+             "trained_draft_len": 6, "max_position_embeddings": t["max_position_embeddings"]}
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": t["hidden_size"],
+           "num_attention_heads": t["num_attention_heads"], "num_key_value_heads": t["num_key_value_heads"],
+           "head_dim": t["head_dim"], "intermediate_size": t["intermediate_size"], "num_hidden_layers": 1,
+           "vocab_size": t["vocab_size"], "draft_vocab_size": draft["draft_vocab_size"]}
+    return draft, cfg
+
+
+def rope_cfg(theta: float, form: str) -> dict:
+    """RoPE fields as each writer leaves them: transformers 5 (`rope_parameters` only), ModelOpt's EAGLE-3 export
+    (`rope_theta` + a default-type `rope_scaling`), or specpipe's normalized form."""
+    if form == "transformers5":
+        return {"rope_parameters": {"rope_type": "default", "rope_theta": theta}}
+    if form == "modelopt":
+        return {"rope_theta": theta, "rope_scaling": {"rope_type": "default", "rope_theta": theta}}
+    return {k: v for k, v in hf_config.normalize({"rope_theta": theta}).items()}
+
+
+def write_acceptance(arts: Path) -> None:
+    """A synthetic validate artifact (build writes the draft's speculation_profile.json from it): 4 steps at k=4
+    accepting 0, 1, 2 and 4 draft tokens, in both domains."""
+    st = {"acceptance_length": 2.75, "steps": 4, "accepted_per_step": [1, 1, 1, 0, 1], "per_position": [0.75, 2 / 3, 0.5, 1.0]}
+    (arts / "validate").mkdir(parents=True, exist_ok=True)
+    (arts / "validate" / "acceptance.json").write_text(json.dumps({
+        "runtime": "reference", "max_draft_len": 4, "temperature": 0.0, "gates": {"passed": True, "rows": []},
+        "domains": {d: {"fp8": st} for d in ("code", "prose")}, "overall": {"fp8": {**st, "steps": 8,
+                                                                                   "accepted_per_step": [2, 2, 2, 0, 2]}}}))
+
+
+def write_tuning(arts: Path, runs, *, version="1.2.1", mode="one_model", max_batch=16, graphs=None) -> None:
+    (arts / "tune").mkdir(parents=True, exist_ok=True)
+    sched = DraftSchedule.from_json({"runs": runs})
+    (arts / "tune" / "tuning.json").write_text(json.dumps({
+        "deployment": {"trtllm_version": version, "mode": mode, "note": "synthetic tuning for a test"},
+        "speculation": sched.speculates(max_batch), "max_draft_len": sched.max_draft_len(max_batch),
+        "draft_schedule": sched.to_json(max_batch), "max_batch_size": max_batch, "max_num_tokens": 2048,
+        "cuda_graph_batch_sizes": graphs or [1, 2, 4, 8, 16]}))
+
+
+def write_checkpoints(root: Path, *, layers: int = 8, vocab: int = 512, draft_vocab: int | None = 256,
+                      d2t: bool = True, aux: list[int] | None = None, fp8: bool = True, algorithm: str = "eagle3",
+                      quant_algo: str = "FP8", theta: float = 1e5, target_rope: str = "normalized",
+                      draft_rope: str = "normalized", draft_layers: int = 1, runs=None, version="1.2.1",
+                      mode="one_model") -> dict:
+    """Synthetic upstream artifacts laid out as the stages write them (docs/architecture.md contracts)."""
+    from safetensors.numpy import save_file
+
+    arts = root / "artifacts"
+    src = arts / "target" / "model"                      # the model the target stage prepared
+    src.mkdir(parents=True)
+    (src / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": layers,
+                                                 "hidden_size": H, **rope_cfg(theta, "transformers5")}))
+    tgt = arts / "quantize" / "target_fp8"
+    tgt.mkdir(parents=True)
+    (tgt / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": layers,
+                                                 "hidden_size": H, "vocab_size": vocab, "max_position_embeddings": 2048,
+                                                 **rope_cfg(theta, target_rope)}))
+    if fp8:
+        (tgt / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"}, "quantization": {
+            "quant_algo": quant_algo, "kv_cache_quant_algo": None, "exclude_modules": ["lm_head"]}}))
+    draft = arts / "train_draft" / "draft"
+    draft.mkdir(parents=True)
+    aux = aux if aux is not None else [1, 3, 5]
+    dcfg = {"architectures": ["LlamaForCausalLMEagle3"], "vocab_size": vocab, "max_position_embeddings": 2048,
+            "hidden_size": H, "num_hidden_layers": draft_layers,
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux}, **rope_cfg(10000.0, draft_rope)}
+    tensors = {"fc.weight": np.zeros((H, len(set(aux)) * H), np.float32), "norm.weight": np.ones(H, np.float32)}
+    for i in range(draft_layers):   # ModelOpt 0.47's names (modelopt/torch/export/plugins/hf_spec_export.py)
+        tensors[f"layers.{i}.self_attn.q_proj.weight"] = np.full((H, 2 * H if i == 0 else H), i + 1, np.float32)
+        tensors[f"layers.{i}.input_layernorm.weight"] = np.ones(H, np.float32)
+    tensors["layers.0.hidden_norm.weight"] = np.arange(H, dtype=np.float32)
+    if draft_vocab is not None:
+        dcfg["draft_vocab_size"] = draft_vocab
+        tensors["lm_head.weight"] = np.zeros((draft_vocab, H), np.float32)
+        if d2t:
+            tensors["d2t"] = np.zeros((draft_vocab,), np.int64)
+    if algorithm == "dflash":   # ModelOpt's DFlash export: no lm_head/embeddings, block + dflash_config
+        dcfg = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": 8, "num_target_layers": layers,
+                "max_position_embeddings": 2048, "dflash_config": {"mask_token_id": 2, "target_layer_ids": [1, 5]},
+                **rope_cfg(theta, draft_rope)}
+        tensors = {"fc.weight": np.zeros((H, 2 * H), np.float32),
+                   "layers.0.self_attn.q_proj.weight": np.zeros((H, H), np.float32)}
+    (draft / "config.json").write_text(json.dumps(dcfg))
+    (draft / "tokenizer_config.json").write_text("{}")
+    save_file(tensors, str(draft / "model.safetensors"))
+    (arts / "quantize" / "quantize.json").write_text(json.dumps({
+        "format": "fp8", "kv_cache": "fp8", "target_dir": "quantize/target_fp8", "draft_dir": "train_draft/draft",
+        "draft_format": "bf16"}))
+    (arts / "train_draft" / "draft.json").write_text(json.dumps({
+        "algorithm": algorithm, "num_layers": draft_layers, "aux_layer_ids": aux if algorithm == "eagle3" else None,
+        "block_size": 8 if algorithm == "dflash" else None, "vocab_size": vocab,
+        "draft_vocab_size": draft_vocab or vocab, "has_d2t": d2t, "trained_draft_len": 3, "max_position_embeddings": 2048}))
+    write_acceptance(arts)
+    write_tuning(arts, runs or ([[1, 16, 4]] if mode == "one_model" and version.startswith("1.2") else
+                                [[1, 4, 4], [5, 8, 2], [9, 16, 1 if version.startswith("1.3") else 0]]),
+                 version=version, mode=mode)
+    ev = arts / "data" / "eval"
+    ev.mkdir(parents=True)
+    for dom in ("code", "prose"):
+        ev.joinpath(f"{dom}.jsonl").write_text("".join(json.dumps({"id": f"{dom}-{i}", "prompt": f"{dom} prompt {i}",
+                                                                  "prompt_ids": [1, 2, 3 + i], "reference": None}) + "\n"
+                                                       for i in range(3)))
+    return {"arts": arts, "target": tgt, "draft": draft, "aux": aux}
+
+
+def run_stage(root: Path, module, section) -> Path:
+    """Run a stage module on the artifacts under root/artifacts and move its output into place."""
+    arts = root / "artifacts"
+    out = root / ".tmp" / module.NAME
+    out.mkdir(parents=True)
+    inputs = {n: Artifact(n, arts / n, {"fingerprint": n, "metrics": {}}) for n in module.CONSUMES}
+    ctx = StageContext(name=module.NAME, config=SimpleNamespace(hardware=SimpleNamespace(tensor_parallel_size=1)),
+                       section=section, out_dir=out, scratch_dir=root / "scratch", inputs=inputs, workdir=root,
+                       fingerprint="x", log=logging.getLogger(f"test.{module.NAME}"),
+                       device=ResolvedDevice("cpu", "cpu"))
+    module.run(ctx)
+    out.rename(arts / module.NAME)
+    return arts / module.NAME
+
+
+def gate(root: Path, passed: bool) -> None:
+    (root / "artifacts" / "validate").mkdir(parents=True, exist_ok=True)
+    (root / "artifacts" / "validate" / "acceptance.json").write_text(json.dumps(
+        {"gates": {"passed": passed, "code": {"measured": 1.4 if not passed else 2.6, "required": 2.0}}}))
+
+
