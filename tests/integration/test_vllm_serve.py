@@ -23,19 +23,9 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, SPECPIPE, TINY_CONFIG, run_cli, tiny_overrides
+from support.vllm_env import vllm_install
 
 PORT = 18410
-
-
-def _vllm_python() -> str:
-    from runtime.vllm import engine as E
-
-    try:
-        return E.find_vllm().python
-    except E.VllmUnavailable as e:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(str(e))
-        pytest.skip(str(e))
 
 
 def test_serve_vllm_without_vllm_says_how_to_install_and_exits_2(tmp_path):
@@ -46,7 +36,7 @@ def test_serve_vllm_without_vllm_says_how_to_install_and_exits_2(tmp_path):
 
 @pytest.fixture(scope="module")
 def vllm_run(tmp_path_factory) -> Path:
-    _vllm_python()
+    vllm_install()
     if os.environ.get("SPECPIPE_VLLM_TEST_RUN"):
         return Path(os.environ["SPECPIPE_VLLM_TEST_RUN"])
     from support.vllm_env import VLLM_TINY
@@ -61,7 +51,7 @@ def vllm_run(tmp_path_factory) -> Path:
 def served(vllm_run):
     """`specpipe serve --engine vllm` running on the run (the CLI, as a user starts it); yields (process, url, model,
     vLLM's pid); stopped with SIGTERM at the end (and checked to have stopped in the last test)."""
-    env = {**os.environ, "SPECPIPE_VLLM_PYTHON": _vllm_python(), "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "SPECPIPE_VLLM_PYTHON": vllm_install().python, "PYTHONPATH": str(REPO)}
     p = subprocess.Popen([SPECPIPE, "serve", "--engine", "vllm", "--workdir", str(vllm_run), "--http-port", str(PORT),
                           "--kv-cache-gib", "1"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, stdin=subprocess.DEVNULL)

@@ -20,6 +20,8 @@ from runtime.engine.lossless import checked_generate
 from runtime.engine.ngram import NgramDrafter, longest_match_proposal
 from runtime.engine.speculative import SpeculativeEngine
 
+from support.vllm_env import vllm_install
+
 # (tokens, min_n, max_n, k, max_model_len, vLLM's answer)
 FIXED = [
     ([1, 2, 3, 4, 2, 3], 2, 3, 4, 100, [4, 2, 3]),              # NgramProposer.propose's docstring
@@ -67,14 +69,7 @@ print(json.dumps(out))
 def test_rule_equals_vllms_function_on_random_cases():
     """2000 random contexts (small vocabularies, so repeats and equal-length matches at several positions are
     common): the port and vLLM's numba function propose the same tokens."""
-    from runtime.vllm import engine as E
-
-    try:
-        py = E.find_vllm().python
-    except E.VllmUnavailable as e:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(str(e))
-        pytest.skip(str(e))
+    py = vllm_install().python
     cases = _random_cases(2000) + [c[:5] for c in FIXED]
     r = subprocess.run([str(py), "-c", _VLLM_SCRIPT], input=json.dumps(cases), capture_output=True, text=True,
                        timeout=600)
@@ -229,12 +224,7 @@ def test_real_vllm_serves_the_written_ngram_config(run_dir, tmp_path):
 
     from conftest import artifact_dir
 
-    try:
-        inst = E.find_vllm()
-    except E.VllmUnavailable as e:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(str(e))
-        pytest.skip(str(e))
+    inst = vllm_install()
     src = artifact_dir(run_dir, "target") / "model"
     tcfg = json.loads((src / "config.json").read_text())
     torch.manual_seed(1)

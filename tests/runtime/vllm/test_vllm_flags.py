@@ -23,6 +23,8 @@ from runtime.algorithms.schedule import DraftSchedule
 from runtime.vllm import serve as V
 from runtime.vllm.speculators_format import SpeculatorsExport
 
+from support.vllm_env import vllm_install
+
 HERE = Path(__file__).parent
 
 
@@ -65,17 +67,6 @@ def test_command_and_readme_carry_the_schedule(tmp_path):
 # ---------------------------------------------------------------------------------------------- real vLLM
 
 
-def _vllm_python() -> str:
-    from runtime.vllm import engine as E
-
-    try:
-        return E.find_vllm().python
-    except E.VllmUnavailable as e:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(str(e))
-        pytest.skip(str(e))
-
-
 @pytest.fixture(scope="module")
 def run_dir(request) -> Path:
     if os.environ.get("SPECPIPE_TEST_RUN"):
@@ -101,7 +92,7 @@ def _check(python: str, cases: list[list[str]], tmp_path: Path) -> list[dict]:
 def test_exported_command_parses_in_vllm_and_means_what_we_think(run_dir: Path, tmp_path):
     """The run's exported `vllm serve` command (FP8 target, --kv-cache-dtype fp8), the same with a per-batch
     schedule, and two wrong variants: vLLM accepts the first two with the settings we meant, refuses the others."""
-    py = _vllm_python()
+    py = vllm_install().python
     spec = _spec(run_dir)
     draft = str(spec.path)
     exported = json.loads((run_dir / "artifacts" / "export" / "export.json").read_text())["speculators"]["vllm_serve"]
