@@ -140,12 +140,11 @@ def eagle3_notes(ids: list[int], mo_ids: list[int], n_target: int | None) -> lis
 
 
 def check_dflash_config(cfg: dict, n_target: int | None, where: str) -> list[int]:
-    """ModelOpt's dflash_config as the speculators DFlash model can express it; returns target_layer_ids."""
+    """ModelOpt's dflash_config as the speculators DFlash model can express it; returns target_layer_ids. Runs after
+    runtime/algorithms/dflash.py's check_export, which owns the export's own keys (mask_token_id, target_layer_ids)."""
     dc = cfg.get("dflash_config") or {}
     require_keys(cfg, ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                    "intermediate_size", "vocab_size", "block_size"), where)
-    if dc.get("mask_token_id") is None:
-        raise SpeculatorsFormatError(f"{where}: dflash_config.mask_token_id is missing")
     if dc.get("causal"):
         raise SpeculatorsFormatError(f"{where}: dflash_config.causal is true; speculators' DFlash attends "
                                      "bidirectionally inside the block in full-attention layers, so a causal draft "

@@ -111,10 +111,10 @@ class _Converted:
 
 
 def _eagle3(cfg: dict, sd: dict, verifier: Verifier, dtype: str | None, where: str) -> _Converted:
+    W.check_draft(cfg, sd, "eagle3", where)      # what an EAGLE-3 export is first, then what speculators can express
     mo_ids = check_eagle3_config(cfg, verifier.num_layers, where)
     H, V = int(cfg["hidden_size"]), int(cfg["vocab_size"])
     dv = int(cfg.get("draft_vocab_size") or V)
-    W.check_draft(cfg, sd, "eagle3", where)
     check_verifier_vocab(verifier, V, where)
     tensors = {k: v.contiguous() for k, v in sd.items() if k != "d2t"}
     tensors["embed_tokens.weight"] = W.verifier_embeddings(verifier.dir, V, H)
@@ -128,13 +128,13 @@ def _eagle3(cfg: dict, sd: dict, verifier: Verifier, dtype: str | None, where: s
 
 def _dflash(cfg: dict, sd: dict, verifier: Verifier, dtype: str | None, speculative_tokens: int,
             where: str) -> _Converted:
+    W.check_draft(cfg, sd, "dflash", where)      # what a DFlash export is first, then what speculators can express
     mo_ids = check_dflash_config(cfg, verifier.num_layers, where)
     V = int(cfg["vocab_size"])
     block_size = int(cfg["block_size"])
     if speculative_tokens > dflash.max_draft_len(block_size):
         raise SpeculatorsFormatError(f"speculative_tokens {speculative_tokens} > block_size - 1 = {block_size - 1}, "
                                      "what one DFlash block drafts")
-    W.check_draft(cfg, sd, "dflash", where)
     check_verifier_vocab(verifier, V, where)
     conv = _Converted("dflash", {}, {k: v.contiguous() for k, v in sd.items()}, mo_ids, V, V, block_size=block_size)
     if speculative_tokens < dflash.max_draft_len(block_size):
