@@ -268,6 +268,9 @@ def serve_table(rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
     a = parse_args(argv)
+    from pipeline.commands import stop_signals
+
+    stop_signals()   # `kill` stops the vLLM/Triton servers this run started, as Ctrl-C does
     import torch
 
     torch.set_num_threads(a.threads)

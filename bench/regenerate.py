@@ -121,6 +121,9 @@ def main(argv=None) -> dict:
     import torch
     from transformers import AutoTokenizer
 
+    from pipeline.commands import stop_signals
+
+    stop_signals()   # `kill` stops the vLLM/Triton servers this run started, as Ctrl-C does
     a = parse_args(argv)
     torch.set_num_threads(a.threads)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")

@@ -78,8 +78,10 @@ def vllm_side(arts: Path, prompts: dict, a, work: Path) -> dict:
 
 def main(argv=None) -> int:
     from pipeline.artifacts.data import read_eval
+    from pipeline.commands import stop_signals
     from runtime.validate import vllm_arm as V
 
+    stop_signals()   # `kill` stops the vLLM/Triton servers this run started, as Ctrl-C does
     a = parse_args(argv)
     arts = a.workdir / "artifacts"
     eos = json.loads((arts / "target" / "target.json").read_text()).get("eos_token_ids") or []

@@ -88,8 +88,10 @@ def cli() -> None:
 def build(config, workdir, overrides, only, from_, force):
     """Run every stage that is not up to date, in order."""
     from pipeline import runner
+    from pipeline.commands import stop_signals
     from pipeline.store import Store
 
+    stop_signals()      # SIGTERM unwinds like Ctrl-C: started servers stopped, the stage in progress not committed
     try:
         cfg = _load(config, overrides)
         _setup_logging(cfg.run.log_level)
@@ -236,6 +238,7 @@ def serve(workdir, engine, http_port, grpc_port, metrics_port, ready_timeout, ma
 def _serve_vllm(workdir, port, ready_timeout, draft_len, target, python, kv_cache_gib) -> None:
     from pipeline.commands import serve as C
     from pipeline.commands import serve_vllm as V
+    from pipeline.commands import stop_signals
 
     try:
         install = V.find_install(python)
@@ -244,7 +247,7 @@ def _serve_vllm(workdir, port, ready_timeout, draft_len, target, python, kv_cach
         _fail(e)
         return
     click.echo(f"starting vLLM {install.version} ({install.device}) on {pair.target} ...", err=True)
-    C.stop_signals()
+    stop_signals()
     try:
         srv = V.start(install, pair, port=port, ready_timeout=ready_timeout, kv_cache_gib=kv_cache_gib)
     except (SpecpipeError, RuntimeFailure) as e:

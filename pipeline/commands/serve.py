@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pipeline.commands import stop_signals
 from pipeline.errors import UsageError
 
 
@@ -39,18 +40,6 @@ def ready_message(srv) -> str:
             "'{\"text_input\": \"def add(a, b):\", \"sampling_param_max_tokens\": 32, "
             "\"sampling_param_return_perf_metrics\": true}'\n"
             f"  log: {srv.log_path}\nCtrl-C stops it.")
-
-
-def stop_signals() -> None:
-    """SIGTERM (`kill <pid>`) and SIGINT raise KeyboardInterrupt, also while the server starts (its own process
-    group does not get the terminal's Ctrl-C: the command stops it) and when started with SIGINT ignored."""
-    import signal
-
-    def _term(*_):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, _term)
-    signal.signal(signal.SIGINT, _term)
 
 
 def run_until_stopped(srv, echo, what: str = "tritonserver") -> bool:

@@ -213,6 +213,31 @@ def test_sigkill_mid_training_resumes_from_checkpoint(tmp_path):
     assert not (wd / "scratch" / "target").exists()   # scratch is dropped once committed
 
 
+def test_sigterm_mid_stage_unwinds_like_ctrl_c(tmp_path):
+    """`kill <pid>` (Slurm's preemption and time limit send SIGTERM) while the target pretrains: the build unwinds as
+    on Ctrl-C (exit 130, the log says nothing was committed, no temporary directory left), where Python's default
+    SIGTERM would end the process at once and leave the servers a stage started (own process groups) running."""
+    wd = tmp_path / "w"
+    ov = tiny_overrides("target") + ["-o", "target.tiny.steps=400", "-o", "target.tiny.checkpoint_every=20"]
+    ov += [x for name in registry.names() if name != "target" for x in ("-o", f"{name}.enabled=false")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    p = subprocess.Popen([SPECPIPE, "build", str(TINY_CONFIG), "--workdir", str(wd), *ov], cwd=REPO, env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 600
+    while not list((wd / "scratch" / "target").glob("*/pretrain.pt")):
+        if p.poll() is not None or time.monotonic() > deadline:
+            p.kill()
+            pytest.fail("no pretraining checkpoint before the build ended or the deadline")
+        time.sleep(0.2)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 130, err[-2000:]
+    assert "interrupted: nothing half-written was committed" in err
+    assert "interrupted after" in (wd / "logs" / "target.log").read_text()
+    assert not (wd / "artifacts" / "target" / MANIFEST).exists()
+    assert not any((wd / ".tmp").iterdir()) if (wd / ".tmp").exists() else True
+
+
 @pytest.mark.fast
 def test_execution_only_fields_stay_out_of_fingerprints(tmp_path):
     store = Store(tmp_path)
