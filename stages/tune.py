@@ -24,6 +24,7 @@ from pydantic import Field, field_validator, model_validator
 from pipeline.artifacts import quantize as quantize_artifact
 from pipeline.artifacts import target as target_artifact
 from pipeline.artifacts import train_draft as train_draft_artifact
+from pipeline.artifacts import tune as tune_artifact
 from pipeline.artifacts import validate as validate_artifact
 from pipeline.errors import StageError
 from pipeline.stage import StageContext, StageSection, Strict
@@ -174,27 +175,27 @@ def run(ctx: StageContext) -> dict:
     target = target_artifact.read_info(ctx.input("target").path)
     draft_art = ctx.input("train_draft")
     draft = train_draft_artifact.read_info(draft_art.path)
-    version = target_version(ctx.config, draft.get("algorithm"))
+    version = target_version(ctx.config, draft.algorithm)
     rel = compat.release(version)
     quant = quantize_artifact.read_info(ctx.input("quantize").path)
     acc = validate_artifact.read_acceptance(ctx.input("validate").path)
 
-    if (p := compat.algorithm_problem(version, str(draft.get("algorithm")))) is not None:
+    if (p := compat.algorithm_problem(version, draft.algorithm)) is not None:
         raise StageError(p)
     draft_cfg = train_draft_artifact.read_draft_config(draft_art.path)
-    dep, hw_doc, curves, weights, K = _price(ctx, target, draft, draft_cfg, quant, acc)
+    dep, hw_doc, curves, weights, K = _price(ctx, target.raw, draft.raw, draft_cfg.raw, quant, acc.raw)
     max_batch, capacity = _batch_limit(ctx, dep)
     kw = dict(min_speedup=sec.min_speedup, tie_tolerance=sec.tie_tolerance)
     table = _predicted_table(ctx, dep, curves, weights, K, max_batch, kw)
 
-    mode = rel.mode(str(draft.get("algorithm")), eagle3_one_model(ctx.config))
+    mode = rel.mode(draft.algorithm, eagle3_one_model(ctx.config))
     schedule, policy = dl.choose_schedule(dep, curves, weights, max_batch, K, rel, mode, sec.batch_sizes, kw)
     ctx.log.info("TensorRT-LLM %s, %s: %s", version, mode.replace("_", "-"), policy["note"])
     _mark_deployed(ctx, table, schedule, policy)
     kmax, num_tokens, graphs = _limits(ctx, schedule, max_batch, policy)
 
     doc = {
-        "deployment": {"trtllm_version": version, "mode": mode, "algorithm": draft.get("algorithm"), **policy},
+        "deployment": {"trtllm_version": version, "mode": mode, "algorithm": draft.algorithm, **policy},
         "speculation": kmax > 0,
         "max_draft_len": kmax,
         "draft_schedule": schedule.to_json(max_batch),
@@ -204,7 +205,7 @@ def run(ctx: StageContext) -> dict:
         "context_length": sec.context_length,
         "kv_capacity_sequences": capacity,
         "hardware": hw_doc,
-        **_models_and_acceptance(dep, curves, weights, K, acc),
+        **_models_and_acceptance(dep, curves, weights, K, acc.max_draft_len),
         "predicted": table,
     }
     (ctx.out_dir / "tuning.json").write_text(json.dumps(doc, indent=2))
@@ -293,7 +294,7 @@ def _limits(ctx: StageContext, schedule, max_batch: int, policy: dict) -> tuple[
     return kmax, num_tokens, graphs
 
 
-def _models_and_acceptance(dep, curves, weights, K: int, acc: dict) -> dict:
+def _models_and_acceptance(dep, curves, weights, K: int, source_max_draft_len: int) -> dict:
     """tuning.json's `models` (shapes and precisions the cost model priced) and `acceptance` (the curves it used)."""
     from runtime.cost import tuning
 
@@ -302,7 +303,7 @@ def _models_and_acceptance(dep, curves, weights, K: int, acc: dict) -> dict:
                    "algorithm": dep.algorithm, "target_precision": vars(dep.target_prec),
                    "draft_precision": vars(dep.draft_prec)},
         "acceptance": {"per_position": {d: c[:K] for d, c in curves.items()}, "weights": weights, "K": K,
-                       "source_max_draft_len": acc.get("max_draft_len")},
+                       "source_max_draft_len": source_max_draft_len},
     }
 
 
@@ -323,7 +324,7 @@ def report(artifact) -> str:
 
     from pipeline.report import esc, figure, table
 
-    t = artifact.read_json("tuning.json")
+    t = tune_artifact.read_tuning(artifact.path).raw
     rows = t["predicted"]
     K = t["acceptance"]["K"]
     fig, ax = plt.subplots(figsize=(7.5, 4.2))

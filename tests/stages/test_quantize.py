@@ -27,6 +27,7 @@ from runtime.quant.quality import fake_quant_reference, layerwise_agreement, mea
 from stages import quantize as Q
 
 from conftest import stage_context
+from support.synthetic import target_json
 
 SEQ = 64
 
@@ -57,7 +58,7 @@ def _tiny_target(root: Path) -> tuple[Path, list[list[int]]]:
         opt.step()
         opt.zero_grad()
     model.to(torch.bfloat16).save_pretrained(model_dir)
-    (root / "target" / "target.json").write_text(json.dumps({"dtype": "bfloat16"}))
+    (root / "target" / "target.json").write_text(json.dumps(target_json(model_dir)))
     # samples cut from the end of the corpus for calibration / held-out
     tail = data[-40 * SEQ:]
     return model_dir, [tail[i * SEQ:(i + 1) * SEQ].tolist() for i in range(40)]

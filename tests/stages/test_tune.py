@@ -46,7 +46,7 @@ def acceptance(curves: dict[str, list[float]]) -> dict:
     K = max(len(c) for c in curves.values())
     return {"runtime": "reference", "max_draft_len": K,
             "domains": {d: {"fp8": stats(c), "bf16": stats(c)} for d, c in curves.items()},
-            "gates": {"passed": True}}
+            "overall": {"fp8": stats(next(iter(curves.values())))}, "gates": {"passed": True}}
 
 
 def run_tune(tmp: Path, *, target=LLAMA_8B, curves=None, gpu="h200", tp=1, quant=None, profile=None,
@@ -305,12 +305,13 @@ def test_domain_weights_mix_and_unknown_domains(tmp_path):
 def test_acceptance_without_per_position_uses_the_flat_rate(tmp_path):
     # validate's TensorRT-LLM runtime reports acceptance lengths only.
     acc = {"runtime": "tensorrt_llm", "max_draft_len": 3,
-           "domains": {"code": {"fp8": {"acceptance_length": 2.71, "per_position": None}}}}
+           "domains": {"code": {"fp8": {"acceptance_length": 2.71, "per_position": None}}},
+           "overall": {"fp8": {"acceptance_length": 2.71, "per_position": None}}, "gates": {"passed": True}}
     doc = run_tune(tmp_path, acc=acc, batch_sizes=[1])
     a = doc["acceptance"]["per_position"]["code"]
     assert len(a) == 3 and all(x == pytest.approx(a[0]) for x in a)
     assert 1 + a[0] + a[0] ** 2 + a[0] ** 3 == pytest.approx(2.71, abs=1e-6)
-    bad = {"runtime": "x", "max_draft_len": 2, "domains": {"code": {"fp8": {"per_position": [0.5, 1.5]}}}}
+    bad = {**acc, "runtime": "x", "max_draft_len": 2, "domains": {"code": {"fp8": {"per_position": [0.5, 1.5]}}}}
     with pytest.raises(StageError, match=r"\[0, 1\]"):
         run_tune(tmp_path / "bad", acc=bad)
 
