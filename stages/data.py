@@ -187,7 +187,7 @@ def check(cfg) -> list[tuple[str, str]]:
     rc = sec.regenerate
     if rc.enabled and (rc.engine != "auto" or rc.endpoint):     # auto without an endpoint is decided when it runs
         try:
-            choose_engine(rc, getattr(cfg, "vllm", None))
+            choose_engine(rc, cfg.vllm)
         except EngineConfigError as e:
             problems.append((e.field, e.message))
     return problems
@@ -353,7 +353,7 @@ def _regenerate_splits(ctx: StageContext, sec: Config, renderer, tok, tinfo: tar
                  "greedy" if greedy else f"sampling T={rc.temperature} top_p={rc.top_p} seed={sec.seed}",
                  [f"{i} ({tok.convert_ids_to_tokens(i)})" for i in stop_ids])
     jobs = train_jobs + held_jobs
-    vllm_cfg = getattr(ctx.config, "vllm", None)     # where/how vLLM runs; what it generates: data.regenerate.engine
+    vllm_cfg = ctx.config.vllm     # where/how vLLM runs; what it generates: data.regenerate.engine
     gens, rs = run_regeneration(
         choose_engine(rc, vllm_cfg, model_dir=model_dir, new_tokens=len(jobs) * rc.max_new_tokens), vllm_cfg=vllm_cfg,
         model_dir=model_dir, dtype=tinfo.dtype,

@@ -119,11 +119,11 @@ def check(cfg) -> list[tuple[str, str]]:
     problems = []
     if not sec.enabled:
         return problems
-    td = getattr(cfg, "train_draft", None)
-    if sec.draft == "fp8" and td is not None and not getattr(td, "enabled", True):
+    td = cfg.train_draft
+    if sec.draft == "fp8" and not td.enabled:
         problems.append(("quantize.draft", "is fp8 but train_draft is disabled: there is no draft to quantize"))
-    algo = getattr(getattr(td, "algorithm", None), "kind", None) if td is not None else None
-    if sec.draft == "fp8" and algo not in (None, "eagle3"):
+    algo = td.algorithm.kind
+    if sec.draft == "fp8" and algo != "eagle3":
         problems.append(("quantize.draft", f"fp8 is implemented for EAGLE-3 drafts only; train_draft.algorithm is '{algo}' "
                                            "(use draft: none, NVIDIA's documented FP8 target + BF16 draft)"))
     if len(set(sec.fallback_formats)) != len(sec.fallback_formats) or sec.format in sec.fallback_formats:

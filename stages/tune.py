@@ -100,27 +100,20 @@ class Config(StageSection):
         return self
 
 
-def target_version(cfg, algorithm: str | None = None) -> str:
-    """The TensorRT-LLM version the schedule is tuned for: the one build deploys (tune's own only when build is
-    disabled or absent), else the default version, or, when that cannot serve the draft (DFlash needs 1.3), the
-    newest one that can."""
+def target_version(cfg) -> str:
+    """The TensorRT-LLM version the schedule is tuned for: the one build deploys (`build.trtllm_version`, which always
+    has a value: default `compat.DEFAULT_TRTLLM_VERSION`); tune's own (`tune.trtllm_version`) only when build is
+    disabled. A version that cannot serve the draft is a config error (build.check, check: DFlash needs 1.3)."""
     from runtime.trtllm import compat
 
-    b = getattr(cfg, "build", None)
-    v = (getattr(b, "trtllm_version", None) if getattr(b, "enabled", True) else None) or cfg.tune.trtllm_version \
-        or getattr(b, "trtllm_version", None)
-    if v:
-        return compat.normalize_version(v)
-    if algorithm and compat.algorithm_problem(compat.DEFAULT_TRTLLM_VERSION, algorithm) is not None:
-        able = compat.supported_versions_for(algorithm)
-        if able:
-            return able[-1]
-    return compat.DEFAULT_TRTLLM_VERSION
+    b = cfg.build
+    return compat.normalize_version((b.trtllm_version if b.enabled else None) or cfg.tune.trtllm_version
+                                    or b.trtllm_version)
 
 
 def eagle3_one_model(cfg) -> bool:
     """Whether the deployment runs EAGLE-3 as one model (build.eagle3_mode; the default)."""
-    return getattr(getattr(cfg, "build", None), "eagle3_mode", "one_model") != "two_model"
+    return cfg.build.eagle3_mode != "two_model"
 
 
 def check(cfg) -> list[tuple[str, str]]:
@@ -144,19 +137,17 @@ def check(cfg) -> list[tuple[str, str]]:
                 out.append(("hardware.profile", f"{p}: not readable JSON ({e})"))
             if doc is not None:
                 out += [("hardware.profile", f"{p}: {msg}") for msg in check_profile(doc)]
-    quant = getattr(cfg, "quantize", None)
-    fmt = str(getattr(quant, "format", "") or "")
+    fmt = str(cfg.quantize.format or "")
     gpu = GPUS[cfg.hardware.gpu]
     if "fp8" in fmt.lower() and not gpu.has_fp8 and prof is None:
         out.append(("hardware.gpu", f"{gpu.name} has no FP8 tensor cores, but quantize.format is {fmt}; TensorRT-LLM "
                                     "FP8 needs Ada, Hopper or Blackwell (l40s, h100_*, h200*, b200)"))
-    algo = getattr(getattr(cfg, "train_draft", None), "algorithm", None)
-    algo = getattr(algo, "kind", algo)
-    if cfg.tune.trtllm_version and isinstance(algo, str) and \
+    algo = cfg.train_draft.algorithm.kind
+    if cfg.tune.trtllm_version and \
             (p := compat.algorithm_problem(cfg.tune.trtllm_version, algo)) is not None:
         out.append(("tune.trtllm_version", p))
-    b = getattr(cfg, "build", None)
-    if cfg.tune.trtllm_version and b is not None and getattr(b, "enabled", True) and getattr(b, "trtllm_version", None) \
+    b = cfg.build
+    if cfg.tune.trtllm_version and b.enabled and b.trtllm_version \
             and compat.normalize_version(cfg.tune.trtllm_version) != compat.normalize_version(b.trtllm_version):
         out.append(("tune.trtllm_version", f"{cfg.tune.trtllm_version} differs from build.trtllm_version "
                                            f"{b.trtllm_version}: the schedule is tuned for the version build deploys "
@@ -175,7 +166,7 @@ def run(ctx: StageContext) -> dict:
     target = target_artifact.read_info(ctx.input("target").path)
     draft_art = ctx.input("train_draft")
     draft = train_draft_artifact.read_info(draft_art.path)
-    version = target_version(ctx.config, draft.algorithm)
+    version = target_version(ctx.config)
     rel = compat.release(version)
     quant = quantize_artifact.read_info(ctx.input("quantize").path)
     acc = validate_artifact.read_acceptance(ctx.input("validate").path)

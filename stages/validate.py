@@ -116,8 +116,7 @@ class Config(StageSection):
 def check(cfg) -> list[tuple[str, str]]:
     problems = []
     sec: Config = cfg.validate
-    data = getattr(cfg, "data", None)
-    domains = set(getattr(data, "eval_domains", {}) or {})
+    domains = set(cfg.data.eval_domains or {})
     g = sec.gates.min_acceptance_length
     if isinstance(g, dict):
         for d, v in g.items():

@@ -27,7 +27,7 @@ from runtime.validate.trtllm import trtllm_available, trtllm_llm_kwargs, trtllm_
 from stages import validate as V
 
 from conftest import stage_context
-from support import DATA, REPO
+from support import DATA, REPO, real_config
 from support.synthetic import target_json
 from support.tiny_models import batches, tiny_assets
 
@@ -192,14 +192,8 @@ def test_trtllm_is_unavailable_without_its_package(monkeypatch):
 
 
 def test_config_checks():
-    class Cfg:
-        pass
-
-    cfg = Cfg()
-    cfg.data = Cfg()
-    cfg.data.eval_domains = {"code": None, "prose": None}
-    cfg.validate = V.Config(max_draft_len=3, measure_bf16=False,
-                            gates={"min_acceptance_length": {"code": 2.0, "math": 2.0}, "min_retention": 0.9})
+    cfg = real_config(validate=V.Config(max_draft_len=3, measure_bf16=False, gates={
+        "min_acceptance_length": {"code": 2.0, "math": 2.0}, "min_retention": 0.9}))    # eval domains: code, prose
     probs = dict(V.check(cfg))
     assert "unknown domain" in probs["validate.gates.min_acceptance_length.math"]
     assert "measure_bf16" in probs["validate.gates.min_retention"]

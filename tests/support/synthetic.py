@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 
@@ -13,6 +12,8 @@ from pipeline.device import ResolvedDevice
 from pipeline.stage import Artifact, StageContext
 from runtime.algorithms.schedule import DraftSchedule
 from runtime.trtllm import hf_config
+
+from support import real_config
 
 H = 8   # hidden size of the synthetic target and draft
 
@@ -144,7 +145,7 @@ def run_stage(root: Path, module, section) -> Path:
     out = root / ".tmp" / module.NAME
     out.mkdir(parents=True)
     inputs = {n: Artifact(n, arts / n, {"fingerprint": n, "metrics": {}}) for n in module.CONSUMES}
-    ctx = StageContext(name=module.NAME, config=SimpleNamespace(hardware=SimpleNamespace(tensor_parallel_size=1)),
+    ctx = StageContext(name=module.NAME, config=real_config(**{module.NAME: section}),
                        section=section, out_dir=out, scratch_dir=root / "scratch", inputs=inputs, workdir=root,
                        fingerprint="x", log=logging.getLogger(f"test.{module.NAME}"),
                        device=ResolvedDevice("cpu", "cpu"))
