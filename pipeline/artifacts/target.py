@@ -25,7 +25,7 @@ class TargetInfo:
     hidden_size: int
     vocab_size: int
     dtype: str                            # the checkpoint's torch dtype; bfloat16 where target.json does not say
-    eos_token_id: int | None              # the first stop id
+    eos_token_id: int | None              # target.json's eos_token_id (the first of a list); None when absent
     stop_ids: tuple[int, ...]             # every id that ends a generation (`stop_ids`)
     max_position_embeddings: int | None
     mask_token_id: int | None
@@ -34,6 +34,7 @@ class TargetInfo:
     @classmethod
     def from_json(cls, doc: dict) -> TargetInfo:
         eos = doc.get("eos_token_id")
+        eos = eos[0] if isinstance(eos, list) and eos else eos          # some HF configs write a list
         return cls(architecture=str(doc["architecture"]), num_layers=int(doc["num_layers"]),
                    hidden_size=int(doc["hidden_size"]), vocab_size=int(doc["vocab_size"]),
                    dtype=doc.get("dtype") or "bfloat16", eos_token_id=eos if isinstance(eos, int) else None,

@@ -120,6 +120,9 @@ def test_records_decide_their_defaults_once(tmp_path):
         (tmp_path / stage / name).write_text(json.dumps(doc))
     t = target.read_info(tmp_path / "target")
     assert (t.dtype, t.stop_ids, t.eos_token_id, t.mask_token_id) == ("bfloat16", (2, 9), 2, None)
+    (tmp_path / "target" / "target.json").write_text(json.dumps({**_TARGET, "eos_token_id": [7, 3], "eos_token_ids": None}))
+    t = target.read_info(tmp_path / "target")                  # an HF config's list of eos ids
+    assert (t.eos_token_id, t.stop_ids) == (7, (3, 7))
     d = train_draft.read_info(tmp_path / "train_draft")
     assert (d.algorithm, d.capture_layers, d.block_size) == ("eagle3", [1, 2], None)
     (tmp_path / "train_draft" / "draft.json").write_text(json.dumps({"algorithm": "dflash", "target_layer_ids": [0, 3],
