@@ -77,6 +77,7 @@ def vllm_side(arts: Path, prompts: dict, a, work: Path) -> dict:
 
 
 def main(argv=None) -> int:
+    from pipeline.artifacts import target as target_artifact
     from pipeline.artifacts.data import read_eval
     from pipeline.commands import stop_signals
     from runtime.validate import vllm_arm as V
@@ -84,7 +85,7 @@ def main(argv=None) -> int:
     stop_signals()   # `kill` stops the vLLM/Triton servers this run started, as Ctrl-C does
     a = parse_args(argv)
     arts = a.workdir / "artifacts"
-    eos = json.loads((arts / "target" / "target.json").read_text()).get("eos_token_ids") or []
+    eos = list(target_artifact.read_info(arts / "target").stop_ids)
     prompts = read_eval(a.eval_dir or arts / "data", per_domain=a.prompts_per_domain)
     short = {d: len(ps) for d, ps in prompts.items() if len(ps) < a.prompts_per_domain}
     if short:

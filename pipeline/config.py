@@ -1,8 +1,13 @@
 """One strict config: YAML file + `-o section.field=value` overrides -> validated `PipelineConfig`.
 
 The root model is assembled from the stage registry (each stage owns its section's model) plus the shared
-sections `run`, `hardware` and `vllm`. Every problem is reported as `dotted.path: message`, the path spelled as
-the user wrote it (union tags and validator names stripped), with the file line where it is known.
+sections `run`, `hardware` and `vllm`; it is generated because pipeline/ learns about stages only through the
+registry. Every section is always present (each has full defaults, or is required), so code reads
+`cfg.<section>.<field>` directly (`ctx.config.build.eagle3_mode`), never `getattr(cfg, "<section>", None)` with a
+fallback; tests build configs from a real config file (tests/support `real_config`), never from partial stand-ins.
+
+Every problem is reported as `dotted.path: message`, the path spelled as the user wrote it (union tags and
+validator names stripped), with the file line where it is known.
 """
 from __future__ import annotations
 

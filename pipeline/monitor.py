@@ -200,7 +200,7 @@ def read_run(workdir: Path, draft_len: int | None = None, prompts_per_probe: int
     params = json.loads((arts / "validate" / "manifest.json").read_text()).get("fingerprint_inputs", {}).get("params", {})
     n = prompts_per_probe or params.get("num_prompts")
     try:   # the prompts validate measured
-        evals = data_artifact.read_eval(arts / "data", domains=acc.get("domains", {}), per_domain=n)
+        evals = data_artifact.read_eval(arts / "data", domains=acc.domains, per_domain=n)
         prompts = {d: [p.prompt for p in ps] for d, ps in evals.items()}
     except StageError as e:
         raise UsageError(f"{workdir}: {e}") from None
@@ -211,19 +211,19 @@ def read_run(workdir: Path, draft_len: int | None = None, prompts_per_probe: int
     if draft_len is None:
         if (arts / "build" / build_artifact.INFO).exists():
             try:   # the probe runs one request at a time: the deployed k at batch 1
-                draft_len = build_artifact.draft_schedule(build_artifact.read_deployment(arts / "build")).k_at(1)
+                draft_len = build_artifact.read_deployment(arts / "build").schedule().k_at(1)
             except StageError as e:
                 raise UsageError(f"{workdir}: {e}") from None
         else:
-            draft_len = int(acc["max_draft_len"])
+            draft_len = acc.max_draft_len
     model, fmt = "tensorrt_llm", None
     ex = arts / "export" / "export.json"
     if ex.exists():
         doc = json.loads(ex.read_text())
         model, fmt = doc.get("model_name", model), doc.get("prompt_format")
         check_prompt_format(arts, fmt)
-    return Run(Path(workdir), acc, prompts, draft_len, int(acc.get("max_new_tokens") or 48),
-               float(acc.get("temperature") or 0.0), model, digest, per, overall, source, fmt,
+    return Run(Path(workdir), acc.raw, prompts, draft_len, acc.max_new_tokens, acc.temperature, model, digest, per,
+               overall, source, fmt,
                {d: [list(p.prompt_ids) for p in ps] for d, ps in evals.items()})
 
 

@@ -27,7 +27,7 @@ def check_prompt_format(arts: Path, fmt: dict | None) -> None:
                          "what clients send; rerun `specpipe build` so that export and data agree")
 
 
-def read_baseline(arts: Path, acc: dict) -> tuple[dict[str, list], list | None, str, str]:
+def read_baseline(arts: Path, acc: validate_artifact.AcceptanceInfo) -> tuple[dict[str, list], list | None, str, str]:
     """(per-domain conditional acceptance, overall, where it came from, digest of that file): the exported
     speculation profile when export wrote one, else validate's acceptance.json (the FP8 pair)."""
     from runtime.validate import profile as P
@@ -41,7 +41,7 @@ def read_baseline(arts: Path, acc: dict) -> tuple[dict[str, list], list | None, 
         except P.ProfileError as e:
             raise UsageError(f"{e} (rerun `specpipe build <config> --force export` to rewrite it)") from None
         return per, overall, f"{f.relative_to(arts.parent)} ({engine})", hashlib.sha256(f.read_bytes()).hexdigest()[:16]
-    per = {d: v["fp8"]["per_position"] for d, v in acc.get("domains", {}).items()}
-    overall = acc["overall"]["fp8"]["per_position"]
+    per = {d: v["fp8"]["per_position"] for d, v in acc.domains.items()}
+    overall = acc.overall["fp8"]["per_position"]
     acc_f = arts / "validate" / validate_artifact.INFO
     return per, overall, str(acc_f.relative_to(arts.parent)), hashlib.sha256(acc_f.read_bytes()).hexdigest()[:16]

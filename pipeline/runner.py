@@ -67,7 +67,7 @@ def fingerprint_inputs(spec: registry.StageSpec, cfg, upstream: dict[str, str]) 
         doc["external"] = spec.fingerprint_extra(getattr(cfg, spec.name))
     # A measured hardware profile (`hardware.profile`) is an input of the stages that use `hardware`: its
     # content, not only its path, decides their output.
-    prof = getattr(getattr(cfg, "hardware", None), "profile", None) if "hardware" in spec.uses else None
+    prof = cfg.hardware.profile if "hardware" in spec.uses else None
     if prof is not None and Path(prof).is_file():
         doc["hardware_profile"] = hashlib.sha256(Path(prof).read_bytes()).hexdigest()
     return doc

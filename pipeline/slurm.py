@@ -35,8 +35,8 @@ class SlurmJob:
 
 def launcher_override(cfg, job: SlurmJob) -> str | None:
     """`-o train_draft.launcher={...}` for torchrun on the allocation, keeping the user's other launcher fields."""
-    td = getattr(cfg, "train_draft", None)
-    if td is None or not td.enabled or job.gpus_per_node == 0:
+    td = cfg.train_draft
+    if not td.enabled or job.gpus_per_node == 0:
         return None   # CPU allocations keep the config's launcher
     launcher = td.launcher.model_dump(mode="json")
     launcher.update(kind="torchrun", nproc_per_node=job.gpus_per_node, nnodes=job.nodes, node_rank=0)

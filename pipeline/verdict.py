@@ -10,6 +10,8 @@ from __future__ import annotations
 import html
 import json
 
+from pipeline.artifacts import tune as tune_artifact
+from pipeline.artifacts import validate as validate_artifact
 from pipeline.errors import StageError
 from pipeline.store import Store
 
@@ -23,6 +25,18 @@ def _read(store: Store, stage: str, name: str) -> dict | None:
     try:
         return json.loads((art.path / name).read_text())
     except (OSError, ValueError):
+        return None
+
+
+def _record(store: Store, stage: str, reader) -> dict | None:
+    """The document `reader` (a `pipeline.artifacts` record reader) read from the stage's committed artifact, None
+    where there is none or it breaks its contract (the report still opens; the stage's own section says why)."""
+    art = store.artifact(stage)
+    if art is None:
+        return None
+    try:
+        return reader(art.path).raw
+    except StageError:
         return None
 
 
@@ -101,14 +115,14 @@ def deploy_paths(store: Store, export: dict | None) -> list[list[str]]:
 
 def render(store: Store, doc: dict, table) -> str:
     """The report's opening section (HTML); `table` is pipeline.report.table."""
-    acc = _read(store, "validate", "acceptance.json")
+    acc = _record(store, "validate", validate_artifact.read_acceptance)
     val = next((s for s in doc["stages"] if s["name"] == "validate"), {})
     refused_pair = val.get("last_build") == "failed" and isinstance(val.get("failed_metrics"), dict) \
         and "domains" in val["failed_metrics"]
     if refused_pair:     # what the failed build measured, not the artifact committed before it
         acc = {**val["failed_metrics"], "gates": (val["failed_metrics"].get("gates") or {"passed": False})}
     export = _read(store, "export", "export.json")
-    tuning = _read(store, "tune", "tuning.json")
+    tuning = _record(store, "tune", tune_artifact.read_tuning)
     state, why = outcome(doc, acc)
     cls = {"shipped": "pass", "refused": "fail"}.get(state, "muted")
     parts = ["<h2 id='verdict'>Verdict</h2>", f"<p><span class='{cls}'>{esc(state.upper())}</span>: {esc(why)}</p>"]

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, field_validator
 
+from pipeline.artifacts import build as build_artifact
 from pipeline.artifacts import data as data_artifact
 from pipeline.artifacts import quantize as quantize_artifact
 from pipeline.artifacts import train_draft as train_draft_artifact
@@ -151,9 +152,9 @@ class _Plan:
     target_dir: Path            # the FP8 target
     draft_src: Path             # the draft as train_draft/quantize wrote it
     tcfg: dict                  # the target's config.json
-    draft: dict                 # draft.json
+    draft: train_draft_artifact.DraftInfo
     dcfg: dict                  # the draft's config.json ({} without speculation)
-    tuning: dict
+    tuning: tune_artifact.TuningInfo
     algo: str
     mode: str
     schedule: DraftSchedule     # tune's draft length per batch size
@@ -163,7 +164,7 @@ class _Plan:
 
     @property
     def capture_layers(self) -> list[int] | None:
-        return self.draft.get("aux_layer_ids") if self.algo == "eagle3" else None
+        return self.draft.capture_layers if self.algo == "eagle3" else None
 
 
 @dataclass
@@ -228,8 +229,8 @@ def _ngram(ctx: StageContext, plan: _Plan, options: dict, out: Path) -> dict:
 
     acc = validate_artifact.read_acceptance(ctx.input("validate").path)
     try:
-        return N.deploy(out / "ngram", options, plan.version, plan.target_dir, ctx.section.ngram.model_dump(), acc,
-                        acc.get("max_draft_len") or plan.kmax or 4, ctx.log)
+        return N.deploy(out / "ngram", options, plan.version, plan.target_dir, ctx.section.ngram.model_dump(), acc.raw,
+                        acc.max_draft_len or plan.kmax or 4, ctx.log)
     except ValueError as e:
         raise StageError(f"build.ngram: {e}") from None
 
@@ -260,20 +261,20 @@ def _plan(ctx: StageContext) -> _Plan:
     draft = train_draft_artifact.read_info(ctx.input("train_draft").path)
     tuning = tune_artifact.read_tuning(ctx.input("tune").path)
     tcfg = json.loads((target_dir / "config.json").read_text())
-    algo = str(draft.get("algorithm", "eagle3")).lower()
+    algo = draft.algorithm
     if (p := compat.algorithm_problem(version, algo)) is not None:
         raise StageError(p)
     mode = rel.mode(algo, sec.eagle3_mode == "one_model")
     try:
-        schedule = draft_schedule.tuned_schedule(tuning, version, mode)
+        schedule = draft_schedule.tuned_schedule(tuning.raw, version, mode)
     except ValueError as e:
         raise StageError(str(e)) from None
-    mbs = sec.max_batch_size or int(tuning.get("max_batch_size") or 64)
+    mbs = sec.max_batch_size or tuning.max_batch_size
     speculation = schedule.speculates(mbs)
     if not speculation:
         ctx.log.warning("tune predicted no speedup from speculation at any batch size (%s): deploying the target "
-                        "alone, without a draft", (tuning.get("deployment") or {}).get("note", "see tuning.json"))
-    dcfg = json.loads((draft_src / "config.json").read_text()) if speculation else {}
+                        "alone, without a draft", tuning.note)
+    dcfg = train_draft_artifact.DraftConfig.read(draft_src).raw if speculation else {}
     return _Plan(version=version, rel=rel, arts=arts, target_dir=target_dir, draft_src=draft_src, tcfg=tcfg, draft=draft,
                  dcfg=dcfg, tuning=tuning, algo=algo, mode=mode, schedule=schedule, mbs=mbs,
                  kmax=schedule.max_draft_len(mbs), speculation=speculation)
@@ -288,7 +289,7 @@ def _deployment_draft(ctx: StageContext, plan: _Plan, out: Path) -> _DeployedDra
     if plan.speculation and plan.algo == "eagle3":
         try:
             trtllm_draft, renamed = trtllm_draft_dir(plan.draft_src, out / "draft", plan.rel,
-                                                int(plan.dcfg.get("num_hidden_layers") or plan.draft.get("num_layers") or 1))
+                                                int(plan.dcfg.get("num_hidden_layers") or plan.draft.num_layers or 1))
         except ValueError as e:
             raise StageError(f"the draft's tensor names cannot be written as TensorRT-LLM {plan.version} reads them: "
                              f"{e}") from None
@@ -308,7 +309,7 @@ def _deployment_spec(ctx: StageContext, plan: _Plan, ddraft: _DeployedDraft) -> 
 
     sec: Config = ctx.section
     mbs = plan.mbs
-    mnt = sec.max_num_tokens or plan.tuning.get("max_num_tokens") or mbs * (1 + plan.kmax)
+    mnt = sec.max_num_tokens or plan.tuning.max_num_tokens or mbs * (1 + plan.kmax)
     positions = [p for p in (plan.tcfg.get("max_position_embeddings"),
                              draft_positions(plan.dcfg) if plan.dcfg else None) if p]
     msl = sec.max_seq_len or (min(positions) if positions else 2048)
@@ -318,7 +319,7 @@ def _deployment_spec(ctx: StageContext, plan: _Plan, ddraft: _DeployedDraft) -> 
         kv["dtype"] = "fp8"
     cg = None
     if sec.cuda_graphs:
-        cg = [int(b) for b in (plan.tuning.get("cuda_graph_batch_sizes") or [1, 2, 4, 8]) if int(b) <= mbs] or [1]
+        cg = [b for b in plan.tuning.cuda_graph_batch_sizes if b <= mbs] or [1]
     guard = sec.acceptance_guard
     return T.DeploymentSpec(
         version=plan.version, algorithm=plan.algo, draft_dir=str(ddraft.final) if ddraft.dir else "",
@@ -404,7 +405,7 @@ def _deployment_doc(ctx: StageContext, plan: _Plan, options: dict, ddraft: _Depl
         "eagle3_layers_to_capture": sc.get("eagle3_layers_to_capture"),
         "max_draft_len": plan.kmax, "max_batch_size": plan.mbs,
         "max_num_tokens": options["max_num_tokens"], "max_seq_len": options["max_seq_len"],
-        "draft_schedule": runs.to_json(plan.mbs), "schedule_note": (plan.tuning.get("deployment") or {}).get("note"),
+        "draft_schedule": runs.to_json(plan.mbs), "schedule_note": plan.tuning.deployment.get("note"),
         "acceptance_guard": guard_doc or None, "acceptance_guard_note": guard_note,
         "options_file": "deployment/llm_api_options.yaml",
         "bench_prompts": bench.prompts, "bench_requests": bench.requests, "bench_concurrency": bench.concurrency,
@@ -420,7 +421,7 @@ def _deployment_doc(ctx: StageContext, plan: _Plan, options: dict, ddraft: _Depl
 def report(artifact: Artifact) -> str:
     from pipeline.report import esc, figure, table
 
-    doc = artifact.read_json("deployment.json")
+    doc = build_artifact.read_deployment(artifact.path).raw
     sched = DraftSchedule.from_json(doc["draft_schedule"])
     html = (f"<p>TensorRT-LLM {esc(doc['trtllm_version'])} ({esc(doc['serving_image'])}), "
             f"{esc(doc['decoding_type'] or 'no speculation')} {esc(doc['mode'])}: "

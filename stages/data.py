@@ -187,7 +187,7 @@ def check(cfg) -> list[tuple[str, str]]:
     rc = sec.regenerate
     if rc.enabled and (rc.engine != "auto" or rc.endpoint):     # auto without an endpoint is decided when it runs
         try:
-            choose_engine(rc, getattr(cfg, "vllm", None))
+            choose_engine(rc, cfg.vllm)
         except EngineConfigError as e:
             problems.append((e.field, e.message))
     return problems
@@ -259,7 +259,7 @@ def _run(ctx: StageContext) -> dict:
                              f"without an assistant turn; e.g. {no_response[0].origin}); enable data.regenerate to let the "
                              "target "
                              "write the responses, or give text/messages samples with responses")
-        eos_id = tinfo.get("eos_token_id", tok.eos_token_id)
+        eos_id = tinfo.eos_token_id if tinfo.eos_token_id is not None else tok.eos_token_id
         encoded = encode_samples(renderer, tok, train, sec.max_length, eos_id, bad, tmpl_info)
         held_enc = encode_samples(renderer, tok, heldout, sec.max_length, eos_id, bad, tmpl_info)
         shown = _check_malformed(bad, sec, ctx.log, shown)
@@ -328,7 +328,8 @@ def _write_eval_prompts(ctx: StageContext, sec: Config, renderer, tok, evals: di
     return domain_stats, chosen_keys
 
 
-def _regenerate_splits(ctx: StageContext, sec: Config, renderer, tok, tinfo: dict, tmpl_info: dict, model_dir: Path,
+def _regenerate_splits(ctx: StageContext, sec: Config, renderer, tok, tinfo: target_artifact.TargetInfo, tmpl_info: dict,
+                       model_dir: Path,
                        train: list[Sample], heldout: list[Sample], bad: Malformed, shown: int):
     """The target writes the responses (data.regenerate): (train, its rows, heldout, its rows, stats, shown)."""
     rc = sec.regenerate
@@ -343,7 +344,7 @@ def _regenerate_splits(ctx: StageContext, sec: Config, renderer, tok, tinfo: dic
     if skip_t or skip_h:
         ctx.log.info("regeneration: %d prompts longer than %d tokens (data.max_length %d - max_new_tokens %d) skipped",
                      skip_t + skip_h, budget, sec.max_length, rc.max_new_tokens)
-    stop_ids = target_artifact.stop_ids(tinfo)
+    stop_ids = list(tinfo.stop_ids)
     if renderer is not None and tmpl_info["end_of_turn_id"] is not None and tmpl_info["end_of_turn_id"] not in stop_ids:
         stop_ids.append(tmpl_info["end_of_turn_id"])      # data.chat_template's end of turn
     greedy = rc.mode == "greedy"
@@ -352,10 +353,10 @@ def _regenerate_splits(ctx: StageContext, sec: Config, renderer, tok, tinfo: dic
                  "greedy" if greedy else f"sampling T={rc.temperature} top_p={rc.top_p} seed={sec.seed}",
                  [f"{i} ({tok.convert_ids_to_tokens(i)})" for i in stop_ids])
     jobs = train_jobs + held_jobs
-    vllm_cfg = getattr(ctx.config, "vllm", None)     # where/how vLLM runs; what it generates: data.regenerate.engine
+    vllm_cfg = ctx.config.vllm     # where/how vLLM runs; what it generates: data.regenerate.engine
     gens, rs = run_regeneration(
         choose_engine(rc, vllm_cfg, model_dir=model_dir, new_tokens=len(jobs) * rc.max_new_tokens), vllm_cfg=vllm_cfg,
-        model_dir=model_dir, dtype=tinfo.get("dtype"),
+        model_dir=model_dir, dtype=tinfo.dtype,
         max_model_len=sec.max_length + 8, tok=tok, end_id=tmpl_info.get("end_of_turn_id") or (stop_ids or [None])[0],
         prompts=[j.prompt for j in jobs], keys=[j.sample.key for j in jobs], batch_size=rc.batch_size,
         max_new_tokens=rc.max_new_tokens, temperature=0.0 if greedy else rc.temperature, top_p=1.0 if greedy else rc.top_p,

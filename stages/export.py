@@ -73,7 +73,7 @@ def run(ctx: StageContext) -> dict:
     bpath = ctx.input("build").path
     dep = build_artifact.read_deployment(bpath)
     options = build_artifact.read_options(bpath, dep)
-    version = dep["trtllm_version"]
+    version = dep.trtllm_version
     io = trtllm_schema.load_schema("triton-llmapi-model")["config_pbtxt"]
     speculation = bool(options.get("speculative_config"))
     image = compat.triton_image_for(version)
@@ -91,7 +91,7 @@ def run(ctx: StageContext) -> dict:
     parsed = check_pbtxt([p for p in ctx.out_dir.rglob("config.pbtxt")])
     ctx.log.info("config.pbtxt: %s", ", ".join(f"{Path(k).relative_to(ctx.out_dir)} {v}" for k, v in parsed.items()))
     doc = {"model_name": sec.model_name, "trtllm_version": version, "triton_image": image,
-           "serving_image": dep["serving_image"], "decoupled": sec.decoupled, "container_path": sec.container_path,
+           "serving_image": dep.serving_image, "decoupled": sec.decoupled, "container_path": sec.container_path,
            "speculation": speculation, "prompt_format": {**fmt, "file": "triton/prompt_format.json"},
            "cpu_repository": "triton_cpu" if sec.cpu_repository else None,
            "config_pbtxt": {str(Path(k).relative_to(ctx.out_dir)): v for k, v in parsed.items()}, "speculators": vllm,
@@ -100,21 +100,22 @@ def run(ctx: StageContext) -> dict:
     publish_tree(ctx.out_dir)      # world-readable: a non-root container user reads the repositories
     if image is None:
         ctx.log.warning("no Triton image ships TensorRT-LLM %s: serve the production repository from a custom image "
-                        "built on %s (see triton/README.md)", version, dep["serving_image"])
+                        "built on %s (see triton/README.md)", version, dep.serving_image)
     return {"model_name": sec.model_name, "trtllm_version": version, "triton_image": image or "custom",
             "cpu_repository": sec.cpu_repository, "config_pbtxt_checked": sum(v == "parsed" for v in parsed.values()),
             "speculators": vllm["speculators_model_type"] if vllm else None}
 
 
-def _speculation_profile(ctx: StageContext, acc: dict, dep: dict, vllm: dict | None) -> dict:
+def _speculation_profile(ctx: StageContext, acc: validate_artifact.AcceptanceInfo, dep: build_artifact.DeploymentInfo,
+                         vllm: dict | None) -> dict:
     """speculation_profile.json (runtime/validate/profile.py, docs/stages/build_export.md) beside every draft this
     stage ships: the TensorRT-LLM draft of triton/, the CPU repository's draft, speculators/."""
     from runtime.validate import profile as P
 
     sec: Config = ctx.section
     doc = validate_artifact.speculation_profile(ctx.input("validate"), ctx.input("quantize"), ctx.input("train_draft"),
-                                                algorithm=dep.get("algorithm"), draft_schedule=dep.get("draft_schedule"),
-                                                deployed_draft_len=build_artifact.draft_schedule(dep).k_at(1))
+                                                algorithm=dep.algorithm, draft_schedule=dep.draft_schedule,
+                                                deployed_draft_len=dep.schedule().k_at(1))
     dirs = [ctx.out_dir / "triton" / sec.model_name / "1" / "draft"]
     if sec.cpu_repository:
         dirs.append(ctx.out_dir / "triton_cpu" / sec.model_name / "1" / "draft")
@@ -127,7 +128,7 @@ def _speculation_profile(ctx: StageContext, acc: dict, dep: dict, vllm: dict | N
             "mean_accept_length": doc["mean_accept_length"], "num_speculative_tokens": doc["num_speculative_tokens"]}
 
 
-def _production_repository(ctx: StageContext, dep: dict, options: dict, io: dict, image: str | None,
+def _production_repository(ctx: StageContext, dep: build_artifact.DeploymentInfo, options: dict, io: dict, image: str | None,
                            speculation: bool) -> dict:
     """triton/: Triton's TensorRT-LLM LLM-API model (model.yaml, config.pbtxt, the checkpoints), launch.sh, README."""
     from runtime.serving import prompt_format as P
@@ -135,13 +136,13 @@ def _production_repository(ctx: StageContext, dep: dict, options: dict, io: dict
     from runtime.trtllm import triton_launch
 
     sec: Config = ctx.section
-    version = dep["trtllm_version"]
+    version = dep.trtllm_version
     prod = ctx.out_dir / "triton"
     mdir = prod / sec.model_name / "1"
     mdir.mkdir(parents=True)
-    _place(Path(dep["target_dir"]), mdir / "target_fp8", sec.weights)
+    _place(Path(dep.target_dir), mdir / "target_fp8", sec.weights)
     if speculation:   # the draft as TensorRT-LLM loads it (layer names of the targeted version, see build)
-        _place(Path(dep.get("trtllm_draft_dir") or dep["draft_dir"]), mdir / "draft", sec.weights)
+        _place(Path(dep.trtllm_draft_dir), mdir / "draft", sec.weights)
     body = _model_yaml(sec, options, version)
     (mdir / "model.yaml").write_text(
         f"# TensorRT-LLM {version} LLM-API options for Triton's llmapi model (every key but triton_config goes to LLM(...)).\n"
@@ -160,7 +161,7 @@ def _production_repository(ctx: StageContext, dep: dict, options: dict, io: dict
     return fmt
 
 
-def _prompt_format(ctx: StageContext, dep: dict, prod: Path) -> dict:
+def _prompt_format(ctx: StageContext, dep: build_artifact.DeploymentInfo, prod: Path) -> dict:
     """triton/prompt_format.json (+ chat_template.jinja): how clients must render prompts, since the LLM-API model
     generates from `text_input` as it is (runtime/serving/prompt_format.py). The template is the one `data` rendered
     validate's prompts with (data/chat_template.jinja), else none."""
@@ -174,9 +175,9 @@ def _prompt_format(ctx: StageContext, dep: dict, prod: Path) -> dict:
         template = src.read_text()
         (prod / "chat_template.jinja").write_text(template)
         try:
-            tok = AutoTokenizer.from_pretrained(str(dep["target_dir"]), trust_remote_code=False)
+            tok = AutoTokenizer.from_pretrained(str(dep.target_dir), trust_remote_code=False)
         except (OSError, ValueError) as e:
-            raise StageError(f"the target's tokenizer ({dep['target_dir']}) does not load, so the prompt format clients "
+            raise StageError(f"the target's tokenizer ({dep.target_dir}) does not load, so the prompt format clients "
                              f"must use cannot be written: {e}") from None
     fmt = P.describe(tok, template, template_file="chat_template.jinja")
     evals = data_artifact.read_eval(ctx.input("data").path)
@@ -205,7 +206,8 @@ def _model_yaml(sec: Config, options: dict, version: str) -> dict:
     return body
 
 
-def _cpu_repository(ctx: StageContext, dep: dict, acc: dict, io: dict, speculation: bool) -> None:
+def _cpu_repository(ctx: StageContext, dep: build_artifact.DeploymentInfo, acc: validate_artifact.AcceptanceInfo, io: dict,
+                    speculation: bool) -> None:
     """triton_cpu/: the same model name and interface, a Python-backend model running specpipe's runtime."""
     from importlib import resources
 
@@ -215,24 +217,24 @@ def _cpu_repository(ctx: StageContext, dep: dict, acc: dict, io: dict, speculati
     cpu = ctx.out_dir / "triton_cpu"
     cdir = cpu / sec.model_name / "1"
     cdir.mkdir(parents=True)
-    _place(Path(dep["target_dir"]), cdir / "target_fp8", sec.weights)
+    _place(Path(dep.target_dir), cdir / "target_fp8", sec.weights)
     if speculation:   # specpipe's runtime reads the draft as train_draft/quantize wrote it
-        _place(Path(dep["draft_dir"]), cdir / "draft", sec.weights)
+        _place(Path(dep.draft_dir), cdir / "draft", sec.weights)
     (cdir / "model.py").write_text(resources.files("runtime.serving").joinpath("triton_model", "model.py").read_text())
-    runs = (dep.get("draft_schedule") or {}).get("runs") or [[1, 1, 0]]
+    runs = dep.draft_schedule.get("runs") or [[1, 1, 0]]
     (cdir / "specpipe_model.json").write_text(json.dumps({
-        "target": "target_fp8", "draft": "draft" if speculation else None, "algorithm": dep["algorithm"],
+        "target": "target_fp8", "draft": "draft" if speculation else None, "algorithm": dep.algorithm,
         "draft_len": runs[0][2],         # the CPU model batches continuously with one k: batch 1's
-        "draft_schedule": dep.get("draft_schedule"),   # per batch size, as the TensorRT-LLM deployment runs it
-        "eos_token_ids": acc.get("eos_token_ids"),     # the stop ids validate decoded with (target.json)
+        "draft_schedule": dep.draft_schedule,   # per batch size, as the TensorRT-LLM deployment runs it
+        "eos_token_ids": acc.eos_token_ids or None,     # the stop ids validate decoded with (target.json)
         "compute": sec.cpu_compute,                    # runtime.engine.compute.resolve_compute on the serving machine
-        "trtllm_version": dep["trtllm_version"], "specpipe_src": str(Path(runtime.__file__).resolve().parents[1])},
+        "trtllm_version": dep.trtllm_version, "specpipe_src": str(Path(runtime.__file__).resolve().parents[1])},
         indent=2))
     (cpu / sec.model_name / "config.pbtxt").write_text(
         config_pbtxt(sec.model_name, io, decoupled=sec.decoupled))
 
 
-def _speculators(ctx: StageContext, dep: dict, options: dict) -> dict:
+def _speculators(ctx: StageContext, dep: build_artifact.DeploymentInfo, options: dict) -> dict:
     """speculators/: the trained (BF16) draft in the speculators format, its README and `serve_vllm.sh`."""
     from runtime.vllm import serve as V
     from runtime.vllm import speculators_format as S
@@ -240,18 +242,18 @@ def _speculators(ctx: StageContext, dep: dict, options: dict) -> dict:
     src = ctx.input("train_draft").path / "draft"
     final = Path(ctx.workdir).resolve() / "artifacts" / NAME / "speculators"     # where it lives once committed
     try:
-        spec = S.write_speculators_draft(src, ctx.out_dir / "speculators", target_dir=dep["target_dir"],
-                                         speculative_tokens=int(dep["max_draft_len"]))
+        spec = S.write_speculators_draft(src, ctx.out_dir / "speculators", target_dir=dep.target_dir,
+                                         speculative_tokens=int(dep.max_draft_len))
     except S.SpeculatorsFormatError as e:
         raise StageError(f"the draft cannot be written in the speculators format for vLLM: {e} "
                          "(export.speculators: false exports without it)") from None
-    kv = hf_quant_config.kv_cache_quant_algo(dep["target_dir"])
-    sched = V.schedule_from_predicted(tune_artifact.read_tuning(ctx.input("tune").path).get("predicted"))
-    argv = V.vllm_serve_command(spec, target=dep["target_dir"], draft=str(final), max_model_len=dep.get("max_seq_len"),
+    kv = hf_quant_config.kv_cache_quant_algo(dep.target_dir)
+    sched = V.schedule_from_predicted(tune_artifact.read_tuning(ctx.input("tune").path).predicted)
+    argv = V.vllm_serve_command(spec, target=dep.target_dir, draft=str(final), max_model_len=dep.max_seq_len,
                                 kv_cache_fp8=kv == "FP8",
                                 tensor_parallel_size=int(options.get("tensor_parallel_size") or 1), schedule=sched)
     (spec.path / "README.md").write_text(V.readme(spec, argv, draft=str(final), source_draft=str(src.resolve()),
-                                                  deployed_draft=dep["draft_dir"]))
+                                                  deployed_draft=dep.draft_dir))
     (spec.path / "serve_vllm.sh").write_text("#!/usr/bin/env bash\n# vLLM with the speculators draft beside this "
                                              "script (see README.md); extra arguments go to `vllm serve`.\n"
                                              f"set -euo pipefail\nexec {shlex.join(argv)} \"$@\"\n")
@@ -278,11 +280,10 @@ def fingerprint_extra(section: Config) -> dict | None:
     return codehash.code_digests(model)
 
 
-def _require_gate(acc: dict) -> None:
-    gates = acc.get("gates") or {}
-    if gates.get("passed") is True:
+def _require_gate(acc: validate_artifact.AcceptanceInfo) -> None:
+    if acc.passed:
         return
-    detail = {k: v for k, v in gates.items() if k != "passed"} if isinstance(gates, dict) else gates
+    detail = {k: v for k, v in acc.gates.items() if k != "passed"}
     raise StageError("validate's acceptance gate did not pass, so there is nothing to export: "
                      f"{json.dumps(detail, default=str)[:800]}. Retrain or retune the draft, or relax the gate in "
                      "the validate section if the measured acceptance is acceptable.")
@@ -348,19 +349,19 @@ def check_pbtxt(paths: list[Path]) -> dict[str, str]:
 # ---------------------------------------------------------------------------------------------- launch + README
 
 
-def _readme(sec: Config, dep: dict, image: str | None, workdir: Path) -> str:
+def _readme(sec: Config, dep: build_artifact.DeploymentInfo, image: str | None, workdir: Path) -> str:
     here = shlex.quote(str(Path(workdir).resolve() / "artifacts" / "export" / "triton"))
-    img = image or f"<a custom Triton image built on {dep['serving_image']}>"
-    spec = dep.get('speculation', True)
-    draft = (f" and the {dep['decoding_type']} draft (`1/draft/`, its layers named as TensorRT-LLM "
-             f"{dep['trtllm_version']} reads them)") if spec else " (no draft)"
+    img = image or f"<a custom Triton image built on {dep.serving_image}>"
+    spec = dep.speculation
+    draft = (f" and the {dep.decoding_type} draft (`1/draft/`, its layers named as TensorRT-LLM "
+             f"{dep.trtllm_version} reads them)") if spec else " (no draft)"
     ask = json.dumps({"text_input": "def add(a, b):", "sampling_param_max_tokens": 64,
                       "sampling_param_return_perf_metrics": True})
     no_draft = '' if spec else (chr(10) + "No draft: `tune` predicted no speedup from speculation at any batch size, so "
                                 "the target is served alone (see ../../build/deployment/README.md)." + chr(10))
     vllm = ("For vLLM, `../speculators/` holds the same draft in the speculators format with its `vllm serve` command."
             + chr(10)) if sec.speculators and spec else ""
-    return f"""# Triton repository for TensorRT-LLM {dep['trtllm_version']} (LLM-API model)
+    return f"""# Triton repository for TensorRT-LLM {dep.trtllm_version} (LLM-API model)
 
 `{sec.model_name}/config.pbtxt` is the LLM-API model's interface; `{sec.model_name}/1/model.yaml` holds the
 LLM-API options specpipe built (every key but `triton_config` goes to `LLM(...)`), with the FP8 target

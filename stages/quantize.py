@@ -40,6 +40,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from pipeline.artifacts import data as data_artifact
+from pipeline.artifacts import quantize as quantize_artifact
 from pipeline.artifacts import target as target_artifact
 from pipeline.errors import StageError
 from pipeline.stage import StageContext, StageSection, Strict
@@ -118,11 +119,11 @@ def check(cfg) -> list[tuple[str, str]]:
     problems = []
     if not sec.enabled:
         return problems
-    td = getattr(cfg, "train_draft", None)
-    if sec.draft == "fp8" and td is not None and not getattr(td, "enabled", True):
+    td = cfg.train_draft
+    if sec.draft == "fp8" and not td.enabled:
         problems.append(("quantize.draft", "is fp8 but train_draft is disabled: there is no draft to quantize"))
-    algo = getattr(getattr(td, "algorithm", None), "kind", None) if td is not None else None
-    if sec.draft == "fp8" and algo not in (None, "eagle3"):
+    algo = td.algorithm.kind
+    if sec.draft == "fp8" and algo != "eagle3":
         problems.append(("quantize.draft", f"fp8 is implemented for EAGLE-3 drafts only; train_draft.algorithm is '{algo}' "
                                            "(use draft: none, NVIDIA's documented FP8 target + BF16 draft)"))
     if len(set(sec.fallback_formats)) != len(sec.fallback_formats) or sec.format in sec.fallback_formats:
@@ -142,7 +143,7 @@ def run(ctx: StageContext) -> dict:
     target_dir = target_artifact.model_dir(ctx.input("target").path)
     data = ctx.input("data").path
     tinfo = target_artifact.read_info(ctx.input("target").path)
-    export_dtype = getattr(torch, tinfo.get("dtype") or "bfloat16")
+    export_dtype = getattr(torch, tinfo.dtype)
     device = ctx.device.torch
     calib_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     calib, heldout = _read_calib_and_heldout(ctx, sec, data, device)
@@ -391,7 +392,7 @@ def report(artifact) -> str:
     from pipeline.report import esc, figure, table
 
     q = artifact.read_json("quality.json")
-    meta = artifact.read_json("quantize.json")
+    meta = quantize_artifact.read_info(artifact.path).raw
     pct = lambda v: "" if v is None else f"{100 * v:+.3f}%"  # noqa: E731
     rows = [["format (shipped)", f"{meta['format']} (quant_algo {meta.get('quant_algo')})"], ["KV cache", meta["kv_cache"]],
             ["draft deployed", meta["draft_dir"]],

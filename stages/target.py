@@ -26,6 +26,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from pipeline.artifacts import target as target_artifact
 from pipeline.errors import StageError
 from pipeline.stage import StageContext, StageSection, Strict
 from runtime.errors import RuntimeFailure
@@ -265,7 +266,7 @@ def _download(ctx: StageContext, sec: Config, model_dir: Path) -> dict:
 def report(artifact) -> str:
     from pipeline.report import table
 
-    s = artifact.read_json("target.json")
+    s = target_artifact.read_info(artifact.path).raw
     m = artifact.metrics
     rows = [[k, s.get(k)] for k in ("source", "architecture", "num_layers", "hidden_size", "num_attention_heads",
                                      "num_key_value_heads", "vocab_size", "num_parameters", "dtype", "mask_token")]

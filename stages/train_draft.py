@@ -24,6 +24,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from pipeline.artifacts import target as target_artifact
+from pipeline.artifacts import train_draft as train_draft_artifact
 from pipeline.errors import StageError
 from pipeline.stage import StageContext, StageSection, Strict
 from runtime.algorithms import dflash, eagle3
@@ -285,7 +287,7 @@ def make_job(ctx: StageContext) -> dict:
 
     sec: Config = ctx.section
     target, data = ctx.input("target"), ctx.input("data")
-    summary = target.read_json("target.json")
+    summary = target_artifact.read_info(target.path).raw
     model_dir = target.path / "model"
     trust = bool(ctx.config.target.trust_remote_code)
     tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust)
@@ -434,7 +436,7 @@ def report(artifact) -> str:
     if acc.get("domains"):
         out += table([[d, v["acceptance_length"], v["prompts"]] for d, v in acc["domains"].items()],
                      ["eval domain", f"acceptance length (k={acc['draft_len']})", "prompts"])
-    pt_rows, pt_head, summary = eval_report(curve, artifact.read_json("draft.json"))
+    pt_rows, pt_head, summary = eval_report(curve, train_draft_artifact.read_info(artifact.path).raw)
     out += (table(pt_rows, pt_head) if pt_rows else "") + table(summary, ["", ""])
     checks = artifact.read_json("checks.json")
     out += table([[c["name"], "pass" if c["passed"] else "FAIL", c["message"]]

@@ -24,6 +24,7 @@ from pydantic import Field, field_validator, model_validator
 from pipeline.artifacts import quantize as quantize_artifact
 from pipeline.artifacts import target as target_artifact
 from pipeline.artifacts import train_draft as train_draft_artifact
+from pipeline.artifacts import tune as tune_artifact
 from pipeline.artifacts import validate as validate_artifact
 from pipeline.errors import StageError
 from pipeline.stage import StageContext, StageSection, Strict
@@ -99,27 +100,20 @@ class Config(StageSection):
         return self
 
 
-def target_version(cfg, algorithm: str | None = None) -> str:
-    """The TensorRT-LLM version the schedule is tuned for: the one build deploys (tune's own only when build is
-    disabled or absent), else the default version, or, when that cannot serve the draft (DFlash needs 1.3), the
-    newest one that can."""
+def target_version(cfg) -> str:
+    """The TensorRT-LLM version the schedule is tuned for: the one build deploys (`build.trtllm_version`, which always
+    has a value: default `compat.DEFAULT_TRTLLM_VERSION`); tune's own (`tune.trtllm_version`) only when build is
+    disabled. A version that cannot serve the draft is a config error (build.check, check: DFlash needs 1.3)."""
     from runtime.trtllm import compat
 
-    b = getattr(cfg, "build", None)
-    v = (getattr(b, "trtllm_version", None) if getattr(b, "enabled", True) else None) or cfg.tune.trtllm_version \
-        or getattr(b, "trtllm_version", None)
-    if v:
-        return compat.normalize_version(v)
-    if algorithm and compat.algorithm_problem(compat.DEFAULT_TRTLLM_VERSION, algorithm) is not None:
-        able = compat.supported_versions_for(algorithm)
-        if able:
-            return able[-1]
-    return compat.DEFAULT_TRTLLM_VERSION
+    b = cfg.build
+    return compat.normalize_version((b.trtllm_version if b.enabled else None) or cfg.tune.trtllm_version
+                                    or b.trtllm_version)
 
 
 def eagle3_one_model(cfg) -> bool:
     """Whether the deployment runs EAGLE-3 as one model (build.eagle3_mode; the default)."""
-    return getattr(getattr(cfg, "build", None), "eagle3_mode", "one_model") != "two_model"
+    return cfg.build.eagle3_mode != "two_model"
 
 
 def check(cfg) -> list[tuple[str, str]]:
@@ -143,19 +137,17 @@ def check(cfg) -> list[tuple[str, str]]:
                 out.append(("hardware.profile", f"{p}: not readable JSON ({e})"))
             if doc is not None:
                 out += [("hardware.profile", f"{p}: {msg}") for msg in check_profile(doc)]
-    quant = getattr(cfg, "quantize", None)
-    fmt = str(getattr(quant, "format", "") or "")
+    fmt = str(cfg.quantize.format or "")
     gpu = GPUS[cfg.hardware.gpu]
     if "fp8" in fmt.lower() and not gpu.has_fp8 and prof is None:
         out.append(("hardware.gpu", f"{gpu.name} has no FP8 tensor cores, but quantize.format is {fmt}; TensorRT-LLM "
                                     "FP8 needs Ada, Hopper or Blackwell (l40s, h100_*, h200*, b200)"))
-    algo = getattr(getattr(cfg, "train_draft", None), "algorithm", None)
-    algo = getattr(algo, "kind", algo)
-    if cfg.tune.trtllm_version and isinstance(algo, str) and \
+    algo = cfg.train_draft.algorithm.kind
+    if cfg.tune.trtllm_version and \
             (p := compat.algorithm_problem(cfg.tune.trtllm_version, algo)) is not None:
         out.append(("tune.trtllm_version", p))
-    b = getattr(cfg, "build", None)
-    if cfg.tune.trtllm_version and b is not None and getattr(b, "enabled", True) and getattr(b, "trtllm_version", None) \
+    b = cfg.build
+    if cfg.tune.trtllm_version and b.enabled and b.trtllm_version \
             and compat.normalize_version(cfg.tune.trtllm_version) != compat.normalize_version(b.trtllm_version):
         out.append(("tune.trtllm_version", f"{cfg.tune.trtllm_version} differs from build.trtllm_version "
                                            f"{b.trtllm_version}: the schedule is tuned for the version build deploys "
@@ -174,27 +166,27 @@ def run(ctx: StageContext) -> dict:
     target = target_artifact.read_info(ctx.input("target").path)
     draft_art = ctx.input("train_draft")
     draft = train_draft_artifact.read_info(draft_art.path)
-    version = target_version(ctx.config, draft.get("algorithm"))
+    version = target_version(ctx.config)
     rel = compat.release(version)
     quant = quantize_artifact.read_info(ctx.input("quantize").path)
     acc = validate_artifact.read_acceptance(ctx.input("validate").path)
 
-    if (p := compat.algorithm_problem(version, str(draft.get("algorithm")))) is not None:
+    if (p := compat.algorithm_problem(version, draft.algorithm)) is not None:
         raise StageError(p)
     draft_cfg = train_draft_artifact.read_draft_config(draft_art.path)
-    dep, hw_doc, curves, weights, K = _price(ctx, target, draft, draft_cfg, quant, acc)
+    dep, hw_doc, curves, weights, K = _price(ctx, target.raw, draft.raw, draft_cfg.raw, quant, acc.raw)
     max_batch, capacity = _batch_limit(ctx, dep)
     kw = dict(min_speedup=sec.min_speedup, tie_tolerance=sec.tie_tolerance)
     table = _predicted_table(ctx, dep, curves, weights, K, max_batch, kw)
 
-    mode = rel.mode(str(draft.get("algorithm")), eagle3_one_model(ctx.config))
+    mode = rel.mode(draft.algorithm, eagle3_one_model(ctx.config))
     schedule, policy = dl.choose_schedule(dep, curves, weights, max_batch, K, rel, mode, sec.batch_sizes, kw)
     ctx.log.info("TensorRT-LLM %s, %s: %s", version, mode.replace("_", "-"), policy["note"])
     _mark_deployed(ctx, table, schedule, policy)
     kmax, num_tokens, graphs = _limits(ctx, schedule, max_batch, policy)
 
     doc = {
-        "deployment": {"trtllm_version": version, "mode": mode, "algorithm": draft.get("algorithm"), **policy},
+        "deployment": {"trtllm_version": version, "mode": mode, "algorithm": draft.algorithm, **policy},
         "speculation": kmax > 0,
         "max_draft_len": kmax,
         "draft_schedule": schedule.to_json(max_batch),
@@ -204,7 +196,7 @@ def run(ctx: StageContext) -> dict:
         "context_length": sec.context_length,
         "kv_capacity_sequences": capacity,
         "hardware": hw_doc,
-        **_models_and_acceptance(dep, curves, weights, K, acc),
+        **_models_and_acceptance(dep, curves, weights, K, acc.max_draft_len),
         "predicted": table,
     }
     (ctx.out_dir / "tuning.json").write_text(json.dumps(doc, indent=2))
@@ -293,7 +285,7 @@ def _limits(ctx: StageContext, schedule, max_batch: int, policy: dict) -> tuple[
     return kmax, num_tokens, graphs
 
 
-def _models_and_acceptance(dep, curves, weights, K: int, acc: dict) -> dict:
+def _models_and_acceptance(dep, curves, weights, K: int, source_max_draft_len: int) -> dict:
     """tuning.json's `models` (shapes and precisions the cost model priced) and `acceptance` (the curves it used)."""
     from runtime.cost import tuning
 
@@ -302,7 +294,7 @@ def _models_and_acceptance(dep, curves, weights, K: int, acc: dict) -> dict:
                    "algorithm": dep.algorithm, "target_precision": vars(dep.target_prec),
                    "draft_precision": vars(dep.draft_prec)},
         "acceptance": {"per_position": {d: c[:K] for d, c in curves.items()}, "weights": weights, "K": K,
-                       "source_max_draft_len": acc.get("max_draft_len")},
+                       "source_max_draft_len": source_max_draft_len},
     }
 
 
@@ -323,7 +315,7 @@ def report(artifact) -> str:
 
     from pipeline.report import esc, figure, table
 
-    t = artifact.read_json("tuning.json")
+    t = tune_artifact.read_tuning(artifact.path).raw
     rows = t["predicted"]
     K = t["acceptance"]["K"]
     fig, ax = plt.subplots(figsize=(7.5, 4.2))

@@ -41,6 +41,7 @@ from pipeline.artifacts import data as data_artifact
 from pipeline.artifacts import quantize as quantize_artifact
 from pipeline.artifacts import target as target_artifact
 from pipeline.artifacts import train_draft as train_draft_artifact
+from pipeline.artifacts import validate as validate_artifact
 from pipeline.errors import StageError
 from pipeline.stage import StageContext, StageSection, Strict
 from runtime.validate import ngram as NG
@@ -115,8 +116,7 @@ class Config(StageSection):
 def check(cfg) -> list[tuple[str, str]]:
     problems = []
     sec: Config = cfg.validate
-    data = getattr(cfg, "data", None)
-    domains = set(getattr(data, "eval_domains", {}) or {})
+    domains = set(cfg.data.eval_domains or {})
     g = sec.gates.min_acceptance_length
     if isinstance(g, dict):
         for d, v in g.items():
@@ -151,7 +151,7 @@ def run(ctx: StageContext) -> dict:
     arts, deployed, bf16, same = _pairs(ctx)
     draft_kv = draft_kv_cache(sec, quantize_artifact.read_info(ctx.input("quantize").path).kv_cache_fp8)
     ctx.log.info("deployed draft's KV cache: %s (%s)", draft_kv["dtype"], draft_kv["why"])
-    eos = target_artifact.stop_ids(target_artifact.read_info(ctx.input("target").path))
+    eos = list(target_artifact.read_info(ctx.input("target").path).stop_ids)
     ctx.log.info("generation stops at token ids %s (target.json)", eos)
     prompts = _read_prompts(ctx, sec)
 
@@ -293,11 +293,10 @@ def _read_prompts(ctx: StageContext, sec: Config) -> dict[str, list[list[int]]]:
 
 def _trained_layers(ctx) -> list[int] | None:
     """The capture layers training used, from train_draft's draft.json (None when it does not say)."""
-    f = ctx.input("train_draft").path / "draft.json"
-    if not f.exists():
+    art = ctx.input("train_draft").path
+    if not (art / train_draft_artifact.INFO).exists():
         return None
-    info = json.loads(f.read_text())
-    return info.get("aux_layer_ids") if info.get("algorithm") == "eagle3" else info.get("target_layer_ids")
+    return train_draft_artifact.read_info(art).capture_layers
 
 
 def _add_retention(res: dict) -> None:
@@ -334,7 +333,7 @@ def evaluate_gates(res: dict, g: Gates) -> dict:
 
 
 def report(artifact) -> str:
-    return _render(artifact.read_json("acceptance.json"))
+    return _render(validate_artifact.read_acceptance(artifact.path).raw)
 
 
 def report_failed(metrics: dict) -> str:

@@ -106,11 +106,12 @@ def stage_context(name: str, section, *, inputs: dict, out_dir: Path, scratch_di
     `pipeline.device.resolve_device` (the runner's one resolution)."""
     import logging
 
-    from pipeline.config import load_config
     from pipeline.device import resolve_device
     from pipeline.stage import StageContext
 
-    cfg = load_config(config, list(overrides)).model_copy(update={name: section})
+    from support import real_config
+
+    cfg = real_config(*overrides, config=config, **{name: section})
     return StageContext(name=name, config=cfg, section=section, out_dir=out_dir, scratch_dir=scratch_dir, inputs=inputs,
                         workdir=workdir, fingerprint="x", log=logging.getLogger(f"specpipe.test.{name}"),
                         device=resolve_device(cfg.run))

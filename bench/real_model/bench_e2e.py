@@ -57,7 +57,7 @@ def deployed_draft_len(arts: Path) -> int | None:
 
     if not (arts / "build" / build.INFO).exists():
         return None
-    return build.draft_schedule(build.read_deployment(arts / "build")).k_at(1) or None
+    return build.read_deployment(arts / "build").schedule().k_at(1) or None
 
 
 def uptime() -> str:
@@ -88,7 +88,7 @@ def setup(a) -> dict:
     prompts, the draft length, the compute modes; and the run's metadata."""
     import torch
 
-    from pipeline.artifacts import quantize
+    from pipeline.artifacts import quantize, train_draft
     from pipeline.errors import StageError
     from runtime.engine.compute import native_bf16_gemm
 
@@ -109,9 +109,9 @@ def setup(a) -> dict:
             "prompts_per_domain": {d: len(p) for d, p in env["prompts"].items()},
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "torch": torch.__version__,
             "native_bf16_gemm": native_bf16_gemm()}
-    tj = arts / "train_draft" / "draft.json"
-    if tj.exists():
-        meta["train_draft"] = {x: json.loads(tj.read_text()).get(x) for x in ("algorithm", "acceptance_length")}
+    if (arts / "train_draft" / train_draft.INFO).exists():
+        d = train_draft.read_info(arts / "train_draft")
+        meta["train_draft"] = {"algorithm": d.algorithm, "acceptance_length": d.raw.get("acceptance_length")}
     return {"env": env, "meta": meta}
 
 

@@ -3,8 +3,11 @@ artifact. Every consumer (a later stage, `specpipe monitor`, `specpipe profile`)
 through these, so a file's parsing and its row rules live in one place; the producing stage writes through the
 same module where the contract has more than one reader.
 
-Each reader takes the artifact's directory (`Artifact.path`, or `<workdir>/artifacts/<stage>`) and raises
-`StageError` naming the file when the contract is broken. No heavy imports at module level."""
+Each reader takes the artifact's directory (`Artifact.path`, or `<workdir>/artifacts/<stage>`) and returns a frozen
+record (`TargetInfo`, `DraftInfo`, `QuantizeInfo`, `AcceptanceInfo`, `TuningInfo`, `DeploymentInfo`, `EvalPrompt`):
+the fields readers use, typed, with their defaults decided in the reader, and `.raw`, the whole document. It raises
+`StageError` naming the file, the missing field and the stage to rerun when the contract is broken. No heavy
+imports at module level."""
 from __future__ import annotations
 
 import json

@@ -1,6 +1,7 @@
 """The `validate` artifact: `acceptance.json` (per domain and pair: acceptance, per position; gates; lossless)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -10,12 +11,44 @@ if TYPE_CHECKING:
     from pipeline.stage import Artifact
 
 INFO = "acceptance.json"
+REQUIRED = ("max_draft_len", "domains", "overall", "gates")
 
 
-def read_acceptance(art: Path) -> dict:
-    """acceptance.json as a dict (consumers read different parts: tune the per-position curves, export the gates,
-    monitor the baseline)."""
-    return read_json(art, INFO)
+@dataclass(frozen=True)
+class AcceptanceInfo:
+    """acceptance.json, read once (`read_acceptance`). Consumers read different parts (tune the per-position curves,
+    export the gates, monitor the baseline, build the n-gram comparison): the parts are typed here, and `raw` is the
+    whole document for the runtime/ code that takes it as validate wrote it (runtime/cost/tuning.py,
+    runtime/validate/profile.py, runtime/trtllm/ngram.py)."""
+
+    max_draft_len: int                    # the draft length validate measured at
+    domains: dict                         # domain -> {"fp8": {...}, "bf16": {...}, "retention": ...}
+    overall: dict
+    gates: dict                           # {"passed": bool, "rows": [...]}
+    pairs: dict                           # {"fp8": {"target_dir", "draft_dir"}, "bf16": ...} relative to the artifacts
+    max_new_tokens: int                   # 48 where acceptance.json does not say
+    temperature: float                    # 0.0 (greedy) where acceptance.json does not say
+    eos_token_ids: list[int]              # the stop ids validate decoded with (target.json's); [] when absent
+    draft: dict                           # what validate found in the draft (first_layer_norm, ...); {} when absent
+    raw: dict
+
+    @property
+    def passed(self) -> bool:
+        return self.gates.get("passed") is True
+
+    @classmethod
+    def from_json(cls, doc: dict) -> AcceptanceInfo:
+        return cls(max_draft_len=int(doc["max_draft_len"]), domains=dict(doc["domains"] or {}), overall=doc["overall"],
+                   gates=doc["gates"] if isinstance(doc["gates"], dict) else {"passed": False, "detail": doc["gates"]},
+                   pairs=doc.get("pairs") or {}, max_new_tokens=int(doc.get("max_new_tokens") or 48),
+                   temperature=float(doc.get("temperature") or 0.0), eos_token_ids=list(doc.get("eos_token_ids") or []),
+                   draft=doc.get("draft") or {}, raw=doc)
+
+
+def read_acceptance(art: Path) -> AcceptanceInfo:
+    """acceptance.json; StageError naming the file and the missing field (rerun validate) when the contract is
+    broken."""
+    return AcceptanceInfo.from_json(read_json(art, INFO, REQUIRED))
 
 
 def speculation_profile(validate: Artifact, quantize: Artifact, train_draft: Artifact, *, algorithm: str | None,
@@ -31,19 +64,19 @@ def speculation_profile(validate: Artifact, quantize: Artifact, train_draft: Art
     mo = {**train_draft.manifest.get("provenance", {}).get("packages", {}),
           **quantize.manifest.get("provenance", {}).get("packages", {})}
     q = quantize_artifact.read_info(quantize.path)
-    pair = (acc.get("pairs") or {}).get("fp8") or {"target_dir": q.target_rel, "draft_dir": q.draft_rel}
+    pair = acc.pairs.get("fp8") or {"target_dir": q.target_rel, "draft_dir": q.draft_rel}
     prompts = {"source": "specpipe data stage eval/<domain>.jsonl: the first validate.num_prompts prompts of each domain",
                "num_prompts_per_domain": (prov.get("config") or {}).get("num_prompts"),
-               "per_category": {d: (v.get("fp8") or {}).get("prompts") for d, v in (acc.get("domains") or {}).items()},
+               "per_category": {d: (v.get("fp8") or {}).get("prompts") for d, v in acc.domains.items()},
                "data_fingerprint": ((prov.get("inputs") or {}).get("data") or {}).get("fingerprint")}
     conditions = {
         "pair": {"target": pair.get("target_dir"), "draft": pair.get("draft_dir"), "target_precision": q.quant_algo,
                  "kv_cache": q.kv_cache, "draft_precision": q.draft_format,
-                 "first_layer_norm": (acc.get("draft") or {}).get("first_layer_norm")},
-        "num_speculative_tokens": acc.get("max_draft_len"), "draft_schedule": draft_schedule, "prompts": prompts,
+                 "first_layer_norm": acc.draft.get("first_layer_norm")},
+        "num_speculative_tokens": acc.max_draft_len, "draft_schedule": draft_schedule, "prompts": prompts,
         "versions": {"specpipe": prov.get("specpipe_version"), "torch": pk.get("torch"),
                      "transformers": pk.get("transformers"), "modelopt": mo.get("nvidia-modelopt")}}
-    return P.build_profile(acc, method=algorithm or "", conditions=conditions,
+    return P.build_profile(acc.raw, method=algorithm or "", conditions=conditions,
                            target={"path": pair.get("target_dir"), "precision": q.quant_algo, "kv_cache": q.kv_cache},
                            draft={"path": pair.get("draft_dir"), "precision": q.draft_format, "algorithm": algorithm},
                            deployed_draft_len=deployed_draft_len)

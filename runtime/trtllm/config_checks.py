@@ -9,8 +9,8 @@ from runtime.trtllm import compat
 def fp8_draft_fc_problems(cfg, rel: compat.Release, algo: str) -> list[tuple[str, str]]:
     """An FP8 EAGLE-3 draft whose fc is FP8 where the version's loader builds fc without a quant config (1.2): the
     FP8 codes would be cast to BF16 without their scale (compat.SOURCES eagle3_fc_quant)."""
-    if algo != "eagle3" or rel.eagle3_fc_fp8 or not getattr(q := getattr(cfg, "quantize", None), "enabled", False) \
-            or (q.draft, q.draft_fc) != ("fp8", "fp8"):
+    q = cfg.quantize
+    if algo != "eagle3" or rel.eagle3_fc_fp8 or not q.enabled or (q.draft, q.draft_fc) != ("fp8", "fp8"):
         return []
     return [("quantize.draft_fc", f"is fp8, but TensorRT-LLM {cfg.build.trtllm_version}'s EAGLE-3 draft model builds fc without "
              "a quant config: an FP8 fc.weight would be cast to BF16 without its scale, silently. Set quantize.draft_fc: "
@@ -21,8 +21,8 @@ def draft_kv_problems(cfg, rel: compat.Release, algo: str) -> list[tuple[str, st
     """validate gates on the draft computed with the KV cache the deployment gives it (options.draft_kv_cache)."""
     from runtime.trtllm.options import draft_kv_cache
 
-    q, v = getattr(cfg, "quantize", None), getattr(cfg, "validate", None)
-    if not (getattr(v, "enabled", False) and getattr(q, "enabled", False)):
+    q, v = cfg.quantize, cfg.validate
+    if not (v.enabled and q.enabled):
         return []
     kv_fp8 = q.kv_cache == "fp8"
     engine = draft_kv_cache(rel.mode(algo, cfg.build.eagle3_mode == "one_model"), cfg.build.kv_cache.dtype, kv_fp8)

@@ -16,7 +16,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -30,7 +29,7 @@ from runtime.trtllm import checks, compat, draft_schedule, draft_weights, hf_con
 from runtime.trtllm import options as T
 from stages import build
 
-from support import DATA
+from support import DATA, real_config
 from support.synthetic import H, write_checkpoints
 
 REF_SCHEMAS = DATA / "trtllm_reference"   # upstream extractions, see its README
@@ -44,7 +43,7 @@ def make_ctx(root: Path, section: build.Config, tp: int = 1) -> StageContext:
     out = root / ".tmp" / "build"
     out.mkdir(parents=True)
     inputs = {n: Artifact(n, arts / n, {"fingerprint": n, "metrics": {}}) for n in build.CONSUMES}
-    cfg = SimpleNamespace(hardware=SimpleNamespace(tensor_parallel_size=tp), build=section)
+    cfg = real_config(f"hardware.tensor_parallel_size={tp}", build=section)
     return StageContext(name="build", config=cfg, section=section, out_dir=out, scratch_dir=root / "scratch",
                         inputs=inputs, workdir=root, fingerprint="x", log=logging.getLogger("test.build"),
                         device=ResolvedDevice("cpu", "cpu"))
@@ -200,7 +199,7 @@ def test_layers_to_capture_are_always_written_from_the_draft():
 def _cfg(algorithm: str, **build_kw):
     from stages import train_draft
 
-    return SimpleNamespace(build=build.Config(**build_kw), train_draft=train_draft.Config(algorithm=algorithm))
+    return real_config(build=build.Config(**build_kw), train_draft=train_draft.Config(algorithm=algorithm))
 
 
 def test_dflash_on_1_2_is_a_config_error_naming_the_version_that_supports_it():

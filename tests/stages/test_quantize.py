@@ -27,6 +27,8 @@ from runtime.quant.quality import fake_quant_reference, layerwise_agreement, mea
 from stages import quantize as Q
 
 from conftest import stage_context
+from support import real_config
+from support.synthetic import target_json
 
 SEQ = 64
 
@@ -57,7 +59,7 @@ def _tiny_target(root: Path) -> tuple[Path, list[list[int]]]:
         opt.step()
         opt.zero_grad()
     model.to(torch.bfloat16).save_pretrained(model_dir)
-    (root / "target" / "target.json").write_text(json.dumps({"dtype": "bfloat16"}))
+    (root / "target" / "target.json").write_text(json.dumps(target_json(model_dir)))
     # samples cut from the end of the corpus for calibration / held-out
     tail = data[-40 * SEQ:]
     return model_dir, [tail[i * SEQ:(i + 1) * SEQ].tolist() for i in range(40)]
@@ -300,12 +302,15 @@ def test_config():
                 {"auto_exclude": {"typo": 1}}):
         with pytest.raises(ValidationError):
             Q.Config(**bad)
-    cfg = SimpleNamespace(quantize=Q.Config(draft="fp8"), train_draft=SimpleNamespace(
-        enabled=True, algorithm=SimpleNamespace(kind="dflash")))
+    from stages import train_draft
+
+    cfg = real_config(quantize=Q.Config(draft="fp8"), train_draft=train_draft.Config(algorithm="dflash"))
     assert [p for p, _ in Q.check(cfg)] == ["quantize.draft"]
-    cfg.train_draft.algorithm.kind = "eagle3"
+    cfg.train_draft = train_draft.Config(algorithm="eagle3")
     assert Q.check(cfg) == []
-    cfg.quantize = Q.Config(format="fp8", fallback_formats=["fp8"])
+    cfg.train_draft = train_draft.Config(algorithm="eagle3", enabled=False)
+    assert "train_draft is disabled" in dict(Q.check(cfg))["quantize.draft"]
+    cfg = real_config(quantize=Q.Config(format="fp8", fallback_formats=["fp8"]))
     assert [p for p, _ in Q.check(cfg)] == ["quantize.fallback_formats"]
 
 

@@ -12,7 +12,6 @@ import json
 import logging
 import textwrap
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -23,9 +22,10 @@ from pipeline.stage import Artifact, StageContext
 from runtime.algorithms.schedule import DraftSchedule
 from runtime.trtllm import compat, draft_schedule
 from runtime.trtllm import schema as trtllm_schema
-from stages import tune
+from stages import build, train_draft, tune
 
 from conftest import run_cli
+from support import REPO, real_config
 from support.synthetic import LLAMA_8B, eagle3
 
 pytestmark = pytest.mark.fast
@@ -46,7 +46,7 @@ def acceptance(curves: dict[str, list[float]]) -> dict:
     K = max(len(c) for c in curves.values())
     return {"runtime": "reference", "max_draft_len": K,
             "domains": {d: {"fp8": stats(c), "bf16": stats(c)} for d, c in curves.items()},
-            "gates": {"passed": True}}
+            "overall": {"fp8": stats(next(iter(curves.values())))}, "gates": {"passed": True}}
 
 
 def run_tune(tmp: Path, *, target=LLAMA_8B, curves=None, gpu="h200", tp=1, quant=None, profile=None,
@@ -67,10 +67,8 @@ def run_tune(tmp: Path, *, target=LLAMA_8B, curves=None, gpu="h200", tp=1, quant
         (arts / rel).write_text(json.dumps(doc))
     inputs = {n: Artifact(n, arts / n, {"fingerprint": n, "metrics": {}}) for n in tune.CONSUMES}
     sec = tune.Config(**section)
-    cfg = SimpleNamespace(hardware=HardwareConfig(gpu=gpu, tensor_parallel_size=tp, profile=profile), tune=sec)
-    if build_version or mode != "one_model":
-        cfg.build = SimpleNamespace(enabled=True, trtllm_version=build_version or compat.DEFAULT_TRTLLM_VERSION,
-                                    eagle3_mode=mode)
+    cfg = real_config(hardware=HardwareConfig(gpu=gpu, tensor_parallel_size=tp, profile=profile), tune=sec,
+                      build=build.Config(trtllm_version=build_version or compat.DEFAULT_TRTLLM_VERSION, eagle3_mode=mode))
     out = tmp / "out"
     out.mkdir(exist_ok=True)
     ctx = StageContext(name="tune", config=cfg, section=sec, out_dir=out, scratch_dir=tmp / "scratch", inputs=inputs,
@@ -305,12 +303,13 @@ def test_domain_weights_mix_and_unknown_domains(tmp_path):
 def test_acceptance_without_per_position_uses_the_flat_rate(tmp_path):
     # validate's TensorRT-LLM runtime reports acceptance lengths only.
     acc = {"runtime": "tensorrt_llm", "max_draft_len": 3,
-           "domains": {"code": {"fp8": {"acceptance_length": 2.71, "per_position": None}}}}
+           "domains": {"code": {"fp8": {"acceptance_length": 2.71, "per_position": None}}},
+           "overall": {"fp8": {"acceptance_length": 2.71, "per_position": None}}, "gates": {"passed": True}}
     doc = run_tune(tmp_path, acc=acc, batch_sizes=[1])
     a = doc["acceptance"]["per_position"]["code"]
     assert len(a) == 3 and all(x == pytest.approx(a[0]) for x in a)
     assert 1 + a[0] + a[0] ** 2 + a[0] ** 3 == pytest.approx(2.71, abs=1e-6)
-    bad = {"runtime": "x", "max_draft_len": 2, "domains": {"code": {"fp8": {"per_position": [0.5, 1.5]}}}}
+    bad = {**acc, "runtime": "x", "max_draft_len": 2, "domains": {"code": {"fp8": {"per_position": [0.5, 1.5]}}}}
     with pytest.raises(StageError, match=r"\[0, 1\]"):
         run_tune(tmp_path / "bad", acc=bad)
 
@@ -345,9 +344,9 @@ def test_section_validation():
     with pytest.raises(ValueError, match="positive weight"):
         tune.Config(domain_weights={"code": 0.0})
     assert tune.Config(trtllm_version="1.3.0rc27").trtllm_version == "1.3.0rc27"
-    cfg = SimpleNamespace(tune=tune.Config(), build=SimpleNamespace(trtllm_version="1.3.0rc27"))
+    cfg = real_config(build=build.Config(trtllm_version="1.3.0rc27"))
     assert tune.target_version(cfg) == "1.3.0rc27"           # default: the version build deploys
-    assert tune.target_version(SimpleNamespace(tune=tune.Config())) == compat.DEFAULT_TRTLLM_VERSION
+    assert tune.target_version(real_config()) == compat.DEFAULT_TRTLLM_VERSION
 
 
 def _write(tmp: Path, body: str) -> Path:
@@ -372,27 +371,26 @@ def test_unknown_gpu_is_a_config_error_listing_the_known_ones(tmp_path):
 
 
 def test_missing_profile_is_a_config_error(tmp_path):
-    cfg = SimpleNamespace(hardware=HardwareConfig(profile=tmp_path / "nope.json"), tune=tune.Config())
+    cfg = real_config(hardware=HardwareConfig(profile=tmp_path / "nope.json"))
     probs = tune.check(cfg)
     assert probs and probs[0][0] == "hardware.profile" and "specpipe profile" in probs[0][1]
     (tmp_path / "bad.json").write_text('{"format": "other"}')
-    cfg = SimpleNamespace(hardware=HardwareConfig(profile=tmp_path / "bad.json"), tune=tune.Config())
+    cfg = real_config(hardware=HardwareConfig(profile=tmp_path / "bad.json"))
     assert "not a specpipe hardware profile" in tune.check(cfg)[0][1]
 
 
 def test_cross_section_checks():
-    draft = lambda kind: SimpleNamespace(algorithm=SimpleNamespace(kind=kind))  # noqa: E731
-    cfg = SimpleNamespace(hardware=HardwareConfig(), tune=tune.Config(trtllm_version="1.2.1"), train_draft=draft("dflash"))
+    # build disabled: tune tunes for its own tune.trtllm_version
+    cfg = real_config(tune=tune.Config(trtllm_version="1.2.1"), train_draft=train_draft.Config(algorithm="dflash"),
+                      build=build.Config(enabled=False))
     probs = dict(tune.check(cfg))
     assert "DFlash needs TensorRT-LLM 1.3" in probs["tune.trtllm_version"]
     cfg.tune = tune.Config(trtllm_version="1.3.0rc27")
     assert tune.check(cfg) == []
-    cfg = SimpleNamespace(hardware=HardwareConfig(gpu="a100_80gb"), tune=tune.Config(),
-                          quantize=SimpleNamespace(format="fp8"))
+    cfg = real_config(hardware=HardwareConfig(gpu="a100_80gb"))          # the tiny config's quantize.format: fp8
     assert "no FP8 tensor cores" in dict(tune.check(cfg))["hardware.gpu"]
     # tune tunes for what build deploys: a different tune.trtllm_version is an error while build is enabled
-    cfg = SimpleNamespace(hardware=HardwareConfig(), tune=tune.Config(trtllm_version="1.3.0rc27"),
-                          build=SimpleNamespace(enabled=True, trtllm_version="1.2.1"))
+    cfg = real_config(tune=tune.Config(trtllm_version="1.3.0rc27"), build=build.Config(trtllm_version="1.2.1"))
     assert "differs from build.trtllm_version" in dict(tune.check(cfg))["tune.trtllm_version"]
     cfg.build.enabled = False
     assert tune.check(cfg) == [] and tune.target_version(cfg) == "1.3.0rc27"
@@ -445,11 +443,17 @@ def test_profile_content_enters_the_fingerprint(tmp_path):
     assert runner.stale_reason(before, after) == "hardware.profile content changed"
 
 
-def test_dflash_without_a_version_targets_one_that_serves_it():
-    cfg = SimpleNamespace(tune=tune.Config())
-    assert tune.target_version(cfg, "eagle3") == compat.DEFAULT_TRTLLM_VERSION
-    v = tune.target_version(cfg, "dflash")
+def test_a_dflash_config_targets_a_version_that_serves_it():
+    """build.trtllm_version always has a value: the shipped DFlash configs name 1.3, and a DFlash config left at the
+    default (1.2) is a config error before tune runs."""
+    from pipeline.config import load_config
+    from pipeline.errors import ConfigError
+
+    assert tune.target_version(real_config()) == compat.DEFAULT_TRTLLM_VERSION
+    v = tune.target_version(real_config(config=REPO / "configs" / "smollm2_fp8_dflash.yaml"))
     assert compat.algorithm_problem(v, "dflash") is None and compat.release(v).schedule_semantics == "upper_bound"
+    with pytest.raises(ConfigError, match="build.trtllm_version"):
+        load_config(REPO / "configs" / "smollm2_fp8_dflash.yaml", ["build.trtllm_version=1.2.1"])
 
 
 def test_draft_precision_comes_from_quantize_json(tmp_path):

@@ -27,7 +27,8 @@ from runtime.validate.trtllm import trtllm_available, trtllm_llm_kwargs, trtllm_
 from stages import validate as V
 
 from conftest import stage_context
-from support import DATA, REPO
+from support import DATA, REPO, real_config
+from support.synthetic import target_json
 from support.tiny_models import batches, tiny_assets
 
 # The reference schemas where the shared reference exists; elsewhere (CI) the project's extracted copies.
@@ -53,7 +54,8 @@ def arts(tmp_path_factory):
     root = tmp_path_factory.mktemp("validate") / "artifacts"
     shutil.copytree(t["target_dir"], root / "target" / "model")
     tok = t["tok"]
-    (root / "target" / "target.json").write_text(json.dumps({"eos_token_id": tok.eos_token_id, "num_layers": 4}))
+    tj = target_json(root / "target" / "model", eos_token_id=tok.eos_token_id)
+    (root / "target" / "target.json").write_text(json.dumps(tj))
     (root / "data" / "eval").mkdir(parents=True)
     data = t["data"]
     for name, start in (("code", 2000), ("prose", 40000)):
@@ -190,14 +192,8 @@ def test_trtllm_is_unavailable_without_its_package(monkeypatch):
 
 
 def test_config_checks():
-    class Cfg:
-        pass
-
-    cfg = Cfg()
-    cfg.data = Cfg()
-    cfg.data.eval_domains = {"code": None, "prose": None}
-    cfg.validate = V.Config(max_draft_len=3, measure_bf16=False,
-                            gates={"min_acceptance_length": {"code": 2.0, "math": 2.0}, "min_retention": 0.9})
+    cfg = real_config(validate=V.Config(max_draft_len=3, measure_bf16=False, gates={
+        "min_acceptance_length": {"code": 2.0, "math": 2.0}, "min_retention": 0.9}))    # eval domains: code, prose
     probs = dict(V.check(cfg))
     assert "unknown domain" in probs["validate.gates.min_acceptance_length.math"]
     assert "measure_bf16" in probs["validate.gates.min_retention"]
@@ -588,7 +584,8 @@ def test_validation_stops_at_every_eos_id(arts, tmp_path, tiny):
     a2 = tmp_path / "artifacts"
     shutil.copytree(arts, a2)
     eos = tiny["tok"].eos_token_id
-    (a2 / "target" / "target.json").write_text(json.dumps({"eos_token_id": eos, "eos_token_ids": [eot, eos], "num_layers": 4}))
+    (a2 / "target" / "target.json").write_text(json.dumps(target_json(a2 / "target" / "model", eos_token_id=eos,
+                                                                      eos_token_ids=[eot, eos])))
     ctx = _ctx(a2, tmp_path, num_prompts=2, lossless_prompts=2, max_new_tokens=16, measure_other_norm=False,
                measure_bf16=False)
     V.run(ctx)

@@ -10,6 +10,7 @@ import pytest
 
 TESTS = Path(__file__).resolve().parent.parent
 REPO = TESTS.parent
+TINY_CONFIG = REPO / "configs" / "tiny_fp8_eagle3.yaml"
 DATA = TESTS / "data"   # upstream extractions the tests compare against (each folder's README names its source)
 
 
@@ -19,3 +20,12 @@ def missing(msg: str) -> NoReturn:
     if os.environ.get("CI", "").lower() == "true":
         pytest.fail(msg)
     pytest.skip(msg)
+
+
+def real_config(*overrides: str, config: Path = TINY_CONFIG, **sections):
+    """The whole validated config the runner holds (`pipeline.config.load_config` on a real config file plus `-o`
+    overrides), with `sections` (name -> an instance of that section's model) put in place unvalidated: a test that
+    checks one section builds the rest from a real config, never from a partial stand-in."""
+    from pipeline.config import load_config
+
+    return load_config(config, list(overrides)).model_copy(update=sections)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 
@@ -14,12 +13,22 @@ from pipeline.stage import Artifact, StageContext
 from runtime.algorithms.schedule import DraftSchedule
 from runtime.trtllm import hf_config
 
+from support import real_config
+
 H = 8   # hidden size of the synthetic target and draft
 
 # a target.json as the target stage writes it, for Llama-3.1-8B
 LLAMA_8B = dict(architecture="LlamaForCausalLM", num_layers=32, hidden_size=4096, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, intermediate_size=14336, vocab_size=128256,
                 max_position_embeddings=131072, dtype="bfloat16")
+
+
+def target_json(model_dir: Path, **fields) -> dict:
+    """A target.json with the fields its contract requires (pipeline/artifacts/target.py), from the model's
+    config.json, plus `fields`."""
+    c = json.loads((Path(model_dir) / "config.json").read_text())
+    return {"architecture": c["architectures"][0], "num_layers": c["num_hidden_layers"], "hidden_size": c["hidden_size"],
+            "vocab_size": c["vocab_size"], "dtype": "bfloat16", **fields}
 
 
 def eagle3(t: dict, draft_vocab: int | None = None) -> tuple[dict, dict]:
@@ -136,7 +145,7 @@ def run_stage(root: Path, module, section) -> Path:
     out = root / ".tmp" / module.NAME
     out.mkdir(parents=True)
     inputs = {n: Artifact(n, arts / n, {"fingerprint": n, "metrics": {}}) for n in module.CONSUMES}
-    ctx = StageContext(name=module.NAME, config=SimpleNamespace(hardware=SimpleNamespace(tensor_parallel_size=1)),
+    ctx = StageContext(name=module.NAME, config=real_config(**{module.NAME: section}),
                        section=section, out_dir=out, scratch_dir=root / "scratch", inputs=inputs, workdir=root,
                        fingerprint="x", log=logging.getLogger(f"test.{module.NAME}"),
                        device=ResolvedDevice("cpu", "cpu"))
@@ -146,8 +155,10 @@ def run_stage(root: Path, module, section) -> Path:
 
 
 def gate(root: Path, passed: bool) -> None:
-    (root / "artifacts" / "validate").mkdir(parents=True, exist_ok=True)
-    (root / "artifacts" / "validate" / "acceptance.json").write_text(json.dumps(
-        {"gates": {"passed": passed, "code": {"measured": 1.4 if not passed else 2.6, "required": 2.0}}}))
+    write_acceptance(root / "artifacts")       # validate's measurement, with the gate outcome `passed`
+    f = root / "artifacts" / "validate" / "acceptance.json"
+    doc = json.loads(f.read_text())
+    doc["gates"] = {"passed": passed, "code": {"measured": 1.4 if not passed else 2.6, "required": 2.0}}
+    f.write_text(json.dumps(doc))
 
 
