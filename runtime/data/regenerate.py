@@ -141,7 +141,7 @@ def regenerate(model_dir: Path, prompts: list[list[int]], keys: list[str], *, ba
         "mean_new_tokens": round(sum(len(t) for t in outs) / n, 2) if n else 0.0,
         "ended_at_stop": ended,
         "hit_max_new_tokens": sum(1 for t in outs if len(t) >= d.max_new_tokens and not (t and t[-1] in stop)),
-        "prefill_padding_fraction": round(counts["padded"] / max(1, run["padded"] + sum(len(prompts[j]) for _, idx in todo
+        "prefill_padding_fraction": round(counts["padded"] / max(1, counts["padded"] + sum(len(prompts[j]) for _, idx in todo
                                                                                      for j in idx)), 4),
     }
     return outs, stats
