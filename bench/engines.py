@@ -99,7 +99,7 @@ def runtime_rows(p: dict, per_domain: dict, a: argparse.Namespace, k: int) -> li
             for mode, dl in (("plain", 0), ("speculative", k)):
                 t0, toks, acc_steps, acc_toks = time.perf_counter(), 0, 0, 0
                 for chunk in _chunks(ids, b):
-                    g = eng.generate(chunk, max_new_tokens=a.max_new_tokens, draft_len=dl, speculative=dl > 0,
+                    g = eng.generate(chunk, max_new_tokens=a.max_new_tokens, draft_len=dl,
                                      eos_token_id=None)
                     toks += sum(len(t) for t in g.tokens)
                     if dl:
@@ -141,7 +141,7 @@ def hf_rows(p: dict, per_domain: dict, a: argparse.Namespace) -> list[dict]:
 def vllm_rows(p: dict, per_domain: dict, a: argparse.Namespace, k: int) -> tuple[list[dict], dict]:
     """vLLM plain, then speculative (one server each), batch b = b concurrent requests. Returns (rows, the servers'
     argv and versions)."""
-    from runtime.vllm.engine import VllmServer, find_vllm
+    from runtime.vllm.engine import ServeArgs, VllmServer, find_vllm
 
     inst = find_vllm(a.vllm_python)
     rows, info = [], {"vllm_version": inst.version, "device": inst.device, "argv": {}}
@@ -149,7 +149,7 @@ def vllm_rows(p: dict, per_domain: dict, a: argparse.Namespace, k: int) -> tuple
     for mode in modes:
         spec = dict(draft=str(p["speculators"]), num_speculative_tokens=k) if mode == "speculative" else {}
         fp8 = mode.endswith("FP8 target")
-        srv = VllmServer(inst, str(p["deployed_target" if fp8 else "target"]), max_model_len=2048, **spec)
+        srv = VllmServer(inst, ServeArgs(str(p["deployed_target" if fp8 else "target"]), max_model_len=2048, **spec))
         info["argv"][mode] = srv.argv
         with srv.start():
             srv.generate([per_domain[next(iter(per_domain))][0].prompt_ids], max_tokens=4)    # warm-up
@@ -233,7 +233,7 @@ def serve_rows(p: dict, workdir: Path, a: argparse.Namespace, k: int) -> list[di
 
     from pipeline.artifacts.data import read_eval
     from runtime.serving import triton_server
-    from runtime.vllm.engine import VllmServer, find_vllm
+    from runtime.vllm.engine import ServeArgs, VllmServer, find_vllm
 
     tok = AutoTokenizer.from_pretrained(p["target"])
     texts = [x.prompt for ps in read_eval(workdir / "artifacts" / "data").values() for x in ps]
@@ -241,15 +241,15 @@ def serve_rows(p: dict, workdir: Path, a: argparse.Namespace, k: int) -> list[di
     rows = []
     repo = workdir / "artifacts" / "export" / "triton_cpu"
     params = {"specpipe_max_batch": str(max(conc)), "specpipe_max_queue": str(4 * max(conc)), "specpipe_draft_len": str(k)}
-    with triton_server.start(repo, model_parameters=params, decoupled=False, ready_timeout=300) as srv:
+    with triton_server.start(repo, load=triton_server.ModelLoad(parameters=params, decoupled=False), ready_timeout=300) as srv:
         url = f"http://{srv.http_url}/v2/models/{srv.loaded[0]}/generate"
         send = lambda t: _post(url, {"text_input": t, "sampling_param_max_tokens": a.max_new_tokens})   # noqa: E731
         count = lambda r: len(tok(r["text_output"], add_special_tokens=False)["input_ids"])   # noqa: E731
         for c in conc:
             rows.append({"server": "specpipe serve (Triton CPU)", **load(send, texts, c, a.requests, count)})
     inst = find_vllm(a.vllm_python)
-    srv = VllmServer(inst, str(p["target"]), draft=str(p["speculators"]), num_speculative_tokens=k, max_model_len=2048,
-                     served_model_name="pair")
+    srv = VllmServer(inst, ServeArgs(str(p["target"]), draft=str(p["speculators"]), num_speculative_tokens=k,
+                                     max_model_len=2048, served_model_name="pair"))
     with srv.start():
         send = lambda t: _post(f"{srv.url}/v1/completions", {"model": "pair", "prompt": t, "temperature": 0,   # noqa: E731
                                                              "max_tokens": a.max_new_tokens})

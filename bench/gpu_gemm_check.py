@@ -153,8 +153,8 @@ def calibrate(args: argparse.Namespace, shapes: dict[str, cm.ModelShape], dtype:
         return None, None
     first = next(iter(shapes.values()))
     try:
-        cal = C.calibrate(first, dtype, device, context=1024 if not args.smoke else 32,
-                          peak_rows=4096 if not args.smoke else 256, curve_rows=rows)
+        cal = C.calibrate(first, dtype, device, C.BenchSizes(context=1024 if not args.smoke else 32,
+                                                             peak_rows=4096 if not args.smoke else 256, curve_rows=rows))
     except RuntimeError as e:   # keep the datasheet comparison even if a calibration kernel is refused
         print(f"calibration failed, continuing without it: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
         return None, None

@@ -62,26 +62,25 @@ def stop_id(tok) -> int:
 
 def run_vllm(a, tok, prompts, work: Path, log) -> dict:
     from runtime.data import regen_engines as R
+    from runtime.data.regenerate import Decoding, RegenRun
     from runtime.vllm.engine import find_vllm
 
     inst = find_vllm(a.vllm_python)
     eos = stop_id(tok)
     gens, st = R.run_regeneration(
         R.EngineChoice("vllm", "bench", install=inst), vllm_cfg=SimpleNamespace(kv_cache_gib=2, ready_timeout_s=900),
-        model_dir=a.model, dtype=a.vllm_dtype, max_model_len=max(map(len, prompts)) + a.max_new_tokens + 8, tok=tok,
-        end_id=eos, prompts=prompts, keys=[f"p{i}" for i in range(len(prompts))], batch_size=a.batch,
-        max_new_tokens=a.max_new_tokens, temperature=0.0, top_p=1.0, stop_ids=[eos], seed=0, scratch=work / "regenerate",
-        log=log)
+        target=R.RegenTarget(a.model, a.vllm_dtype, max(map(len, prompts)) + a.max_new_tokens + 8, tok, eos),
+        prompts=prompts, keys=[f"p{i}" for i in range(len(prompts))], batch_size=a.batch,
+        decoding=Decoding(a.max_new_tokens, 0.0, 1.0, [eos], 0), run=RegenRun(work / "regenerate", log))
     return _row(f"vLLM {inst.version} ({inst.device}, {a.vllm_dtype})", gens, st["seconds"], st["load_seconds"])
 
 
 def run_runtime(a, tok, prompts, log) -> dict:
-    from runtime.data.regenerate import regenerate
+    from runtime.data.regenerate import Decoding, RegenRun, regenerate
 
     eos = stop_id(tok)
     gens, st = regenerate(a.model, prompts, [f"p{i}" for i in range(len(prompts))], batch_size=a.batch,
-                          max_new_tokens=a.max_new_tokens, temperature=0.0, top_p=1.0, stop_ids=[eos], seed=0,
-                          scratch=None, log=log)
+                          decoding=Decoding(a.max_new_tokens, 0.0, 1.0, [eos], 0), run=RegenRun(None, log))
     return _row("specpipe runtime (fp32)", gens, st["seconds"], st["load_seconds"])
 
 

@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -178,9 +179,22 @@ def run_perf_analyzer(cmd: list[str], env: dict, srv, prof: Path, log: Path, lab
     return r, attempt, m0, m1
 
 
-def measure_point(pa: str, env: dict, a: argparse.Namespace, srv, out: Path, mode: str, k: int, proto: str,
-                  data_f: Path, c: int, expected: dict[str, tuple[str, int]]) -> tuple[dict, str, int]:
+@dataclass(frozen=True)
+class PerfRun:
+    """What every point of one server's run shares: perf_analyzer's path and environment, the command line's
+    arguments, the output directory and the input-data file of the protocol."""
+
+    pa: str
+    env: dict
+    a: argparse.Namespace
+    out: Path
+    data_f: Path
+
+
+def measure_point(run: PerfRun, srv, mode: str, k: int, proto: str, c: int,
+                  expected: dict[str, tuple[str, int]]) -> tuple[dict, str, int]:
     """One (mode, protocol, concurrency) point on a running server: (its row, the command, failures counted)."""
+    pa, env, a, out, data_f = run.pa, run.env, run.a, run.out, run.data_f
     streaming = proto == "grpc"
     prof = out / f"{mode}-{proto}-c{c}.json"
     cmd = perf_command(pa, a, srv.grpc_url if streaming else srv.http_url, proto, streaming, data_f, c, prof)
@@ -216,10 +230,11 @@ def measure(a: argparse.Namespace, repo: Path, modes: list[str], draft_lens: dic
             streaming = proto == "grpc"
             data_f = write_input_data(out, proto, prompts, a.max_tokens, streaming)
             params = {"specpipe_max_batch": str(max(conc)), "specpipe_max_queue": str(max(conc)), "specpipe_draft_len": str(k)}
-            srv = triton_server.start(repo, model_parameters=params, decoupled=streaming, ready_timeout=120)
+            srv = triton_server.start(repo, load=triton_server.ModelLoad(parameters=params, decoupled=streaming),
+                                       ready_timeout=120)
             try:
                 for c in conc:
-                    row, cmd, failed = measure_point(pa, env, a, srv, out, mode, k, proto, data_f, c, expected[k])
+                    row, cmd, failed = measure_point(PerfRun(pa, env, a, out, data_f), srv, mode, k, proto, c, expected[k])
                     rows.append(row)
                     cmds.append(cmd)
                     bad += failed

@@ -18,6 +18,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -124,7 +125,7 @@ def decode_both(eng, prompts: list[list[int]], N: int, k: int, repeats: int):
     request: the latency setting speculative decoding targets), each timed over `repeats`.
     Returns (t_ar, ar results, t_sp, speculative results, output tokens of one pass)."""
     def run(spec: bool):
-        return [eng.generate([p], max_new_tokens=N, draft_len=k if spec else 0, speculative=spec) for p in prompts]
+        return [eng.generate([p], max_new_tokens=N, draft_len=k if spec else 0) for p in prompts]
 
     t_ar, ar = _timed(lambda: run(False), repeats)
     t_sp, sp = _timed(lambda: run(True), repeats)
@@ -143,12 +144,21 @@ def lossless_check(model, prompts: list[list[int]], ar, sp) -> str:
     return "identical" if not bad else f"{len(bad)} differ, top-2 margins {[round(b['margin'], 6) for b in bad]}"
 
 
-def speed_results(a: argparse.Namespace, draft, prompts: list[list[int]], t_ar: float, t_sp: float, toks: int,
-                  st_ar, st_sp, lossless: str) -> tuple[dict, float]:
-    """The measured speeds and the speedup predicted from the step costs measured in the decoding loop.
-    Returns (results, the unrounded prediction)."""
+@dataclass(frozen=True)
+class Arm:
+    """One side of the comparison as decoded: its wall seconds and its merged RunStats."""
+
+    seconds: float
+    stats: object
+
+
+def speed_results(a: argparse.Namespace, draft, prompts: list[list[int]], ar: Arm, sp: Arm, toks: int,
+                  lossless: str) -> tuple[dict, float]:
+    """The measured speeds of the autoregressive (`ar`) and speculative (`sp`) arms and the speedup predicted from
+    the step costs measured in the decoding loop. Returns (results, the unrounded prediction)."""
     from runtime.engine.stats import predicted_speedup
 
+    t_ar, t_sp, st_ar, st_sp = ar.seconds, sp.seconds, ar.stats, sp.stats
     k, N = a.draft_len, a.max_new_tokens
     parallel = draft.algorithm == "dflash"
     passes = 1 if parallel else k
@@ -245,7 +255,7 @@ def main(argv=None) -> dict:
     t_ar, ar, t_sp, sp, toks = decode_both(eng, prompts, N, k, a.repeats)
     lossless = lossless_check(model, prompts, ar, sp)
     st_ar, st_sp = _merged(ar), _merged(sp)
-    res, pred = speed_results(a, draft, prompts, t_ar, t_sp, toks, st_ar, st_sp, lossless)
+    res, pred = speed_results(a, draft, prompts, Arm(t_ar, st_ar), Arm(t_sp, st_sp), toks, lossless)
     ctx_len = int(sum(len(p) for p in prompts) / len(prompts) + N / 2)
     pred_iso = add_isolated_prediction(res, model, draft, k, ctx_len, st_sp.acceptance_length)
     if a.bf16_target:

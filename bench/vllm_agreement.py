@@ -47,7 +47,7 @@ def runtime_side(arts: Path, prompts: dict, a, eos: list[int]) -> dict:
         rows, t0 = [], time.perf_counter()
         for i in range(0, len(ps), a.batch):
             g = eng.generate([p.prompt_ids for p in ps[i:i + a.batch]], max_new_tokens=a.max_new_tokens,
-                             draft_len=a.draft_len, temperature=0.0, eos_token_id=eos, speculative=True)
+                             draft_len=a.draft_len, eos_token_id=eos)
             rows += [[r.steps, r.accepted] for r in g.requests]
         out[d] = {"acceptance_length": round(pooled_al(rows), 6), "steps": sum(r[0] for r in rows), "per_prompt": rows,
                   "seconds": round(time.perf_counter() - t0, 1)}
@@ -64,9 +64,10 @@ def vllm_side(arts: Path, prompts: dict, a, work: Path) -> dict:
     spec = write_speculators_draft(arts / "train_draft" / "draft", work / "speculators", target_dir=arts / "target" / "model",
                                    speculative_tokens=a.draft_len)
     longest = max(len(p.prompt_ids) for ps in prompts.values() for p in ps)
-    srv = E.VllmServer(install, str(arts / "target" / "model"), draft=str(spec.path), method=spec.algorithm,
-                       num_speculative_tokens=a.draft_len, log_path=work / "vllm.log",
-                       max_model_len=int((longest + a.max_new_tokens + a.draft_len + 8 + 15) // 16 * 16))
+    srv = E.VllmServer(install, E.ServeArgs(str(arts / "target" / "model"), draft=str(spec.path), method=spec.algorithm,
+                                            num_speculative_tokens=a.draft_len,
+                                            max_model_len=int((longest + a.max_new_tokens + a.draft_len + 8 + 15) // 16 * 16)),
+                       log_path=work / "vllm.log")
     out = {}
     with srv:
         for d, ps in prompts.items():

@@ -208,25 +208,23 @@ def report(workdir, out):
 @click.option("--vllm-python", default=None, help="vllm: the python of vLLM's environment (default: $SPECPIPE_VLLM_PYTHON, "
               "<repo>/.venv-vllm, the python of `vllm` on PATH)")
 @click.option("--kv-cache-gib", type=click.FloatRange(0.5), default=2.0, show_default=True, help="vllm on CPU: KV cache size")
-def serve(workdir, engine, http_port, grpc_port, metrics_port, ready_timeout, max_batch, max_queue, draft_len, decoupled,
-          vllm_target, vllm_python, kv_cache_gib):
+def serve(**options):
     """Serve the run's export on 127.0.0.1 until Ctrl-C: the CPU Triton repository (FP8 target + draft), or with
     --engine vllm the speculators pair in vLLM, OpenAI-compatible."""
     from pipeline.commands import serve as C
 
-    if engine == "vllm":
-        _serve_vllm(workdir, http_port, ready_timeout, draft_len, vllm_target, vllm_python, kv_cache_gib)
+    o = C.ServeOptions(**options)
+    if o.engine == "vllm":
+        _serve_vllm(o)
         return
     try:
-        repo = C.find_repository(workdir)
+        repo = C.find_repository(o.workdir)
     except UsageError as e:
         _fail(e)
         return
     click.echo(f"starting Triton on {repo} ...", err=True)
     try:
-        srv = C.start(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
-                      ready_timeout=ready_timeout, max_batch=max_batch, max_queue=max_queue, draft_len=draft_len,
-                      decoupled=decoupled)
+        srv = C.start(repo, o)
     except (SpecpipeError, RuntimeFailure) as e:
         _fail(e)
         return
@@ -235,21 +233,21 @@ def serve(workdir, engine, http_port, grpc_port, metrics_port, ready_timeout, ma
         sys.exit(EXIT_FAILED)
 
 
-def _serve_vllm(workdir, port, ready_timeout, draft_len, target, python, kv_cache_gib) -> None:
+def _serve_vllm(o) -> None:
     from pipeline.commands import serve as C
     from pipeline.commands import serve_vllm as V
     from pipeline.commands import stop_signals
 
     try:
-        install = V.find_install(python)
-        pair = V.find_pair(workdir, target=target, device=install.device, draft_len=draft_len)
+        install = V.find_install(o.vllm_python)
+        pair = V.find_pair(o.workdir, target=o.vllm_target, device=install.device, draft_len=o.draft_len)
     except UsageError as e:
         _fail(e)
         return
     click.echo(f"starting vLLM {install.version} ({install.device}) on {pair.target} ...", err=True)
     stop_signals()
     try:
-        srv = V.start(install, pair, port=port, ready_timeout=ready_timeout, kv_cache_gib=kv_cache_gib)
+        srv = V.start(install, pair, port=o.http_port, ready_timeout=o.ready_timeout, kv_cache_gib=o.kv_cache_gib)
     except (SpecpipeError, RuntimeFailure) as e:
         _fail(e)
         return
@@ -289,27 +287,24 @@ def _serve_vllm(workdir, port, ready_timeout, draft_len, target, python, kv_cach
 @click.option("--engine", type=click.Choice(["triton", "vllm"]), default="triton", show_default=True,
               help="vllm: a vLLM server (OpenAI completions probes; its vllm:spec_decode_* counters, --metrics-url "
                    "defaulting to <url>/metrics)")
-def monitor(workdir, url, model, passive, metrics_url, once, interval, probes, draft_len, drop, false_alarm, dispersion,
-            prompts_per_probe, timeout, prom_file, state_file, reset, engine):
+def monitor(**options):
     """Watch a live endpoint's acceptance against validate's baseline (draft drift): a sequential test per
     domain, an alarm line, a Prometheus text file."""
     from pipeline.commands import monitor as C
 
-    wd = _existing_workdir(workdir)
-    if passive and not metrics_url and not (engine == "vllm" and url):
+    o = C.MonitorOptions(**options)
+    wd = _existing_workdir(o.workdir)
+    if o.passive and not o.metrics_url and not (o.engine == "vllm" and o.url):
         _fail(UsageError("--passive reads the server's metrics: give --metrics-url http://HOST:PORT/metrics"))
-    if not passive and not url:
+    if not o.passive and not o.url:
         _fail(UsageError("give --url (the endpoint to probe) or --passive --metrics-url"))
     try:
-        mon = C.open_monitor(wd, url=url, model=model, passive=passive, metrics_url=metrics_url, draft_len=draft_len,
-                             drop=drop, false_alarm=false_alarm, dispersion=dispersion,
-                             prompts_per_probe=prompts_per_probe, timeout=timeout, prom_file=prom_file,
-                             state_file=state_file, reset=reset, echo=click.echo, engine=engine)
+        mon = C.open_monitor(wd, o, echo=click.echo)
     except SpecpipeError as e:
         _fail(e)
         return
     click.echo(mon.describe())
-    out = C.watch(mon, once=once, probes=probes, interval=interval, echo=click.echo)
+    out = C.watch(mon, once=o.once, probes=o.probes, interval=o.interval, echo=click.echo)
     if out.once_ok is not None:
         sys.exit(EXIT_OK if out.once_ok else EXIT_FAILED)
     click.echo(f"{out.rounds} round(s); {'drift alarm raised' if out.raised else 'no drift alarm'}; "
@@ -359,15 +354,17 @@ def profile(config, workdir, overrides, out, rows, context, rounds, dtype):
 @click.option("--nodes", type=click.IntRange(1), default=1, show_default=True)
 @click.option("--gpus-per-node", type=click.IntRange(0), default=8, show_default=True, help="0 for a CPU allocation (the "
                                                                                             "config's launcher is kept)")
-@click.option("--time", "time_", default="24:00:00", show_default=True, help="wall-clock limit")
+@click.option("--time", default="24:00:00", show_default=True, help="wall-clock limit")
 @click.option("--partition", default=None)
 @click.option("--account", default=None)
 @click.option("--mount", "mounts", multiple=True, metavar="SRC:DST", help="container mount (repeatable); the workdir must be "
                                                                           "visible on every node")
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="default: <workdir>/slurm/specpipe.sbatch")
 @click.option("--submit", is_flag=True, help="submit the script with sbatch")
-def slurm(config, workdir, overrides, image, nodes, gpus_per_node, time_, partition, account, mounts, out, submit):
-    """Write an sbatch script that runs the pipeline (in a container with --image) on one node or several."""
+def slurm(config, workdir, overrides, out, submit, **job):
+    """Write an sbatch script that runs the pipeline (in a container with --image) on one node or several.
+    `job`: the SlurmJob fields given as options (--image, --nodes, --gpus-per-node, --time, --partition, --account,
+    --mount)."""
     from pipeline.commands import slurm as C
     from pipeline.slurm import SlurmJob
 
@@ -379,9 +376,8 @@ def slurm(config, workdir, overrides, image, nodes, gpus_per_node, time_, partit
     wd = str(Path(workdir) if workdir else _default_workdir(config))
     if any(c in wd for c in '"\n'):
         _fail(UsageError(f"--workdir {wd!r}: a path with quotes or newlines cannot go into an #SBATCH line"))
-    job = SlurmJob(config=str(Path(config).resolve()), workdir=str(Path(wd).resolve()), image=image, nodes=nodes,
-                   gpus_per_node=gpus_per_node, time=time_,
-                   partition=partition, account=account, mounts=list(mounts), overrides=list(overrides))
+    job = SlurmJob(config=str(Path(config).resolve()), workdir=str(Path(wd).resolve()),
+                   **{**job, "mounts": list(job["mounts"])}, overrides=list(overrides))
     path = Path(out) if out else Path(wd) / "slurm" / "specpipe.sbatch"
     C.write_script(cfg, job, path)
     click.echo(str(path))

@@ -285,11 +285,22 @@ def read_counters(metrics_url: str, model: str) -> dict[str, dict[str, float]]:
 # ---------------------------------------------------------------------------------------------- the monitor
 
 
+@dataclass(frozen=True)
+class Endpoint:
+    """What a monitor watches: the HTTP address (active probes), the metrics URL, passive (counters only), the timeout."""
+
+    url: str | None
+    metrics_url: str | None = None
+    passive: bool = False
+    timeout: float = 120.0
+
+
 class Monitor:
-    def __init__(self, run: Run, design: Design, *, url: str | None, metrics_url: str | None, passive: bool,
-                 state_path: Path, prom_path: Path, timeout: float = 120.0, reset: bool = False, echo=print):
+    def __init__(self, run: Run, design: Design, endpoint: Endpoint, *, state_path: Path, prom_path: Path,
+                 reset: bool = False, echo=print):
+        url, metrics_url, passive = endpoint.url, endpoint.metrics_url, endpoint.passive
         self.run, self.design, self.url, self.metrics_url, self.passive = run, design, url, metrics_url, passive
-        self.state_path, self.prom_path, self.timeout, self.echo = Path(state_path), Path(prom_path), timeout, echo
+        self.state_path, self.prom_path, self.timeout, self.echo = Path(state_path), Path(prom_path), endpoint.timeout, echo
         if passive:
             self.tests = {"overall": make_test("overall", run.baseline_overall or [], design)}
         else:
@@ -368,8 +379,7 @@ class Monitor:
             produced = 0
             for p in prompts:
                 r = probe(self.url, self.run.model_name, text_input_for(p, self.run.prompt_format),
-                          max_tokens=self.run.max_new_tokens,
-                          temperature=self.run.temperature, timeout=self.timeout)
+                          max_tokens=self.run.max_new_tokens, temperature=self.run.temperature, timeout=self.timeout)
                 drafted += int(r["total_draft_tokens"])
                 accepted += int(r["total_accepted_draft_tokens"])
                 produced += bool(r.get("text_output"))

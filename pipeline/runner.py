@@ -268,9 +268,11 @@ def _committed_inputs(spec, item: PlanItem, store: Store) -> dict:
     return inputs
 
 
-def _manifest(item: PlanItem, cfg, spec, argv: list[str], inputs: dict, metrics: dict, started: datetime, wall: float,
+def _manifest(item: PlanItem, ctx: StageContext, spec, argv: list[str], metrics: dict, started: datetime, wall: float,
               peak: int) -> dict:
-    """manifest.json of a stage that ran: its fingerprint and what went into it, the metrics, and the provenance."""
+    """manifest.json of a stage that ran (`ctx`: its context, with the config and the inputs): its fingerprint and
+    what went into it, the metrics, and the provenance."""
+    cfg, inputs = ctx.config, ctx.inputs
     return {
         "stage": spec.name,
         "fingerprint": item.fingerprint,
@@ -326,7 +328,7 @@ def run_stage(item: PlanItem, cfg, store: Store, argv: list[str], device: Resolv
             metrics = spec.module.run(ctx) or {}
         fault_point(spec.name, "after-run")
         wall = time.monotonic() - t0
-        manifest = _manifest(item, cfg, spec, argv, inputs, metrics, started, wall, mem.peak)
+        manifest = _manifest(item, ctx, spec, argv, metrics, started, wall, mem.peak)
         manifest["provenance"]["device"] = device.type   # run.device as resolved (never fingerprinted)
         store.commit(spec.name, tmp, manifest)
         lg.info("committed in %.1fs (peak RSS %.0f MB)", wall, mem.peak / 2**20)

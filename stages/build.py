@@ -207,7 +207,7 @@ def run(ctx: StageContext) -> dict:
               else {"loaded": False, "reason": "build.load: never"})
     ctx.log.info("load: %s", "loaded" if loaded["loaded"] else loaded["reason"])
     runs = _runs(plan, options)
-    doc = _deployment_doc(ctx, plan, options, ddraft, runs, (guard_doc, guard_note), bench, checks, loaded)
+    doc = _deployment_doc(ctx, plan, options, ddraft, (guard_doc, guard_note), bench, checks, loaded)
     doc["ngram"] = _ngram(ctx, plan, options, out) if sec.ngram.enabled else None
     (ctx.out_dir / "deployment.json").write_text(json.dumps(doc, indent=2))
     (out / "README.md").write_text(readme.readme(doc, options))
@@ -343,17 +343,18 @@ def _llm_api_options(spec: DeploymentSpec, version: str) -> dict:
 def _checked(ctx: StageContext, plan: _Plan, options: dict, ddraft: _DeployedDraft) -> list[Check]:
     """Run the named consistency checks, log each; a failed one fails the stage with its message."""
     from runtime.trtllm import hf_config
-    from runtime.trtllm.checks import consistency_checks
+    from runtime.trtllm.checks import Expected, consistency_checks
 
     tcfg = plan.tcfg
     checks = consistency_checks(
         options, version=plan.version, algorithm=plan.algo, target_dir=plan.target_dir, draft_dir=ddraft.dir,
-        target_vocab_size=tcfg.get("vocab_size"), target_hidden_size=tcfg.get("hidden_size"),
-        num_target_layers=int(tcfg.get("num_hidden_layers") or 0) or None,
-        capture_layers=plan.capture_layers, schedule=plan.schedule,
-        target_rope_theta=hf_config.theta_of(ctx.input("target").path / "model" / "config.json"),
-        draft_rope_theta=(hf_config.theta_of(ctx.input("train_draft").path / "draft" / "config.json")
-                          if plan.speculation else None))
+        expected=Expected(
+            target_vocab_size=tcfg.get("vocab_size"), target_hidden_size=tcfg.get("hidden_size"),
+            num_target_layers=int(tcfg.get("num_hidden_layers") or 0) or None,
+            capture_layers=plan.capture_layers, schedule=plan.schedule,
+            target_rope_theta=hf_config.theta_of(ctx.input("target").path / "model" / "config.json"),
+            draft_rope_theta=(hf_config.theta_of(ctx.input("train_draft").path / "draft" / "config.json")
+                              if plan.speculation else None)))
     for c in checks:
         ctx.log.info("check %-28s %s  %s", c.name, "ok  " if c.ok else "FAIL", c.message)
     failed = [c for c in checks if not c.ok]
@@ -387,10 +388,11 @@ def _runs(plan: _Plan, options: dict) -> DraftSchedule:
     return draft_schedule.decode(sc, plan.rel, plan.mode, plan.mbs) if sc else DraftSchedule.constant(0)
 
 
-def _deployment_doc(ctx: StageContext, plan: _Plan, options: dict, ddraft: _DeployedDraft, runs: DraftSchedule,
+def _deployment_doc(ctx: StageContext, plan: _Plan, options: dict, ddraft: _DeployedDraft,
                     guard: tuple[dict, str | None], bench: _Bench, checks: list[Check], loaded: dict) -> dict:
     """deployment.json: what was written, for `export`, `status` and the README."""
     sc = options.get("speculative_config") or {}
+    runs = _runs(plan, options)
     guard_doc, guard_note = guard
     return {
         "trtllm_version": plan.version, "serving_image": compat.serving_image_for(plan.version), "backend": "pytorch",

@@ -36,8 +36,8 @@ from pipeline.artifacts import target as target_artifact
 from pipeline.errors import StageError
 from pipeline.stage import StageContext, StageSection, Strict
 from pipeline.store import fault_point
-from runtime.data.regen_engines import EngineConfigError, choose_engine, run_regeneration
-from runtime.data.regenerate import regenerated_rows, select_jobs, template_consistency
+from runtime.data.regen_engines import EngineConfigError, RegenTarget, choose_engine, run_regeneration
+from runtime.data.regenerate import Decoding, RegenRun, regenerated_rows, select_jobs, template_consistency
 from runtime.data.render import encode_samples, has_assistant, load_renderer
 from runtime.data.sources import Malformed, Sample, jsonl_problem, read_bootstrap, read_hf, read_jsonl
 from runtime.data.splits import dedup_and_split, eval_prompts, rows_problem, split_stats, token_rows
@@ -249,7 +249,7 @@ def _run(ctx: StageContext) -> dict:
                                                    eval_fraction=sec.eval_fraction)
     if sec.regenerate.enabled:
         train, encoded, heldout, held_enc, regen_stats, shown = _regenerate_splits(
-            ctx, sec, renderer, tok, tinfo, tmpl_info, model_dir, train, heldout, bad, shown)
+            ctx, renderer, tok, tmpl_info, train, heldout, bad, shown)
     else:
         train = train[: sec.max_samples]
         regen_stats = None
@@ -328,10 +328,12 @@ def _write_eval_prompts(ctx: StageContext, sec: Config, renderer, tok, evals: di
     return domain_stats, chosen_keys
 
 
-def _regenerate_splits(ctx: StageContext, sec: Config, renderer, tok, tinfo: target_artifact.TargetInfo, tmpl_info: dict,
-                       model_dir: Path,
-                       train: list[Sample], heldout: list[Sample], bad: Malformed, shown: int):
+def _regenerate_splits(ctx: StageContext, renderer, tok, tmpl_info: dict, train: list[Sample], heldout: list[Sample],
+                       bad: Malformed, shown: int):
     """The target writes the responses (data.regenerate): (train, its rows, heldout, its rows, stats, shown)."""
+    sec: Config = ctx.section
+    target = ctx.input("target")
+    model_dir, tinfo = target_artifact.model_dir(target.path), target_artifact.read_info(target.path)
     rc = sec.regenerate
     budget = sec.max_length - rc.max_new_tokens
     train_jobs, skip_t = select_jobs(renderer, tok, train, sec.max_samples, budget, sec.max_length, bad, tmpl_info)
@@ -356,12 +358,13 @@ def _regenerate_splits(ctx: StageContext, sec: Config, renderer, tok, tinfo: tar
     vllm_cfg = ctx.config.vllm     # where/how vLLM runs; what it generates: data.regenerate.engine
     gens, rs = run_regeneration(
         choose_engine(rc, vllm_cfg, model_dir=model_dir, new_tokens=len(jobs) * rc.max_new_tokens), vllm_cfg=vllm_cfg,
-        model_dir=model_dir, dtype=tinfo.dtype,
-        max_model_len=sec.max_length + 8, tok=tok, end_id=tmpl_info.get("end_of_turn_id") or (stop_ids or [None])[0],
+        target=RegenTarget(model_dir, tinfo.dtype, sec.max_length + 8, tok,
+                           tmpl_info.get("end_of_turn_id") or (stop_ids or [None])[0]),
         prompts=[j.prompt for j in jobs], keys=[j.sample.key for j in jobs], batch_size=rc.batch_size,
-        max_new_tokens=rc.max_new_tokens, temperature=0.0 if greedy else rc.temperature, top_p=1.0 if greedy else rc.top_p,
-        stop_ids=stop_ids, seed=sec.seed, scratch=ctx.scratch_dir / "regenerate", log=ctx.log,
-        progress=ctx.progress, on_batch=lambda n: fault_point(NAME, f"regenerate-batch-{n}"))
+        decoding=Decoding(rc.max_new_tokens, 0.0 if greedy else rc.temperature, 1.0 if greedy else rc.top_p, stop_ids,
+                          sec.seed),
+        run=RegenRun(ctx.scratch_dir / "regenerate", ctx.log, ctx.progress,
+                     lambda n: fault_point(NAME, f"regenerate-batch-{n}")))
     rs.update(skipped_long_prompts=skip_t + skip_h, prompt_budget=budget, mode=rc.mode)
     rs["template"] = (template_consistency(renderer, tok, jobs, gens, tmpl_info.get("end_of_turn_id"))
                       if renderer is not None else None)

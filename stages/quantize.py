@@ -46,10 +46,10 @@ from pipeline.errors import StageError
 from pipeline.stage import StageContext, StageSection, Strict
 from runtime.errors import RuntimeFailure
 from runtime.quant.checks import check_checkpoint, read_hf_quant_config
-from runtime.quant.eagle_draft import DraftRebuildError, quantize_eagle_checkpoint
+from runtime.quant.eagle_draft import DraftRebuildError, DraftRecipe, quantize_eagle_checkpoint
 from runtime.quant.exclusion import search_exclusions
 from runtime.quant.export import export_target
-from runtime.quant.ptq import RECIPES, align_with_deployment, disable_quantizers, kv_unit_scales, quantize_model
+from runtime.quant.ptq import RECIPES, QuantRun, align_with_deployment, disable_quantizers, kv_unit_scales, quantize_model
 from runtime.quant.quality import fake_quant_reference, measure_quality
 
 NAME = "quantize"
@@ -159,7 +159,7 @@ def run(ctx: StageContext) -> dict:
     draft_rel = "train_draft/draft"
     draft_metrics: dict = {}
     if sec.draft == "fp8":
-        draft_metrics = quantize_eagle_draft(ctx, sec, target_dir, calib, heldout, device, calib_dtype, export_dtype)
+        draft_metrics = quantize_eagle_draft(ctx, sec, target_dir, calib, heldout, device, calib_dtype)
         draft_rel = "quantize/draft_fp8"
         quality["draft"] = draft_metrics
 
@@ -195,7 +195,7 @@ def _try_recipes(ctx: StageContext, sec: Config, target_dir: Path, calib, heldou
     for recipe in [sec.format] + list(sec.fallback_formats):
         ctx.log.info("recipe %s (%s weights, %s activations, ModelOpt %s)", recipe, RECIPES[recipe]["weights"],
                      RECIPES[recipe]["activations"], RECIPES[recipe]["preset"])
-        cand = _try_recipe(ctx, sec, recipe, target_dir, calib, heldout, device, calib_dtype, export_dtype)
+        cand = _try_recipe(ctx, recipe, target_dir, calib, heldout, device, calib_dtype, export_dtype)
         tried.append(cand)
         if cand["gate_problems"]:
             ctx.log.warning("recipe %s misses the gate: %s", recipe, "; ".join(cand["gate_problems"]))
@@ -277,27 +277,26 @@ def _recipe_row(c: dict) -> dict:
             "gate_problems": c["gate_problems"], "search": c.get("search"), "seconds": c["seconds"]}
 
 
-def _try_recipe(ctx: StageContext, sec: Config, recipe: str, target_dir: Path, calib, heldout, device, calib_dtype,
+def _try_recipe(ctx: StageContext, recipe: str, target_dir: Path, calib, heldout, device, calib_dtype,
                 export_dtype) -> dict:
     """Calibrate, align, (search), export into scratch, check and measure one recipe. Returns the candidate."""
     import torch
 
     from runtime.engine.fp8 import load_causal_lm
 
+    sec: Config = ctx.section
+    run = QuantRun(device, calib_dtype, ctx.progress, ctx.log)
     t0 = time.monotonic()
     kv = sec.kv_cache
     with _stage_errors():
-        fq_model = quantize_model(target_dir, calib, fmt=recipe, kv_cache=kv, exclude=sec.exclude_modules,
-                                  device=device, dtype=calib_dtype, progress=ctx.progress, log=ctx.log)
+        fq_model = quantize_model(target_dir, calib, fmt=recipe, kv_cache=kv, exclude=sec.exclude_modules, run=run)
     align_with_deployment(fq_model, log=ctx.log)
     auto: list[str] = []
     search = None
     if sec.auto_exclude.enabled:
         with _stage_errors():  # the method and its cost: runtime.quant.exclusion
-            search = search_exclusions(fq_model, target_dir, calib, per_token=RECIPES[recipe]["quant_algo"] ==
-                                       "FP8_PER_CHANNEL_PER_TOKEN", kv_cache=kv, max_ppl_increase=sec.max_ppl_increase,
-                                       opts=sec.auto_exclude, device=device, dtype=calib_dtype, progress=ctx.progress,
-                                       log=ctx.log)
+            search = search_exclusions(fq_model, target_dir, calib, recipe=recipe, kv_cache=kv,
+                                       max_ppl_increase=sec.max_ppl_increase, opts=sec.auto_exclude, run=run)
         auto = search["kept_bf16"]
         disable_quantizers(fq_model, auto)
     with kv_unit_scales(fq_model), _stage_errors():  # the reference computes what TensorRT-LLM computes for the KV cache
@@ -375,14 +374,15 @@ def quality_gate(q: dict, max_ppl_increase: float, min_top1: float | None = None
     return out
 
 
-def quantize_eagle_draft(ctx: StageContext, sec: Config, target_dir: Path, calib, heldout, device, dtype, export_dtype) -> dict:
+def quantize_eagle_draft(ctx: StageContext, sec: Config, target_dir: Path, calib, heldout, device, dtype) -> dict:
     """Quantize train_draft's EAGLE-3 draft to FP8 into `draft_fp8/`, check its format, return its metrics."""
     draft_dir = ctx.input("train_draft").path / "draft"
     out = ctx.out_dir / "draft_fp8"
     with _stage_errors():
-        res = quantize_eagle_checkpoint(target_dir, draft_dir, out, calib, heldout, kv_cache=sec.kv_cache, dtype=dtype,
-                                        exclude=sec.exclude_modules, fc_fp8=sec.draft_fc == "fp8", device=device,
-                                        export_dtype=export_dtype, log=ctx.log)
+        res = quantize_eagle_checkpoint(
+            target_dir, draft_dir, out, calib, heldout,
+            recipe=DraftRecipe(sec.kv_cache, tuple(sec.exclude_modules), fc_fp8=sec.draft_fc == "fp8"),
+            run=QuantRun(device, dtype, log=ctx.log))
     # quantize.exclude_modules name target modules; the draft is checked against its own exclude_modules
     _raise_failed(checks := check_checkpoint(out, kv_cache=sec.kv_cache == "fp8"), "draft_fp8")
     return {**res, "checks": checks}

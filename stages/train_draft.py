@@ -282,7 +282,7 @@ def make_job(ctx: StageContext) -> dict:
     from transformers import AutoTokenizer
 
     from runtime.training.algorithm import resolve_algorithm
-    from runtime.training.job import JobError
+    from runtime.training.job import JobDirs, JobError
     from runtime.training.job import make_job as assemble
 
     sec: Config = ctx.section
@@ -293,8 +293,8 @@ def make_job(ctx: StageContext) -> dict:
     tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust)
     try:
         algo = resolve_algorithm(sec.algorithm, summary, tok, ctx.log)
-        return assemble(sec, algo=algo, summary=summary, model_dir=model_dir, data_dir=data.path,
-                        train_samples=data.metrics.get("train_samples"), scratch_dir=ctx.scratch_dir, out_dir=ctx.out_dir,
+        return assemble(sec, algo=algo, summary=summary, dirs=JobDirs(model_dir, data.path, ctx.scratch_dir, ctx.out_dir),
+                        train_samples=data.metrics.get("train_samples"),
                         device=ctx.device.type, threads=ctx.config.run.threads,
                         trust_remote_code=trust)
     except JobError as e:

@@ -180,7 +180,7 @@ def run(ctx: StageContext) -> dict:
     table = _predicted_table(ctx, dep, curves, weights, K, max_batch, kw)
 
     mode = rel.mode(draft.algorithm, eagle3_one_model(ctx.config))
-    schedule, policy = dl.choose_schedule(dep, curves, weights, max_batch, K, rel, mode, sec.batch_sizes, kw)
+    schedule, policy = dl.choose_schedule(dep, curves, weights, max_batch, K, dl.TrtllmMode(rel, mode), sec.batch_sizes, kw)
     ctx.log.info("TensorRT-LLM %s, %s: %s", version, mode.replace("_", "-"), policy["note"])
     _mark_deployed(ctx, table, schedule, policy)
     kmax, num_tokens, graphs = _limits(ctx, schedule, max_batch, policy)
@@ -218,9 +218,9 @@ def _price(ctx: StageContext, target, draft, draft_cfg, quant, acc):
 
     sec: Config = ctx.section
     hw = ctx.config.hardware
-    dep, hw_doc = _priced(tuning.deployment, target, draft, draft_cfg, quant, gpu_key=hw.gpu, gpu=GPUS[hw.gpu],
-                          profile=hw.profile, tp=hw.tensor_parallel_size, context_length=sec.context_length,
-                          efficiency=sec.efficiency, log=ctx.log)
+    dep, hw_doc = _priced(tuning.deployment, target, draft, draft_cfg, quant,
+                          hardware=tuning.Hardware(hw.gpu, GPUS[hw.gpu], hw.profile, hw.tensor_parallel_size),
+                          context_length=sec.context_length, efficiency=sec.efficiency, log=ctx.log)
     curves, weights, K = _priced(tuning.acceptance_curves, acc, draft, domain_weights=sec.domain_weights,
                                  max_draft_len=sec.max_draft_len, log=ctx.log)
     ctx.log.info("cost model: %s, TP %d, context %d; target %s weights / %s KV, draft %s; ridge %.0f rows",

@@ -48,7 +48,7 @@ from runtime.validate import ngram as NG
 from runtime.validate import vllm_arm as V
 from runtime.validate.decode import MeasureSettings
 from runtime.validate.gates import gate_table, lossless_rows, lossless_summary, lossless_tables
-from runtime.validate.reference import DraftLoadError, run_reference
+from runtime.validate.reference import DraftLoadError, PairLoading, Pairs, run_reference
 from runtime.validate.trtllm import run_trtllm, trtllm_available
 
 NAME = "validate"
@@ -163,8 +163,8 @@ def run(ctx: StageContext) -> dict:
                          scratch_dir=ctx.scratch_dir)
     else:
         try:
-            res = run_reference(s, deployed, bf16 if need_bf16 else None, prompts, eos, device=ctx.device.type,
-                                expected=_trained_layers(ctx), log=ctx.log, progress=ctx.progress, same=same)
+            res = run_reference(s, Pairs(deployed, bf16 if need_bf16 else None, same), prompts, eos,
+                                load=PairLoading(ctx.device.type, _trained_layers(ctx)), log=ctx.log, progress=ctx.progress)
         except DraftLoadError as e:
             raise StageError(f"validate: {e}") from None
     if sec.measure_bf16 and same:

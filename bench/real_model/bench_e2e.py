@@ -191,7 +191,7 @@ def step_times(env, models, ctx_len) -> tuple[dict, dict]:
     """T(1) and T(k+1) of the target per mode and batch at ctx_len (bench_steps' interleaved timers), and the
     draft's work per step."""
     import torch
-    from bench_steps import draft_table, fill_cache, interleaved
+    from bench_steps import Repeats, draft_table, fill_cache, interleaved
 
     k, steps, tdraft = env["k"], {}, {}
     for b in env["batches"]:
@@ -207,7 +207,8 @@ def step_times(env, models, ctx_len) -> tuple[dict, dict]:
                 fns[f"{mode}:T({mm})"] = f
         steps[b] = {n: statistics.median(v) for n, v in interleaved(fns, 5, 3).items()}
         draft = models["draft"]
-        drows = draft_table(models["model"], {draft.algorithm: env["draft_dir"]}, env["modes"], ctx_len, k, 5, 5, batch=b)
+        drows = draft_table(models["model"], {draft.algorithm: env["draft_dir"]}, env["modes"], ctx_len, k, Repeats(5, 5),
+                            batch=b)
         tdraft |= {(r["mode"], b): r["ms"] / 1e3 for r in drows if r["what"] == "step"}
     return steps, tdraft
 

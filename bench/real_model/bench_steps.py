@@ -37,6 +37,7 @@ import sys
 import tarfile
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -182,7 +183,15 @@ def target_table(label: str, runners: dict, points: list[tuple[int, int]], conte
     return rows
 
 
-def draft_table(model, draft_dirs: dict, modes: list[str], context: int, k: int, rounds: int, inner: int,
+@dataclass(frozen=True)
+class Repeats:
+    """How each step is timed (`interleaved`): `rounds` rounds of `inner` calls each."""
+
+    rounds: int
+    inner: int
+
+
+def draft_table(model, draft_dirs: dict, modes: list[str], context: int, k: int, repeats: Repeats,
                 base=None, batch: int = 1) -> list[dict]:
     import torch
 
@@ -223,7 +232,7 @@ def draft_table(model, draft_dirs: dict, modes: list[str], context: int, k: int,
 
                 fns[f"{mode}:chain_pass"] = chain
         with torch.no_grad():
-            t = interleaved(fns, rounds, inner)
+            t = interleaved(fns, repeats.rounds, repeats.inner)
         for name, v in t.items():
             mode, what = name.split(":")
             row = {"draft": algo, "mode": mode, "what": what, "k": k, "context": context, "batch": batch,
@@ -298,7 +307,7 @@ def main(argv=None) -> dict:
         trows += target_table(label, runners, points, a.context, a.rounds, a.inner, bw, k)
         if label == "bf16 ckpt":
             drafts = {n: p for n, p in (("eagle3", a.eagle3), ("dflash", a.dflash)) if p}
-            drows += draft_table(model, drafts, modes, a.context, k, a.rounds, max(a.inner, 5), base)
+            drows += draft_table(model, drafts, modes, a.context, k, Repeats(a.rounds, max(a.inner, 5)), base)
         del runners, model
     meta["load_after"] = os.getloadavg()
     names = (["base"] if base else []) + modes

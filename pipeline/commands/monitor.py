@@ -14,31 +14,55 @@ class Outcome:
     once_ok: bool | None = None     # --once: the round probed every domain without an alarm; None otherwise
 
 
-def open_monitor(wd: Path, *, url, model, passive, metrics_url, draft_len, drop, false_alarm, dispersion,
-                 prompts_per_probe, timeout, prom_file, state_file, reset, echo, engine: str = "triton"):
+@dataclass(frozen=True)
+class MonitorOptions:
+    """`specpipe monitor`'s command line (pipeline/cli.py documents each option)."""
+
+    workdir: str | None = None
+    url: str | None = None
+    model: str | None = None
+    passive: bool = False
+    metrics_url: str | None = None
+    once: bool = False
+    interval: float = 300.0
+    probes: int | None = None
+    draft_len: int | None = None
+    drop: float = 0.2
+    false_alarm: float = 1e-3
+    dispersion: float = 2.0
+    prompts_per_probe: int | None = None
+    timeout: float = 120.0
+    prom_file: str | None = None
+    state_file: str | None = None
+    reset: bool = False
+    engine: str = "triton"
+
+
+def open_monitor(wd: Path, o: MonitorOptions, echo):
     """The Monitor of `wd`'s validated pair for the endpoint (state and Prometheus files named after it);
     engine vllm: pipeline/monitor_vllm.VllmMonitor (vLLM's spec-decode counters, its served model, its draft length)."""
     from pipeline import monitor as M
 
+    draft_len, metrics_url, url, engine = o.draft_len, o.metrics_url, o.url, o.engine
     if engine == "vllm":
         from pipeline import monitor_vllm as MV
         from pipeline.commands.serve_vllm import exported_draft_len
 
         draft_len = draft_len or exported_draft_len(wd)
         metrics_url = metrics_url or (f"{M._url(url)}/metrics" if url else None)
-    run = M.read_run(wd, draft_len=draft_len, prompts_per_probe=prompts_per_probe)
-    if model:
-        run.model_name = model
-    elif engine == "vllm" and not passive:
-        run.model_name = MV.served_model(url, timeout=min(timeout, 30))
-    design = M.Design(draft_len=run.draft_len, drop=drop, false_alarm=false_alarm, dispersion=dispersion)
-    target = metrics_url if passive else url
+    run = M.read_run(wd, draft_len=draft_len, prompts_per_probe=o.prompts_per_probe)
+    if o.model:
+        run.model_name = o.model
+    elif engine == "vllm" and not o.passive:
+        run.model_name = MV.served_model(url, timeout=min(o.timeout, 30))
+    design = M.Design(draft_len=run.draft_len, drop=o.drop, false_alarm=o.false_alarm, dispersion=o.dispersion)
+    target = metrics_url if o.passive else url
     tag = hashlib.sha256(f"{target}|{run.model_name}{'|vllm' if engine == 'vllm' else ''}".encode()).hexdigest()[:10]
     cls = MV.VllmMonitor if engine == "vllm" else M.Monitor
-    return cls(run, design, url=url, metrics_url=metrics_url, passive=passive,
-                     state_path=Path(state_file) if state_file else wd / "monitor" / f"state-{tag}.json",
-                     prom_path=Path(prom_file) if prom_file else wd / "monitor" / f"specpipe_monitor-{tag}.prom",
-                     timeout=timeout, reset=reset, echo=echo)
+    return cls(run, design, M.Endpoint(url, metrics_url=metrics_url, passive=o.passive, timeout=o.timeout),
+               state_path=Path(o.state_file) if o.state_file else wd / "monitor" / f"state-{tag}.json",
+               prom_path=Path(o.prom_file) if o.prom_file else wd / "monitor" / f"specpipe_monitor-{tag}.prom",
+               reset=o.reset, echo=echo)
 
 
 def watch(mon, *, once: bool, probes: int | None, interval: float, echo) -> Outcome:

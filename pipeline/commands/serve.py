@@ -2,6 +2,7 @@
 Ctrl-C or `kill`."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.commands import stop_signals
@@ -22,14 +23,33 @@ def find_repository(workdir: str | None) -> Path:
     return repo
 
 
-def start(repo: Path, *, http_port, grpc_port, metrics_port, ready_timeout, max_batch, max_queue, draft_len, decoupled):
+@dataclass(frozen=True)
+class ServeOptions:
+    """`specpipe serve`'s command line (pipeline/cli.py documents each option)."""
+
+    workdir: str | None = None
+    engine: str = "triton"
+    http_port: int | None = None
+    grpc_port: int | None = None
+    metrics_port: int | None = None
+    ready_timeout: float = 300.0
+    max_batch: int | None = None
+    max_queue: int | None = None
+    draft_len: int | None = None
+    decoupled: bool | None = None
+    vllm_target: str = "auto"
+    vllm_python: str | None = None
+    kv_cache_gib: float = 2.0
+
+
+def start(repo: Path, o: ServeOptions):
     """tritonserver on `repo`, waited for until the model is ready; the specpipe_* model parameters given."""
     from runtime.serving import triton_server
 
-    params = {k: str(v) for k, v in (("specpipe_max_batch", max_batch), ("specpipe_max_queue", max_queue),
-                                     ("specpipe_draft_len", draft_len)) if v is not None}
-    return triton_server.start(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
-                               load_timeout=ready_timeout, model_parameters=params or None, decoupled=decoupled)
+    params = {k: str(v) for k, v in (("specpipe_max_batch", o.max_batch), ("specpipe_max_queue", o.max_queue),
+                                     ("specpipe_draft_len", o.draft_len)) if v is not None}
+    return triton_server.start(repo, ports=triton_server.Ports(o.http_port, o.grpc_port, o.metrics_port),
+                               load=triton_server.ModelLoad(o.ready_timeout, params or None, o.decoupled))
 
 
 def ready_message(srv) -> str:

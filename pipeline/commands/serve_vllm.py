@@ -86,9 +86,10 @@ def start(install, pair: VllmPair, *, port: int | None, ready_timeout: float, kv
 
     extra = ["--speculative-config", json.dumps(pair.speculative_config, separators=(",", ":"))] \
         if pair.speculative_config else []
-    srv = E.VllmServer(install, str(pair.target), port=port or 0, max_model_len=pair.max_model_len,
-                       kv_cache_dtype=pair.kv_cache_dtype, extra_args=extra, log_path=log_path, kv_cache_gib=kv_cache_gib,
-                       ready_timeout=ready_timeout, served_model_name=pair.workdir.resolve().name)
+    args = E.ServeArgs(str(pair.target), max_model_len=pair.max_model_len, kv_cache_dtype=pair.kv_cache_dtype,
+                       extra_args=tuple(extra), served_model_name=pair.workdir.resolve().name)
+    srv = E.VllmServer(install, args, port=port or 0, log_path=log_path, kv_cache_gib=kv_cache_gib,
+                       ready_timeout=ready_timeout)
     return srv.start()
 
 

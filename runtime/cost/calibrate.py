@@ -85,25 +85,39 @@ class _Roofline:
         return self.w_bytes / self.t_bw
 
 
-def calibrate(shape: ModelShape, gemm_dtype: str, device, *, context: int = 512, peak_rows: int = 1024,
-              attn_batch: int = 32, attn_q: int = 8, elem_rows: int = 256, curve_rows=DEFAULT_ROWS) -> dict:
-    """Achieved rates on this machine from microbenchmarks sized like the model but separate from its step:
+@dataclass(frozen=True)
+class BenchSizes:
+    """The calibration microbenchmarks' sizes: the KV length attention reads (`context`), the token rows of the GEMM
+    peak, the batch and query length of the attention benchmark, the rows of the elementwise one, and the token rows
+    of the GEMM-by-rows curve."""
+
+    context: int = 512
+    peak_rows: int = 1024
+    attn_batch: int = 32
+    attn_q: int = 8
+    elem_rows: int = 256
+    curve_rows: tuple = DEFAULT_ROWS
+
+
+def calibrate(shape: ModelShape, gemm_dtype: str, device, sizes: BenchSizes = BenchSizes()) -> dict:
+    """Achieved rates on this machine from microbenchmarks sized like the model (`sizes`) but separate from its step:
     GEMM peak, GEMV streaming bandwidth, attention and elementwise bandwidth (bytes as the cost model counts
     them; operands rotated through more memory than the last-level cache), and the fixed cost per modelled
     operation."""
     import torch
 
+    context, attn_batch, attn_q = sizes.context, sizes.attn_batch, sizes.attn_q
     act = torch.bfloat16 if gemm_dtype in ("fp8", "bfloat16") else getattr(torch, gemm_dtype)
     b = _Microbench(gemm_dtype, device, torch.Generator().manual_seed(2), act, precision_for(gemm_dtype),
                last_level_cache_bytes(device))
     with torch.inference_mode():
         big = max(shape.layer_gemms, key=lambda g: g.k * g.n)
-        peak, peak_gemms = _gemm_peak(b, shape, peak_rows)
+        peak, peak_gemms = _gemm_peak(b, shape, sizes.peak_rows)
         roof = _gemm_roofline(b, big, peak)
         footprints = _gemv_by_footprint(b, big, roof.x1, roof.w_bytes)
-        curve = _gemm_by_rows(b, shape, curve_rows)
+        curve = _gemm_by_rows(b, shape, sizes.curve_rows)
         meas, (attn_bw, attn_peak) = _attention(b, shape, context, attn_batch, attn_q)
-        elem_bytes, t_elem = _elementwise(b, shape, elem_rows)
+        elem_bytes, t_elem = _elementwise(b, shape, sizes.elem_rows)
         n_ops, t_mini = _miniature_forward(b, shape)
     w_bytes = roof.w_bytes
     cal = {"peak_tflops": peak / 1e12, "bandwidth_tb_s": roof.bandwidth / 1e12, "overlap": roof.overlap,
@@ -118,7 +132,7 @@ def calibrate(shape: ModelShape, gemm_dtype: str, device, *, context: int = 512,
                           "gemv_by_footprint": footprints, "gemm_by_rows": curve,
                           "attention": [{"batch": attn_batch, "q_len": q_len, "context": context, "seconds": m[0],
                                          "flops": m[1], "bytes": m[2]} for q_len, m in zip((1, attn_q), meas, strict=True)],
-                          "elementwise": {"rows": elem_rows, "bytes": elem_bytes, "seconds": t_elem},
+                          "elementwise": {"rows": sizes.elem_rows, "bytes": elem_bytes, "seconds": t_elem},
                           "miniature_forward": {"ops": n_ops, "seconds": t_mini}}}
     cal["gemm_row_factors"] = gemm_row_factors(cal, gemm_dtype)
     return cal

@@ -119,13 +119,22 @@ def best_constant_k(dep: Deployment, curves, weights, batches: list[int], K: int
 # ------------------------------------------------------------------------------------------ deployed schedule
 
 
-def choose_schedule(dep: Deployment, curves, weights, max_batch: int, K: int, rel, mode: str, batch_sizes: list[int],
+@dataclass(frozen=True)
+class TrtllmMode:
+    """The TensorRT-LLM release (runtime/trtllm/compat.py `Release`) and decoding mode a schedule is fitted to."""
+
+    rel: object
+    mode: str
+
+
+def choose_schedule(dep: Deployment, curves, weights, max_batch: int, K: int, serving: TrtllmMode, batch_sizes: list[int],
                     kw: dict):
-    """The draft length per batch size the deployment runs, fitted to what `rel` does in `mode`
+    """The draft length per batch size the deployment runs, fitted to what `serving.rel` does in `serving.mode`
     (runtime/trtllm/compat.py, SOURCES per_batch_draft_len_1_2 and zero_draft_len_one_engine), and a description.
     `batch_sizes`: the predicted table's (a constant draft length is the best mean over those up to max_batch)."""
     from runtime.algorithms.schedule import DraftSchedule
 
+    rel, mode = serving.rel, serving.mode
     line = f"TensorRT-LLM {rel.line}"
     if mode not in rel.per_batch_draft_len:
         batches = [b for b in batch_sizes if b <= max_batch] or [max_batch]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import platform
 from datetime import datetime, timezone
 
-from runtime.cost.calibrate import best_calibration, calibrate, machine_from_calibration
+from runtime.cost.calibrate import BenchSizes, best_calibration, calibrate, machine_from_calibration
 from runtime.cost.costmodel import Machine, ModelShape, Precision, forward_ops, step_time
 from runtime.cost.measure import DEFAULT_ROWS, measure, precision_for
 
@@ -47,7 +47,7 @@ def profile(shapes: dict[str, ModelShape], *, device, gemm_dtype: str, rows=DEFA
     cal: dict = {}
     measured: dict[str, list[dict]] = {}
     for r in range(rounds):
-        c = calibrate(first, gemm_dtype, device, context=context, curve_rows=rows)
+        c = calibrate(first, gemm_dtype, device, BenchSizes(context=context, curve_rows=rows))
         cal = c if not cal else best_calibration(cal, c, gemm_dtype)
         for key, shape in shapes.items():
             pts: list[dict] = []

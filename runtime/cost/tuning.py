@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.cost import costmodel as cm
@@ -17,13 +18,24 @@ from runtime.errors import RuntimeFailure
 # ------------------------------------------------------------------------------------------ deployment
 
 
-def deployment(target: dict, draft: dict, draft_cfg: dict, quant, *, gpu_key: str, gpu, profile: Path | None, tp: int,
-               context_length: int, efficiency, log):
+@dataclass(frozen=True)
+class Hardware:
+    """The `hardware` section as tune prices it: the GPU's key (`hardware.gpu`), its `pipeline.hardware.GPU` datasheet
+    entry, the measured profile (`hardware.profile`, None: the datasheet) and `hardware.tensor_parallel_size`."""
+
+    gpu_key: str
+    gpu: object
+    profile: Path | None = None
+    tp: int = 1
+
+
+def deployment(target: dict, draft: dict, draft_cfg: dict, quant, *, hardware: Hardware, context_length: int,
+               efficiency, log):
     """Shapes, precisions and machine of the deployment, and a description of them for tuning.json.
 
-    `quant`: the quantize artifact's info (`format`, `kv_cache_fp8`, `draft_is_fp8`); `gpu`: the
-    `pipeline.hardware.GPU` datasheet entry of `hardware.gpu` (`gpu_key`); `profile`: `hardware.profile`;
-    `efficiency`: `tune.efficiency` (`compute`, `memory`, `op_overhead_us`)."""
+    `quant`: the quantize artifact's info (`format`, `kv_cache_fp8`, `draft_is_fp8`); `efficiency`: `tune.efficiency`
+    (`compute`, `memory`, `op_overhead_us`)."""
+    gpu_key, gpu, profile, tp = hardware.gpu_key, hardware.gpu, hardware.profile, hardware.tp
     algo = draft.get("algorithm")
     if algo not in ("eagle3", "dflash"):
         raise RuntimeFailure(f"draft.json algorithm is {algo!r}; tune prices eagle3 and dflash drafts")

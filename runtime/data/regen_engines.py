@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.data.regenerate import regenerate, write_batch
+from runtime.data.regenerate import Decoding, RegenRun, regenerate, write_batch
 from runtime.errors import RuntimeFailure, RuntimeUsageError
 from runtime.vllm import engine as E
 
@@ -195,11 +195,12 @@ def _answer(job: ServerJob, prompt: list[int], seed: int, sampling: dict, stop_i
 
 
 def server_batches(job: ServerJob, prompts: list[list[int]], keys: list[str], todo: list, results: list, *, resumed: int,
-                   max_new_tokens: int, temperature: float, top_p: float, stop_ids: list[int], seed: int,
-                   scratch: Path | None, log, progress, on_batch) -> dict:
+                   decoding: Decoding, run: RegenRun) -> dict:
     """`regenerate`'s batch driver for a completions server: every prompt of `todo` submitted in plan order with
-    `job.batch_size` requests in flight; a batch is written to `scratch` as soon as all its answers are in."""
-    sampling = {"max_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p}
+    `job.batch_size` requests in flight; a batch is written to `run.scratch` as soon as all its answers are in."""
+    d, scratch, progress, on_batch = decoding, run.scratch, run.progress, run.on_batch
+    stop_ids, seed = d.stop_ids, d.seed
+    sampling = {"max_tokens": d.max_new_tokens, "temperature": d.temperature, "top_p": d.top_p}
     left = {b: len(idx) for b, idx in todo}
     plan = dict(todo)
     new_tokens = retok = done = generated = 0
@@ -229,21 +230,35 @@ def server_batches(job: ServerJob, prompts: list[list[int]], keys: list[str], to
             "retokenized": retok, "engine": job.kind, "detail": job.detail}
 
 
-def _vllm_batches(choice: EngineChoice, vllm_cfg, model_dir: Path, dtype: str | None, max_model_len: int,
-                  batch_size: int, log_dir: Path):
+@dataclass(frozen=True)
+class RegenTarget:
+    """The target a regeneration runs: its checkpoint, the dtype a started vLLM serves it in (None: vLLM's choice), the
+    longest sequence it is asked for, and, for a server that answers with text only, the tokenizer and the id that
+    stands for the end of turn a `stop` finish reason reports."""
+
+    model_dir: Path
+    dtype: str | None = None
+    max_model_len: int = 0
+    tok: object = None
+    end_id: int | None = None
+
+
+def _vllm_batches(choice: EngineChoice, vllm_cfg, target: RegenTarget, batch_size: int, log_dir: Path):
     """A batch driver that starts vLLM for the job (target, its dtype, no draft), drives it, and stops it."""
+    model_dir, dtype, max_model_len = target.model_dir, target.dtype, target.max_model_len
+
     def run(prompts, keys, todo, results, **kw):
         if not todo:
             return {"load_s": 0.0, "gen_s": 0.0, "new_tokens": 0, "padded": 0, "generated": 0, "engine": "vllm",
                     "detail": "vLLM (not started: every batch resumed)"}
         log_dir.mkdir(parents=True, exist_ok=True)
-        srv = E.VllmServer(choice.install, str(model_dir), max_model_len=max_model_len, dtype=dtype,
+        srv = E.VllmServer(choice.install, E.ServeArgs(str(model_dir), max_model_len=max_model_len, dtype=dtype),
                            kv_cache_gib=getattr(vllm_cfg, "kv_cache_gib", 2.0),
                            ready_timeout=getattr(vllm_cfg, "ready_timeout_s", 600.0), log_path=log_dir / "vllm.log")
         t0 = time.perf_counter()
         with srv:
             load_s = time.perf_counter() - t0
-            kw["log"].info("regeneration: vLLM %s serves %s (dtype %s, max-model-len %d) after %.1fs; log %s",
+            kw["run"].log.info("regeneration: vLLM %s serves %s (dtype %s, max-model-len %d) after %.1fs; log %s",
                            choice.install.version, model_dir, dtype, max_model_len, load_s, srv.log_path)
             job = ServerJob(Completions(srv.url, srv.served_model_name), batch_size, kind="vllm",
                             detail=f"vLLM {choice.install.version} ({choice.install.device}), dtype {dtype}, started for the job")
@@ -256,18 +271,18 @@ def _vllm_batches(choice: EngineChoice, vllm_cfg, model_dir: Path, dtype: str | 
     return run
 
 
-def run_regeneration(choice: EngineChoice, *, vllm_cfg, model_dir: Path, dtype: str | None, max_model_len: int, tok,
-                     end_id: int | None, prompts: list[list[int]], keys: list[str], batch_size: int, scratch: Path,
-                     log, **kw) -> tuple[list[list[int]], dict]:
+def run_regeneration(choice: EngineChoice, *, vllm_cfg, target: RegenTarget, prompts: list[list[int]], keys: list[str],
+                     batch_size: int, decoding: Decoding, run: RegenRun) -> tuple[list[list[int]], dict]:
     """`regenerate` through the chosen engine; a vLLM chosen by `auto` that fails to start or serve hands over to the
     runtime, which continues from the batches already finished. The stats carry engine, why and `retokenized`."""
-    common = dict(batch_size=batch_size, scratch=scratch, log=log, **kw)
+    common = dict(batch_size=batch_size, decoding=decoding, run=run)
+    model_dir, log = target.model_dir, run.log
     why, fallback = choice.why, None
     log.info("regeneration engine: %s (%s)", choice.kind, choice.why)
     if choice.kind == "runtime":
         gens, st = regenerate(model_dir, prompts, keys, **common)
     elif choice.kind == "endpoint":
-        job = ServerJob(Completions(choice.endpoint, choice.model), batch_size, tok=tok, end_id=end_id,
+        job = ServerJob(Completions(choice.endpoint, choice.model), batch_size, tok=target.tok, end_id=target.end_id,
                         detail=f"{choice.endpoint}")
         job.detail = f"{choice.endpoint} model {job.client.model}"
         gens, st = regenerate(model_dir, prompts, keys, generate_batches=lambda *a, **k: server_batches(job, *a, **k),
@@ -275,7 +290,7 @@ def run_regeneration(choice: EngineChoice, *, vllm_cfg, model_dir: Path, dtype: 
     else:
         try:
             gens, st = regenerate(model_dir, prompts, keys, generate_batches=_vllm_batches(
-                choice, vllm_cfg, model_dir, dtype, max_model_len, batch_size, scratch.parent / "vllm"), **common)
+                choice, vllm_cfg, target, batch_size, run.scratch.parent / "vllm"), **common)
         except (E.VllmUnavailable, E.VllmError) as e:
             if not choice.auto:
                 raise

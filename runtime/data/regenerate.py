@@ -19,6 +19,31 @@ from runtime.files import atomic_write_text
 RUNTIME_DETAIL = "runtime.engine.speculative (autoregressive, KV cache, draft_len 0)"
 
 
+@dataclass(frozen=True)
+class Decoding:
+    """How the target continues every prompt: at most `max_new_tokens` new tokens, sampled at `temperature`/`top_p`
+    (0.0: greedy) with the seed of its batch (`seed + b`; a server engine's request i: `seed + b * batch_size + i`),
+    each answer cut after its first stop id."""
+
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    stop_ids: list[int]
+    seed: int
+
+
+@dataclass(frozen=True)
+class RegenRun:
+    """Where a regeneration keeps its finished batches (`scratch`, None: nowhere, nothing resumed), its log, its
+    progress bars (`progress(total=, desc=)`, none when None) and `on_batch(n)`, called after the n-th batch this run
+    decoded (the stage's fault points)."""
+
+    scratch: Path | None
+    log: object
+    progress: object = None
+    on_batch: object = None
+
+
 @dataclass
 class RegenJob:
     """One prompt for the target to continue, and the sample it came from."""
@@ -80,16 +105,15 @@ def select_jobs(r, tok, candidates: list[Sample], limit: int, budget: int, max_l
     return jobs, skipped
 
 
-def regenerate(model_dir: Path, prompts: list[list[int]], keys: list[str], *, batch_size: int, max_new_tokens: int,
-               temperature: float, top_p: float, stop_ids: list[int], seed: int, scratch: Path | None, log,
-               progress=None, on_batch=None, generate_batches=None) -> tuple[list[list[int]], dict]:
+def regenerate(model_dir: Path, prompts: list[list[int]], keys: list[str], *, batch_size: int, decoding: Decoding,
+               run: RegenRun, generate_batches=None) -> tuple[list[list[int]], dict]:
     """The target's continuation of every prompt, through specpipe's runtime (`runtime.engine.speculative`: batched
     KV-cache decoding, draft_len 0) or `generate_batches` (an engine of runtime/data/regen_engines.py, same
     signature as `_generate_batches` without `model_dir`). Prompts are sorted by (length, key) into batches of
-    `batch_size`; batch b is decoded with seed `seed + b`; each finished batch is written to `scratch` and reused on a
-    rerun, whatever engine wrote it (an interrupted regeneration continues where it stopped). `progress(total=,
-    desc=)`: a progress context (none when None); `on_batch(n)`: called after the n-th batch this run decoded (the
-    stage's fault points). Returns (generated ids per prompt, cut after the first stop id, and statistics)."""
+    `batch_size`; batch b is decoded with seed `decoding.seed + b`; each finished batch is written to `run.scratch` and
+    reused on a rerun, whatever engine wrote it (an interrupted regeneration continues where it stopped). Returns
+    (generated ids per prompt, cut after the first stop id, and statistics)."""
+    d, scratch, log = decoding, run.scratch, run.log
     n = len(prompts)
     order = sorted(range(n), key=lambda j: (len(prompts[j]), keys[j]))
     batches = [order[i: i + batch_size] for i in range(0, n, batch_size)]
@@ -99,26 +123,25 @@ def regenerate(model_dir: Path, prompts: list[list[int]], keys: list[str], *, ba
         log.info("regeneration: resumed %d finished batches (%d prompts) from %s; %d prompts left", resumed_batches, resumed,
                  scratch, n - resumed)
     gen = generate_batches or functools.partial(_generate_batches, model_dir)
-    run = gen(prompts, keys, todo, results, resumed=resumed, max_new_tokens=max_new_tokens, temperature=temperature,
-              top_p=top_p, stop_ids=stop_ids, seed=seed, scratch=scratch, log=log, progress=progress, on_batch=on_batch)
-    stop = set(stop_ids)
+    counts = gen(prompts, keys, todo, results, resumed=resumed, decoding=d, run=run)
+    stop = set(d.stop_ids)
     outs = [t or [] for t in results]
     ended = sum(1 for t in outs if t and t[-1] in stop)
-    gen_s, new_tokens, generated = run["gen_s"], run["new_tokens"], run["generated"]
+    gen_s, new_tokens, generated = counts["gen_s"], counts["new_tokens"], counts["generated"]
     stats = {
-        "engine": run.get("engine", "runtime"), "engine_detail": run.get("detail", RUNTIME_DETAIL),
-        "retokenized": run.get("retokenized", 0),
+        "engine": counts.get("engine", "runtime"), "engine_detail": counts.get("detail", RUNTIME_DETAIL),
+        "retokenized": counts.get("retokenized", 0),
         "prompts": n, "batches": len(batches), "batch_size": batch_size, "resumed_prompts": resumed,
-        "resumed_batches": resumed_batches, "generated_prompts": generated, "max_new_tokens": max_new_tokens,
-        "temperature": temperature, "top_p": top_p, "stop_ids": list(stop_ids),
-        "load_seconds": round(run["load_s"], 3), "seconds": round(gen_s, 3),
+        "resumed_batches": resumed_batches, "generated_prompts": generated, "max_new_tokens": d.max_new_tokens,
+        "temperature": d.temperature, "top_p": d.top_p, "stop_ids": list(d.stop_ids),
+        "load_seconds": round(counts["load_s"], 3), "seconds": round(gen_s, 3),
         "new_tokens": new_tokens,
         "prompts_per_s": round(generated / gen_s, 4) if gen_s else None,
         "new_tokens_per_s": round(new_tokens / gen_s, 3) if gen_s else None,
         "mean_new_tokens": round(sum(len(t) for t in outs) / n, 2) if n else 0.0,
         "ended_at_stop": ended,
-        "hit_max_new_tokens": sum(1 for t in outs if len(t) >= max_new_tokens and not (t and t[-1] in stop)),
-        "prefill_padding_fraction": round(run["padded"] / max(1, run["padded"] + sum(len(prompts[j]) for _, idx in todo
+        "hit_max_new_tokens": sum(1 for t in outs if len(t) >= d.max_new_tokens and not (t and t[-1] in stop)),
+        "prefill_padding_fraction": round(counts["padded"] / max(1, counts["padded"] + sum(len(prompts[j]) for _, idx in todo
                                                                                      for j in idx)), 4),
     }
     return outs, stats
@@ -149,10 +172,12 @@ def _resume_batches(batches: list[list[int]], keys: list[str], scratch: Path | N
 
 
 def _generate_batches(model_dir: Path, prompts: list[list[int]], keys: list[str], todo: list, results: list, *,
-                      resumed: int, max_new_tokens: int, temperature: float, top_p: float, stop_ids: list[int],
-                      seed: int, scratch: Path | None, log, progress, on_batch) -> dict:
+                      resumed: int, decoding: Decoding, run: RegenRun) -> dict:
     """Decode the batches in `todo` into `results` (the target is loaded at the first batch), each written to
-    `scratch` when finished. Returns the counters {"load_s", "gen_s", "new_tokens", "padded", "generated"}."""
+    `run.scratch` when finished. Returns the counters {"load_s", "gen_s", "new_tokens", "padded", "generated"}."""
+    from runtime.engine.sampling import Sampling
+
+    d, scratch, log, progress, on_batch = decoding, run.scratch, run.log, run.progress, run.on_batch
     engine, load_s, gen_s, new_tokens, padded, done, generated = None, 0.0, 0.0, 0, 0, 0, 0
     bars = progress(total=len(prompts), desc="regenerate with target") if progress else contextlib.nullcontext()
     with bars as bar:
@@ -169,8 +194,8 @@ def _generate_batches(model_dir: Path, prompts: list[list[int]], keys: list[str]
                 log.info("regeneration: target loaded through runtime.engine.speculative in %.1fs", load_s)
             batch = [prompts[j] for j in idx]
             t0 = time.perf_counter()
-            g = engine.generate(batch, max_new_tokens=max_new_tokens, draft_len=0, temperature=temperature, top_p=top_p,
-                                eos_token_id=stop_ids, seed=seed + b)
+            g = engine.generate(batch, max_new_tokens=d.max_new_tokens, draft_len=0, eos_token_id=d.stop_ids,
+                                sampling=Sampling(d.temperature, d.top_p, d.seed + b))
             dt = time.perf_counter() - t0
             for j, t in zip(idx, g.tokens, strict=True):
                 results[j] = t

@@ -20,7 +20,7 @@ import torch
 
 from runtime.engine.drafters import Drafter
 from runtime.engine.layers import KVCache
-from runtime.engine.sampling import accept, pick
+from runtime.engine.sampling import GREEDY, Sampling, accept, pick
 from runtime.engine.stats import RequestStats, RunStats
 from runtime.engine.target import TargetRunner
 
@@ -60,6 +60,15 @@ class BatchRequest:
     finish: str | None = None          # "stop" (an eos id) | "length" | "cancelled" once it left the batch
 
 
+@dataclass(frozen=True)
+class StepHooks:
+    """What a batch reports as it decodes: `on_tokens(request key, tokens)` each time tokens are appended to a
+    request's output, `on_verify(VerifyStep)` after every deciding target forward (None: not reported)."""
+
+    on_tokens: Callable[[int, list[int]], None] | None = None
+    on_verify: Callable[[VerifyStep], None] | None = None
+
+
 class Seat:
     """Which batch holds the target's cache and the drafter's per-row state now. Several batches may share one
     target and drafter (one per sampling rule, `runtime.serving.batching`): they share one seat, and a batch that
@@ -80,24 +89,23 @@ class DecodeBatch:
     draws depend on what else is in the batch; greedy rows do not). Statistics accumulate in `stats` as in
     `generate`; finished requests wait in `finished` (key -> BatchRequest) until the caller pops them."""
 
-    def __init__(self, target: TargetRunner, drafter: Drafter | None, *, draft_len: int, temperature: float, seed: int,
-                 speculative: bool, top_p: float, on_tokens=None, on_verify=None, accept_rule: Callable = accept,
-                 seat: Seat | None = None):
+    def __init__(self, target: TargetRunner, drafter: Drafter | None, *, draft_len: int, sampling: Sampling = GREEDY,
+                 hooks: StepHooks = StepHooks(), accept_rule: Callable = accept, seat: Seat | None = None):
         """`accept_rule(logits, d, q, temperature, gen, top_p, lens=...)` -> (accepted [B], next tokens [B]): the
         acceptance rule (`runtime.engine.sampling.accept`; an engine may pass its own). `seat`: the one every batch
         on this target and drafter shares (a batch of its own when None)."""
         self.target = target
         self.accept_rule = accept_rule
         self.seat = seat if seat is not None else Seat()
-        self.drafter = drafter if (speculative and draft_len > 0) else None
+        self.drafter = drafter if draft_len > 0 else None
         self.k = draft_len if self.drafter is not None else 0
         d = self.drafter
         if d is not None and d.max_draft_len is not None and self.k > d.max_draft_len:
             raise ValueError(f"draft_len {self.k} exceeds what the drafter can propose ({d.max_draft_len})")
-        self.temperature, self.top_p = temperature, top_p
-        self.on_tokens, self.on_verify = on_tokens, on_verify
+        self.temperature, self.top_p = sampling.temperature, sampling.top_p
+        self.on_tokens, self.on_verify = hooks.on_tokens, hooks.on_verify
         self.device = target.device
-        self.gen = torch.Generator(device=self.device).manual_seed(seed)  # on the device: multinomial needs it there
+        self.gen = torch.Generator(device=self.device).manual_seed(sampling.seed)  # on the device: multinomial needs it there
         self.stats = RunStats(self.k)
         self.rows: list[BatchRequest] = []       # live requests, in batch-row order
         self.x: torch.Tensor | None = None       # [B] the next token of each row (decided, not yet processed)

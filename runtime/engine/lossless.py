@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runtime.engine.sampling import Sampling
 from runtime.engine.target import TargetRunner
 
 # ---------------------------------------------------------------------------------------------- exact
@@ -260,8 +261,9 @@ def checked_generate(engine, prompts: list[list[int]], *, tally: InvariantTally 
     is added to `tally`. Returns (Generation, AcceptanceChecker)."""
     eos = kw.get("eos_token_id")
     eos = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
+    sampling = kw.get("sampling") or Sampling()
     chk = AcceptanceChecker(prompts, max_new_tokens=kw["max_new_tokens"], eos=eos,
-                            temperature=kw.get("temperature", 0.0), top_p=kw.get("top_p", 1.0))
+                            temperature=sampling.temperature, top_p=sampling.top_p)
     g = engine.generate(prompts, on_verify=chk, **kw)
     chk.finish(g.tokens)
     if tally is not None:

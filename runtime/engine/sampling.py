@@ -6,7 +6,22 @@ sample from norm(max(0, p - q)); if all k are accepted, sample a bonus token fro
 distribution is exactly the target's. `SpeculativeEngine._accept` is `accept` (a subclass may replace it)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """A batch's sampling rule: `temperature` (0: greedy), `top_p` (< 1: sampling restricted to the nucleus) and the
+    seed of the batch's random generator."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+GREEDY = Sampling()     # the default: greedy decoding, seed 0
 
 
 def probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.engine.decode_batch import DecodeBatch, Seat, VerifyStep
+from runtime.engine.decode_batch import DecodeBatch, Seat, StepHooks, VerifyStep
 from runtime.engine.drafters import Drafter, make_drafter
 from runtime.engine.drafts import load_draft
-from runtime.engine.sampling import accept
+from runtime.engine.sampling import GREEDY, Sampling, accept
 from runtime.engine.stats import RequestStats, RunStats
 from runtime.engine.target import TargetRunner, load_target, target_shape
 
@@ -55,29 +55,28 @@ class SpeculativeEngine:
         self.compute = self.target.compute
         self._seat = Seat()           # the batches on this engine share its target's cache and its drafter's rows
 
-    def batch(self, *, draft_len: int = 0, temperature: float = 0.0, seed: int = 0, speculative: bool = True,
-              top_p: float = 1.0, on_tokens: Callable[[int, list[int]], None] | None = None,
+    def batch(self, *, draft_len: int = 0, sampling: Sampling = GREEDY,
+              on_tokens: Callable[[int, list[int]], None] | None = None,
               on_verify: Callable[[VerifyStep], None] | None = None) -> DecodeBatch:
         """A running batch on this engine's target and drafter, with this engine's acceptance rule (`_accept`).
         Batches on one engine take turns: the one that runs holds the target's cache and the drafter's rows."""
-        return DecodeBatch(self.target, self.drafter, draft_len=draft_len, temperature=temperature, seed=seed,
-                           speculative=speculative, top_p=top_p, on_tokens=on_tokens, on_verify=on_verify,
-                           accept_rule=self._accept, seat=self._seat)
+        return DecodeBatch(self.target, self.drafter, draft_len=draft_len, sampling=sampling,
+                           hooks=StepHooks(on_tokens, on_verify), accept_rule=self._accept, seat=self._seat)
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, draft_len: int = 0, temperature: float = 0.0,
-                 eos_token_id: int | Iterable[int] | None = None, seed: int = 0, speculative: bool = True,
-                 top_p: float = 1.0, on_tokens: Callable[[int, list[int]], None] | None = None,
+    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, draft_len: int = 0,
+                 eos_token_id: int | Iterable[int] | None = None, sampling: Sampling = GREEDY,
+                 on_tokens: Callable[[int, list[int]], None] | None = None,
                  on_verify: Callable[[VerifyStep], None] | None = None) -> Generation:
         """`eos_token_id`: one id or several (an instruct model's end-of-turn and its eos); a request stops after
-        the first of them. `top_p` < 1 restricts sampling (temperature > 0) to the nucleus; the acceptance rule
-        then targets that distribution. `on_tokens(request index, tokens)` is called each time tokens are
-        appended to a request's output (after prefill and after every verification step): per-step streaming.
+        the first of them. `draft_len` 0: plain autoregressive decoding. `sampling.top_p` < 1 restricts sampling
+        (temperature > 0) to the nucleus; the acceptance rule then targets that distribution. `on_tokens(request
+        index, tokens)` is called each time tokens are appended to a request's output (after prefill and after every
+        verification step): per-step streaming.
         `on_verify(VerifyStep)` sees every verification forward (the prefill's first token included) with what
         the engine decided from it: the hook a checker of the acceptance rule needs."""
         t_start = time.perf_counter()
-        b = self.batch(draft_len=draft_len, temperature=temperature, seed=seed, speculative=speculative, top_p=top_p,
-                       on_tokens=on_tokens, on_verify=on_verify)
+        b = self.batch(draft_len=draft_len, sampling=sampling, on_tokens=on_tokens, on_verify=on_verify)
         keys = b.add(prompts, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
         while b.live:
             b.step()

@@ -7,6 +7,7 @@ cannot be rebuilt)."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.algorithms import eagle3
@@ -14,7 +15,7 @@ from runtime.algorithms.export import read_export
 from runtime.errors import RuntimeFailure
 from runtime.files import publish_tree
 from runtime.quant.export import cast_high_precision, copy_tokenizer
-from runtime.quant.ptq import align_with_deployment, place_model, quant_config
+from runtime.quant.ptq import CPU_RUN, QuantRun, align_with_deployment, place_model, quant_config
 
 # ModelOpt's EAGLE-3 fc module (the pattern that disables its weight and input quantizers)
 EAGLE_FC = "*eagle_module.fc"
@@ -101,17 +102,30 @@ def _draft_eval(model, samples, device) -> tuple[float, float]:
     return acc / len(samples), loss / len(samples)
 
 
-def quantize_eagle_checkpoint(target_dir: Path, draft_dir: Path, out: Path, calib, heldout, *, kv_cache="fp8",
-                              exclude=(), fc_fp8: bool = True, device=None, dtype=None, export_dtype=None,
-                              log=None) -> dict:
+@dataclass(frozen=True)
+class DraftRecipe:
+    """How an EAGLE-3 draft is quantized: its KV cache ("fp8" or "none"), the module patterns kept in high precision,
+    and whether `fc` is FP8 (False: `EAGLE_FC` stays BF16)."""
+
+    kv_cache: str = "fp8"
+    exclude: tuple = ()
+    fc_fp8: bool = True
+
+
+def quantize_eagle_checkpoint(target_dir: Path, draft_dir: Path, out: Path, calib, heldout, *,
+                              recipe: DraftRecipe = DraftRecipe(), run: QuantRun = CPU_RUN) -> dict:
     """FP8-quantize an exported EAGLE-3 draft: rebuild ModelOpt's EAGLE model around the target, quantize only the
     draft (`eagle_module`), calibrate with the training-time forward (every TTT step runs the draft on its own
     outputs, as speculative decoding does), export with `export_speculative_decoding`, keep the original draft
     config (plus `quantization_config`) and tokenizer. Then load the written draft back through `runtime.engine.fp8`
     and compare its EAGLE loss with the fake-quant model's: the export's consistency check. `fc_fp8=False` keeps
-    `fc` in high precision (`EAGLE_FC`: what TensorRT-LLM 1.2's loader reads, runtime.trtllm.compat eagle3_fc_quant)."""
+    `fc` in high precision (`EAGLE_FC`: what TensorRT-LLM 1.2's loader reads, runtime.trtllm.compat eagle3_fc_quant).
+    `run.progress` is not used."""
     import modelopt.torch.quantization as mtq
     import torch
+
+    kv_cache, exclude, fc_fp8 = recipe.kv_cache, recipe.exclude, recipe.fc_fp8
+    device, dtype, log = run.device, run.dtype, run.log
 
     device = device or torch.device("cpu")
     dtype = dtype or torch.float32

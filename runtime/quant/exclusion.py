@@ -11,6 +11,7 @@ from pathlib import Path
 
 from runtime.errors import RuntimeFailure
 from runtime.quant.modules import decoder_layers, quantized_linears
+from runtime.quant.ptq import CPU_RUN, RECIPES, QuantRun
 from runtime.quant.quality import scored_positions
 
 
@@ -133,8 +134,8 @@ def _compare(ref: list, test: list, samples) -> tuple[float, float]:
     return math.exp((nll_t - nll_r) / max(n, 1)) - 1, kl / max(n, 1)
 
 
-def search_exclusions(fq_model, target_dir: Path, calib: list[dict], *, per_token: bool, kv_cache: str,
-                      max_ppl_increase: float, opts, device=None, dtype=None, progress=None, log=None) -> dict:
+def search_exclusions(fq_model, target_dir: Path, calib: list[dict], *, recipe: str, kv_cache: str,
+                      max_ppl_increase: float, opts, run: QuantRun = CPU_RUN) -> dict:
     """The fewest decoder layers to keep in BF16 so that FP8 meets `max_ppl_increase` on calibration samples.
 
     1. Check: the fully quantized model on `check_samples` calibration samples (truncated to `seq_len`; the last
@@ -155,11 +156,13 @@ def search_exclusions(fq_model, target_dir: Path, calib: list[dict], *, per_toke
     the verification. Returns {"kept_bf16": [patterns], "layers", "sensitivity", "checks", "passed_on_calibration",
     "forwards", "seconds"}.
 
-    `per_token`: the recipe quantizes activations per token (FP8_PER_CHANNEL_PER_TOKEN); `opts` has `headroom`,
+    `recipe`: the `RECIPES` entry calibrated (FP8_PER_CHANNEL_PER_TOKEN quantizes activations per token); `opts` has `headroom`,
     `seq_len`, `sensitivity_samples`, `check_samples` and `max_layers` (the quantize stage's `auto_exclude`).
     RuntimeFailure when the target cannot be placed or has no decoder-layer list."""
     import torch
 
+    device, dtype, progress, log = run.device, run.dtype, run.progress, run.log
+    per_token = RECIPES[recipe]["quant_algo"] == "FP8_PER_CHANNEL_PER_TOKEN"
     t0 = time.monotonic()
     target = opts.headroom * max_ppl_increase
     sm = SearchModel(fq_model, target_dir, per_token=per_token, kv_cache=kv_cache, device=device or torch.device("cpu"),

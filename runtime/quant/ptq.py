@@ -6,6 +6,7 @@ Failures are `runtime.errors.RuntimeFailure`."""
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.errors import RuntimeFailure
@@ -20,6 +21,20 @@ RECIPES: dict[str, dict] = {
                                   "trtllm": "FP8RowwiseLinearMethod", "weights": "per-channel",
                                   "activations": "dynamic per-token (computed at run time)"},
 }
+
+
+@dataclass(frozen=True)
+class QuantRun:
+    """Where a quantization runs: the device (None: the CPU), the calibration dtype (None: float32), the progress-bar
+    factory (`progress(iterable, total=, desc=)`, none when None) and the log (None: silent)."""
+
+    device: object = None
+    dtype: object = None
+    progress: object = None
+    log: object = None
+
+
+CPU_RUN = QuantRun()     # the default: on the CPU, float32, no progress bars, silent
 
 
 def place_model(model, device):
@@ -58,12 +73,14 @@ def quant_config(fmt: str, kv_cache: str, exclude: list[str], *, only_under: str
     return cfg
 
 
-def quantize_model(model_dir: Path, calib: list[dict], *, fmt="fp8", kv_cache="fp8", exclude=(), device=None,
-                   dtype=None, progress=None, log=None):
+def quantize_model(model_dir: Path, calib: list[dict], *, fmt="fp8", kv_cache="fp8", exclude=(),
+                   run: QuantRun = CPU_RUN):
     """Load a HF causal LM and return it quantized and calibrated by ModelOpt (fake-quant, ready to export)."""
     import modelopt.torch.quantization as mtq
     import torch
     from transformers import AutoModelForCausalLM
+
+    device, dtype, progress, log = run.device, run.dtype, run.progress, run.log
 
     device = device or torch.device("cpu")
     model = place_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or torch.float32), device).eval()

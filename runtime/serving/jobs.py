@@ -133,8 +133,10 @@ class Group:
     """One running batch (one sampling key) and the jobs of its rows."""
 
     def __init__(self, engine: TextEngine, key: tuple[float, float], seed: int, metrics):
+        from runtime.engine.sampling import Sampling
+
         self.engine, self.key, self.metrics = engine, key, metrics
-        self.batch = engine.engine.batch(draft_len=engine.draft_len, temperature=key[0], top_p=key[1], seed=seed,
+        self.batch = engine.engine.batch(draft_len=engine.draft_len, sampling=Sampling(key[0], key[1], seed),
                                          on_tokens=self._on_tokens)
         self.jobs: dict[int, Job] = {}
         self._next = 0

@@ -240,16 +240,33 @@ def model_names(repository: Path) -> list[str]:
     return sorted(p.parent.name for p in Path(repository).glob("*/config.pbtxt"))
 
 
-def start(repositories: list[Path] | Path, *, models: list[str] | None = None, http_port: int | None = None,
-          grpc_port: int | None = None, metrics_port: int | None = None, work_dir: Path | None = None,
-          ready_timeout: float = 60.0, load_timeout: float = 600.0, log_verbose: int = 0,
-          model_parameters: dict[str, str] | None = None, decoupled: bool | None = None) -> TritonServer:
-    """Start tritonserver on `repositories`, wait until it is ready, load `models` (default: every model found).
+@dataclass(frozen=True)
+class Ports:
+    """tritonserver's HTTP, gRPC and metrics ports (None: a free one)."""
+
+    http: int | None = None
+    grpc: int | None = None
+    metrics: int | None = None
+
+
+@dataclass(frozen=True)
+class ModelLoad:
+    """How `start` loads each model: the load timeout, the entries added to its config `parameters` (e.g.
+    specpipe_max_batch for the CPU model) and its transaction policy (None: as configured)."""
+
+    timeout: float = 600.0
+    parameters: dict[str, str] | None = None
+    decoupled: bool | None = None
+
+
+def start(repositories: list[Path] | Path, *, models: list[str] | None = None, ports: Ports = Ports(),
+          work_dir: Path | None = None, ready_timeout: float = 60.0, log_verbose: int = 0,
+          load: ModelLoad = ModelLoad()) -> TritonServer:
+    """Start tritonserver on `repositories`, wait until it is ready, load `models` (default: every model found)
+    as `load` says.
 
     The caller owns the returned server and must `stop()` it (or use it as a context manager). Raises
-    TritonServerError (after stopping the server) when startup or a model load fails. `model_parameters` are
-    added to every loaded model's config `parameters` (e.g. specpipe_max_batch for the CPU model); `decoupled`
-    overrides their transaction policy.
+    TritonServerError (after stopping the server) when startup or a model load fails.
     """
     repos = _repositories(repositories)
     if models is None:
@@ -259,12 +276,12 @@ def start(repositories: list[Path] | Path, *, models: list[str] | None = None, h
     wd = Path(tempfile.mkdtemp(prefix="specpipe-triton-")) if own else Path(work_dir)
     wd.mkdir(parents=True, exist_ok=True)
     backends = _backend_dir(inst, wd)
-    auto_ports = http_port is None and grpc_port is None and metrics_port is None
+    auto_ports = ports.http is None and ports.grpc is None and ports.metrics is None
     attempts = 3 if auto_ports else 1
     last_error: TritonServerError | None = None
     for _ in range(attempts):
-        ports = [http_port or free_port(), grpc_port or free_port(), metrics_port or free_port()]
-        srv = _launch(inst, repos, backends, wd, ports, log_verbose)
+        picked = [ports.http or free_port(), ports.grpc or free_port(), ports.metrics or free_port()]
+        srv = _launch(inst, repos, backends, wd, picked, log_verbose)
         try:
             srv.wait_ready(ready_timeout)
         except TritonServerError as e:
@@ -279,7 +296,7 @@ def start(repositories: list[Path] | Path, *, models: list[str] | None = None, h
             raise
         try:
             for m in models:
-                srv.load(m, timeout=load_timeout, parameters=model_parameters, decoupled=decoupled)
+                srv.load(m, timeout=load.timeout, parameters=load.parameters, decoupled=load.decoupled)
         except BaseException:
             _abandon(srv, wd, own)
             raise

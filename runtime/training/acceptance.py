@@ -5,6 +5,7 @@ one that runs on a sharded target)."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.training.job import JobError, capture_layer_ids
@@ -14,8 +15,20 @@ ESTIMATORS = {"runtime": "specpipe runtime, BF16 target + exported draft (valida
               "modelopt": "ModelOpt validate_online"}
 
 
-def runtime_acceptance(target_dir: str | Path, draft_dir: str | Path, prompts: dict[str, list[list[int]]], *, osl: int,
-                       draft_len: int, batch_size: int, eos_token_ids: list[int], device: str = "cpu", seed: int = 0,
+@dataclass(frozen=True)
+class EvalDecoding:
+    """How the acceptance estimate decodes: at most `osl` new tokens per request, `draft_len` draft tokens per step,
+    `batch_size` prompts per `generate` call, stopping at the first of `eos_token_ids`, batch i seeded `seed + i`."""
+
+    osl: int
+    draft_len: int
+    batch_size: int
+    eos_token_ids: list[int]
+    seed: int = 0
+
+
+def runtime_acceptance(target_dir: str | Path, draft_dir: str | Path, prompts: dict[str, list[list[int]]],
+                       decoding: EvalDecoding, *, device: str = "cpu",
                        expected_capture_layers: list[int] | None = None) -> dict:
     """The acceptance estimate through specpipe's speculative runtime, with the `validate` stage's definition and
     procedure: the target (here the BF16 checkpoint) and the draft as exported (`runtime.engine.drafts.load_draft`, ModelOpt's
@@ -26,10 +39,13 @@ def runtime_acceptance(target_dir: str | Path, draft_dir: str | Path, prompts: d
 
     from runtime.algorithms import dflash
     from runtime.engine.drafts import load_draft
+    from runtime.engine.sampling import Sampling
     from runtime.engine.speculative import SpeculativeEngine
     from runtime.engine.stats import RunStats
     from runtime.engine.target import load_target, target_shape
 
+    osl, draft_len, batch_size, eos_token_ids = decoding.osl, decoding.draft_len, decoding.batch_size, decoding.eos_token_ids
+    seed = decoding.seed
     t0 = time.monotonic()
     model = load_target(target_dir, device=device)
     draft = load_draft(draft_dir, target_shape(model), device=device, expected_capture_layers=expected_capture_layers)
@@ -41,8 +57,8 @@ def runtime_acceptance(target_dir: str | Path, draft_dir: str | Path, prompts: d
     for domain, ps in prompts.items():
         st = RunStats(draft_len)
         for i in range(0, len(ps), batch_size):
-            g = eng.generate(ps[i:i + batch_size], max_new_tokens=osl, draft_len=draft_len, temperature=0.0,
-                             eos_token_id=eos_token_ids, seed=seed + i, speculative=True)
+            g = eng.generate(ps[i:i + batch_size], max_new_tokens=osl, draft_len=draft_len,
+                             eos_token_id=eos_token_ids, sampling=Sampling(seed=seed + i))
             st = st.merge(g.stats)
         d = st.as_dict()
         per_domain[domain] = {"acceptance_length": round(st.acceptance_length, 6), "prompts": len(ps), "steps": st.steps,
@@ -99,9 +115,9 @@ def runtime_estimate(job: dict, export_dir: Path, prompts: dict, device) -> tupl
     """`runtime_acceptance` of the exported draft with the BF16 target. Returns (estimate, seconds)."""
     ev = job["eval"]
     t0 = time.monotonic()
-    acc = runtime_acceptance(job["target_dir"], export_dir, prompts, osl=ev["osl"], draft_len=ev["draft_len"],
-                             batch_size=ev.get("batch_size", 4), eos_token_ids=ev.get("eos_token_ids") or [],
-                             device=device.type, seed=job["train"]["seed"],
+    decoding = EvalDecoding(ev["osl"], ev["draft_len"], ev.get("batch_size", 4), ev.get("eos_token_ids") or [],
+                            seed=job["train"]["seed"])
+    acc = runtime_acceptance(job["target_dir"], export_dir, prompts, decoding, device=device.type,
                              expected_capture_layers=capture_layer_ids(job))
     return acc, time.monotonic() - t0
 

@@ -4,6 +4,7 @@ the readings of it that the worker's modules share (dtypes, capture layers) and 
 is all the worker reads: it never sees the pipeline config."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.training.eval_config import job_options
@@ -40,11 +41,23 @@ TARGET_SHAPE = ("num_layers", "hidden_size", "intermediate_size", "num_attention
                 "vocab_size")
 
 
-def make_job(sec, *, algo: dict, summary: dict, model_dir: Path, data_dir: Path, train_samples: int | None,
-             scratch_dir: Path, out_dir: Path, device: str, threads: int | None, trust_remote_code: bool) -> dict:
+@dataclass(frozen=True)
+class JobDirs:
+    """The directories a training job reads and writes: the target checkpoint, the data artifact, the stage's
+    scratch directory (checkpoints, d2t) and its output directory (the exported draft goes to `draft/`)."""
+
+    model_dir: Path
+    data_dir: Path
+    scratch_dir: Path
+    out_dir: Path
+
+
+def make_job(sec, *, algo: dict, summary: dict, dirs: JobDirs, train_samples: int | None, device: str,
+             threads: int | None, trust_remote_code: bool) -> dict:
     """The JSON job the runtime executes (in-process or under torchrun), from the stage's section `sec`, the
     resolved algorithm options (`runtime.training.algorithm.resolve_algorithm`), target.json (`summary`) and the
-    data artifact's directory. JobError for a target dtype above the training precision."""
+    directories (`dirs`). JobError for a target dtype above the training precision."""
+    model_dir, data_dir, scratch_dir, out_dir = dirs.model_dir, dirs.data_dir, dirs.scratch_dir, dirs.out_dir
     train_dtype, tgt_dtype = resolve_dtypes(sec, device)
     positions = summary.get("max_position_embeddings") or 2048
     serving = sec.serving_context or positions

@@ -54,14 +54,40 @@ def _quant_algo(d: Path) -> tuple[str | None, bool]:
     return (None, False) if block is None else (block.get("quant_algo"), True)
 
 
+@dataclass(frozen=True)
+class Expected:
+    """What a deployment must agree with beyond its own files (None: not checked): the target's vocabulary, hidden
+    size and layer count, the layers the EAGLE-3 draft was trained on (draft.json), the tuned draft length per batch
+    size the options must reproduce, and the RoPE theta each model was built/trained with."""
+
+    target_vocab_size: int | None = None
+    target_hidden_size: int | None = None
+    num_target_layers: int | None = None
+    capture_layers: list[int] | None = None
+    schedule: DraftSchedule | None = None
+    target_rope_theta: float | None = None
+    draft_rope_theta: float | None = None
+
+
+@dataclass(frozen=True)
+class _Deployment:
+    """One speculative deployment under check: its options and speculative_config, the release and mode that read
+    them, the draft checkpoint and what it must agree with."""
+
+    options: dict
+    sc: dict
+    rel: compat.Release
+    version: str
+    mode: compat.Mode
+    algorithm: str
+    draft_dir: Path
+    expected: Expected
+
+
 def consistency_checks(options: dict, *, version: str, algorithm: str, target_dir: Path, draft_dir: Path | None,
-                       target_vocab_size: int | None = None, target_hidden_size: int | None = None,
-                       num_target_layers: int | None = None, capture_layers: list[int] | None = None,
-                       schedule: DraftSchedule | None = None, target_rope_theta: float | None = None,
-                       draft_rope_theta: float | None = None) -> list[Check]:
-    """Named checks of a deployment (options + the checkpoints it points at). All run; callers decide.
-    `capture_layers`: the layers the EAGLE-3 draft was trained on (draft.json); `schedule`: the tuned draft length
-    per batch size the options must reproduce; `*_rope_theta`: the theta each model was built/trained with."""
+                       expected: Expected = Expected()) -> list[Check]:
+    """Named checks of a deployment (options + the checkpoints it points at) against `expected`. All run; callers
+    decide."""
     rel = compat.release(version)
     sc = options.get("speculative_config") or {}
     mode = rel.mode(algorithm, sc.get("eagle3_one_model", True))
@@ -91,7 +117,7 @@ def consistency_checks(options: dict, *, version: str, algorithm: str, target_di
         "(without the file TensorRT-LLM loads the target unquantized)")
 
     tcfg, _ = _read_json(Path(target_dir) / "config.json")
-    rp = hf_config.problems(tcfg, rel.hf_rope_form, expected_theta=target_rope_theta)
+    rp = hf_config.problems(tcfg, rel.hf_rope_form, expected_theta=expected.target_rope_theta)
     form = 'transformers 4.57: rope_theta/rope_scaling' if rel.hf_rope_form == 'legacy' else 'transformers 5: rope_parameters'
     add("target_rope", not rp, f"target config.json, read as TensorRT-LLM {version} reads it ({form}): "
         + ("; ".join(rp) if rp else f"theta {hf_config.read(tcfg).theta:g}" if hf_config.read(tcfg) else ""))
@@ -102,8 +128,7 @@ def consistency_checks(options: dict, *, version: str, algorithm: str, target_di
         add("two_model_overlap_scheduler", True, "not applicable without speculation")
         add("no_pipeline_parallel", True, "not applicable without speculation")
     else:
-        _draft_checks(add, options, sc, rel, version, mode, algorithm, Path(draft_dir), target_vocab_size,
-                      target_hidden_size, num_target_layers, capture_layers, schedule, draft_rope_theta)
+        _draft_checks(add, _Deployment(options, sc, rel, version, mode, algorithm, Path(draft_dir), expected))
 
     bad = unknown_keys(options, version)
     add("schema_keys", not bad, f"keys unknown to TensorRT-LLM {version}: "
@@ -111,38 +136,37 @@ def consistency_checks(options: dict, *, version: str, algorithm: str, target_di
     return checks
 
 
-def _draft_checks(add, options, sc, rel, version, mode, algorithm, draft_dir, target_vocab_size, target_hidden_size,
-                  num_target_layers, capture_layers, schedule, draft_rope_theta) -> None:
+def _draft_checks(add, d: _Deployment) -> None:
+    options, sc, rel, version, mode, algorithm, draft_dir = d.options, d.sc, d.rel, d.version, d.mode, d.algorithm, d.draft_dir
     dcfg, err = _read_json(draft_dir / "config.json")
     tensors = _draft_tensors(draft_dir) if not err else {}
     k = sc.get("max_draft_len") or 0
     if algorithm == "eagle3":
-        _eagle3_checks(add, sc, rel, version, draft_dir, dcfg, err, tensors, target_vocab_size, target_hidden_size,
-                       num_target_layers, capture_layers)
+        _eagle3_checks(add, d, dcfg, err, tensors)
         add("draft_fc_precision", *eagle3_fc_precision(draft_dir, rel, version))
     else:
         _dflash_checks(add, algorithm, dcfg, k)
-    _draft_file_checks(add, options, rel, version, draft_dir, dcfg, draft_rope_theta)
+    _draft_file_checks(add, options, rel, version, draft_dir, dcfg, d.expected.draft_rope_theta)
     _parallelism_checks(add, options, sc, algorithm)
-    _schedule_checks(add, options, sc, rel, version, mode, k, schedule)
+    _schedule_checks(add, options, sc, rel, version, mode, k, d.expected.schedule)
     _acceptance_guard_check(add, sc, rel, version, mode, k)
 
 
-def _eagle3_checks(add, sc, rel, version, draft_dir, dcfg, err, tensors, target_vocab_size, target_hidden_size,
-                   num_target_layers, capture_layers) -> None:
+def _eagle3_checks(add, d: _Deployment, dcfg: dict, err: str | None, tensors: dict) -> None:
+    sc, e = d.sc, d.expected
     if err:
         add("draft_vocab", False, f"draft config unreadable: {err}")
     else:
-        add("draft_vocab", *_draft_vocab(draft_dir, {"vocab_size": target_vocab_size, **dcfg}))
+        add("draft_vocab", *_draft_vocab(d.draft_dir, {"vocab_size": e.target_vocab_size, **dcfg}))
     # the layers TensorRT-LLM captures = the ones the draft was trained on, and fc is sized for them
     written = sc.get("eagle3_layers_to_capture")
-    trained = capture_layers if capture_layers is not None else \
+    trained = e.capture_layers if e.capture_layers is not None else \
         (dcfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    probs = _capture_layer_problems(written, trained, num_target_layers)
+    probs = _capture_layer_problems(written, trained, e.num_target_layers)
     add("eagle3_capture_layers", not probs,
         "; ".join(probs) or f"TensorRT-LLM captures target layers {sorted(written)} (the draft's)")
-    _eagle3_fc_check(add, tensors, dcfg, written, target_hidden_size)
-    _draft_weight_names_check(add, tensors, rel, version)
+    _eagle3_fc_check(add, tensors, dcfg, written, e.target_hidden_size)
+    _draft_weight_names_check(add, tensors, d.rel, d.version)
 
 
 def _draft_vocab(draft_dir: Path, dcfg: dict) -> tuple[bool, str]:

@@ -26,21 +26,34 @@ class MeasureSettings:
     ngram: object = None           # runtime.validate.ngram.NgramSettings: also measure n-gram drafting (None: not)
 
 
-def measure(eng, prompts, s: MeasureSettings, K: int, eos, *, speculative: bool, temperature: float | None = None,
-            batch_size: int | None = None, tally=None, run: str = "", per_prompt: list | None = None):
-    """Decode `prompts` in batches; every generate call is checked by the acceptance-rule invariant (`tally`).
+@dataclass(frozen=True)
+class Measurement:
+    """One pair being measured: the settings, the draft length `K` it decodes at, the end-of-sequence id(s), the
+    acceptance-rule invariant tally its generate calls are checked by (None: unchecked) and the stage's log."""
+
+    s: MeasureSettings
+    K: int
+    eos: object
+    tally: object = None
+    log: object = None
+
+
+def measure(eng, prompts, m: Measurement, *, speculative: bool, temperature: float | None = None,
+            batch_size: int | None = None, run: str = "", per_prompt: list | None = None):
+    """Decode `prompts` in batches; every generate call is checked by the acceptance-rule invariant (`m.tally`).
     Returns (the merged RunStats, the output tokens per prompt); `per_prompt` (a list) gets one
     [verification steps, accepted draft tokens] row per prompt, in order."""
     from runtime.engine.lossless import checked_generate
+    from runtime.engine.sampling import Sampling
     from runtime.engine.stats import RunStats
 
+    s, K, eos, tally = m.s, m.K, m.eos, m.tally
     bs = batch_size or s.batch_size
     total, outs = RunStats(K if speculative else 0), []
     for i in range(0, len(prompts), bs):
         g, _ = checked_generate(eng, prompts[i:i + bs], tally=tally, run=run, max_new_tokens=s.max_new_tokens,
-                                draft_len=K if speculative else 0,
-                                temperature=s.temperature if temperature is None else temperature,
-                                eos_token_id=eos, seed=s.seed + i, speculative=speculative)
+                                draft_len=K if speculative else 0, eos_token_id=eos,
+                                sampling=Sampling(s.temperature if temperature is None else temperature, seed=s.seed + i))
         total = total.merge(g.stats)
         outs += g.tokens
         if per_prompt is not None:

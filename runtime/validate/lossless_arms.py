@@ -7,20 +7,22 @@ runtime/engine/lossless.py."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
-from runtime.validate.decode import MeasureSettings, lossless_subset, measure
+from runtime.validate.decode import Measurement, lossless_subset, measure
 
 
-def exact_check(log, eng, s: MeasureSettings, K: int, eos, sub, tally, label: str, spec_out=None, ar1_out=None) -> dict:
+def exact_check(m: Measurement, eng, sub, label: str, spec_out=None, ar1_out=None) -> dict:
     """Unquantized pair: greedy speculative (batch `batch_size`) == autoregressive (batch 1), token for token.
     The one tolerance: at a divergence, the two tokens' logits from one fresh forward over the reference prefix
     differ by less than `gates.tie_margin` (an fp32 accumulation-order tie; see docs/stages/validate.md)."""
     from runtime.engine.lossless import lossless_diff, tie_margins
 
+    log, s, K = m.log, m.s, m.K
     if spec_out is None:
-        spec_out = measure(eng, sub, s, K, eos, speculative=True, temperature=0.0, tally=tally, run=f"{label}/exact")[1]
+        spec_out = measure(eng, sub, m, speculative=True, temperature=0.0, run=f"{label}/exact")[1]
     if ar1_out is None:
-        ar1_out = measure(eng, sub, s, K, eos, speculative=False, temperature=0.0, batch_size=1, tally=tally,
+        ar1_out = measure(eng, sub, m, speculative=False, temperature=0.0, batch_size=1,
                           run=f"{label}/ar_b1")[1]
     bad = tie_margins(eng.target.model, sub, ar1_out, lossless_diff(spec_out, ar1_out))
     tm = s.tie_margin
@@ -37,38 +39,38 @@ def exact_check(log, eng, s: MeasureSettings, K: int, eos, sub, tally, label: st
     return out
 
 
-def lossless_and_speed(log, eng, s: MeasureSettings, K: int, eos, prompts: dict, bar, algorithm: str, tally,
-                       exact: bool = False):
+def lossless_and_speed(m: Measurement, eng, prompts: dict, bar, algorithm: str, exact: bool = False):
     """Deployed pair, greedy: speculative and autoregressive decoding (tokens/s, step costs), the batch-1
     autoregressive reference and the noise-floor arms, the statistical check; `exact` (the deployed pair is
     the unquantized one): the exact check too."""
     from runtime.engine.lossless import decode_chunked_prefill
     from runtime.engine.stats import predicted_speedup
 
+    log, s, K, eos = m.log, m.s, m.K, m.eos
     n = s.lossless_prompts
     if n == 0:
         return {"checked_prompts": 0, "passed": None}, {}, {}
     sub = lossless_subset(prompts, s)
-    measure(eng, sub[:1], s, K, eos, speculative=True, temperature=0.0)    # warm-up (allocator, kernels)
+    measure(eng, sub[:1], replace(m, tally=None), speculative=True, temperature=0.0)    # warm-up (allocator, kernels)
     t0 = time.perf_counter()
-    spec, spec_out = measure(eng, sub, s, K, eos, speculative=True, temperature=0.0, tally=tally, run="fp8/speculative")
+    spec, spec_out = measure(eng, sub, m, speculative=True, temperature=0.0, run="fp8/speculative")
     t1 = time.perf_counter()
-    ar, ar_out = measure(eng, sub, s, K, eos, speculative=False, temperature=0.0, tally=tally, run="fp8/ar_batch")
+    ar, ar_out = measure(eng, sub, m, speculative=False, temperature=0.0, run="fp8/ar_batch")
     t2 = time.perf_counter()
-    ar1_out = measure(eng, sub, s, K, eos, speculative=False, temperature=0.0, batch_size=1, tally=tally,
+    ar1_out = measure(eng, sub, m, speculative=False, temperature=0.0, batch_size=1,
                       run="fp8/ar_b1")[1]
     chunked = decode_chunked_prefill(eng.target.model, sub, max_new_tokens=s.max_new_tokens, eos=eos,
                                      chunk=s.noise_prefill_chunk)
     bar.update(len(prompts))
     ll: dict = {"checked_prompts": len(sub), "generated_tokens": sum(map(len, ar1_out)), "max_new_tokens": s.max_new_tokens}
     nb = s.batch_size if s.batch_size > 1 else 2              # batch 1 is the reference itself
-    ar_noise = ar_out if s.batch_size > 1 else measure(eng, sub, s, K, eos, speculative=False, temperature=0.0,
-                                                       batch_size=2, tally=tally, run="fp8/ar_b2")[1]
-    ll["statistical"] = statistical_check(log, eng.target.model, s, K, sub, spec_out, ar1_out,
+    ar_noise = ar_out if s.batch_size > 1 else measure(eng, sub, m, speculative=False, temperature=0.0,
+                                                       batch_size=2, run="fp8/ar_b2")[1]
+    ll["statistical"] = statistical_check(m, eng.target.model, sub, spec_out, ar1_out,
                                           {f"autoregressive_batch{nb}": ar_noise,
                                            f"autoregressive_prefill_chunk{s.noise_prefill_chunk}": chunked})
     if exact:
-        ll["exact"] = exact_check(log, eng, s, K, eos, sub, tally, "fp8", spec_out=spec_out, ar1_out=ar1_out)
+        ll["exact"] = exact_check(m, eng, sub, "fp8", spec_out=spec_out, ar1_out=ar1_out)
     sd, ad = spec.as_dict(), ar.as_dict()
     ar_fwd = len(ar.rows_per_step)
     t_ar = ar.target_s / ar_fwd if ar_fwd else None
@@ -93,12 +95,13 @@ STATISTIC = ("first-divergence rate per compared token of greedy output vs batch
              "(diverging prompts / token positions compared up to and including each first divergence)")
 
 
-def statistical_check(log, model, s: MeasureSettings, K: int, sub, spec_out, ref, noise_arms: dict) -> dict:
+def statistical_check(m: Measurement, model, sub, spec_out, ref, noise_arms: dict) -> dict:
     """Deployed pair: the speculative arm's first-divergence rate against batch-1 autoregressive decoding,
     tested against the pooled rate of the noise arms (the same target and prompts, autoregressive, other
     forward shapes)."""
     from runtime.engine.lossless import divergence, lossless_diff, rate_test, tie_margins
 
+    log, s, K = m.log, m.s, m.K
     spec = divergence(spec_out, ref)
     noise = {name: divergence(outs, ref) for name, outs in noise_arms.items()}
     d_n = sum(v["diverging"] for v in noise.values())

@@ -5,9 +5,9 @@ without a proposal too), tokens/s, how often a proposal was found; then which of
 much, judged on AL (tokens/s on a shared CPU is noisy; it is reported beside it). What `validate.ngram` asks."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from runtime.validate.decode import measure
+from runtime.validate.decode import Measurement, measure
 
 
 @dataclass(frozen=True)
@@ -17,17 +17,18 @@ class NgramSettings:
     k: int            # draft tokens per step (validate's max_draft_len unless the section says)
 
 
-def measure_ngram(log, model, s, ng: NgramSettings, eos, prompts: dict, res: dict, tally, bar) -> None:
+def measure_ngram(m: Measurement, model, ng: NgramSettings, prompts: dict, res: dict, bar) -> None:
     """Decode every domain's prompts on `model` (the deployed target) with n-gram drafts: res["domains"][d]["ngram"],
     res["overall"]["ngram"] and res["ngram"] (settings and the per-domain comparison with res[...]["fp8"])."""
     from runtime.engine.ngram import VLLM_RULE, NgramDrafter
     from runtime.engine.speculative import SpeculativeEngine
 
+    log, m = m.log, replace(m, K=ng.k)
     total = None
     for d, ps in prompts.items():
         drafter = NgramDrafter(ng.min_n, ng.max_n, model.config.vocab_size)
         eng = SpeculativeEngine(model, drafter=drafter)
-        st = measure(eng, ps, s, ng.k, eos, speculative=True, tally=tally, run=f"ngram/{d}")[0]
+        st = measure(eng, ps, m, speculative=True, run=f"ngram/{d}")[0]
         total = st if total is None else total.merge(st)
         res["domains"][d]["ngram"] = {**st.as_dict(), "prompts": len(ps),
                                       "proposal_rate": round(drafter.proposals / drafter.lookups, 4) if drafter.lookups else None}

@@ -173,13 +173,15 @@ def run_arm(install: E.VllmInstall, s: ArmSettings, *, target: Path, draft_spec:
     log_dir.mkdir(parents=True, exist_ok=True)
     longest = max(len(p) for ps in prompts.values() for p in ps)
     mml = int(math.ceil((longest + s.max_new_tokens + s.draft_len + 8) / 16) * 16)
-    common = dict(max_model_len=mml, kv_cache_gib=s.kv_cache_gib, ready_timeout=s.ready_timeout)
+    common = dict(kv_cache_gib=s.kv_cache_gib, ready_timeout=s.ready_timeout)
     t0 = time.monotonic()
-    spec = _serve(E.VllmServer(install, str(target), draft=str(draft_spec), method=method,
-                               num_speculative_tokens=s.draft_len, log_path=log_dir / "vllm_speculative.log", **common),
+    spec = _serve(E.VllmServer(install, E.ServeArgs(str(target), draft=str(draft_spec), method=method,
+                                                    num_speculative_tokens=s.draft_len, max_model_len=mml),
+                               log_path=log_dir / "vllm_speculative.log", **common),
                   prompts, s, counters=True, log=log)
     t1 = time.monotonic()
-    plain = _serve(E.VllmServer(install, str(target), log_path=log_dir / "vllm_plain.log", **common),
+    plain = _serve(E.VllmServer(install, E.ServeArgs(str(target), max_model_len=mml),
+                                log_path=log_dir / "vllm_plain.log", **common),
                    prompts, s, counters=False, log=log)
     t2 = time.monotonic()
     out = {"ran": True, "version": install.version, "device": install.device, "method": method,

@@ -196,44 +196,58 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class ServeArgs:
+    """What `vllm serve` runs, as its command line says it: the model, the speculative draft (None: none) with its
+    `method` and `num_speculative_tokens` (None: vLLM's default), the context length, dtype, KV-cache dtype and
+    quantization (None: vLLM's choice), extra arguments, and the served model name (None: the model directory's)."""
+
+    model: str
+    draft: str | None = None
+    method: str = "eagle3"
+    num_speculative_tokens: int | None = None
+    max_model_len: int | None = None
+    dtype: str | None = None
+    kv_cache_dtype: str | None = None
+    quantization: str | None = None
+    extra_args: tuple = ()
+    served_model_name: str | None = None
+
+
 class VllmServer:
     """`vllm serve MODEL` (optionally with a speculative draft) on 127.0.0.1, in its own process group."""
 
-    def __init__(self, install: VllmInstall, model: str, *, draft: str | None = None, method: str = "eagle3",
-                 num_speculative_tokens: int | None = None, host: str = "127.0.0.1", port: int = 0,
-                 max_model_len: int | None = None, dtype: str | None = None, kv_cache_dtype: str | None = None,
-                 quantization: str | None = None, extra_args: list[str] | tuple = (), log_path: Path | None = None,
-                 kv_cache_gib: float = 2, ready_timeout: float = 300, served_model_name: str | None = None):
+    def __init__(self, install: VllmInstall, args: ServeArgs, *, host: str = "127.0.0.1", port: int = 0,
+                 log_path: Path | None = None, kv_cache_gib: float = 2, ready_timeout: float = 300):
         self.install = install
-        self.model = str(model)
-        self.draft = str(draft) if draft else None
+        self.model = str(args.model)
+        self.draft = str(args.draft) if args.draft else None
         self.host = host
         self._auto_port = not port
         self.port = int(port) or free_port()
         self.kv_cache_gib = kv_cache_gib
         self.ready_timeout = float(ready_timeout)
-        self.served_model_name = served_model_name or Path(self.model).name
+        self.served_model_name = args.served_model_name or Path(self.model).name
         self._own_log = log_path is None
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="specpipe-vllm-", suffix=".log")[1])
         self.process: subprocess.Popen | None = None
-        self.argv = self._argv(method, num_speculative_tokens, max_model_len, dtype, kv_cache_dtype, quantization,
-                               list(extra_args))
+        self.argv = self._argv(args)
 
-    def _argv(self, method, k, max_model_len, dtype, kv_cache_dtype, quantization, extra) -> list[str]:
+    def _argv(self, a: ServeArgs) -> list[str]:
         argv = [self.install.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                 "--host", self.host, "--port", str(self.port), "--served-model-name", self.served_model_name]
         if self.install.device == "cpu":
             argv.append("--enforce-eager")
         if self.draft:
-            sc = {"model": self.draft, "method": method}
-            if k:
-                sc["num_speculative_tokens"] = int(k)
+            sc = {"model": self.draft, "method": a.method}
+            if a.num_speculative_tokens:
+                sc["num_speculative_tokens"] = int(a.num_speculative_tokens)
             argv += ["--speculative-config", json.dumps(sc, separators=(",", ":"))]
-        for flag, v in (("--max-model-len", max_model_len), ("--dtype", dtype), ("--kv-cache-dtype", kv_cache_dtype),
-                        ("--quantization", quantization)):
+        for flag, v in (("--max-model-len", a.max_model_len), ("--dtype", a.dtype), ("--kv-cache-dtype", a.kv_cache_dtype),
+                        ("--quantization", a.quantization)):
             if v:
                 argv += [flag, str(v)]
-        return argv + extra
+        return argv + list(a.extra_args)
 
     @property
     def url(self) -> str:

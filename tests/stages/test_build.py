@@ -30,7 +30,7 @@ from runtime.trtllm import options as T
 from stages import build
 
 from support import DATA, real_config
-from support.synthetic import H, write_checkpoints
+from support.synthetic import H, Upstream, write_checkpoints
 
 REF_SCHEMAS = DATA / "trtllm_reference"   # upstream extractions, see its README
 
@@ -231,12 +231,12 @@ def _checks_of(opts, ck=None, **kw):
     return {c.name: c for c in checks.consistency_checks(
         opts, version=kw.pop("version", "1.2.1"), algorithm=kw.pop("algorithm", "eagle3"),
         target_dir=ck.get("target", Path("/nonexistent")), draft_dir=kw.pop("draft_dir", ck.get("draft", Path("/nonexistent"))),
-        **kw)}
+        expected=checks.Expected(**kw))}
 
 
 def _good(tmp_path, **kw):
     """A written deployment draft (names as 1.2 reads them) and options that pass every check."""
-    ck = write_checkpoints(tmp_path, **kw)
+    ck = write_checkpoints(tmp_path, Upstream(**kw))
     ddir, _ = draft_weights.trtllm_draft_dir(ck["draft"], tmp_path / "trtllm_draft", compat.release("1.2.1"), 1)
     ck["draft"] = ddir
     opts = T.llm_api_options(spec(draft_dir=str(ddir), capture_layers=ck["aux"]))
@@ -354,14 +354,14 @@ def test_build_writes_the_capture_layers_and_checks_fc_for_any_count(tmp_path):
     checked against n x hidden (eagle3.py Eagle3SpecMetadata, modeling_speculative.py Eagle3DraftModel.fc)."""
     for aux in ([1, 3, 4], [1, 3]):
         root = tmp_path / "-".join(map(str, aux))
-        write_checkpoints(root, aux=aux)
+        write_checkpoints(root, Upstream(aux=aux))
         opts, doc, _ = run_build(root)
         assert opts["speculative_config"]["eagle3_layers_to_capture"] == aux == doc["eagle3_layers_to_capture"]
         fc = {c["name"]: c for c in doc["checks"]}["eagle3_fc_shape"]
         assert fc["ok"] and f"{len(aux)} capture layers x {H}" in fc["message"]
     # a draft whose fc was trained on 2 layers while draft.json says 3: refused, naming fc
     root = tmp_path / "bad"
-    ck = write_checkpoints(root, aux=[1, 3, 5])
+    ck = write_checkpoints(root, Upstream(aux=[1, 3, 5]))
     _resave(ck, add={"fc.weight": np.zeros((H, 2 * H), np.float32)})
     with pytest.raises(StageError, match=r"eagle3_fc_shape: fc.weight \[8, 16\]"):
         run_build(root)
@@ -374,7 +374,7 @@ def test_build_names_draft_weights_as_the_targeted_loader_reads_them(tmp_path):
     (which remaps) reads train_draft's draft as is. train_draft's artifact is never changed."""
     from safetensors.numpy import load_file
 
-    ck = write_checkpoints(tmp_path / "12", draft_layers=2)
+    ck = write_checkpoints(tmp_path / "12", Upstream(draft_layers=2))
     before = (ck["draft"] / "model.safetensors").read_bytes()
     opts, doc, dep = run_build(tmp_path / "12")
     new = dep / "draft"          # written here; the options name where the committed artifact will be
@@ -395,7 +395,7 @@ def test_build_names_draft_weights_as_the_targeted_loader_reads_them(tmp_path):
     assert "midlayer.self_attn.q_proj.weight" in one                    # one layer: midlayer is the layer itself
     with pytest.raises(ValueError, match="merge"):                      # 2 layers named as 1: refused, not merged
         draft_weights.trtllm_draft_dir(ck["draft"], tmp_path / "two-as-one", compat.release("1.2.1"), 1)
-    ck13 = write_checkpoints(tmp_path / "13", version="1.3.0rc27")
+    ck13 = write_checkpoints(tmp_path / "13", Upstream(version="1.3.0rc27"))
     opts, doc, dep = run_build(tmp_path / "13", trtllm_version="1.3.0rc27")
     assert opts["speculative_config"]["speculative_model"] == str(ck13["draft"].resolve()) and not (dep / "draft").exists()
 
@@ -405,9 +405,9 @@ def test_build_on_1_2_and_1_3_writes_each_versions_forms(tmp_path):
     forms: schedule keys, guard names and units, draft weight names, RoPE reading (compat.SOURCES)."""
     guard = build.AcceptanceGuard(window=64, min_acceptance_rate=0.25)
     runs12 = [[1, 4, 4], [5, 8, 2], [9, 16, 0]]
-    write_checkpoints(tmp_path / "a", runs=runs12, mode="two_model")
+    write_checkpoints(tmp_path / "a", Upstream(runs=runs12, mode="two_model"))
     o12, d12, _ = run_build(tmp_path / "a", eagle3_mode="two_model", acceptance_guard=guard)
-    write_checkpoints(tmp_path / "b", version="1.3.0rc27")
+    write_checkpoints(tmp_path / "b", Upstream(version="1.3.0rc27"))
     o13, d13, _ = run_build(tmp_path / "b", trtllm_version="1.3.0rc27", acceptance_guard=guard)
     s12, s13 = o12["speculative_config"], o13["speculative_config"]
     assert s12["draft_len_schedule"] == {1: 4, 5: 2, 9: 0} and s12["eagle3_one_model"] is False
@@ -423,7 +423,7 @@ def test_build_on_1_2_and_1_3_writes_each_versions_forms(tmp_path):
 
 
 def test_build_refuses_a_tuning_made_for_another_version_or_mode(tmp_path):
-    write_checkpoints(tmp_path, version="1.3.0rc27")
+    write_checkpoints(tmp_path, Upstream(version="1.3.0rc27"))
     with pytest.raises(StageError, match="tuned for TensorRT-LLM 1.3.0rc27 one_model, but build deploys 1.2.1"):
         run_build(tmp_path)
 
@@ -432,7 +432,7 @@ def test_build_without_speculation_deploys_the_target_alone(tmp_path):
     """Defect 7: tune found that speculation never pays (a schedule of 0 everywhere). Main turned that into the
     trained draft length (`0 or trained_draft_len`) and failed on an unrelated check; now the deployment has no
     speculative_config and says why, and every draft check is not applicable."""
-    write_checkpoints(tmp_path, runs=[[1, 16, 0]])
+    write_checkpoints(tmp_path, Upstream(runs=[[1, 16, 0]]))
     opts, doc, dep = run_build(tmp_path)
     assert "speculative_config" not in opts and doc["speculation"] is False and doc["decoding_type"] is None
     assert doc["trtllm_draft_dir"] is None and doc["draft_dir"] is None and not (dep / "draft").exists()
@@ -445,7 +445,7 @@ def test_build_without_speculation_deploys_the_target_alone(tmp_path):
 
 
 def test_build_fails_with_the_named_checks(tmp_path):
-    write_checkpoints(tmp_path, d2t=False, fp8=False)
+    write_checkpoints(tmp_path, Upstream(d2t=False, fp8=False))
     with pytest.raises(StageError) as e:
         run_build(tmp_path, max_num_tokens=20)
     msg = str(e.value)
@@ -541,10 +541,10 @@ def test_rope_is_written_in_the_form_each_version_reads(real_model):
 def test_build_checks_rope_against_the_source_model(tmp_path):
     """A target config.json as transformers 5 writes it (rope_parameters only) fails the 1.2.1 build; the same
     passes 1.3.0rc27 (transformers 5 reads it); a theta that is not the source model's fails both."""
-    write_checkpoints(tmp_path / "a", target_rope="transformers5")
+    write_checkpoints(tmp_path / "a", Upstream(target_rope="transformers5"))
     with pytest.raises(StageError, match="target_rope: .*no top-level rope_theta"):
         run_build(tmp_path / "a")
-    write_checkpoints(tmp_path / "b", target_rope="transformers5", version="1.3.0rc27")
+    write_checkpoints(tmp_path / "b", Upstream(target_rope="transformers5", version="1.3.0rc27"))
     run_build(tmp_path / "b", trtllm_version="1.3.0rc27")
     ck = write_checkpoints(tmp_path / "c")
     _edit(ck["target"] / "config.json", **hf_config.normalize({"rope_theta": 10000.0}))

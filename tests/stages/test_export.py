@@ -21,7 +21,7 @@ from pipeline.errors import StageError
 from runtime.trtllm import draft_weights, hf_config, schema
 from stages import build, export
 
-from support.synthetic import gate, run_stage, write_checkpoints
+from support.synthetic import Upstream, gate, run_stage, write_checkpoints
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +136,7 @@ def test_cpu_repository_carries_the_model_and_its_spec(exported):
 
 
 def test_dflash_exports_for_1_3_with_a_custom_image_note(tmp_path):
-    write_checkpoints(tmp_path, algorithm="dflash", version="1.3.0rc27")
+    write_checkpoints(tmp_path, Upstream(algorithm="dflash", version="1.3.0rc27"))
     gate(tmp_path, True)
     with pytest.raises(StageError, match="DFlash needs TensorRT-LLM 1.3"):
         run_stage(tmp_path, build, build.Config())            # 1.2.1 default: refused at run time too
@@ -156,7 +156,7 @@ def test_dflash_exports_for_1_3_with_a_custom_image_note(tmp_path):
 def test_export_without_speculation(tmp_path):
     """Defect 7 end to end: tune says speculation never pays; build deploys the target alone; export writes both
     repositories without a draft, and says why."""
-    write_checkpoints(tmp_path, runs=[[1, 16, 0]])
+    write_checkpoints(tmp_path, Upstream(runs=[[1, 16, 0]]))
     gate(tmp_path, True)
     run_stage(tmp_path, build, build.Config())
     out = run_stage(tmp_path, export, export.Config())

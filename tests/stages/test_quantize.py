@@ -539,7 +539,7 @@ def test_real_model_auto_exclude_finds_the_sensitive_layer_and_meets_the_gate(sm
         if iq is not None and iq.is_enabled:
             iq.amax = iq.amax / 1000
     opts = Q.AutoExclude(enabled=True, max_layers=4, sensitivity_samples=1, check_samples=4, seq_len=128)
-    res = search_exclusions(m, target, smol["calib"], per_token=False, kv_cache="fp8", max_ppl_increase=0.08, opts=opts)
+    res = search_exclusions(m, target, smol["calib"], recipe="fp8", kv_cache="fp8", max_ppl_increase=0.08, opts=opts)
     assert res["checks"][0]["ppl_increase_estimate"] > 0.08 and res["checks"][0]["ppl_increase"] > 0.08  # broken
     assert res["order"][0] == 17 and res["passed_on_calibration"]
     assert res["kept_bf16"][0] == "model.layers.17.*" and 17 in res["layers"] and len(res["layers"]) <= 4

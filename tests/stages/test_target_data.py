@@ -537,7 +537,7 @@ def test_regeneration_sampling_honours_temperature_top_p_and_seed(real_model):
 
     from transformers import AutoTokenizer
 
-    from runtime.data.regenerate import regenerate
+    from runtime.data.regenerate import Decoding, RegenRun, regenerate
 
     tok = AutoTokenizer.from_pretrained(real_model["model_dir"])
     prompts = [list(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
@@ -545,8 +545,8 @@ def test_regeneration_sampling_honours_temperature_top_p_and_seed(real_model):
     log = logging.getLogger("test.regenerate")
 
     def gen(temperature, top_p, seed):
-        return regenerate(real_model["model_dir"], prompts, ["a", "b"], batch_size=2, max_new_tokens=12, temperature=temperature,
-                          top_p=top_p, stop_ids=[2], seed=seed, scratch=None, log=log)[0]
+        return regenerate(real_model["model_dir"], prompts, ["a", "b"], batch_size=2,
+                          decoding=Decoding(12, temperature, top_p, [2], seed), run=RegenRun(None, log))[0]
 
     greedy = gen(0.0, 1.0, 0)
     assert gen(1.0, 1e-6, 5) == greedy                  # a nucleus of one token is greedy

@@ -49,11 +49,12 @@ def acceptance(curves: dict[str, list[float]]) -> dict:
             "overall": {"fp8": stats(next(iter(curves.values())))}, "gates": {"passed": True}}
 
 
-def run_tune(tmp: Path, *, target=LLAMA_8B, curves=None, gpu="h200", tp=1, quant=None, profile=None,
-             draft_vocab=32000, acc=None, build_version=None, mode="one_model", **section) -> dict:
-    """Write the upstream artifacts, run the stage, return tuning.json (plus `_metrics`)."""
+def run_tune(tmp: Path, *, target=LLAMA_8B, curves=None, hardware: HardwareConfig | None = None, quant=None, acc=None,
+             build_version=None, mode="one_model", **section) -> dict:
+    """Write the upstream artifacts (a draft of 32000 tokens), run the stage on `hardware` (default: one H200),
+    return tuning.json (plus `_metrics`)."""
     arts = tmp / "artifacts"
-    draft, dcfg = eagle3(target, draft_vocab)
+    draft, dcfg = eagle3(target, 32000)
     files = {
         "target/target.json": target,
         "train_draft/draft.json": draft,
@@ -67,7 +68,7 @@ def run_tune(tmp: Path, *, target=LLAMA_8B, curves=None, gpu="h200", tp=1, quant
         (arts / rel).write_text(json.dumps(doc))
     inputs = {n: Artifact(n, arts / n, {"fingerprint": n, "metrics": {}}) for n in tune.CONSUMES}
     sec = tune.Config(**section)
-    cfg = real_config(hardware=HardwareConfig(gpu=gpu, tensor_parallel_size=tp, profile=profile), tune=sec,
+    cfg = real_config(hardware=hardware or HardwareConfig(), tune=sec,
                       build=build.Config(trtllm_version=build_version or compat.DEFAULT_TRTLLM_VERSION, eagle3_mode=mode))
     out = tmp / "out"
     out.mkdir(exist_ok=True)
@@ -200,7 +201,8 @@ def test_1_3_one_engine_schedule_never_reaches_zero(tmp_path):
 @pytest.mark.parametrize("gpu,target,tp", [("h200", LLAMA_8B, 1), ("l40s", LLAMA_8B, 1), ("h100_sxm", LLAMA_70B, 2),
                                            ("b200", TINY, 1)])
 def test_max_num_tokens_always_covers_the_draft_tokens(tmp_path, version, gpu, target, tp):
-    doc = run_tune(tmp_path, target=target, gpu=gpu, tp=tp, curves={"code": [0.9, 0.8, 0.7, 0.6]},
+    doc = run_tune(tmp_path, target=target, hardware=HardwareConfig(gpu=gpu, tensor_parallel_size=tp),
+                   curves={"code": [0.9, 0.8, 0.7, 0.6]},
                    build_version=version, min_num_tokens=256, batch_sizes=[1, 4, 16, 64, 256])
     assert doc["max_num_tokens"] >= doc["max_batch_size"] * (1 + doc["max_draft_len"])
     assert doc["deployment"]["trtllm_version"] == version
@@ -276,13 +278,14 @@ def test_llama70b_on_h200_gets_a_plausible_schedule(tmp_path):
 def test_tensor_parallel_and_memory_limits(tmp_path):
     # 70B FP8 does not fit one L40S (48 GB): a plain error that names the fix.
     with pytest.raises(StageError, match="tensor_parallel_size"):
-        run_tune(tmp_path / "a", target=LLAMA_70B, gpu="l40s")
-    doc = run_tune(tmp_path / "b", target=LLAMA_70B, gpu="l40s", tp=4, context_length=2048, batch_sizes=[1, 8])
+        run_tune(tmp_path / "a", target=LLAMA_70B, hardware=HardwareConfig(gpu="l40s"))
+    doc = run_tune(tmp_path / "b", target=LLAMA_70B, hardware=HardwareConfig(gpu="l40s", tensor_parallel_size=4),
+                   context_length=2048, batch_sizes=[1, 8])
     assert doc["hardware"]["tensor_parallel_size"] == 4 and doc["kv_capacity_sequences"] >= 1
     with pytest.raises(StageError, match="no FP8 tensor cores"):
-        run_tune(tmp_path / "c", gpu="a100_80gb")
+        run_tune(tmp_path / "c", hardware=HardwareConfig(gpu="a100_80gb"))
     with pytest.raises(StageError, match="does not divide"):
-        run_tune(tmp_path / "d", tp=3)
+        run_tune(tmp_path / "d", hardware=HardwareConfig(tensor_parallel_size=3))
 
 
 # ---------------------------------------------------------------------------------------------- inputs
@@ -319,7 +322,7 @@ def test_a_measured_profile_replaces_the_datasheet(tmp_path):
             "machine": {"peak_tflops": {"fp8": 1200.0}, "bandwidth_tb_s": 4.0, "op_overhead_us": 3.0}}
     p = tmp_path / "h200.json"
     p.write_text(json.dumps(prof))
-    doc = run_tune(tmp_path / "run", profile=p, batch_sizes=[1, 64])
+    doc = run_tune(tmp_path / "run", hardware=HardwareConfig(profile=p), batch_sizes=[1, 64])
     assert doc["hardware"]["profile"] == str(p) and "NVIDIA H200" in doc["hardware"]["machine"]
     assert doc["hardware"]["peak_tflops"] == {"fp8": pytest.approx(1200.0)}
     assert doc["hardware"]["ridge_rows"] == pytest.approx(1200 / 4.0 / 2)

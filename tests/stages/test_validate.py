@@ -20,8 +20,10 @@ from pipeline.artifacts.target import stop_ids
 from pipeline.errors import StageError
 from pipeline.stage import Artifact, StageContext
 from runtime.engine.drafters import Drafter
+from runtime.engine.sampling import Sampling
 from runtime.engine.speculative import SpeculativeEngine, load_pair
 from runtime.engine.target import TargetRunner, load_target
+from runtime.validate.decode import Measurement
 from runtime.validate.lossless_arms import STATISTIC, exact_check, lossless_and_speed
 from runtime.validate.trtllm import trtllm_available, trtllm_llm_kwargs, trtllm_sampling_kwargs
 from stages import validate as V
@@ -425,8 +427,8 @@ def test_broken_engine_violates_the_acceptance_invariant(tiny, name):
 
 
 @pytest.mark.parametrize("draft_key,kw", [("eagle_dir", {}), ("eagle_d2t_dir", {}), ("dflash_dir", {}),
-                                          ("eagle_dir", {"temperature": 1.0, "top_p": 0.9, "seed": 5}),
-                                          ("dflash_dir", {"temperature": 0.7, "seed": 2})])
+                                          ("eagle_dir", {"sampling": Sampling(1.0, 0.9, 5)}),
+                                          ("dflash_dir", {"sampling": Sampling(0.7, seed=2)})])
 def test_correct_engine_satisfies_the_invariant(tiny, draft_key, kw):
     """The unmodified engine, greedy and sampling, EAGLE-3 (full and reduced vocabulary) and DFlash: every
     emitted token is the rule's choice from the same forward, and the stream is continuous."""
@@ -441,8 +443,8 @@ def test_sampling_correction_from_p_is_caught(tiny):
     (it can then be the rejected draft itself, which the residual max(0, p - q) never gives). Only a share of
     the rejections show it (measured: 25 of ~1100 at T = 0.5 over 40 requests x 32 tokens, 3 at T = 1), so the
     sample is large; a weak check, as docs/stages/validate.md says."""
-    _, good = _check_runs(SpeculativeEngine, tiny, n=32, repeat=8, temperature=0.5, seed=7)
-    _, bad = _check_runs(_CorrectionFromP, tiny, n=32, repeat=8, temperature=0.5, seed=7)
+    _, good = _check_runs(SpeculativeEngine, tiny, n=32, repeat=8, sampling=Sampling(0.5, seed=7))
+    _, bad = _check_runs(_CorrectionFromP, tiny, n=32, repeat=8, sampling=Sampling(0.5, seed=7))
     assert good["passed"], good
     assert not bad["passed"] and set(bad["by_kind"]) == {"rejected"} and bad["violations"] >= 5, bad
 
@@ -487,9 +489,9 @@ def test_self_consistent_cache_bug_passes_the_invariant_but_not_the_gate(tiny):
     model, draft = load_pair(tiny["target_dir"], tiny["eagle_dir"])
     ctx = _LogCtx()
     s = V.measure_settings(sec)
-    ex = exact_check(ctx.log, engine_cls(model, draft), s, 3, [], tiny["prompts"], InvariantTally(), "bf16")
+    ex = exact_check(Measurement(s, 3, [], InvariantTally(), ctx.log), engine_cls(model, draft), tiny["prompts"], "bf16")
     assert not ex["passed"] and ex["differ"] >= 1 and not any(m["tie"] for m in ex["mismatches"]), ex
-    ok = exact_check(ctx.log, SpeculativeEngine(model, draft), s, 3, [], tiny["prompts"], InvariantTally(), "bf16")
+    ok = exact_check(Measurement(s, 3, [], InvariantTally(), ctx.log), SpeculativeEngine(model, draft), tiny["prompts"], "bf16")
     assert ok["passed"] and ok["identical"]
 
 
@@ -694,7 +696,8 @@ def test_real_fp8_pair_passes_where_token_equality_fails(real_fp8):
     sec = V.Config(max_new_tokens=20, batch_size=4, lossless_prompts=3, max_draft_len=3)
     tally = InvariantTally()
     eng = SpeculativeEngine(fp8, drafter=_ModelDrafter(bf16, first.pop()))
-    ll, tps, _ = lossless_and_speed(_LogCtx.log, eng, V.measure_settings(sec), 3, eos, prompts, _Bar(), "eagle3", tally)
+    m = Measurement(V.measure_settings(sec), 3, eos, tally, _LogCtx.log)
+    ll, tps, _ = lossless_and_speed(m, eng, prompts, _Bar(), "eagle3")
     st = ll["statistical"]
     noise = st["noise"]
     # the defect: the FP8 target against itself, no speculation involved, diverges at large margins
@@ -708,7 +711,7 @@ def test_real_fp8_pair_passes_where_token_equality_fails(real_fp8):
     btally = InvariantTally()
     beng = SpeculativeEngine(bf16, drafter=_ModelDrafter(fp8, prompts["gsm8k"][0][0]))
     sub = [p for ps in prompts.values() for p in ps[:1]]
-    ex = exact_check(_LogCtx.log, beng, V.measure_settings(sec), 3, eos, sub, btally, "bf16")
+    ex = exact_check(Measurement(V.measure_settings(sec), 3, eos, btally, _LogCtx.log), beng, sub, "bf16")
     assert ex["passed"] and ex["identical"] and ex["generated_tokens"] > 2 * 10, ex
     b = btally.as_dict()
     assert b["violations"] == 0 and b["drafted"] > 0

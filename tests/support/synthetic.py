@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -73,47 +74,67 @@ def write_tuning(arts: Path, runs, *, version="1.2.1", mode="one_model", max_bat
         "cuda_graph_batch_sizes": graphs or [1, 2, 4, 8, 16]}))
 
 
-def write_checkpoints(root: Path, *, layers: int = 8, vocab: int = 512, draft_vocab: int | None = 256,
-                      d2t: bool = True, aux: list[int] | None = None, fp8: bool = True, algorithm: str = "eagle3",
-                      quant_algo: str = "FP8", theta: float = 1e5, target_rope: str = "normalized",
-                      draft_rope: str = "normalized", draft_layers: int = 1, runs=None, version="1.2.1",
-                      mode="one_model") -> dict:
+@dataclass(frozen=True)
+class Upstream:
+    """What the synthetic upstream artifacts hold: the target's layers and vocabulary, the draft's vocabulary (None:
+    the target's, no lm_head), d2t, capture layers (None: [1, 3, 5]) and decoder layers, whether the target is FP8 and
+    with which quant_algo, the RoPE theta and how each config states it, the algorithm, and tune's schedule runs
+    (None: a default for the version and mode) for TensorRT-LLM `version` in `mode`."""
+
+    layers: int = 8
+    vocab: int = 512
+    draft_vocab: int | None = 256
+    d2t: bool = True
+    aux: list[int] | None = None
+    fp8: bool = True
+    algorithm: str = "eagle3"
+    quant_algo: str = "FP8"
+    theta: float = 1e5
+    target_rope: str = "normalized"
+    draft_rope: str = "normalized"
+    draft_layers: int = 1
+    runs: list | None = None
+    version: str = "1.2.1"
+    mode: str = "one_model"
+
+
+def write_checkpoints(root: Path, up: Upstream = Upstream()) -> dict:
     """Synthetic upstream artifacts laid out as the stages write them (docs/architecture.md contracts)."""
     from safetensors.numpy import save_file
 
     arts = root / "artifacts"
     src = arts / "target" / "model"                      # the model the target stage prepared
     src.mkdir(parents=True)
-    (src / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": layers,
-                                                 "hidden_size": H, **rope_cfg(theta, "transformers5")}))
+    (src / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": up.layers,
+                                                 "hidden_size": H, **rope_cfg(up.theta, "transformers5")}))
     tgt = arts / "quantize" / "target_fp8"
     tgt.mkdir(parents=True)
-    (tgt / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": layers,
-                                                 "hidden_size": H, "vocab_size": vocab, "max_position_embeddings": 2048,
-                                                 **rope_cfg(theta, target_rope)}))
-    if fp8:
+    (tgt / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": up.layers,
+                                                 "hidden_size": H, "vocab_size": up.vocab, "max_position_embeddings": 2048,
+                                                 **rope_cfg(up.theta, up.target_rope)}))
+    if up.fp8:
         (tgt / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"}, "quantization": {
-            "quant_algo": quant_algo, "kv_cache_quant_algo": None, "exclude_modules": ["lm_head"]}}))
+            "quant_algo": up.quant_algo, "kv_cache_quant_algo": None, "exclude_modules": ["lm_head"]}}))
     draft = arts / "train_draft" / "draft"
     draft.mkdir(parents=True)
-    aux = aux if aux is not None else [1, 3, 5]
-    dcfg = {"architectures": ["LlamaForCausalLMEagle3"], "vocab_size": vocab, "max_position_embeddings": 2048,
-            "hidden_size": H, "num_hidden_layers": draft_layers,
-            "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux}, **rope_cfg(10000.0, draft_rope)}
+    aux = up.aux if up.aux is not None else [1, 3, 5]
+    dcfg = {"architectures": ["LlamaForCausalLMEagle3"], "vocab_size": up.vocab, "max_position_embeddings": 2048,
+            "hidden_size": H, "num_hidden_layers": up.draft_layers,
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux}, **rope_cfg(10000.0, up.draft_rope)}
     tensors = {"fc.weight": np.zeros((H, len(set(aux)) * H), np.float32), "norm.weight": np.ones(H, np.float32)}
-    for i in range(draft_layers):   # ModelOpt 0.47's names (modelopt/torch/export/plugins/hf_spec_export.py)
+    for i in range(up.draft_layers):   # ModelOpt 0.47's names (modelopt/torch/export/plugins/hf_spec_export.py)
         tensors[f"layers.{i}.self_attn.q_proj.weight"] = np.full((H, 2 * H if i == 0 else H), i + 1, np.float32)
         tensors[f"layers.{i}.input_layernorm.weight"] = np.ones(H, np.float32)
     tensors["layers.0.hidden_norm.weight"] = np.arange(H, dtype=np.float32)
-    if draft_vocab is not None:
-        dcfg["draft_vocab_size"] = draft_vocab
-        tensors["lm_head.weight"] = np.zeros((draft_vocab, H), np.float32)
-        if d2t:
-            tensors["d2t"] = np.zeros((draft_vocab,), np.int64)
-    if algorithm == "dflash":   # ModelOpt's DFlash export: no lm_head/embeddings, block + dflash_config
-        dcfg = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": 8, "num_target_layers": layers,
+    if up.draft_vocab is not None:
+        dcfg["draft_vocab_size"] = up.draft_vocab
+        tensors["lm_head.weight"] = np.zeros((up.draft_vocab, H), np.float32)
+        if up.d2t:
+            tensors["d2t"] = np.zeros((up.draft_vocab,), np.int64)
+    if up.algorithm == "dflash":   # ModelOpt's DFlash export: no lm_head/embeddings, block + dflash_config
+        dcfg = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": 8, "num_target_layers": up.layers,
                 "max_position_embeddings": 2048, "dflash_config": {"mask_token_id": 2, "target_layer_ids": [1, 5]},
-                **rope_cfg(theta, draft_rope)}
+                **rope_cfg(up.theta, up.draft_rope)}
         tensors = {"fc.weight": np.zeros((H, 2 * H), np.float32),
                    "layers.0.self_attn.q_proj.weight": np.zeros((H, H), np.float32)}
     (draft / "config.json").write_text(json.dumps(dcfg))
@@ -123,13 +144,14 @@ def write_checkpoints(root: Path, *, layers: int = 8, vocab: int = 512, draft_vo
         "format": "fp8", "kv_cache": "fp8", "target_dir": "quantize/target_fp8", "draft_dir": "train_draft/draft",
         "draft_format": "bf16"}))
     (arts / "train_draft" / "draft.json").write_text(json.dumps({
-        "algorithm": algorithm, "num_layers": draft_layers, "aux_layer_ids": aux if algorithm == "eagle3" else None,
-        "block_size": 8 if algorithm == "dflash" else None, "vocab_size": vocab,
-        "draft_vocab_size": draft_vocab or vocab, "has_d2t": d2t, "trained_draft_len": 3, "max_position_embeddings": 2048}))
+        "algorithm": up.algorithm, "num_layers": up.draft_layers, "aux_layer_ids": aux if up.algorithm == "eagle3" else None,
+        "block_size": 8 if up.algorithm == "dflash" else None, "vocab_size": up.vocab,
+        "draft_vocab_size": up.draft_vocab or up.vocab, "has_d2t": up.d2t, "trained_draft_len": 3,
+        "max_position_embeddings": 2048}))
     write_acceptance(arts)
-    write_tuning(arts, runs or ([[1, 16, 4]] if mode == "one_model" and version.startswith("1.2") else
-                                [[1, 4, 4], [5, 8, 2], [9, 16, 1 if version.startswith("1.3") else 0]]),
-                 version=version, mode=mode)
+    write_tuning(arts, up.runs or ([[1, 16, 4]] if up.mode == "one_model" and up.version.startswith("1.2") else
+                                   [[1, 4, 4], [5, 8, 2], [9, 16, 1 if up.version.startswith("1.3") else 0]]),
+                 version=up.version, mode=up.mode)
     ev = arts / "data" / "eval"
     ev.mkdir(parents=True)
     for dom in ("code", "prose"):

@@ -19,14 +19,14 @@ does, reproducing TensorRT-LLM's arithmetic (sources named where each rule is im
   `static_quantize_e4m3_per_tensor` multiplies by the reciprocal), or dynamic per token
   `s = max(amax(row) / 448, 1 / (448 * 512))`, `x / s` -> E4M3 (`quantize_e4m3_activation`), or none
   (weight-only). The product is computed in float32 from the dequantized operands (only the accumulation order
-  differs from the GPU); on CUDA `use_scaled_mm=True` runs the real `torch._scaled_mm` FP8 GEMM.
+  differs from the GPU); on CUDA `use_scaled_mm=True` (`FP8LinearMode`) runs the real `torch._scaled_mm` FP8 GEMM.
 - Fused layers: TensorRT-LLM fuses q/k/v and gate/up into one GEMM; for per-tensor FP8 it re-quantizes the
   members onto the largest weight scale when it loads them (`FP8QDQLinearMethod.load_weights_fused_qkv_linear`).
-  `load_causal_lm` does the same (`trtllm_fused_scales=True`), so a checkpoint whose members carry different
+  `load_causal_lm` does the same (`FP8Reading.trtllm_fused_scales`, on), so a checkpoint whose members carry different
   scales runs as it will on the GPU (`runtime.quant.ptq` aligns the scales before export, which makes this a no-op).
 - FP8 KV cache: keys (after RoPE) and values pass through E4M3 inside attention. TensorRT-LLM 1.2's PyTorch
   attention backend quantizes them with a unit scale whatever the checkpoint's `k_scale`/`v_scale` say
-  (`kv_scales="unit"`, the default); `kv_scales="checkpoint"` applies the calibrated scales instead (what
+  (`FP8Reading(kv_scales="unit")`, the default); `kv_scales="checkpoint"` applies the calibrated scales instead (what
   ModelOpt's fake-quant model computes).
 - `load_causal_lm` loads either a plain (BF16/FP16/FP32) checkpoint or an FP8 one behind one call; tied
   input/output embeddings (`tie_word_embeddings`) share one tensor, as in the deployment.
@@ -64,6 +64,8 @@ from runtime.engine.fp8.linear import (
     trtllm_fuse_scales,
 )
 from runtime.engine.fp8.loading import (
+    FP8LinearMode,
+    FP8Reading,
     fp8_linear_prefixes,
     fp8_linears_from_state_dict,
     load_causal_lm,
@@ -73,7 +75,8 @@ from runtime.engine.fp8.loading import (
 )
 
 __all__ = ["FP8_DTYPE", "FP8_MAX", "FP8_MIN_TOKEN_SCALE", "FUSED_GROUPS", "KV_ATTN_IMPL", "KV_SCALE_MODES", "QUANT_ALGOS",
-           "SCALE_SUFFIXES", "FP8Linear", "attach_kv_scales", "dequantize_weight", "enable_fp8_kv", "fp8_linear_prefixes",
+           "SCALE_SUFFIXES", "FP8Linear", "FP8LinearMode", "FP8Reading",
+           "attach_kv_scales", "dequantize_weight", "enable_fp8_kv", "fp8_linear_prefixes",
            "fp8_linears_from_state_dict", "is_fp8_checkpoint", "load_causal_lm", "load_fp8_state_dict",
            "load_state_dict_dequantized", "qdq_e4m3", "qdq_per_token", "quant_algo", "quantize_per_token",
            "quantize_weight", "read_quant_config", "read_safetensors", "swap_fp8_linears", "trtllm_fuse_scales"]

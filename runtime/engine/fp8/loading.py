@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,6 +24,30 @@ from runtime.engine.fp8.linear import FP8_DTYPE, FP8Linear, dequantize_weight, t
 from runtime.engine.placement import place
 
 log = logging.getLogger("runtime.engine.fp8")     # the logger's name before the module became a package
+
+
+@dataclass(frozen=True)
+class FP8LinearMode:
+    """How the FP8 linears of a checkpoint run: through the real FP8 GEMM (`use_scaled_mm`), with activations
+    quantized per token (`dynamic_per_token`: the FP8_PER_CHANNEL_PER_TOKEN recipe), and fused groups re-quantized
+    onto one scale as TensorRT-LLM loads them (`trtllm_fused_scales`, `trtllm_fuse_scales`, intermediate dtype
+    `fuse_dtype`)."""
+
+    use_scaled_mm: bool = False
+    dynamic_per_token: bool = False
+    trtllm_fused_scales: bool = False
+    fuse_dtype: torch.dtype = torch.bfloat16
+
+
+@dataclass(frozen=True)
+class FP8Reading:
+    """Which serving engine's reading of an FP8 checkpoint `load_causal_lm` reproduces: FP8 KV applied at all
+    (`apply_kv_scales`), with unit scales ("unit", TensorRT-LLM 1.2) or the checkpoint's ("checkpoint"), and per-tensor
+    q/k/v and gate/up on one shared weight scale, as TensorRT-LLM loads fused layers (`trtllm_fused_scales`)."""
+
+    apply_kv_scales: bool = True
+    kv_scales: str = "unit"
+    trtllm_fused_scales: bool = True
 
 
 def fp8_linear_prefixes(state_dict: Mapping[str, torch.Tensor]) -> list[str]:
@@ -66,17 +91,15 @@ def load_state_dict_dequantized(path_or_sd: str | Path | Mapping[str, torch.Tens
 
 
 def swap_fp8_linears(module: nn.Module, state_dict: Mapping[str, torch.Tensor], *, prefix: str = "",
-                     compute_dtype=torch.float32, use_scaled_mm: bool = False, dynamic_per_token: bool = False,
-                     trtllm_fused_scales: bool = False, fuse_dtype: torch.dtype = torch.bfloat16) -> list[str]:
+                     compute_dtype=torch.float32, mode: FP8LinearMode = FP8LinearMode()) -> list[str]:
     """Replace each `nn.Linear` of `module` whose checkpoint weight (`prefix + name + ".weight"`) is FP8 by an
     `FP8Linear` built from the checkpoint. Returns the replaced module names. Raises when the checkpoint has
     an FP8 weight for a module that is not an `nn.Linear` (or not there): a silent mismatch would run garbage.
-    `trtllm_fused_scales`: re-quantize fused groups onto one scale as TensorRT-LLM loads them
-    (`trtllm_fuse_scales`, intermediate dtype `fuse_dtype`)."""
-    linears = fp8_linears_from_state_dict(state_dict, compute_dtype=compute_dtype, use_scaled_mm=use_scaled_mm,
-                                          dynamic_per_token=dynamic_per_token)
-    if trtllm_fused_scales:
-        trtllm_fuse_scales(linears, fuse_dtype)
+    `mode`: how the FP8 linears run (FP8LinearMode)."""
+    linears = fp8_linears_from_state_dict(state_dict, compute_dtype=compute_dtype, use_scaled_mm=mode.use_scaled_mm,
+                                          dynamic_per_token=mode.dynamic_per_token)
+    if mode.trtllm_fused_scales:
+        trtllm_fuse_scales(linears, mode.fuse_dtype)
     names = dict(module.named_modules())
     done = []
     for ckpt_name, new in linears.items():
@@ -98,10 +121,8 @@ def swap_fp8_linears(module: nn.Module, state_dict: Mapping[str, torch.Tensor], 
 
 
 def load_fp8_state_dict(module: nn.Module, path_or_sd: str | Path | Mapping[str, torch.Tensor], *, prefix: str = "",
-                        compute_dtype=torch.float32, use_scaled_mm: bool = False, strict: bool = True,
-                        ignore_missing: Iterable[str] = (), dynamic_per_token: bool = False,
-                        trtllm_fused_scales: bool = False, fuse_dtype: torch.dtype = torch.bfloat16,
-                        kv_scales: str = "checkpoint") -> dict:
+                        compute_dtype=torch.float32, mode: FP8LinearMode = FP8LinearMode(), strict: bool = True,
+                        ignore_missing: Iterable[str] = (), kv_scales: str = "checkpoint") -> dict:
     """Load a (possibly FP8) checkpoint into any module tree: FP8 linears are swapped for `FP8Linear`, every
     other tensor is loaded (cast to `compute_dtype` when floating). KV scales are attached to the attention
     modules (see `attach_kv_scales`; `kv_scales` "checkpoint" or "unit"). Returns {"fp8_linears", "missing",
@@ -110,9 +131,7 @@ def load_fp8_state_dict(module: nn.Module, path_or_sd: str | Path | Mapping[str,
     sd = read_safetensors(path_or_sd) if isinstance(path_or_sd, (str, Path)) else dict(path_or_sd)
     if prefix:
         sd = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
-    swapped = swap_fp8_linears(module, sd, compute_dtype=compute_dtype, use_scaled_mm=use_scaled_mm,
-                               dynamic_per_token=dynamic_per_token, trtllm_fused_scales=trtllm_fused_scales,
-                               fuse_dtype=fuse_dtype)
+    swapped = swap_fp8_linears(module, sd, compute_dtype=compute_dtype, mode=mode)
     swapped_set = set(swapped)
     rest = {}
     for k, v in sd.items():
@@ -130,8 +149,8 @@ def load_fp8_state_dict(module: nn.Module, path_or_sd: str | Path | Mapping[str,
 
 
 def load_causal_lm(path: str | Path, *, device: str | torch.device = "cpu", compute_dtype: torch.dtype = torch.float32,
-                   use_scaled_mm: bool | None = None, apply_kv_scales: bool = True, trust_remote_code: bool = False,
-                   spread: bool = False, kv_scales: str = "unit", trtllm_fused_scales: bool = True):
+                   use_scaled_mm: bool | None = None, trust_remote_code: bool = False, spread: bool = False,
+                   reading: FP8Reading = FP8Reading()):
     """Load a causal LM checkpoint for inference, whether plain (BF16/FP16/FP32) or ModelOpt FP8 unified
     (quant_algo FP8 or FP8_PER_CHANNEL_PER_TOKEN). `spread`: on CUDA, a model larger than one GPU goes over all
     of them (`runtime.engine.placement`; only for callers that run the model through its own forward, whose hooks move
@@ -139,16 +158,17 @@ def load_causal_lm(path: str | Path, *, device: str | torch.device = "cpu", comp
 
     FP8 checkpoints: every FP8 linear becomes an `FP8Linear` (weights dequantized with `weight_scale`, per tensor
     or per channel; activations through E4M3 with the static `input_scale` or with per-token scales),
-    high-precision tensors are loaded as they are, and with FP8 KV (when present and `apply_kv_scales`) keys and
-    values pass through E4M3 in attention, with unit scales (`kv_scales="unit"`, TensorRT-LLM 1.2) or the
-    checkpoint's (`"checkpoint"`). `trtllm_fused_scales`: per-tensor q/k/v and gate/up run on one shared weight
-    scale, as TensorRT-LLM loads fused layers (`trtllm_fuse_scales`). `use_scaled_mm` (default: on for CUDA)
+    high-precision tensors are loaded as they are, and with FP8 KV (when present and `reading.apply_kv_scales`) keys
+    and values pass through E4M3 in attention, with unit scales (`reading.kv_scales="unit"`, TensorRT-LLM 1.2) or the
+    checkpoint's (`"checkpoint"`). `reading.trtllm_fused_scales`: per-tensor q/k/v and gate/up run on one shared
+    weight scale, as TensorRT-LLM loads fused layers (`trtllm_fuse_scales`). `use_scaled_mm` (default: on for CUDA)
     uses the real FP8 GEMM. Tied input/output embeddings share one tensor (a checkpoint that says
     `tie_word_embeddings` but stores a different `lm_head.weight` is refused). Returns the model in eval mode;
     `model.fp8_info` says what was applied.
     """
     path = Path(path)
     device = torch.device(device)
+    kv_scales, trtllm_fused_scales = reading.kv_scales, reading.trtllm_fused_scales
     if not is_fp8_checkpoint(path):
         return _load_plain(path, device, compute_dtype, trust_remote_code, spread)
 
@@ -156,7 +176,7 @@ def load_causal_lm(path: str | Path, *, device: str | torch.device = "cpu", comp
     algo = quant_algo(path)
     cfg, model = _empty_model(path, compute_dtype, trust_remote_code)
     sd = read_safetensors(path)
-    if not apply_kv_scales:
+    if not reading.apply_kv_scales:
         sd = {k: v for k, v in sd.items() if not k.endswith((".k_scale", ".v_scale"))}
     if use_scaled_mm is None:
         use_scaled_mm = device.type == "cuda"
@@ -164,11 +184,10 @@ def load_causal_lm(path: str | Path, *, device: str | torch.device = "cpu", comp
     tied = bool(getattr(text_cfg, "tie_word_embeddings", False))
     if tied:
         _drop_tied_head(path, sd)
-    info = load_fp8_state_dict(model, sd, compute_dtype=compute_dtype, use_scaled_mm=use_scaled_mm,
-                               ignore_missing=["lm_head.weight"] if tied else [],
-                               dynamic_per_token=QUANT_ALGOS[algo] == "dynamic_per_token",
-                               trtllm_fused_scales=trtllm_fused_scales, fuse_dtype=_fuse_dtype(text_cfg),
-                               kv_scales=kv_scales)
+    mode = FP8LinearMode(use_scaled_mm=use_scaled_mm, dynamic_per_token=QUANT_ALGOS[algo] == "dynamic_per_token",
+                         trtllm_fused_scales=trtllm_fused_scales, fuse_dtype=_fuse_dtype(text_cfg))
+    info = load_fp8_state_dict(model, sd, compute_dtype=compute_dtype, mode=mode,
+                               ignore_missing=["lm_head.weight"] if tied else [], kv_scales=kv_scales)
     if tied:
         _tie_embeddings(model, path)
     if info["kv_scales"]:

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 from runtime.data import regen_engines as R
+from runtime.data.regenerate import Decoding, RegenRun
 from runtime.vllm import engine as E
 
 LOG = logging.getLogger("test.regen_engines")
@@ -74,6 +75,7 @@ def test_config_check_names_the_field_and_exits_2():
 # ---------------------------------------------------------------------------------------------- real vLLM, SmolLM2
 
 N_PROMPTS, NEW = 10, 24
+GREEDY = Decoding(max_new_tokens=NEW, temperature=0.0, top_p=1.0, stop_ids=[2], seed=0)
 
 
 def _vllm():
@@ -104,9 +106,9 @@ def smol(real_model, tmp_path_factory):
     choice = R.EngineChoice("vllm", "test", install=inst)
     # float32 in vLLM too: the engines compared like with like (in bfloat16, the stage's default, 6 of these 10 answers
     # equal the runtime's: bf16 near-ties flip a token at positions 0-18, docs/stages/data.md)
-    run = dict(vllm_cfg=SimpleNamespace(kv_cache_gib=1, ready_timeout_s=600), model_dir=model_dir, dtype="float32",
-               max_model_len=256 + 8, tok=tok, end_id=2, prompts=prompts, keys=keys, batch_size=4,
-               max_new_tokens=NEW, temperature=0.0, top_p=1.0, stop_ids=[2], seed=0, scratch=work / "regenerate", log=LOG)
+    run = dict(vllm_cfg=SimpleNamespace(kv_cache_gib=1, ready_timeout_s=600),
+               target=R.RegenTarget(model_dir, "float32", 256 + 8, tok, end_id=2), prompts=prompts, keys=keys, batch_size=4,
+               decoding=GREEDY, run=RegenRun(work / "regenerate", LOG))
     gens, st = R.run_regeneration(choice, **run)
     return {"prompts": prompts, "keys": keys, "gens": gens, "stats": st, "work": work, "run": run, "choice": choice,
             "inst": inst, "tok": tok, "model_dir": model_dir}
@@ -124,8 +126,8 @@ def test_vllm_regeneration_matches_the_runtime_and_resumes_without_a_server(smol
     assert st["ended_at_stop"] == sum(g[-1] == 2 for g in gens)
     assert sorted(p.name for p in (work / "regenerate").glob("batch-*.json")) == [f"batch-{b:05d}.json" for b in range(3)]
     assert "Application startup complete" in (work / "vllm" / "vllm.log").read_text(errors="replace")
-    ref, rst = regenerate(smol["model_dir"], smol["prompts"], smol["keys"], batch_size=4, max_new_tokens=NEW,
-                          temperature=0.0, top_p=1.0, stop_ids=[2], seed=0, scratch=None, log=LOG)
+    ref, rst = regenerate(smol["model_dir"], smol["prompts"], smol["keys"], batch_size=4, decoding=GREEDY,
+                          run=RegenRun(None, LOG))
     same = sum(a == b for a, b in zip(gens, ref, strict=True))
     assert same >= 8, f"{same}/10 identical (vLLM vs the runtime, both fp32; 10/10 measured)"
     assert rst["engine"] == "runtime"
@@ -137,11 +139,11 @@ def test_vllm_regeneration_matches_the_runtime_and_resumes_without_a_server(smol
 
 @pytest.mark.slow
 def test_endpoint_regeneration_equals_vllm_and_retokenizes_text_answers(smol, tmp_path):
-    srv = E.VllmServer(smol["inst"], str(smol["model_dir"]), dtype="float32", max_model_len=264, kv_cache_gib=1,
+    srv = E.VllmServer(smol["inst"], E.ServeArgs(str(smol["model_dir"]), dtype="float32", max_model_len=264), kv_cache_gib=1,
                        log_path=tmp_path / "serve.log")
     with srv:
         choice = R.choose_engine(rc(engine="endpoint", endpoint=srv.url), None)
-        run = {**smol["run"], "scratch": tmp_path / "regenerate"}
+        run = {**smol["run"], "run": RegenRun(tmp_path / "regenerate", LOG)}
         gens, st = R.run_regeneration(choice, **run)
         assert st["engine"] == "endpoint" and srv.served_model_name in st["engine_detail"]   # GET /v1/models
         assert gens == smol["gens"] and st["retokenized"] == 0
@@ -150,8 +152,7 @@ def test_endpoint_regeneration_equals_vllm_and_retokenizes_text_answers(smol, tm
         job.client.token_ids = False
         res = [None] * N_PROMPTS
         out = R.server_batches(job, smol["prompts"], smol["keys"], [(0, list(range(N_PROMPTS)))], res, resumed=0,
-                               max_new_tokens=NEW, temperature=0.0, top_p=1.0, stop_ids=[2], seed=0, scratch=None,
-                               log=LOG, progress=None, on_batch=None)
+                               decoding=GREEDY, run=RegenRun(None, LOG))
         assert out["retokenized"] == N_PROMPTS
         assert sum(a == b for a, b in zip(res, gens, strict=True)) >= 8
         assert [g[-1] == 2 for g in res] == [g[-1] == 2 for g in gens]

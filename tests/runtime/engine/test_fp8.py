@@ -81,7 +81,7 @@ def ckpts(tmp_path_factory):
 
 
 # ModelOpt's raw checkpoint read as ModelOpt's fake-quant model computes it: calibrated KV scales, per-module scales
-AS_MODELOPT = {"kv_scales": "checkpoint", "trtllm_fused_scales": False}
+AS_MODELOPT = {"reading": fp8.FP8Reading(kv_scales="checkpoint", trtllm_fused_scales=False)}
 
 
 def test_checkpoint_files_and_dtypes_as_tensorrt_llm_expects(ckpts):
@@ -140,7 +140,7 @@ def test_default_loading_runs_the_checkpoint_as_tensorrt_llm_does(ckpts):
         got = raw(input_ids=ckpts["x"]).logits
     assert (got - ckpts[f"fq_{torch.float32}"]).abs().max().item() > 1e-3
     dep = fp8.load_causal_lm(ckpts["deployed"])
-    dep2 = fp8.load_causal_lm(ckpts["deployed"], trtllm_fused_scales=False)
+    dep2 = fp8.load_causal_lm(ckpts["deployed"], reading=fp8.FP8Reading(trtllm_fused_scales=False))
     with torch.no_grad():
         a, b = dep(input_ids=ckpts["x"]).logits, dep2(input_ids=ckpts["x"]).logits
     assert torch.equal(a, b)                                     # shared scales: the fused re-quantization is a no-op
@@ -171,7 +171,8 @@ def test_deployed_bfloat16_export_reproduces_fake_quant_and_modelopt_bf16_export
 
 
 def test_kv_scales_are_applied(ckpts):
-    m = fp8.load_causal_lm(ckpts["float32"], apply_kv_scales=False, **AS_MODELOPT)
+    m = fp8.load_causal_lm(ckpts["float32"], reading=fp8.FP8Reading(apply_kv_scales=False, kv_scales="checkpoint",
+                                                                   trtllm_fused_scales=False))
     assert m.fp8_info["kv_scales"] == 0
     with torch.no_grad():
         no_kv = m(input_ids=ckpts["x"]).logits
@@ -185,7 +186,7 @@ def test_kv_scales_are_applied(ckpts):
     out = m2.generate(ckpts["x"][:1, :8], max_new_tokens=4, do_sample=False)
     assert out.shape == (1, 12)
     with pytest.raises(ValueError, match="kv_scales"):
-        fp8.load_causal_lm(ckpts["float32"], kv_scales="calibrated")
+        fp8.load_causal_lm(ckpts["float32"], reading=fp8.FP8Reading(kv_scales="calibrated"))
 
 
 def test_plain_checkpoint_loads_unchanged(ckpts):

@@ -18,6 +18,7 @@ import torch
 
 from runtime.engine.lossless import checked_generate
 from runtime.engine.ngram import NgramDrafter, longest_match_proposal
+from runtime.engine.sampling import Sampling
 from runtime.engine.speculative import SpeculativeEngine
 
 from support.vllm_env import vllm_install
@@ -134,7 +135,7 @@ def test_sampling_with_ngram_keeps_the_target_distribution(tiny_target):
     T, N = 0.7, 16000
     eng = SpeculativeEngine(tiny_target, drafter=NgramDrafter(1, 2, 64))
     with torch.no_grad():
-        g = eng.generate([prompt] * N, max_new_tokens=2, draft_len=2, temperature=T, seed=5)
+        g = eng.generate([prompt] * N, max_new_tokens=2, draft_len=2, sampling=Sampling(T, seed=5))
         assert 0 < g.stats.accepted < g.stats.drafted
         p1 = torch.softmax(tiny_target(torch.tensor([prompt])).logits[0, -1] / T, -1)
         p2 = torch.softmax(tiny_target(torch.tensor([prompt + [a] for a in range(64)])).logits[:, -1] / T, -1)
@@ -241,8 +242,9 @@ def test_real_vllm_serves_the_written_ngram_config(run_dir, tmp_path):
     prompts = [[1, 17, 42, 99, 7, 17, 42], [1, 300, 301, 12, 300, 301]]
     ref = SpeculativeEngine(model).generate(prompts, max_new_tokens=24).tokens
     sc = VN.speculative_config(3, 1, 4)
-    srv = E.VllmServer(inst, str(tmp_path / "target"), max_model_len=256, kv_cache_gib=1, dtype="float32",
-                       extra_args=["--speculative-config", json.dumps(sc)], log_path=tmp_path / "vllm.log")
+    srv = E.VllmServer(inst, E.ServeArgs(str(tmp_path / "target"), max_model_len=256, dtype="float32",
+                                         extra_args=("--speculative-config", json.dumps(sc))),
+                       kv_cache_gib=1, log_path=tmp_path / "vllm.log")
     with srv:
         before = srv.spec_decode()
         out = srv.generate(prompts, max_tokens=24, ignore_eos=True)

@@ -19,6 +19,7 @@ import torch
 from runtime.engine.drafters import Drafter
 from runtime.engine.drafts import DraftFormatError, load_draft
 from runtime.engine.lossless import lossless_diff
+from runtime.engine.sampling import Sampling
 from runtime.engine.speculative import SpeculativeEngine, load_pair
 from runtime.engine.target import TargetRunner, load_target
 
@@ -150,9 +151,9 @@ def test_top_p_keeps_sampling_inside_the_nucleus(tiny):
     eng = SpeculativeEngine(model, draft)
     greedy = eng.generate(tiny["prompts"], max_new_tokens=12, draft_len=0).tokens
     for k in (0, 3):
-        s = eng.generate(tiny["prompts"], max_new_tokens=12, draft_len=k, temperature=1.0, top_p=1e-6, seed=3).tokens
+        s = eng.generate(tiny["prompts"], max_new_tokens=12, draft_len=k, sampling=Sampling(1.0, 1e-6, 3)).tokens
         assert s == greedy
-    free = eng.generate(tiny["prompts"], max_new_tokens=12, draft_len=0, temperature=1.5, seed=3).tokens
+    free = eng.generate(tiny["prompts"], max_new_tokens=12, draft_len=0, sampling=Sampling(1.5, seed=3)).tokens
     assert free != greedy                         # without the nucleus, sampling at T=1.5 departs from greedy
 
 
@@ -240,9 +241,9 @@ def test_sampling_matches_target_distribution():
     N = 40000
     eng = SpeculativeEngine(target, drafter=BigramDrafter())
     with torch.no_grad():
-        g = eng.generate([prompt] * N, max_new_tokens=1, draft_len=2, temperature=T, seed=11)
+        g = eng.generate([prompt] * N, max_new_tokens=1, draft_len=2, sampling=Sampling(T, seed=11))
         # first token comes from prefill sampling; the second from the speculative step (accept/reject/bonus)
-        g2 = eng.generate([prompt] * N, max_new_tokens=3, draft_len=2, temperature=T, seed=12)
+        g2 = eng.generate([prompt] * N, max_new_tokens=3, draft_len=2, sampling=Sampling(T, seed=12))
         assert g2.stats.accepted > 0 and g2.stats.accepted < g2.stats.drafted      # both branches exercised
         p1 = torch.softmax(target(torch.tensor([prompt])).logits[0, -1] / T, -1)
         seqs = torch.tensor([prompt + [a] for a in range(12)])

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from runtime.engine.sampling import Sampling
+
 from conftest import artifact_dir
 
 N = 24
@@ -95,9 +97,9 @@ def test_batches_of_different_sampling_share_one_engine(engine):
     """A greedy batch and a sampled batch stepped in turn on one engine keep their own caches."""
     p, q = engine.prompts[0], engine.prompts[1]
     want = solo(engine, p)[0]
-    want_sampled = solo(engine, q, temperature=0.8, seed=3)[0]
+    want_sampled = solo(engine, q, sampling=Sampling(0.8, seed=3))[0]
     greedy = engine.engine.batch(draft_len=engine.draft_len)
-    sampled = engine.engine.batch(draft_len=engine.draft_len, temperature=0.8, seed=3)
+    sampled = engine.engine.batch(draft_len=engine.draft_len, sampling=Sampling(0.8, seed=3))
     (kg,) = greedy.add([p], max_new_tokens=N, eos_token_id=engine.eos_token_ids)
     (ks,) = sampled.add([q], max_new_tokens=N, eos_token_id=engine.eos_token_ids)
     while greedy.live or sampled.live:

@@ -77,7 +77,7 @@ def _job(run_dir: Path, out: Path, **eval_opts) -> dict:
     from transformers import AutoTokenizer
 
     from runtime.training.algorithm import resolve_algorithm
-    from runtime.training.job import make_job
+    from runtime.training.job import JobDirs, make_job
     from stages.train_draft import Config
 
     sec = Config.model_validate({"steps": 9, "batch_size": 2, "seq_len": 64, "warmup_steps": 2, "checkpoint_every": 100,
@@ -86,8 +86,8 @@ def _job(run_dir: Path, out: Path, **eval_opts) -> dict:
     t, d = run_dir / "artifacts" / "target", run_dir / "artifacts" / "data"
     summary = json.loads((t / "target.json").read_text())
     algo = resolve_algorithm(sec.algorithm, summary, AutoTokenizer.from_pretrained(t / "model"), logging.getLogger("t"))
-    return make_job(sec, algo=algo, summary=summary, model_dir=t / "model", data_dir=d, train_samples=None,
-                    scratch_dir=out / "scratch", out_dir=out, device="cpu", threads=2, trust_remote_code=False)
+    return make_job(sec, algo=algo, summary=summary, dirs=JobDirs(t / "model", d, out / "scratch", out), train_samples=None,
+                    device="cpu", threads=2, trust_remote_code=False)
 
 
 def test_best_point_exported_and_kept_across_a_resume(run_dir, tmp_path):

@@ -82,13 +82,13 @@ def test_deployment_check_refuses_an_fp8_fc_where_the_loader_drops_its_scale(run
 def test_quantized_draft_keeps_fc_in_bf16_when_asked(run_dir, tmp_path):
     """The real ModelOpt draft quantization with fc_fp8=False on the tiny run's pair: fc.weight stays high precision
     without scales, every decoder-layer linear is FP8, and the written draft passes the 1.2 deployment check."""
-    from runtime.quant.eagle_draft import quantize_eagle_checkpoint
+    from runtime.quant.eagle_draft import DraftRecipe, quantize_eagle_checkpoint
     from stages.quantize import read_samples
 
     samples = read_samples(artifact_dir(run_dir, "data"), "calib", 4, 64)
     out = tmp_path / "draft_fp8"
     m = quantize_eagle_checkpoint(artifact_dir(run_dir, "target") / "model", artifact_dir(run_dir, "train_draft") / "draft",
-                                  out, samples, samples[:2], kv_cache="fp8", fc_fp8=False)
+                                  out, samples, samples[:2], recipe=DraftRecipe(kv_cache="fp8", fc_fp8=False))
     sd = read_safetensors(out)
     assert sd["fc.weight"].dtype != torch.float8_e4m3fn and "fc.weight_scale" not in sd and "fc.input_scale" not in sd
     assert sd["layers.0.self_attn.q_proj.weight"].dtype == torch.float8_e4m3fn

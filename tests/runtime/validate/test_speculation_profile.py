@@ -150,7 +150,7 @@ def test_every_exported_draft_carries_the_profile(run_dir):
 
 
 def test_monitor_reads_its_baseline_from_the_profile(run_dir, tmp_path):
-    from pipeline.monitor import Design, Monitor, read_run
+    from pipeline.monitor import Design, Endpoint, Monitor, read_run
 
     wd = _copy(run_dir, tmp_path)
     arts = wd / "artifacts"
@@ -161,7 +161,7 @@ def test_monitor_reads_its_baseline_from_the_profile(run_dir, tmp_path):
     first.write_text(json.dumps(p))
     run = read_run(wd)
     assert run.baseline_source.startswith("artifacts/export/triton/") and "(specpipe)" in run.baseline_source
-    mon = Monitor(run, Design(draft_len=run.draft_len), url="http://127.0.0.1:1", metrics_url=None, passive=False,
+    mon = Monitor(run, Design(draft_len=run.draft_len), Endpoint("http://127.0.0.1:1", metrics_url=None, passive=False),
                   state_path=tmp_path / "s.json", prom_path=tmp_path / "p.prom", echo=lambda *a, **k: None)
     expected = 1 + sum(0.5 ** j for j in range(1, run.draft_len + 1))
     assert {d: round(t.al0, 6) for d, t in mon.tests.items()} == {d: round(expected, 6) for d in p["per_category"]}

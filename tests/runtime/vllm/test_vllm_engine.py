@@ -67,8 +67,8 @@ def test_missing_vllm_says_so_and_how_to_install(tmp_path):
 @pytest.mark.fast
 def test_server_argv_and_cpu_env():
     inst = E.VllmInstall(python="/venv/bin/python", version="0.32.0", device="cpu")
-    s = E.VllmServer(inst, "/m/target", draft="/m/spec", num_speculative_tokens=3, max_model_len=256, port=18399,
-                     kv_cache_gib=1.5)
+    s = E.VllmServer(inst, E.ServeArgs("/m/target", draft="/m/spec", num_speculative_tokens=3, max_model_len=256),
+                     port=18399, kv_cache_gib=1.5)
     assert s.argv[:5] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", "/m/target"]
     assert "--enforce-eager" in s.argv and s.argv[s.argv.index("--port") + 1] == "18399"
     assert s.argv[s.argv.index("--speculative-config") + 1] == '{"model":"/m/spec","method":"eagle3","num_speculative_tokens":3}'
@@ -105,8 +105,8 @@ def test_real_server_generates_token_ids_counts_drafts_and_stops(vllm_tiny_run: 
     inst = vllm_install()
     art = vllm_tiny_run / "artifacts"
     log = tmp_path / "vllm.log"
-    srv = E.VllmServer(inst, str(art / "target" / "model"), draft=str(art / "export" / "speculators"),
-                       num_speculative_tokens=3, max_model_len=256, kv_cache_gib=1, log_path=log)
+    srv = E.VllmServer(inst, E.ServeArgs(str(art / "target" / "model"), draft=str(art / "export" / "speculators"),
+                                         num_speculative_tokens=3, max_model_len=256), kv_cache_gib=1, log_path=log)
     with srv:
         pgid = srv.process.pid
         before = srv.spec_decode()
@@ -129,7 +129,7 @@ def test_real_server_generates_token_ids_counts_drafts_and_stops(vllm_tiny_run: 
 
 def test_server_that_cannot_start_raises_with_its_log(tmp_path):
     inst = vllm_install()
-    srv = E.VllmServer(inst, str(tmp_path / "no_such_model"), log_path=tmp_path / "v.log", ready_timeout=300)
+    srv = E.VllmServer(inst, E.ServeArgs(str(tmp_path / "no_such_model")), log_path=tmp_path / "v.log", ready_timeout=300)
     t0 = time.monotonic()
     with pytest.raises(E.VllmUnavailable, match="exited with code") as e:
         srv.start()
