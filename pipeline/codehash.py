@@ -12,7 +12,9 @@ a progress bar.
 
 Parsing ~130 files for each of 8 stages made a no-op rebuild take ~1 s. The imports of a file are a function of its
 bytes and its place in the tree, so they are cached on disk under that key (`code-imports.json` in specpipe's cache
-directory; a file edited is a new key, a cache that cannot be read or written is ignored).
+directory; a file edited is a new key, a cache that cannot be read or written is ignored). Within one pass over the
+stages (`Reads`, registry.py) each file is read and hashed once and each module name resolved once: the ~8 closures
+share most of their files.
 """
 from __future__ import annotations
 
@@ -27,16 +29,19 @@ REPO = Path(__file__).resolve().parent.parent
 FOLLOWED = ("runtime", "pipeline.artifacts")
 
 
+_UNDER = tuple(p + "." for p in FOLLOWED)
+
+
 def _followed(name: str) -> bool:
-    return any(name == p or name.startswith(p + ".") for p in FOLLOWED)
+    return name in FOLLOWED or name.startswith(_UNDER)
 
 
 def module_file(name: str, root: Path = REPO) -> Path | None:
     """The source file of a dotted module name under `root` (a module or a package's __init__), or None."""
-    base = root.joinpath(*name.split("."))
-    for cand in (base.with_suffix(".py"), base / "__init__.py"):
-        if cand.is_file():
-            return cand
+    base = os.path.join(root, *name.split("."))
+    for cand in (base + ".py", os.path.join(base, "__init__.py")):
+        if os.path.isfile(cand):
+            return Path(cand)
     return None
 
 
@@ -88,15 +93,31 @@ class _ImportCache:
 _CACHE = _ImportCache()
 
 
-def _imports(path: Path, root: Path) -> frozenset[str]:
-    """Dotted names `path` imports, anywhere in the file; `from a import b` yields `a` and `a.b` (b may be a module)."""
+class Reads:
+    """What one pass over several closures learns once: {file: (sha256, imports)}, {module name: file or None} and
+    {file: the followed files it imports}. Only for a pass that ends before any file can change (registry.stages());
+    a new pass starts empty."""
+
+    def __init__(self) -> None:
+        self.files: dict[Path, tuple[str, frozenset[str]]] = {}
+        self.modules: dict[str, Path | None] = {}
+        self.edges: dict[Path, tuple[Path, ...]] = {}
+
+
+def _read(path: Path, root: Path, reads: Reads) -> tuple[str, frozenset[str]]:
+    """(sha256 of the bytes, dotted names the file imports, anywhere in it); `from a import b` yields `a` and `a.b`
+    (b may be a module)."""
+    if path in reads.files:
+        return reads.files[path]
     data = path.read_bytes()
-    key = f"{path.relative_to(root)}:{hashlib.sha256(data).hexdigest()}"
+    sha = hashlib.sha256(data).hexdigest()
+    key = f"{path.relative_to(root)}:{sha}"
     hit = _CACHE.get(key)
     if hit is None:
         hit = _parse_imports(data, path, root)
         _CACHE.put(key, hit)
-    return hit
+    reads.files[path] = (sha, hit)
+    return sha, hit
 
 
 def _parse_imports(data: bytes, path: Path, root: Path) -> frozenset[str]:
@@ -115,33 +136,50 @@ def _parse_imports(data: bytes, path: Path, root: Path) -> frozenset[str]:
     return frozenset(out)
 
 
-def closure(start: Path, root: Path = REPO) -> list[Path]:
-    """`start` and every file under FOLLOWED it reaches through imports, transitively; sorted, `start` first.
-    A package reached through `a.b.c` brings its `__init__.py` files too (importing a.b.c runs them)."""
+def _reached(path: Path, root: Path, reads: Reads) -> tuple[Path, ...]:
+    """Files under FOLLOWED that `path` imports directly. A package reached through `a.b.c` brings its `__init__.py`
+    files too (importing a.b.c runs them)."""
+    if (hit := reads.edges.get(path)) is not None:
+        return hit
+    out: dict[Path, None] = {}
+    for name in _read(path, root, reads)[1]:
+        if not _followed(name):
+            continue
+        parts = name.split(".")
+        for i in range(1, len(parts) + 1):
+            if not _followed(prefix := ".".join(parts[:i])):
+                continue
+            if prefix not in reads.modules:
+                reads.modules[prefix] = module_file(prefix, root)
+            if (f := reads.modules[prefix]) is not None:
+                out[f] = None
+    reads.edges[path] = tuple(out)
+    return reads.edges[path]
+
+
+def _walk(start: Path, root: Path, reads: Reads) -> dict[Path, str]:
+    """{file: sha256} for `start` and every file under FOLLOWED it reaches through imports, transitively."""
     seen: dict[Path, None] = {start: None}
-    files: dict[str, Path | None] = {}
     todo = [start]
     while todo:
-        for name in sorted(_imports(todo.pop(), root)):
-            if not _followed(name):
-                continue
-            parts = name.split(".")
-            for i in range(1, len(parts) + 1):
-                if not _followed(prefix := ".".join(parts[:i])):
-                    continue
-                if prefix not in files:
-                    files[prefix] = module_file(prefix, root)
-                f = files[prefix]
-                if f is not None and f not in seen:
-                    seen[f] = None
-                    todo.append(f)
+        for f in _reached(todo.pop(), root, reads):
+            if f not in seen:
+                seen[f] = None
+                todo.append(f)
     _CACHE.flush()
-    return [start, *sorted(p for p in seen if p != start)]
+    return {p: _read(p, root, reads)[0] for p in seen}
 
 
-def code_digests(start: Path, root: Path = REPO) -> dict[str, str]:
-    """{path relative to root: sha256 of its bytes} for the closure of `start`: what enters a stage's fingerprint."""
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()[:16] for p in closure(start, root)}
+def closure(start: Path, root: Path = REPO, reads: Reads | None = None) -> list[Path]:
+    """`start` and every file under FOLLOWED it reaches through imports, transitively; sorted, `start` first."""
+    return [start, *sorted(p for p in _walk(start, root, reads or Reads()) if p != start)]
+
+
+def code_digests(start: Path, root: Path = REPO, reads: Reads | None = None) -> dict[str, str]:
+    """{path relative to root: sha256 of its bytes} for the closure of `start`: what enters a stage's fingerprint.
+    `reads`: shared by the closures of one pass (each file read once); a fresh one when not given."""
+    shas = _walk(start, root, reads or Reads())
+    return {str(p.relative_to(root)): shas[p][:16] for p in [start, *sorted(p for p in shas if p != start)]}
 
 
 def changed_files(old: object, new: dict[str, str]) -> list[str]:

@@ -7,6 +7,7 @@ the user wrote it (union tags and validator names stripped), with the file line 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -143,7 +144,28 @@ def _line_map(text: str) -> dict[str, int]:
     return out
 
 
-def read_yaml(path: Path) -> tuple[dict, dict[str, int]]:
+class _Lines(Mapping):
+    """`_line_map(text)`, composed on first use: only an error message reads it (a second YAML pass costs ~5 ms)."""
+
+    def __init__(self, text: str) -> None:
+        self._text, self._map = text, None
+
+    def _lines(self) -> dict[str, int]:
+        if self._map is None:
+            self._map = _line_map(self._text)
+        return self._map
+
+    def __getitem__(self, key: str) -> int:
+        return self._lines()[key]
+
+    def __iter__(self):
+        return iter(self._lines())
+
+    def __len__(self) -> int:
+        return len(self._lines())
+
+
+def read_yaml(path: Path) -> tuple[dict, Mapping[str, int]]:
     path = Path(path)
     if not path.exists():
         raise ConfigError([("", f"{path}: config file not found")])
@@ -166,7 +188,7 @@ def read_yaml(path: Path) -> tuple[dict, dict[str, int]]:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError([("", f"{path}: the top level must be a mapping of sections, found {type(data).__name__}")])
-    return data, _line_map(text)
+    return data, _Lines(text)
 
 
 # ---------------------------------------------------------------- overrides

@@ -27,7 +27,6 @@ from pydantic import Field, field_validator, model_validator
 from pipeline.errors import StageError
 from pipeline.stage import StageContext, StageSection, Strict
 from runtime.algorithms import dflash, eagle3
-from runtime.training.acceptance import ESTIMATORS
 from runtime.training.algorithm import shape_problems
 from runtime.training.eval_config import every_problems
 
@@ -377,6 +376,8 @@ def _check_export(ctx: StageContext, job: dict, draft_dir: Path) -> list:
 
 
 def _log_outcome(ctx: StageContext, result: dict, acc: dict) -> None:
+    from runtime.training.acceptance import ESTIMATORS
+
     if result.get("fsdp"):
         f = result["fsdp"]
         ctx.log.info("FSDP: each of %d processes held %.1f MB of the target's %.1f MB of decoder-layer weights",
@@ -391,6 +392,7 @@ def report(artifact) -> str:
     import matplotlib.pyplot as plt
 
     from pipeline.report import figure, table
+    from runtime.training.acceptance import ESTIMATORS
     from runtime.training.records import eval_report
 
     m = artifact.metrics

@@ -80,6 +80,25 @@ def test_cached_imports_follow_every_edit_and_survive_a_broken_cache(tmp_path, m
     assert isinstance(json.loads(cache_file.read_text()), dict)
 
 
+def test_one_pass_reads_each_file_once_and_the_next_pass_sees_an_edit(tmp_path, monkeypatch):
+    """registry.stages() shares one `Reads` over the stages' closures: the same digests as separate passes, each file
+    read once; a pass after an edit (a new `Reads`) names the edited file, while the old pass's answers are stale."""
+    stage = _tree(tmp_path)
+    other = tmp_path / "stages/t.py"
+    other.write_text("from runtime.b import g\n")
+    opened: list[Path] = []
+    read_bytes = Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda self: opened.append(self) or read_bytes(self))
+    reads = codehash.Reads()
+    shared = [codehash.code_digests(s, tmp_path, reads=reads) for s in (stage, other)]
+    assert len(opened) == len(set(opened)) == 9   # s.py, t.py, 5 under runtime/, 2 under pipeline/artifacts/
+    assert shared == [codehash.code_digests(s, tmp_path) for s in (stage, other)]
+    (tmp_path / "runtime/sub/deep.py").write_text("def h(x):\n    return -x\n")
+    after = [codehash.code_digests(s, tmp_path, reads=codehash.Reads()) for s in (stage, other)]
+    assert [codehash.changed_files(a, b) for a, b in zip(shared, after, strict=True)] == [["runtime/sub/deep.py"]] * 2
+    assert codehash.code_digests(stage, tmp_path, reads=reads) == shared[0]   # why a Reads lives for one pass only
+
+
 def test_each_stage_fingerprints_the_runtime_it_runs():
     code = {s.name: set(s.code) for s in registry.stages()}
     assert {"stages/quantize.py", "runtime/errors.py"} <= code["quantize"]
