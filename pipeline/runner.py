@@ -36,10 +36,18 @@ log = logging.getLogger("specpipe")
 
 @cache
 def package_version(name: str) -> str | None:
+    """`importlib.metadata.version(name)`, read from the `Version:` header without parsing the whole METADATA file
+    (a package's README often follows it: ~0.4 ms a package, on every plan)."""
     try:
-        return metadata.version(name)
+        dist = metadata.distribution(name)
     except metadata.PackageNotFoundError:
         return None
+    for line in (dist.read_text("METADATA") or dist.read_text("PKG-INFO") or "").splitlines():
+        if not line:        # the headers end at the first empty line
+            break
+        if line.startswith("Version:"):
+            return line[len("Version:"):].strip()
+    return dist.version
 
 
 def fingerprint_inputs(spec: registry.StageSpec, cfg, upstream: dict[str, str]) -> dict:

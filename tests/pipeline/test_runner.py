@@ -97,6 +97,20 @@ def test_plan_reasons(tmp_path):
         runner.make_plan(cfg, store, only="nope")
 
 
+@pytest.mark.fast
+def test_package_versions_read_from_the_header_are_importlib_metadatas():
+    from importlib import metadata
+
+    names = {p for s in registry.stages() for p in s.packages} | {"pydantic", "click", "no-such-package-xyz"}
+    for name in sorted(names):
+        try:
+            want = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            want = None
+        assert runner.package_version(name) == want, name
+    assert runner.package_version("pydantic") is not None and runner.package_version("no-such-package-xyz") is None
+
+
 NOOP_BUILD = """
 import json, sys
 from pipeline.cli import cli
