@@ -9,7 +9,6 @@ import os
 import shlex
 import shutil
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -189,6 +188,8 @@ def make_plan(cfg, store: Store, only: str | None = None, from_: str | None = No
 
 @lru_cache(maxsize=1)
 def git_commit() -> str | None:
+    import subprocess  # here, not at the top: a no-op build never runs git
+
     here = Path(__file__).resolve().parent.parent
     try:
         out = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
