@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from pydantic import Field
 
@@ -43,10 +43,9 @@ from pipeline.artifacts import target as target_artifact
 from pipeline.artifacts import train_draft as train_draft_artifact
 from pipeline.errors import StageError
 from pipeline.stage import StageContext, StageSection, Strict
+from runtime.validate.decode import MeasureSettings
 from runtime.validate.gates import gate_table, lossless_rows, lossless_summary, lossless_tables
-
-if TYPE_CHECKING:
-    from runtime.validate.decode import MeasureSettings
+from runtime.validate.trtllm import run_trtllm, trtllm_available
 
 NAME = "validate"
 CONSUMES: tuple[str, ...] = ("target", "data", "train_draft", "quantize")
@@ -144,7 +143,6 @@ def check(cfg) -> list[tuple[str, str]]:
 
 def run(ctx: StageContext) -> dict:
     from runtime.validate.reference import DraftLoadError, run_reference
-    from runtime.validate.trtllm import run_trtllm
 
     sec: Config = ctx.section
     runtime, why = _choose_runtime(sec.runtime)
@@ -267,7 +265,6 @@ def draft_kv_cache(sec: Config, target_kv_fp8: bool) -> dict:
 def measure_settings(sec: Config, draft_kv_cache: str = "bf16") -> MeasureSettings:
     """What runtime.validate measures with: the section's decoding settings and the lossless gates' parameters."""
     from runtime.validate import ngram as NG
-    from runtime.validate.decode import MeasureSettings
 
     g, n = sec.gates, sec.ngram
     return MeasureSettings(max_draft_len=sec.max_draft_len, max_new_tokens=sec.max_new_tokens, batch_size=sec.batch_size,
@@ -280,8 +277,6 @@ def measure_settings(sec: Config, draft_kv_cache: str = "bf16") -> MeasureSettin
 
 
 def _choose_runtime(want: str) -> tuple[str, str]:
-    from runtime.validate.trtllm import trtllm_available
-
     ok, why = trtllm_available()
     if want == "tensorrt_llm" and not ok:
         raise StageError(f"validate.runtime: tensorrt_llm requested but not usable here ({why}); "
