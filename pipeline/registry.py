@@ -42,6 +42,7 @@ class StageSpec:
 def stages() -> tuple[StageSpec, ...]:
     out: list[StageSpec] = []
     seen: set[str] = set()
+    reads = codehash.Reads()       # the stages' closures share most files: each is read and hashed once
     for modname in STAGE_MODULES:
         m = importlib.import_module(modname)
         for attr in ("NAME", "CONSUMES", "VERSION", "PACKAGES", "Config", "run"):
@@ -51,9 +52,10 @@ def stages() -> tuple[StageSpec, ...]:
             if dep not in seen:
                 raise RuntimeError(f"{modname} consumes '{dep}', which is not registered before it")
         seen.add(m.NAME)
+        code = codehash.code_digests(Path(m.__file__).resolve(), reads=reads)
         out.append(StageSpec(
             name=m.NAME, module=m, consumes=tuple(m.CONSUMES), uses=tuple(getattr(m, "USES", ())),
-            packages=tuple(m.PACKAGES), version=str(m.VERSION), code=codehash.code_digests(Path(m.__file__).resolve()),
+            packages=tuple(m.PACKAGES), version=str(m.VERSION), code=code,
             required=bool(getattr(m, "REQUIRED", False)), check=getattr(m, "check", None),
             report=getattr(m, "report", None), fingerprint_extra=getattr(m, "fingerprint_extra", None),
         ))

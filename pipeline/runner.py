@@ -9,7 +9,6 @@ import os
 import shlex
 import shutil
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -36,10 +35,18 @@ log = logging.getLogger("specpipe")
 
 @cache
 def package_version(name: str) -> str | None:
+    """`importlib.metadata.version(name)`, read from the `Version:` header without parsing the whole METADATA file
+    (a package's README often follows it: ~0.4 ms a package, on every plan)."""
     try:
-        return metadata.version(name)
+        dist = metadata.distribution(name)
     except metadata.PackageNotFoundError:
         return None
+    for line in (dist.read_text("METADATA") or dist.read_text("PKG-INFO") or "").splitlines():
+        if not line:        # the headers end at the first empty line
+            break
+        if line.startswith("Version:"):
+            return line[len("Version:"):].strip()
+    return dist.version
 
 
 def fingerprint_inputs(spec: registry.StageSpec, cfg, upstream: dict[str, str]) -> dict:
@@ -181,6 +188,8 @@ def make_plan(cfg, store: Store, only: str | None = None, from_: str | None = No
 
 @lru_cache(maxsize=1)
 def git_commit() -> str | None:
+    import subprocess  # here, not at the top: a no-op build never runs git
+
     here = Path(__file__).resolve().parent.parent
     try:
         out = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)

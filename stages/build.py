@@ -45,7 +45,7 @@ from pipeline.artifacts import tune as tune_artifact
 from pipeline.errors import StageError
 from pipeline.stage import Artifact, StageContext, StageSection, Strict
 from runtime.algorithms.schedule import DraftSchedule
-from runtime.trtllm import compat, config_checks, draft_schedule
+from runtime.trtllm import compat, config_checks
 
 if TYPE_CHECKING:
     from runtime.trtllm.checks import Check
@@ -251,6 +251,8 @@ def _write_profile(ctx: StageContext, plan: _Plan, where: Path, doc: dict, k1: i
 def _plan(ctx: StageContext) -> _Plan:
     """Read quantize's, train_draft's and tune's artifacts; resolve algorithm, mode, schedule and batch size.
     Logs a warning when tune found that speculation never pays (the target is then deployed alone)."""
+    from runtime.trtllm import draft_schedule
+
     sec: Config = ctx.section
     version = sec.trtllm_version
     rel = compat.release(version)
@@ -384,6 +386,8 @@ def _write_options_and_commands(ctx: StageContext, plan: _Plan, options: dict, o
 
 def _runs(plan: _Plan, options: dict) -> DraftSchedule:
     """The draft length per batch size the written options make TensorRT-LLM run (0 without speculation)."""
+    from runtime.trtllm import draft_schedule
+
     sc = options.get("speculative_config") or {}
     return draft_schedule.decode(sc, plan.rel, plan.mode, plan.mbs) if sc else DraftSchedule.constant(0)
 

@@ -36,11 +36,7 @@ from pipeline.artifacts import target as target_artifact
 from pipeline.errors import StageError
 from pipeline.stage import StageContext, StageSection, Strict
 from pipeline.store import fault_point
-from runtime.data.regen_engines import EngineConfigError, RegenTarget, choose_engine, run_regeneration
-from runtime.data.regenerate import Decoding, RegenRun, regenerated_rows, select_jobs, template_consistency
-from runtime.data.render import encode_samples, has_assistant, load_renderer
 from runtime.data.sources import Malformed, Sample, jsonl_problem, read_bootstrap, read_hf, read_jsonl
-from runtime.data.splits import dedup_and_split, eval_prompts, rows_problem, split_stats, token_rows
 from runtime.errors import RuntimeFailure
 
 NAME = "data"
@@ -186,6 +182,8 @@ def check(cfg) -> list[tuple[str, str]]:
                          f"data.max_length={sec.max_length}; lower it or raise data.max_length"))
     rc = sec.regenerate
     if rc.enabled and (rc.engine != "auto" or rc.endpoint):     # auto without an endpoint is decided when it runs
+        from runtime.data.regen_engines import EngineConfigError, choose_engine
+
         try:
             choose_engine(rc, cfg.vllm)
         except EngineConfigError as e:
@@ -228,6 +226,9 @@ def run(ctx: StageContext) -> dict:
 def _run(ctx: StageContext) -> dict:
     import datasets
     from transformers import AutoTokenizer
+
+    from runtime.data.render import encode_samples, has_assistant, load_renderer
+    from runtime.data.splits import dedup_and_split, rows_problem, split_stats, token_rows
 
     datasets.disable_progress_bars()
 
@@ -313,6 +314,8 @@ def _load_sources(ctx: StageContext, sec: Config, target_path: Path, bad: Malfor
 def _write_eval_prompts(ctx: StageContext, sec: Config, renderer, tok, evals: dict[str, list[Sample]]):
     """eval/<domain>.jsonl (rendered, cut to the last max_prompt_tokens, at least 4 tokens each). Returns the
     per-domain stats and the keys of every sample looked at, which never train the draft."""
+    from runtime.data.splits import eval_prompts
+
     (ctx.out_dir / data_artifact.EVAL_DIR).mkdir()
     domain_stats = {}
     chosen_keys: set[str] = set()
@@ -331,6 +334,9 @@ def _write_eval_prompts(ctx: StageContext, sec: Config, renderer, tok, evals: di
 def _regenerate_splits(ctx: StageContext, renderer, tok, tmpl_info: dict, train: list[Sample], heldout: list[Sample],
                        bad: Malformed, shown: int):
     """The target writes the responses (data.regenerate): (train, its rows, heldout, its rows, stats, shown)."""
+    from runtime.data.regen_engines import RegenTarget, choose_engine, run_regeneration
+    from runtime.data.regenerate import Decoding, RegenRun, regenerated_rows, select_jobs, template_consistency
+
     sec: Config = ctx.section
     target = ctx.input("target")
     model_dir, tinfo = target_artifact.model_dir(target.path), target_artifact.read_info(target.path)

@@ -45,12 +45,7 @@ from pipeline.artifacts import target as target_artifact
 from pipeline.errors import StageError
 from pipeline.stage import StageContext, StageSection, Strict
 from runtime.errors import RuntimeFailure
-from runtime.quant.checks import check_checkpoint, read_hf_quant_config
-from runtime.quant.eagle_draft import DraftRebuildError, DraftRecipe, quantize_eagle_checkpoint
-from runtime.quant.exclusion import search_exclusions
-from runtime.quant.export import export_target
 from runtime.quant.ptq import RECIPES, QuantRun, align_with_deployment, disable_quantizers, kv_unit_scales, quantize_model
-from runtime.quant.quality import fake_quant_reference, measure_quality
 
 NAME = "quantize"
 CONSUMES: tuple[str, ...] = ("target", "data", "train_draft")
@@ -237,6 +232,8 @@ def _log_quality(ctx: StageContext, recipe: str, quality: dict) -> None:
 
 def _write_quantize_json(ctx: StageContext, sec: Config, chosen: dict, tried: list[dict], out_target: Path,
                          draft_rel: str, *, n_calib: int) -> None:
+    from runtime.quant.checks import read_hf_quant_config
+
     hq = read_hf_quant_config(out_target)
     (ctx.out_dir / "quantize.json").write_text(json.dumps({
         "format": chosen["recipe"], "quant_algo": hq.get("quant_algo"), "kv_cache": sec.kv_cache,
@@ -283,6 +280,10 @@ def _try_recipe(ctx: StageContext, recipe: str, target_dir: Path, calib, heldout
     import torch
 
     from runtime.engine.fp8 import load_causal_lm
+    from runtime.quant.checks import check_checkpoint, read_hf_quant_config
+    from runtime.quant.exclusion import search_exclusions
+    from runtime.quant.export import export_target
+    from runtime.quant.quality import fake_quant_reference, measure_quality
 
     sec: Config = ctx.section
     run = QuantRun(device, calib_dtype, ctx.progress, ctx.log)
@@ -332,6 +333,8 @@ def _stage_errors():
     """runtime.quant's failures as the stage's: a draft that cannot be rebuilt as StageError("quantize.draft: <message>"),
     any other `RuntimeFailure` (a target that cannot be placed, no calibration samples, no decoder-layer list) as
     StageError("quantize: <message>")."""
+    from runtime.quant.eagle_draft import DraftRebuildError
+
     try:
         yield
     except DraftRebuildError as e:
@@ -376,6 +379,9 @@ def quality_gate(q: dict, max_ppl_increase: float, min_top1: float | None = None
 
 def quantize_eagle_draft(ctx: StageContext, sec: Config, target_dir: Path, calib, heldout, device, dtype) -> dict:
     """Quantize train_draft's EAGLE-3 draft to FP8 into `draft_fp8/`, check its format, return its metrics."""
+    from runtime.quant.checks import check_checkpoint
+    from runtime.quant.eagle_draft import DraftRecipe, quantize_eagle_checkpoint
+
     draft_dir = ctx.input("train_draft").path / "draft"
     out = ctx.out_dir / "draft_fp8"
     with _stage_errors():

@@ -29,7 +29,6 @@ from pipeline.artifacts import train_draft as train_draft_artifact
 from pipeline.errors import StageError
 from pipeline.stage import StageContext, StageSection, Strict
 from runtime.algorithms import dflash, eagle3
-from runtime.training.acceptance import ESTIMATORS
 from runtime.training.algorithm import shape_problems
 from runtime.training.eval_config import every_problems
 
@@ -379,6 +378,8 @@ def _check_export(ctx: StageContext, job: dict, draft_dir: Path) -> list:
 
 
 def _log_outcome(ctx: StageContext, result: dict, acc: dict) -> None:
+    from runtime.training.acceptance import ESTIMATORS
+
     if result.get("fsdp"):
         f = result["fsdp"]
         ctx.log.info("FSDP: each of %d processes held %.1f MB of the target's %.1f MB of decoder-layer weights",
@@ -393,6 +394,7 @@ def report(artifact) -> str:
     import matplotlib.pyplot as plt
 
     from pipeline.report import figure, table
+    from runtime.training.acceptance import ESTIMATORS
     from runtime.training.records import eval_report
 
     m = artifact.metrics

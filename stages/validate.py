@@ -44,11 +44,8 @@ from pipeline.artifacts import train_draft as train_draft_artifact
 from pipeline.artifacts import validate as validate_artifact
 from pipeline.errors import StageError
 from pipeline.stage import StageContext, StageSection, Strict
-from runtime.validate import ngram as NG
-from runtime.validate import vllm_arm as V
 from runtime.validate.decode import MeasureSettings
 from runtime.validate.gates import gate_table, lossless_rows, lossless_summary, lossless_tables
-from runtime.validate.reference import DraftLoadError, PairLoading, Pairs, run_reference
 from runtime.validate.trtllm import run_trtllm, trtllm_available
 
 NAME = "validate"
@@ -145,6 +142,8 @@ def check(cfg) -> list[tuple[str, str]]:
 
 
 def run(ctx: StageContext) -> dict:
+    from runtime.validate.reference import DraftLoadError, PairLoading, Pairs, run_reference
+
     sec: Config = ctx.section
     runtime, why = _choose_runtime(sec.runtime)
     ctx.log.info("runtime: %s (%s)", runtime, why)
@@ -215,6 +214,9 @@ def _pairs(ctx: StageContext) -> tuple[Path, dict, dict, bool]:
 
 def _metrics(runtime: str, res: dict) -> dict:
     """The stage's metrics from a passed measurement: the gates, the lossless check, acceptance and retention."""
+    from runtime.validate import ngram as NG
+    from runtime.validate import vllm_arm as V
+
     return {"runtime": runtime, "max_draft_len": res["max_draft_len"], "gates_passed": True,
             "lossless": res["lossless"].get("passed"),
             "lossless_check": lossless_summary(res["lossless"]),
@@ -229,6 +231,8 @@ def _metrics(runtime: str, res: dict) -> dict:
 def _vllm(ctx: StageContext, sec: Config, prompts: dict, deployed: dict, bf16: dict, res: dict) -> dict:
     """The pair measured in vLLM too (runtime/validate/vllm_arm.py), as the `vllm` section asks: where vLLM is
     missing or cannot run the pair, a plain skip with the reason, or (on_unavailable: fail) a failed stage."""
+    from runtime.validate import vllm_arm as V
+
     vc = ctx.config.vllm
     s = V.ArmSettings(python=vc.python, kv_cache_gib=vc.kv_cache_gib, ready_timeout=vc.ready_timeout_s,
                       tolerance=vc.tolerance, draft_len=res["max_draft_len"], max_new_tokens=sec.max_new_tokens,
@@ -260,6 +264,8 @@ def draft_kv_cache(sec: Config, target_kv_fp8: bool) -> dict:
 
 def measure_settings(sec: Config, draft_kv_cache: str = "bf16") -> MeasureSettings:
     """What runtime.validate measures with: the section's decoding settings and the lossless gates' parameters."""
+    from runtime.validate import ngram as NG
+
     g, n = sec.gates, sec.ngram
     return MeasureSettings(max_draft_len=sec.max_draft_len, max_new_tokens=sec.max_new_tokens, batch_size=sec.batch_size,
                            temperature=sec.temperature, seed=sec.seed, lossless_prompts=sec.lossless_prompts,
@@ -343,6 +349,8 @@ def report_failed(metrics: dict) -> str:
 
 def _render(a: dict) -> str:
     from pipeline.report import esc, figure, table
+    from runtime.validate import ngram as NG
+    from runtime.validate import vllm_arm as V
 
     parts = [f"<p>runtime <b>{esc(a['runtime'])}</b> ({esc(a.get('runtime_reason', ''))}); "
              f"draft length {a['max_draft_len']}, temperature {a['temperature']}, "

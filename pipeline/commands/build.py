@@ -13,4 +13,5 @@ def print_outcomes(outcomes, store) -> None:
     for o in outcomes:
         t.add_row(o.name, f"[{colors.get(o.action, '')}]{o.action}[/]", o.reason,
                   f"{o.wall_s:.1f}s" if o.action in ("ran", "failed") else "")
-    Console(stderr=True, width=160).print(t)
+    # emoji=False: a reason is never emoji (":name:" stays as written) and rich skips loading its emoji table
+    Console(stderr=True, width=160, emoji=False).print(t)

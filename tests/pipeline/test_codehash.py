@@ -80,6 +80,47 @@ def test_cached_imports_follow_every_edit_and_survive_a_broken_cache(tmp_path, m
     assert isinstance(json.loads(cache_file.read_text()), dict)
 
 
+def test_a_full_imports_cache_drops_what_this_process_did_not_use(tmp_path, monkeypatch):
+    """Every build reads the whole cache file, so it stays small: full, it keeps the entries this process used."""
+    monkeypatch.setenv("SPECPIPE_CACHE_DIR", str(tmp_path / "cache"))
+    cache_file = tmp_path / "cache" / "code-imports.json"
+    cache_file.parent.mkdir()
+    cache_file.write_text(json.dumps({f"other/m{i}.py:{i:064x}": ["runtime.c"] for i in range(10)}))
+    monkeypatch.setattr(codehash._ImportCache, "MAX_ENTRIES", 12)
+    monkeypatch.setattr(codehash, "_CACHE", codehash._ImportCache())
+    root = tmp_path / "repo"
+    stage = _tree(root)
+    first = codehash.closure(stage, root)
+    kept = json.loads(cache_file.read_text())
+    assert sorted(k.split(":")[0] for k in kept) == sorted(str(p.relative_to(root)) for p in first)
+    monkeypatch.setattr(codehash, "_CACHE", codehash._ImportCache())
+    assert codehash.closure(stage, root) == first
+
+
+def test_one_pass_reads_each_file_once_and_the_next_pass_sees_an_edit(tmp_path, monkeypatch):
+    """registry.stages() shares one `Reads` over the stages' closures: the same digests as separate passes, each file
+    read once; a pass after an edit (a new `Reads`) names the edited file, while the old pass's answers are stale."""
+    stage = _tree(tmp_path)
+    other = tmp_path / "stages/t.py"
+    other.write_text("from runtime.b import g\n")
+    opened: list[str] = []
+    real_open = open
+
+    def counting_open(f, mode):
+        opened.append(f)
+        return real_open(f, mode)
+
+    monkeypatch.setattr(codehash, "open", counting_open, raising=False)
+    reads = codehash.Reads()
+    shared = [codehash.code_digests(s, tmp_path, reads=reads) for s in (stage, other)]
+    assert len(opened) == len(set(opened)) == 9   # s.py, t.py, 5 under runtime/, 2 under pipeline/artifacts/
+    assert shared == [codehash.code_digests(s, tmp_path) for s in (stage, other)]
+    (tmp_path / "runtime/sub/deep.py").write_text("def h(x):\n    return -x\n")
+    after = [codehash.code_digests(s, tmp_path, reads=codehash.Reads()) for s in (stage, other)]
+    assert [codehash.changed_files(a, b) for a, b in zip(shared, after, strict=True)] == [["runtime/sub/deep.py"]] * 2
+    assert codehash.code_digests(stage, tmp_path, reads=reads) == shared[0]   # why a Reads lives for one pass only
+
+
 def test_each_stage_fingerprints_the_runtime_it_runs():
     code = {s.name: set(s.code) for s in registry.stages()}
     assert {"stages/quantize.py", "runtime/errors.py"} <= code["quantize"]

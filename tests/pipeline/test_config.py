@@ -104,6 +104,21 @@ def test_yaml_problems(tmp_path, text, word):
 
 
 @pytest.mark.fast
+def test_the_libyaml_reader_reads_what_the_python_one_reads_and_leaves_it_the_errors(tmp_path):
+    """read_yaml parses with libyaml where PyYAML has it and reads a file libyaml refuses again with the pure-Python
+    loader, so the data and the messages above are the pure-Python loader's."""
+    from pipeline import config as C
+
+    assert C._CLoader.__mro__[1] is getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    for f in sorted((REPO / "configs").glob("*.yaml")):
+        text = f.read_text()
+        assert C.read_yaml(f)[0] == yaml.load(text, Loader=C._Loader), f.name
+    p = _write(tmp_path, "a: 1\na: 2\n")
+    with pytest.raises(yaml.constructor.ConstructorError, match="duplicate key 'a'"):
+        C._parse(p.read_text(), C._CLoader)    # the refusal that sends the file to the pure-Python loader
+
+
+@pytest.mark.fast
 def test_missing_file(tmp_path):
     with pytest.raises(ConfigError) as ei:
         load_config(tmp_path / "nope.yaml")
