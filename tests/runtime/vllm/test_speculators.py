@@ -314,11 +314,13 @@ def test_export_stage_fails_loudly_on_a_draft_it_cannot_convert(tmp_path):
 
     from support.synthetic import gate, run_stage, write_checkpoints
 
-    write_checkpoints(tmp_path)           # a synthetic draft: no decoder shape in its config.json
+    # a synthetic draft: not an EAGLE-3 export (no decoder tensors); the conversion runs the algorithm's check_export
+    # first (runtime/algorithms/eagle3.py), so its first problem is what the message carries
+    write_checkpoints(tmp_path)
     gate(tmp_path, True)
     run_stage(tmp_path, build, build.Config())
-    with pytest.raises(StageError, match=r"speculators format for vLLM: .*config.json lacks "
-                                         r"\[.*transformer_layer_config.*export.speculators: false"):
+    with pytest.raises(StageError, match=r"speculators format for vLLM: .*train_draft/draft: eagle_config"
+                                         r".*EAGLE-1/2 draft.*export.speculators: false"):
         run_stage(tmp_path, export, export.Config())
     assert not (tmp_path / "artifacts" / "export").exists()
     shutil.rmtree(tmp_path / ".tmp")
