@@ -30,9 +30,13 @@ MANIFEST = "manifest.json"
 
 
 def fault_point(stage: str, point: str) -> None:
-    """Fault injection for crash tests: SPECPIPE_FAULT=<stage>:<point> kills this process with SIGKILL there."""
-    if os.environ.get("SPECPIPE_FAULT") == f"{stage}:{point}":
+    """Fault injection for crash tests: SPECPIPE_FAULT=<stage>:<point> kills this process with SIGKILL there;
+    SPECPIPE_FAULT=<stage>:<point>:TERM sends it SIGTERM instead (what Slurm's preemption and time limit send)."""
+    fault = os.environ.get("SPECPIPE_FAULT", "")
+    if fault == f"{stage}:{point}":
         os.kill(os.getpid(), signal.SIGKILL)
+    elif fault == f"{stage}:{point}:TERM":
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def file_sha256(path: Path, bufsize: int = 1 << 20) -> str:

@@ -29,6 +29,7 @@ from pydantic import Field, model_validator
 from pipeline.artifacts import target as target_artifact
 from pipeline.errors import StageError
 from pipeline.stage import StageContext, StageSection, Strict
+from pipeline.store import fault_point
 from runtime.errors import RuntimeFailure
 
 NAME = "target"
@@ -104,7 +105,8 @@ def run(ctx: StageContext) -> dict:
 
         try:
             metrics = bootstrap_tiny(sec.tiny, model_dir, corpus_dir=ctx.out_dir / "corpus", scratch_dir=ctx.scratch_dir,
-                                     dtype=sec.dtype, log=ctx.log, progress=ctx.progress)
+                                     dtype=sec.dtype, log=ctx.log, progress=ctx.progress,
+                                     on_checkpoint=lambda step: fault_point(NAME, f"pretrain-checkpoint-{step}"))
         except RuntimeFailure as e:
             raise StageError(f"target.bootstrap: {e}") from None
         source = "bootstrap:tiny"

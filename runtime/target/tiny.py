@@ -12,10 +12,12 @@ from pathlib import Path
 from runtime.target.corpus import token_stream, train_tokenizer, write_corpus
 
 
-def bootstrap_tiny(t, model_dir: Path, *, corpus_dir: Path, scratch_dir: Path, dtype: str, log, progress) -> dict:
+def bootstrap_tiny(t, model_dir: Path, *, corpus_dir: Path, scratch_dir: Path, dtype: str, log, progress,
+                   on_checkpoint=None) -> dict:
     """Build the tiny target: a corpus of standard-library sources (written to `corpus_dir`), a BPE tokenizer trained
     on it, a small Llama pretrained on it (resumable from `scratch_dir`), saved to `model_dir` in `dtype`. `t`: the
-    target stage's `tiny` section; `progress(total=, desc=)`: a progress context. Returns the pretraining metrics."""
+    target stage's `tiny` section; `progress(total=, desc=)`: a progress context; `on_checkpoint(step)`: called after
+    each pretraining checkpoint is on disk (the stage's fault point). Returns the pretraining metrics."""
     import torch
 
     torch.manual_seed(t.seed)
@@ -26,7 +28,8 @@ def bootstrap_tiny(t, model_dir: Path, *, corpus_dir: Path, scratch_dir: Path, d
     log.info("tokenizer: vocab %d; %d training tokens, %d held-out tokens", len(tok), len(data), len(held_t))
 
     model = _tiny_llama(tok, t)
-    loss_v, first_loss, train_s = _pretrain(t, model, data, ckpt=scratch_dir / "pretrain.pt", log=log, progress=progress)
+    loss_v, first_loss, train_s = _pretrain(t, model, data, ckpt=scratch_dir / "pretrain.pt", log=log, progress=progress,
+                                           on_checkpoint=on_checkpoint)
     held_loss = _eval_loss(model, held_t, t.seq_len)
     model.to(getattr(torch, dtype)).save_pretrained(model_dir, safe_serialization=True)
     log.info("pretrained %d steps in %.0fs: loss %.3f, held-out perplexity "
@@ -67,7 +70,7 @@ def _lr_at(t, step: int) -> float:
     return t.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * prog)))
 
 
-def _pretrain(t, model, data, *, ckpt: Path, log, progress) -> tuple[float, float | None, float]:
+def _pretrain(t, model, data, *, ckpt: Path, log, progress, on_checkpoint=None) -> tuple[float, float | None, float]:
     """Pretrain `model` on random windows of `data` for `t.steps` steps, resuming from (and checkpointing to) `ckpt`.
     Returns (last loss, first loss of this run, seconds)."""
     import torch
@@ -99,6 +102,8 @@ def _pretrain(t, model, data, *, ckpt: Path, log, progress) -> tuple[float, floa
                 tmp = ckpt.with_suffix(".tmp")
                 torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(), "step": step + 1}, tmp)
                 os.replace(tmp, ckpt)
+                if on_checkpoint is not None:
+                    on_checkpoint(step + 1)
     return loss_v, first_loss, time.monotonic() - t0
 
 

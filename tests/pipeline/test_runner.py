@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -15,7 +14,7 @@ from pipeline.config import load_config
 from pipeline.errors import LockedError, UsageError
 from pipeline.store import MANIFEST, Store
 
-from conftest import REPO, SPECPIPE, TINY_CONFIG, run_cli, status_json, tiny_overrides
+from conftest import REPO, TINY_CONFIG, run_cli, status_json, tiny_overrides
 
 
 def _cfg(*overrides: str):
@@ -230,33 +229,20 @@ def test_crash_at_commit_points_then_resume(tmp_path, fault):
 
 
 def test_sigkill_mid_training_resumes_from_checkpoint(tmp_path):
-    """Kill the real CLI while the target is pretraining; the next build resumes from the last checkpoint."""
+    """SIGKILL the real CLI right after the target's second pretraining checkpoint (fault injection,
+    SPECPIPE_FAULT=target:pretrain-checkpoint-40): nothing is committed, and the next build resumes from exactly that
+    checkpoint and ends with the fingerprints of an uninterrupted plan."""
     wd = tmp_path / "w"
-    ov = tiny_overrides("target", "data") + ["-o", "target.tiny.steps=400", "-o", "target.tiny.checkpoint_every=20"]
+    ov = tiny_overrides("target", "data") + ["-o", "target.tiny.steps=60", "-o", "target.tiny.checkpoint_every=20"]
     ov += [x for name in registry.names() if name not in ("target", "data") for x in ("-o", f"{name}.enabled=false")]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    p = subprocess.Popen([SPECPIPE, "build", str(TINY_CONFIG), "--workdir", str(wd), *ov], cwd=REPO, env=env,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    ckpt_dir = wd / "scratch" / "target"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if list(ckpt_dir.glob("*/pretrain.pt")):
-            break
-        if p.poll() is not None:
-            pytest.fail("build finished before a checkpoint was written")
-        time.sleep(0.2)
-    else:
-        p.kill()
-        pytest.fail("no checkpoint within the deadline")
-    p.send_signal(signal.SIGKILL)
-    p.wait()
+    r = run_cli("build", str(TINY_CONFIG), "--workdir", str(wd), *ov, env={"SPECPIPE_FAULT": "target:pretrain-checkpoint-40"})
+    assert r.returncode == -signal.SIGKILL, (r.returncode, r.stderr[-2000:])
+    assert list((wd / "scratch" / "target").glob("*/pretrain.pt"))
     assert not (wd / "artifacts" / "target" / MANIFEST).exists()
     r = run_cli("build", str(TINY_CONFIG), "--workdir", str(wd), *ov)
     assert r.returncode == 0, r.stderr[-3000:]
     log = (wd / "logs" / "target.log").read_text()
-    assert "resuming pretraining from step" in log
-    step = int(log.split("resuming pretraining from step ")[1].split()[0])
-    assert step >= 20
+    assert "resuming pretraining from step 40" in log, log[-2000:]
     st = {s["name"]: s for s in status_json(wd)["stages"]}
     ref = run_cli("plan", str(TINY_CONFIG), "--workdir", str(tmp_path / "ref"), "--json", *ov)
     ref_fps = {i["stage"]: i["fingerprint"] for i in json.loads(ref.stdout)}
@@ -266,26 +252,20 @@ def test_sigkill_mid_training_resumes_from_checkpoint(tmp_path):
 
 
 def test_sigterm_mid_stage_unwinds_like_ctrl_c(tmp_path):
-    """`kill <pid>` (Slurm's preemption and time limit send SIGTERM) while the target pretrains: the build unwinds as
-    on Ctrl-C (exit 130, the log says nothing was committed, no temporary directory left), where Python's default
+    """SIGTERM (Slurm's preemption and time limit send it) while the target pretrains, delivered by fault injection
+    right after the first checkpoint (SPECPIPE_FAULT=target:pretrain-checkpoint-20:TERM): the build unwinds as on
+    Ctrl-C (exit 130, the log says nothing was committed, no temporary directory left), where Python's default
     SIGTERM would end the process at once and leave the servers a stage started (own process groups) running."""
     wd = tmp_path / "w"
-    ov = tiny_overrides("target") + ["-o", "target.tiny.steps=400", "-o", "target.tiny.checkpoint_every=20"]
+    ov = tiny_overrides("target") + ["-o", "target.tiny.steps=60", "-o", "target.tiny.checkpoint_every=20"]
     ov += [x for name in registry.names() if name != "target" for x in ("-o", f"{name}.enabled=false")]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    p = subprocess.Popen([SPECPIPE, "build", str(TINY_CONFIG), "--workdir", str(wd), *ov], cwd=REPO, env=env,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 600
-    while not list((wd / "scratch" / "target").glob("*/pretrain.pt")):
-        if p.poll() is not None or time.monotonic() > deadline:
-            p.kill()
-            pytest.fail("no pretraining checkpoint before the build ended or the deadline")
-        time.sleep(0.2)
-    p.send_signal(signal.SIGTERM)
-    _, err = p.communicate(timeout=120)
-    assert p.returncode == 130, err[-2000:]
-    assert "interrupted: nothing half-written was committed" in err
-    assert "interrupted after" in (wd / "logs" / "target.log").read_text()
+    r = run_cli("build", str(TINY_CONFIG), "--workdir", str(wd), *ov,
+                env={"SPECPIPE_FAULT": "target:pretrain-checkpoint-20:TERM"}, timeout=600)
+    assert r.returncode == 130, (r.returncode, r.stderr[-2000:])
+    assert "interrupted: nothing half-written was committed" in r.stderr
+    log = (wd / "logs" / "target.log").read_text()
+    assert "interrupted after" in log
+    assert "pretrained 60 steps" not in log            # it stopped mid-pretraining, not after
     assert not (wd / "artifacts" / "target" / MANIFEST).exists()
     assert not any((wd / ".tmp").iterdir()) if (wd / ".tmp").exists() else True
 
