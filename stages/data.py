@@ -103,6 +103,8 @@ class RegenerateConfig(Strict):
     endpoint: str | None = Field(None, description="base URL of an OpenAI-compatible completions server (vllm serve, "
                                                    "trtllm-serve, SGLang), e.g. http://host:8000")
     endpoint_model: str | None = Field(None, description="model name at the endpoint (default: the first id of GET /v1/models)")
+    turns: Literal["last", "first"] = Field("last", description="chats: rewrite the last assistant turn (last), or answer the "
+                                                            "first user turn alone (first: more single-turn prompts fit)")
 
 
 def _default_sources():
@@ -335,13 +337,14 @@ def _regenerate_splits(ctx: StageContext, renderer, tok, tmpl_info: dict, train:
                        bad: Malformed, shown: int):
     """The target writes the responses (data.regenerate): (train, its rows, heldout, its rows, stats, shown)."""
     from runtime.data.regen_engines import RegenTarget, choose_engine, run_regeneration
-    from runtime.data.regenerate import Decoding, RegenRun, regenerated_rows, select_jobs, template_consistency
+    from runtime.data.regenerate import Decoding, RegenRun, first_turn, regenerated_rows, select_jobs, template_consistency
 
     sec: Config = ctx.section
     target = ctx.input("target")
     model_dir, tinfo = target_artifact.model_dir(target.path), target_artifact.read_info(target.path)
     rc = sec.regenerate
     budget = sec.max_length - rc.max_new_tokens
+    train, heldout = ([first_turn(s) for s in x] for x in (train, heldout)) if rc.turns == "first" else (train, heldout)
     train_jobs, skip_t = select_jobs(renderer, tok, train, sec.max_samples, budget, sec.max_length, bad, tmpl_info)
     n_held = math.ceil(len(train_jobs) * sec.eval_fraction / (1 - sec.eval_fraction)) if sec.eval_fraction else 0
     held_jobs, skip_h = select_jobs(renderer, tok, heldout, n_held, budget, sec.max_length, bad, tmpl_info)
@@ -371,7 +374,7 @@ def _regenerate_splits(ctx: StageContext, renderer, tok, tmpl_info: dict, train:
                           sec.seed),
         run=RegenRun(ctx.scratch_dir / "regenerate", ctx.log, ctx.progress,
                      lambda n: fault_point(NAME, f"regenerate-batch-{n}")))
-    rs.update(skipped_long_prompts=skip_t + skip_h, prompt_budget=budget, mode=rc.mode)
+    rs.update(skipped_long_prompts=skip_t + skip_h, prompt_budget=budget, mode=rc.mode, turns=rc.turns)
     rs["template"] = (template_consistency(renderer, tok, jobs, gens, tmpl_info.get("end_of_turn_id"))
                       if renderer is not None else None)
     ctx.log.info("regeneration: %d prompts, %d resumed from scratch, %d generated in %.1fs: %s prompts/s, %s new tokens/s; "

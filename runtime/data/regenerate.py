@@ -75,6 +75,16 @@ def _regen_job(r, tok, s: Sample, max_length: int) -> RegenJob:
     return RegenJob(s, r.prompt_ids(msgs), msgs)
 
 
+def first_turn(s: Sample) -> Sample:
+    """A chat cut after its first user turn (a leading system message kept): what data.regenerate.turns: first answers.
+    Other samples unchanged."""
+    if s.fmt != "messages":
+        return s
+    msgs = list(s.content)
+    i = next((k for k, m in enumerate(msgs) if m["role"] == "user"), None)
+    return s if i is None or i + 1 == len(msgs) else Sample("messages", msgs[: i + 1], s.domain, s.origin, chat=s.chat)
+
+
 def select_jobs(r, tok, candidates: list[Sample], limit: int, budget: int, max_length: int, bad: Malformed,
                 info: dict) -> tuple[list[RegenJob], int]:
     """Up to `limit` jobs from `candidates` in order; prompts longer than `budget` tokens are skipped (counted)."""

@@ -592,6 +592,38 @@ def test_user_chat_template_renders_samples_and_eval_prompts(tmp_path, real_targ
     assert f"{gsm}:" in r.stderr and "is not closed by the end-of-turn token '<|im_end|>'" in r.stderr
 
 
+@pytest.mark.slow
+def test_regenerating_first_turns_fits_long_chats_the_last_turn_cannot(tmp_path, real_target):
+    """data.regenerate.turns: multi-turn chats whose context before the last assistant turn is longer than
+    max_length - max_new_tokens are all skipped with `last` (refused: no prompt fits) and all used with `first`: the
+    first user turn alone, answered by the target, nothing of the later turns in the sample."""
+    long_turn = "Please explain this in great detail. " * 40
+    chats = [{"messages": [{"role": "user", "content": f"Name fruit number {i}."}, {"role": "assistant", "content": "Apple."},
+                           {"role": "user", "content": long_turn}, {"role": "assistant", "content": "Sure."}]}
+             for i in range(6)]
+    src = _jsonl(tmp_path, chats)
+    ev = _head(real_target[1]["data_dir"] / "gsm8k.jsonl", 2, "ev.jsonl", tmp_path)
+    data = {"sources": [{"kind": "jsonl", "path": str(src)}], "eval_domains": {"m": {"kind": "jsonl", "path": str(ev)}},
+            "eval_fraction": 0.0, "min_length": 4, "max_length": 160,
+            "regenerate": {"enabled": True, "max_new_tokens": 8, "batch_size": 6, "turns": "last"}}
+    _, r = _real_data_run(tmp_path, real_target, data)
+    assert r.returncode == 1 and "no training prompt fits" in r.stderr and "(6 were longer)" in r.stderr, r.stderr[-2000:]
+    (tmp_path / "b").mkdir()
+    wd, r = _real_data_run(tmp_path / "b", real_target, {**data, "regenerate": {**data["regenerate"], "turns": "first"}})
+    assert r.returncode == 0, r.stderr[-3000:]
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(real_target[1]["model_dir"])
+    rows = _rows(wd, "train")
+    assert len(rows) == 6
+    for row in rows:
+        prompt = tok.decode([t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if not m])
+        assert "Name fruit number" in prompt and "Apple." not in prompt and "great detail" not in prompt
+        assert prompt.endswith("<|im_start|>assistant\n") and 1 <= sum(row["loss_mask"]) <= 8
+    st = json.loads((wd / "artifacts" / "data" / "stats.json").read_text())["regeneration"]
+    assert st["turns"] == "first" and st["skipped_long_prompts"] == 0
+
+
 @pytest.mark.fast
 @pytest.mark.parametrize("case", ["missing", "syntax"])
 def test_user_chat_template_is_validated(tmp_path, case):
