@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, create_model, field_validator
+from pydantic import Field, ValidationError, field_validator
 
 from pipeline.errors import ConfigError
 from pipeline.stage import Strict
@@ -76,35 +76,11 @@ class VllmConfig(Strict):
         return {True: "true", False: "false"}.get(v, v) if isinstance(v, bool) else v
 
 
-def _root_model():
-    from pipeline.registry import stages
-
-    fields: dict[str, Any] = {
-        "run": (RunConfig, Field(default_factory=RunConfig)),
-        "hardware": (HardwareConfig, Field(default_factory=HardwareConfig)),
-        "vllm": (VllmConfig, Field(default_factory=VllmConfig)),
-    }
-    for st in stages():
-        # `target` has required fields (what to load or build); every other section has full defaults.
-        if st.required:
-            fields[st.name] = (st.module.Config, ...)
-        else:
-            fields[st.name] = (st.module.Config, Field(default_factory=st.module.Config))
-    import warnings
-
-    with warnings.catch_warnings():  # the section `validate` shadows pydantic's deprecated BaseModel.validate
-        warnings.filterwarnings("ignore", message='Field name "validate"', category=UserWarning)
-        return create_model("PipelineConfig", __base__=Strict, **fields)
-
-
-_ROOT = None
-
-
 def root_model():
-    global _ROOT
-    if _ROOT is None:
-        _ROOT = _root_model()
-    return _ROOT
+    """The declared root config class (stages/config.py's PipelineConfig, checked against the registry)."""
+    from pipeline.registry import root_config
+
+    return root_config()
 
 
 # ---------------------------------------------------------------- YAML with line numbers and no duplicates

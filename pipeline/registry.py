@@ -10,6 +10,7 @@ from types import ModuleType
 
 from pipeline import codehash
 
+SHARED_SECTIONS: tuple[str, ...] = ("run", "hardware", "vllm")   # config sections no stage owns (pipeline/config.py)
 # Order is execution order. A stage may only consume stages listed before it.
 STAGE_MODULES: tuple[str, ...] = (
     "stages.target",
@@ -60,6 +61,27 @@ def stages() -> tuple[StageSpec, ...]:
             report=getattr(m, "report", None), fingerprint_extra=getattr(m, "fingerprint_extra", None),
         ))
     return tuple(out)
+
+
+ROOT_CONFIG = "stages.config"      # the declared root config class, PipelineConfig: one section per stage
+
+
+@lru_cache(maxsize=1)
+def root_config() -> type:
+    """stages/config.py's `PipelineConfig`, checked against the registry: the shared sections, then exactly the
+    registered stages' sections, in run order, each typed by its stage's `Config` and required only where the stage
+    says so (REQUIRED)."""
+    root = importlib.import_module(ROOT_CONFIG).PipelineConfig
+    fields = root.model_fields
+    want = [*SHARED_SECTIONS, *names()]
+    if list(fields) != want:
+        raise RuntimeError(f"{ROOT_CONFIG}.PipelineConfig declares sections {list(fields)}; the registry needs {want}")
+    for st in stages():
+        f = fields[st.name]
+        if f.annotation is not st.module.Config or f.is_required() != st.required:
+            raise RuntimeError(f"{ROOT_CONFIG}.PipelineConfig.{st.name} must be {st.module.__name__}.Config, "
+                               f"{'required' if st.required else 'with its defaults'}")
+    return root
 
 
 def names() -> list[str]:

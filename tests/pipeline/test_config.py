@@ -190,3 +190,27 @@ def test_status_and_report_need_a_workdir_unless_one_run_exists(tmp_path):
         assert r.returncode == 2 and "give --workdir" in r.stderr and "Traceback" not in r.stderr
         r = run_cli(cmd, "--workdir", str(tmp_path / "nope"), cwd=tmp_path)
         assert r.returncode == 2 and "no such directory" in r.stderr
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("edit, word", [
+    ("    export: export_stage.Config = Field(default_factory=export_stage.Config)\n", "declares sections"),   # one missing
+    ("    target: target_stage.Config\n", "PipelineConfig.target must be stages.target.Config, required"),
+])
+def test_the_declared_root_config_must_match_the_registry(tmp_path, monkeypatch, edit, word):
+    """stages/config.py declares the whole config file; the registry refuses a declaration that drops a stage's
+    section or makes the required `target` optional (here: stages/config.py copied with one line changed)."""
+    from pipeline import registry
+
+    src = (REPO / "stages" / "config.py").read_text()
+    line = "        " + edit.strip() + "\n"
+    assert line in src
+    repl = "" if "export" in edit else "        target: target_stage.Config = Field(default_factory=dict)\n"
+    mod = f"alt_root_config_{'export' if 'export' in edit else 'target'}"     # one module name per case
+    (tmp_path / f"{mod}.py").write_text(src.replace(line, repl))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(registry, "ROOT_CONFIG", mod)
+    with pytest.raises(RuntimeError, match=word):
+        registry.root_config.__wrapped__()
+    monkeypatch.setattr(registry, "ROOT_CONFIG", "stages.config")
+    assert list(registry.root_config.__wrapped__().model_fields)[3:] == registry.names()
