@@ -34,28 +34,45 @@ class Evals:
     best: dict | None = None          # {"step", "mean", "acceptance": the estimator's record}
     bad: int = 0                      # eval points in a row without improvement
     early_stop: dict | None = None    # {"step", "reason"}
+    train_cpu_s: float = 0.0          # CPU seconds this process spent outside eval points so far (resumes add on)
+    cpu_mark: float = dataclasses.field(default_factory=time.process_time)   # not saved: this process's clock
 
     @classmethod
     def from_job(cls, job: dict, saved: dict | None) -> Evals:
         ev = job["eval"]
         e = cls(ev.get("every", 0), ev.get("patience", 0), ev.get("min_delta", 0.0))
-        for k in ("points", "best", "bad", "early_stop"):
+        for k in ("points", "best", "bad", "early_stop", "train_cpu_s"):
             if saved and k in saved:
                 setattr(e, k, saved[k])
         return e
 
     def state(self) -> dict:
-        return {"points": self.points, "best": self.best, "bad": self.bad, "early_stop": self.early_stop}
+        return {"points": self.points, "best": self.best, "bad": self.bad, "early_stop": self.early_stop,
+                "train_cpu_s": self.train_cpu_s}
+
+    def train_cpu(self) -> float:
+        """train_cpu_s with this process's CPU since the last mark added (call it before an eval point measures)."""
+        now = time.process_time()        # every thread of this process (torch's included)
+        self.train_cpu_s, self.cpu_mark = self.train_cpu_s + now - self.cpu_mark, now
+        return self.train_cpu_s
+
+    def eval_done(self) -> float:
+        """After an eval point's measurement: its CPU seconds (not counted as training)."""
+        now = time.process_time()
+        spent, self.cpu_mark = now - self.cpu_mark, now
+        return spent
 
     def due(self, step: int, last: int) -> bool:
         return bool(self.every) and step % self.every == 0 and step != last
 
-    def record(self, step: int, acc: dict, seconds: float) -> bool:
-        """Adds the point; returns True when it is the new best (its mean AL above the best's by more than
-        min_delta), and decides the early stop when patience is exhausted."""
+    def record(self, step: int, acc: dict, seconds: float, cpu: tuple[float, float] = (0.0, 0.0)) -> bool:
+        """Adds the point (`cpu`: this process's CPU seconds of training up to it, and of its measurement); returns
+        True when it is the new best (its mean AL above the best's by more than min_delta), and decides the early stop
+        when patience is exhausted."""
         mean = domain_mean(acc)
         self.points.append({"step": step, "al": {d: v["acceptance_length"] for d, v in acc["domains"].items()},
-                            "mean": mean, "acceptance_length": acc["acceptance_length"], "seconds": round(seconds, 2)})
+                            "mean": mean, "acceptance_length": acc["acceptance_length"], "seconds": round(seconds, 2),
+                            "train_cpu_s": round(cpu[0], 1), "eval_cpu_s": round(cpu[1], 1)})
         if self.best is None or mean > self.best["mean"] + self.min_delta:
             self.best, self.bad = {"step": step, "mean": mean, "acceptance": acc}, 0
             return True
@@ -115,8 +132,9 @@ def eval_point(job: dict, run, tok, prompts: dict, step: int, proc) -> bool:
     ev = run.evals
     flags = [False, False]
     if proc.rank == 0:
+        cpu = ev.train_cpu()
         acc, secs = measure(job, run.model, tok, prompts, proc.device)
-        flags = [ev.record(step, acc, secs), ev.early_stop is not None]
+        flags = [ev.record(step, acc, secs, (cpu, ev.eval_done())), ev.early_stop is not None]
         p = ev.points[-1]
         proc.emit0({"event": "eval_point", "step": step, "mean": p["mean"], "al": p["al"], "seconds": p["seconds"],
                     "best_step": ev.best["step"], "best_mean": ev.best["mean"]})
@@ -143,8 +161,9 @@ def conclude(job: dict, model, evals: Evals, prompts: dict, tok, device, final_a
     t0 = time.monotonic()
     last = evals.early_stop["step"] if evals.early_stop else job["train"]["steps"]
     if not evals.points or evals.points[-1]["step"] != last:
+        cpu = evals.train_cpu()
         acc, secs = (final_acc, 0.0) if final_acc else measure(job, model, tok, prompts, device)
-        evals.record(last, acc, secs)
+        evals.record(last, acc, secs, (cpu, evals.eval_done()))
         emit({"event": "eval_point", "step": last, "mean": evals.points[-1]["mean"], "al": evals.points[-1]["al"],
               "seconds": evals.points[-1]["seconds"], "best_step": evals.best["step"], "best_mean": evals.best["mean"]})
     best = evals.best
@@ -162,7 +181,7 @@ def end_only_summary(job: dict, evals: Evals, acc: dict | None, seconds: float) 
     """No eval point during training: the one at the end (when measured) is the exported last step."""
     steps = job["train"]["steps"]
     if acc:
-        evals.record(steps, acc, seconds)
+        evals.record(steps, acc, seconds, (evals.train_cpu(), 0.0))   # measured before: its CPU counted as training
         why = "eval only at the end (eval.every: 0 or no eval points before the last step)"
     else:
         why = "no held-out estimate (eval.prompts_per_domain: 0)"

@@ -97,7 +97,7 @@ def eval_report(curve: dict, draft: dict) -> tuple[list, list, list]:
     step and why, the early stop, the reduced draft vocabulary)."""
     pts = curve.get("acceptance_points") or []
     doms = sorted(pts[0]["al"]) if pts else []
-    rows = [[p["step"], *[p["al"].get(d) for d in doms], p["mean"],
+    rows = [[p["step"], _cpu_min(p), *[p["al"].get(d) for d in doms], p["mean"],
              "exported" if p["step"] == curve.get("exported_step") else ""] for p in pts]
     summary = [["exported step", draft.get("exported_step")], ["why", draft.get("export_reason")],
                ["early stop", (curve.get("early_stop") or {}).get("reason", "no")]]
@@ -106,4 +106,10 @@ def eval_report(curve: dict, draft: dict) -> tuple[list, list, list]:
         summary += [["draft vocabulary", dv.get("draft_vocab_size")],
                     ["trained-on tokens covered by it", dv.get("token_coverage")],
                     ["held-out assistant tokens outside it", dv.get("heldout_oov_rate")]]
-    return rows, ["eval point (step)", *[f"AL {d}" for d in doms], "mean AL", ""], summary
+    return rows, ["eval point (step)", "training CPU-min", *[f"AL {d}" for d in doms], "mean AL", ""], summary
+
+
+def _cpu_min(point: dict) -> float | None:
+    """The training CPU-minutes up to an eval point (its `train_cpu_s`: the training process's CPU outside the eval
+    points, all threads); None for points recorded before it was kept."""
+    return round(point["train_cpu_s"] / 60, 1) if "train_cpu_s" in point else None

@@ -54,6 +54,7 @@ def test_early_stop_exports_the_best_point_not_the_last(run_dir, tmp_path):
     assert [p["step"] for p in pts] == [2, 4, 6]   # stopped at 6: two points without improvement
     assert set(pts[0]["al"]) == {"code", "prose"} and all(1.0 <= v <= 4.0 for p in pts for v in p["al"].values())
     assert all(p["mean"] == pytest.approx(sum(p["al"].values()) / 2, abs=1e-6) for p in pts)
+    assert 0 < pts[0]["train_cpu_s"] < pts[1]["train_cpu_s"] < pts[2]["train_cpu_s"] and all(p["eval_cpu_s"] > 0 for p in pts)
     assert curve["early_stop"]["step"] == 6 and "eval.patience 2" in curve["early_stop"]["reason"]
     assert draft["exported_step"] == curve["exported_step"] == 2 != pts[-1]["step"]
     assert "best held-out AL: step 2" in draft["export_reason"]
@@ -111,8 +112,11 @@ def test_best_point_exported_and_kept_across_a_resume(run_dir, tmp_path):
     assert (tmp_path / "a" / "scratch" / "ckpt" / "best.safetensors").exists()
     resumed = dt.train(_job(run_dir, tmp_path / "a", every=3))
     assert resumed["resumed_from_step"] == 6
-    strip = [{k: v for k, v in p.items() if k != "seconds"} for p in pts]
-    assert [{k: v for k, v in p.items() if k != "seconds"} for p in resumed["evals"]["points"]] == strip
+    timing = ("seconds", "train_cpu_s", "eval_cpu_s")
+    strip = [{k: v for k, v in p.items() if k not in timing} for p in pts]
+    assert [{k: v for k, v in p.items() if k not in timing} for p in resumed["evals"]["points"]] == strip
+    cpu = [p["train_cpu_s"] for p in resumed["evals"]["points"]]   # the first run's training CPU carried over the resume
+    assert 0 < cpu[0] < cpu[1] < cpu[2]
     assert resumed["evals"]["exported_step"] == full["evals"]["exported_step"]
     again = load_file(str(tmp_path / "a" / "draft" / "model.safetensors"))
     for k in exported:
