@@ -103,6 +103,8 @@ class RegenerateConfig(Strict):
     endpoint: str | None = Field(None, description="base URL of an OpenAI-compatible completions server (vllm serve, "
                                                    "trtllm-serve, SGLang), e.g. http://host:8000")
     endpoint_model: str | None = Field(None, description="model name at the endpoint (default: the first id of GET /v1/models)")
+    cut_loops: bool = Field(False, description="end a response that falls into a loop after two copies of the repeated "
+                                               "segment (small targets' greedy answers loop; the loop is not trained on)")
     turns: Literal["last", "first"] = Field("last", description="chats: rewrite the last assistant turn (last), or answer the "
                                                             "first user turn alone (first: more single-turn prompts fit)")
 
@@ -337,7 +339,15 @@ def _regenerate_splits(ctx: StageContext, renderer, tok, tmpl_info: dict, train:
                        bad: Malformed, shown: int):
     """The target writes the responses (data.regenerate): (train, its rows, heldout, its rows, stats, shown)."""
     from runtime.data.regen_engines import RegenTarget, choose_engine, run_regeneration
-    from runtime.data.regenerate import Decoding, RegenRun, first_turn, regenerated_rows, select_jobs, template_consistency
+    from runtime.data.regenerate import (
+        Decoding,
+        RegenRun,
+        first_turn,
+        log_outcome,
+        regenerated_rows,
+        select_jobs,
+        template_consistency,
+    )
 
     sec: Config = ctx.section
     target = ctx.input("target")
@@ -377,19 +387,9 @@ def _regenerate_splits(ctx: StageContext, renderer, tok, tmpl_info: dict, train:
     rs.update(skipped_long_prompts=skip_t + skip_h, prompt_budget=budget, mode=rc.mode, turns=rc.turns)
     rs["template"] = (template_consistency(renderer, tok, jobs, gens, tmpl_info.get("end_of_turn_id"))
                       if renderer is not None else None)
-    ctx.log.info("regeneration: %d prompts, %d resumed from scratch, %d generated in %.1fs: %s prompts/s, %s new tokens/s; "
-                 "mean %.1f new tokens per response; %d ended at a stop id, %d hit max_new_tokens=%d; prefill padding %.1f%%",
-                 rs["prompts"], rs["resumed_prompts"], rs["generated_prompts"], rs["seconds"], rs["prompts_per_s"],
-                 rs["new_tokens_per_s"], rs["mean_new_tokens"], rs["ended_at_stop"], rs["hit_max_new_tokens"],
-                 rc.max_new_tokens, 100 * rs["prefill_padding_fraction"])
-    if rs["template"] and rs["template"]["checked"]:
-        t = rs["template"]
-        (ctx.log.info if t["consistent"] == t["checked"] else ctx.log.warning)(
-            "regeneration: %d of %d responses that ended at the end of turn are exactly what the chat template renders for "
-            "that assistant turn%s", t["consistent"], t["checked"],
-            "" if t["consistent"] == t["checked"] else
-            f" (first that is not: {t['first_inconsistent']}; the sample keeps the target's own tokens)")
-    rows_all = regenerated_rows(jobs, gens)
+    rows_all, loops = regenerated_rows(jobs, gens, cut_loops=rc.cut_loops)
+    rs.update(loops, cut_loops=rc.cut_loops)
+    log_outcome(ctx.log, rs)
     return ([j.sample for j in train_jobs], rows_all[: len(train_jobs)], [j.sample for j in held_jobs],
             rows_all[len(train_jobs):], rs, shown)
 
@@ -441,7 +441,7 @@ def report(artifact) -> str:
                 ["prompts/s", g["prompts_per_s"]], ["new tokens/s", g["new_tokens_per_s"]],
                 ["mean new tokens", g["mean_new_tokens"]], ["ended at a stop id", g["ended_at_stop"]],
                 ["hit max_new_tokens", f"{g['hit_max_new_tokens']} (max {g['max_new_tokens']})"],
-                ["long prompts skipped", g.get("skipped_long_prompts")]]
+                ["long prompts skipped", g.get("skipped_long_prompts")], ["responses that loop", g.get("looping")]]
         if g.get("template"):
             rows.append(["equal to the template's rendering", f"{g['template']['consistent']} of {g['template']['checked']}"])
         out += table(rows, ["regeneration", ""])

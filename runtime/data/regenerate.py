@@ -230,9 +230,39 @@ def write_batch(scratch: Path | None, b: int, keys: list[str], tokens: list[list
                           json.dumps({"keys": keys, "tokens": tokens, "seconds": round(seconds, 3)}))
 
 
-def regenerated_rows(jobs: list[RegenJob], gens: list[list[int]]) -> list[tuple[list[int], list[int]]]:
-    """prompt ids + generated ids exactly as the target produced them; loss on the generated ids (end of turn included)."""
-    return [(j.prompt + g, [0] * len(j.prompt) + [1] * len(g)) for j, g in zip(jobs, gens, strict=True)]
+LOOP_MIN_SPAN = 12      # tokens a repeat must cover to count as a loop (indentation or a short ruler is not one)
+LOOP_MAX_PERIOD = 32    # longest repeated segment looked for, in tokens
+
+
+def loop_onset(ids: list[int]) -> int | None:
+    """Where a response falls into a loop, the way small targets' greedy answers do ("The film was nominated for the
+    award. The film was nominated for the award. ..."): the end of the second copy of the first segment of at most
+    LOOP_MAX_PERIOD tokens that repeats back to back at least 3 times over at least LOOP_MIN_SPAN tokens; None when
+    the response never loops."""
+    for i in range(3, len(ids) + 1):
+        for p in range(1, min(LOOP_MAX_PERIOD, i // 3) + 1):
+            if ids[i - 1] != ids[i - 1 - p]:
+                continue
+            c = max(3, -(-LOOP_MIN_SPAN // p))
+            if c * p <= i and all(ids[i - (j + 1) * p: i - j * p] == ids[i - p: i] for j in range(1, c)):
+                return i - (c - 2) * p       # the loop's start + two copies of its segment
+    return None
+
+
+def regenerated_rows(jobs: list[RegenJob], gens: list[list[int]], cut_loops: bool = False
+                     ) -> tuple[list[tuple[list[int], list[int]]], dict]:
+    """prompt ids + generated ids exactly as the target produced them; loss on the generated ids (end of turn
+    included). With `cut_loops` a response that loops ends after two copies of its repeated segment (`loop_onset`).
+    Returns (rows, {"looping": responses that loop, "loop_tokens_cut": tokens dropped})."""
+    rows, looping, cut = [], 0, 0
+    for j, g in zip(jobs, gens, strict=True):
+        end = loop_onset(g)
+        looping += end is not None
+        if cut_loops and end is not None:
+            cut += len(g) - end
+            g = g[:end]
+        rows.append((j.prompt + g, [0] * len(j.prompt) + [1] * len(g)))
+    return rows, {"looping": looping, "loop_tokens_cut": cut}
 
 
 def template_consistency(r, tok, jobs: list[RegenJob], gens: list[list[int]], eot_id: int | None) -> dict:
@@ -257,3 +287,23 @@ def template_consistency(r, tok, jobs: list[RegenJob], gens: list[list[int]], eo
         if not ok and first is None:
             first = j.sample.origin
     return {"checked": checked, "consistent": same, "first_inconsistent": first}
+
+
+def log_outcome(log, rs: dict) -> None:
+    """The data stage's log lines on a finished regeneration (`rs`: its statistics, with the template consistency and
+    the loops): throughput, how responses ended, template consistency, loops."""
+    log.info("regeneration: %d prompts, %d resumed from scratch, %d generated in %.1fs: %s prompts/s, %s new tokens/s; "
+             "mean %.1f new tokens per response; %d ended at a stop id, %d hit max_new_tokens=%d; prefill padding %.1f%%",
+             rs["prompts"], rs["resumed_prompts"], rs["generated_prompts"], rs["seconds"], rs["prompts_per_s"],
+             rs["new_tokens_per_s"], rs["mean_new_tokens"], rs["ended_at_stop"], rs["hit_max_new_tokens"],
+             rs["max_new_tokens"], 100 * rs["prefill_padding_fraction"])
+    if (t := rs.get("template")) and t["checked"]:
+        (log.info if t["consistent"] == t["checked"] else log.warning)(
+            "regeneration: %d of %d responses that ended at the end of turn are exactly what the chat template renders for "
+            "that assistant turn%s", t["consistent"], t["checked"],
+            "" if t["consistent"] == t["checked"] else
+            f" (first that is not: {t['first_inconsistent']}; the sample keeps the target's own tokens)")
+    log.info("regeneration: %d of %d responses fall into a loop (a segment of <= %d tokens repeated 3+ times back to back)%s",
+             rs["looping"], rs["prompts"], LOOP_MAX_PERIOD,
+             f"; cut after its second copy: {rs['loop_tokens_cut']} tokens dropped" if rs["cut_loops"] else
+             "; kept (data.regenerate.cut_loops: false)")

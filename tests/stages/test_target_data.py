@@ -622,6 +622,8 @@ def test_regenerating_first_turns_fits_long_chats_the_last_turn_cannot(tmp_path,
         assert prompt.endswith("<|im_start|>assistant\n") and 1 <= sum(row["loss_mask"]) <= 8
     st = json.loads((wd / "artifacts" / "data" / "stats.json").read_text())["regeneration"]
     assert st["turns"] == "first" and st["skipped_long_prompts"] == 0
+    assert st["cut_loops"] is False and 0 <= st["looping"] <= 6 and st["loop_tokens_cut"] == 0
+    assert f"regeneration: {st['looping']} of 6 responses fall into a loop" in r.stderr
 
 
 @pytest.mark.fast
