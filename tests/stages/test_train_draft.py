@@ -185,8 +185,10 @@ def test_eagle3_curve_metrics_and_report(eagle, monkeypatch):
     assert len(curve["acceptance_points"]) == 3
     for p in curve["acceptance_points"]:
         mark = "exported" if p["step"] == draft["exported_step"] else ""
-        assert (f"<tr><td>{p['step']}</td><td>{p['al']['code']:.4g}</td><td>{p['al']['prose']:.4g}</td>"
-                f"<td>{p['mean']:.4g}</td><td>{mark}</td></tr>") in sec, p
+        cpu_min = round(p["train_cpu_s"] / 60, 1)      # the training CPU up to the point, in minutes
+        assert (f"<tr><td>{p['step']}</td><td>{cpu_min:.4g}</td><td>{p['al']['code']:.4g}</td>"
+                f"<td>{p['al']['prose']:.4g}</td><td>{p['mean']:.4g}</td><td>{mark}</td></tr>") in sec, p
+    assert "<th>training CPU-min</th>" in sec
     assert f"<td>exported step</td><td>{draft['exported_step']}</td>" in sec
     assert f"<td>why</td><td>{esc(draft['export_reason'])}</td>" in sec
     checks = json.loads((art / "checks.json").read_text())
