@@ -72,7 +72,7 @@ class Evals:
         mean = domain_mean(acc)
         self.points.append({"step": step, "al": {d: v["acceptance_length"] for d, v in acc["domains"].items()},
                             "mean": mean, "acceptance_length": acc["acceptance_length"], "seconds": round(seconds, 2),
-                            "train_cpu_s": round(cpu[0], 1), "eval_cpu_s": round(cpu[1], 1)})
+                            "train_cpu_s": round(cpu[0], 3), "eval_cpu_s": round(cpu[1], 3)})
         if self.best is None or mean > self.best["mean"] + self.min_delta:
             self.best, self.bad = {"step": step, "mean": mean, "acceptance": acc}, 0
             return True
