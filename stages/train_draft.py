@@ -419,7 +419,7 @@ def report(artifact) -> str:
             ["acceptance estimator", ESTIMATORS.get(m.get("acceptance_estimator") or "", "none (eval.prompts_per_domain: 0)")],
             [
                 "acceptance length",
-                f"{m.get('acceptance_length')} at {m.get('acceptance_draft_len')} draft tokens ({m.get('eval_seconds')} s)",
+                f"{m.get('acceptance_length')} at {m.get('eval_draft_len')} draft tokens ({m.get('eval_seconds')} s)",
             ],
         ],
         ["", ""],

@@ -258,13 +258,13 @@ def _predicted_table(ctx: StageContext, dep, curves, weights, K: int, max_batch:
 
 
 def _mark_deployed(ctx: StageContext, table: list[dict], schedule, policy: dict) -> None:
-    """What the deployment runs at each table batch size (deployed_k, deployed_speedup); says where that overrules
+    """What the deployment runs at each table batch size (deployed_draft_len, deployed_speedup); says where that overrules
     the table."""
     for r in table:
-        r["deployed_k"] = schedule.k_at(r["batch"]) if r["within_max_batch_size"] else None
-        r["deployed_speedup"] = r["speedups_by_k"][r["deployed_k"]] if r["deployed_k"] is not None else None
-        if r["deployed_k"] is not None and r["deployed_k"] != r["k"]:
-            ctx.log.info("batch %d: k=%d deployed as %d (%s)", r["batch"], r["k"], r["deployed_k"], policy["name"])
+        r["deployed_draft_len"] = schedule.k_at(r["batch"]) if r["within_max_batch_size"] else None
+        r["deployed_speedup"] = r["speedups_by_k"][r["deployed_draft_len"]] if r["deployed_draft_len"] is not None else None
+        if r["deployed_draft_len"] is not None and r["deployed_draft_len"] != r["k"]:
+            ctx.log.info("batch %d: k=%d deployed as %d (%s)", r["batch"], r["k"], r["deployed_draft_len"], policy["name"])
 
 
 def _limits(ctx: StageContext, schedule, max_batch: int, policy: dict) -> tuple[int, int, list[int]]:
@@ -285,7 +285,7 @@ def _limits(ctx: StageContext, schedule, max_batch: int, policy: dict) -> tuple[
     return kmax, num_tokens, graphs
 
 
-def _models_and_acceptance(dep, curves, weights, K: int, source_max_draft_len: int) -> dict:
+def _models_and_acceptance(dep, curves, weights, K: int, measured_draft_len: int) -> dict:
     """tuning.json's `models` (shapes and precisions the cost model priced) and `acceptance` (the curves it used)."""
     from runtime.cost import tuning
 
@@ -293,8 +293,8 @@ def _models_and_acceptance(dep, curves, weights, K: int, source_max_draft_len: i
         "models": {"target": tuning.shape_summary(dep.target), "draft": tuning.shape_summary(dep.draft),
                    "algorithm": dep.algorithm, "target_precision": vars(dep.target_prec),
                    "draft_precision": vars(dep.draft_prec)},
-        "acceptance": {"per_position": {d: c[:K] for d, c in curves.items()}, "weights": weights, "K": K,
-                       "source_max_draft_len": source_max_draft_len},
+        "acceptance": {"per_position": {d: c[:K] for d, c in curves.items()}, "weights": weights, "draft_len": K,
+                       "measured_draft_len": measured_draft_len},
     }
 
 
@@ -317,7 +317,7 @@ def report(artifact) -> str:
 
     t = tune_artifact.read_tuning(artifact.path).raw
     rows = t["predicted"]
-    K = t["acceptance"]["K"]
+    K = t["acceptance"]["draft_len"]
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
     xs = [r["batch"] for r in rows]
     for k in range(1, K + 1):

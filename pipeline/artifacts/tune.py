@@ -29,6 +29,10 @@ class TuningInfo:
 
     @classmethod
     def from_json(cls, doc: dict) -> TuningInfo:
+        acc = doc.get("acceptance")
+        if isinstance(acc, dict) and "K" in acc:     # written before the glossary's renames: `report` of an old workdir
+            doc = {**doc, "acceptance": {("draft_len" if k == "K" else "measured_draft_len" if k == "source_max_draft_len"
+                                          else k): v for k, v in acc.items()}}
         return cls(deployment=dict(doc["deployment"] or {}), draft_schedule=doc["draft_schedule"],
                    max_batch_size=int(doc["max_batch_size"] or 64),
                    max_num_tokens=doc.get("max_num_tokens"),

@@ -70,7 +70,7 @@ def stage_metrics(job: dict, result: dict, acc: dict, n_checks: int) -> dict:
         "step_ms_mean": result["step_ms_mean"],
         "train_seconds": result["train_seconds"],
         "acceptance_length": acc.get("acceptance_length"),
-        "acceptance_draft_len": acc.get("draft_len"),
+        "eval_draft_len": acc.get("draft_len"),
         "acceptance_estimator": acc.get("estimator"),
         "eval_seconds": result.get("eval_seconds"),
         "acceptance_by_domain": {d: v["acceptance_length"] for d, v in acc.get("domains", {}).items()},

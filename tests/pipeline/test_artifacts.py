@@ -131,6 +131,10 @@ def test_records_decide_their_defaults_once(tmp_path):
     assert (d.algorithm, d.capture_layers, d.block_size) == ("dflash", [0, 3], 8)
     tu = tune.read_tuning(tmp_path / "tune")
     assert (tu.max_num_tokens, tu.cuda_graph_batch_sizes, tu.predicted, tu.note) == (None, [1, 2, 4, 8], [], "n")
+    legacy = {**_TUNING, "acceptance": {"K": 3, "source_max_draft_len": 4, "weights": {"c": 1.0}}}
+    (tmp_path / "tune" / "tuning.json").write_text(json.dumps(legacy))   # a tuning.json from before the glossary renames
+    assert tune.read_tuning(tmp_path / "tune").raw["acceptance"] == {"draft_len": 3, "measured_draft_len": 4,
+                                                                     "weights": {"c": 1.0}}
     dep = build.read_deployment(tmp_path / "build")
     assert dep.trtllm_draft_dir == "/d" and dep.speculation and dep.algorithm is None
     assert [dep.schedule().k_at(b) for b in (1, 8, 9, 16)] == [3, 3, 1, 1]

@@ -159,7 +159,7 @@ def test_eagle3_curve_metrics_and_report(eagle, monkeypatch):
     assert pts[-1]["loss"] < pts[0]["loss"]
     st = {s["name"]: s for s in status_json(eagle)["stages"]}["train_draft"]
     m = st["metrics"]
-    assert m["acceptance_draft_len"] == 3 and 1.0 <= m["acceptance_length"] <= 4.0
+    assert m["eval_draft_len"] == 3 and 1.0 <= m["acceptance_length"] <= 4.0
     assert m["acceptance_length"] == curve["acceptance"]["acceptance_length"]
     assert m["final_loss"] == pts[-1]["loss"] and m["final_accuracy"] == pts[-1]["accuracy"]
     assert set(m["acceptance_by_domain"]) == {"code", "prose"}
@@ -395,7 +395,7 @@ def test_dflash_two_process_training_exports_a_checked_draft(dflash):
     assert cfg["num_attention_heads"] == 4 and cfg["hidden_size"] == 64   # the target's shape, not Qwen3 defaults
     assert all(c["passed"] for c in json.loads((art / "checks.json").read_text()))
     d = json.loads((art / "draft.json").read_text())
-    assert d["trained_draft_len"] == 3 and d["block_size"] == 4 and m["acceptance_draft_len"] == 3
+    assert d["trained_draft_len"] == 3 and d["block_size"] == 4 and m["eval_draft_len"] == 3
     acc = json.loads((art / "curve.json").read_text())["acceptance"]
     assert m["acceptance_length"] == acc["acceptance_length"] and 1.0 <= m["acceptance_length"] <= 4.0
     assert_al_is_the_counts(acc)
@@ -848,7 +848,7 @@ def test_fsdp_over_two_nodes_trains_the_draft_ddp_trains(inputs, tmp_path):
     r = _build(one, STEPS, modelopt)
     assert r.returncode == 0, r.stderr[-4000:]
     assert _metrics(one)["acceptance_estimator"] == "modelopt"
-    k = _metrics(one)["acceptance_draft_len"]
+    k = _metrics(one)["eval_draft_len"]
     assert 1.0 < _metrics(one)["acceptance_length"] < 1 + k, "at the floor or the ceiling the equality proves nothing"
     assert m["acceptance_length"] == pytest.approx(_metrics(one)["acceptance_length"], abs=1e-9)
     assert m["acceptance_by_domain"] == pytest.approx(_metrics(one)["acceptance_by_domain"], abs=1e-9)

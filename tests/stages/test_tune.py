@@ -135,7 +135,7 @@ def test_past_the_ridge_k_drops_and_speculation_switches_off(tmp_path):
     deployed = ks_of(doc)
     off = deployed.index(0)
     assert 0 < off < 511 and set(deployed[off:]) == {0} and doc["deployment"]["name"] == "per_batch"
-    assert [rows[b]["deployed_k"] for b in sorted(rows) if b <= 1024] == [deployed[b - 1] for b in sorted(rows)]
+    assert [rows[b]["deployed_draft_len"] for b in sorted(rows) if b <= 1024] == [deployed[b - 1] for b in sorted(rows)]
     # Where the context is long, reading the KV cache dominates and verification shares it across the 1+k rows:
     # the same batch still gains from a short draft.
     long = run_tune(tmp_path / "long", curves={"code": [0.7, 0.6, 0.5, 0.45, 0.4]}, context_length=2048,
@@ -173,8 +173,8 @@ def test_1_2_one_model_tunes_one_draft_length_for_every_batch_size(tmp_path):
     assert [r["k"] for r in one["predicted"]] == [r["k"] for r in two["predicted"]]
     k = runs[0][2]
     gm = lambda j: sum(__import__("math").log(r["speedups_by_k"][j]) for r in one["predicted"])  # noqa: E731
-    assert all(gm(k) >= gm(j) - 1e-9 for j in range(1, one["acceptance"]["K"] + 1))
-    assert all(r["deployed_k"] == k for r in one["predicted"])
+    assert all(gm(k) >= gm(j) - 1e-9 for j in range(1, one["acceptance"]["draft_len"] + 1))
+    assert all(r["deployed_draft_len"] == k for r in one["predicted"])
     assert len(two["draft_schedule"]["runs"]) > 1                       # two-model: per batch, as tuned
 
 
@@ -187,7 +187,7 @@ def test_1_3_one_engine_schedule_never_reaches_zero(tmp_path):
     doc = run_tune(tmp_path, **kw, **ONE_ENGINE_13)
     rows = by_batch(doc)
     assert rows[512]["k"] == 0                                    # ideal: off ...
-    assert rows[512]["deployed_k"] == 1                           # ... deployed: 1, the best k >= 1 there
+    assert rows[512]["deployed_draft_len"] == 1                           # ... deployed: 1, the best k >= 1 there
     assert rows[512]["deployed_speedup"] == rows[512]["speedups_by_k"][1] < 1
     ks = ks_of(doc)
     assert min(ks) == 1 and ks == sorted(ks, reverse=True) and ks[0] == doc["max_draft_len"]
@@ -422,9 +422,9 @@ def test_table_and_schedule_agree(tmp_path):
     ks = ks_of(doc)
     for r in doc["predicted"]:
         if r["batch"] <= doc["max_batch_size"]:
-            assert r["deployed_k"] == ks[r["batch"] - 1] == r["k"]
+            assert r["deployed_draft_len"] == ks[r["batch"] - 1] == r["k"]
         else:
-            assert r["deployed_k"] is None and not r["within_max_batch_size"]
+            assert r["deployed_draft_len"] is None and not r["within_max_batch_size"]
 
 
 def test_profile_content_enters_the_fingerprint(tmp_path):
