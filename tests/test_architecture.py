@@ -305,3 +305,48 @@ def test_the_test_tree_check_can_fail(tmp_path):
         "tests/stages/test_a.py": "same basename as tests/runtime/engine/test_a.py"}
     assert imports_of_test_modules(tmp_path) == ["tests/runtime/engine/test_a.py:2 imports test_b",
                                              "tests/test_c.py:1 imports test_a.sub"]
+
+
+# A path the code or the docs name (`runtime/engine/speculative.py`, `docs/stages/tune.md`, `runtime/vllm/engine.VllmServer`)
+# names a file or folder that is there. Outside tests/ (whose synthetic trees name files on purpose); paths under
+# bench/real_model/prepared are built by prepare.sh; the one below names an old layout on purpose (a baseline revision).
+_PATH_REF = re.compile(r"(?<![\w/.-])((?:pipeline|stages|runtime|tests|bench|configs|containers|docs)/[\w./-]*\w)")
+_PATHS_NAMED_ON_PURPOSE = {"runtime/speculative.py"}     # bench/real_model/bench_steps.py: the pre-subpackage layout
+
+
+def stale_paths(root: Path, files: list[Path]) -> dict[str, str]:
+    """{named path: the first file naming it} for every named path that is not under `root`."""
+    bad: dict[str, str] = {}
+    for f in files:
+        for m in _PATH_REF.finditer(f.read_text(errors="replace")):
+            ref = m.group(1).split("::")[0]
+            folder, _, last = ref.rpartition("/")   # module.attr: runtime/vllm/engine.VllmServer -> runtime/vllm/engine.py
+            candidates = [ref, f"{folder}/{last.split('.')[0]}.py"]
+            candidates += [str((f.parent / ref).relative_to(root)) if (f.parent / ref).exists() else ""]   # relative links
+            if ref.startswith("bench/real_model/prepared") or ref in _PATHS_NAMED_ON_PURPOSE:
+                continue
+            if not any(c and (root / c).exists() for c in candidates):
+                bad.setdefault(ref, str(f.relative_to(root)))
+    return bad
+
+
+def _named_files(root: Path) -> list[Path]:
+    out = [p for d in ("pipeline", "stages", "runtime", "bench", "configs", "containers", "docs")
+           for p in (root / d).rglob("*") if p.suffix in (".py", ".md", ".yaml", ".sh") and p.is_file()]
+    return out + [root / "README.md"]
+
+
+def test_paths_the_code_and_docs_name_exist():
+    assert stale_paths(REPO, _named_files(REPO)) == {}
+
+
+def test_the_stale_path_check_can_fail(tmp_path):
+    (tmp_path / "runtime" / "engine").mkdir(parents=True)
+    (tmp_path / "runtime" / "engine" / "speculative.py").write_text('"""Called from runtime/engine/decode_batch.py and '
+                                                                    'runtime/engine/speculative.Speculator."""\n')
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.md").write_text("see [tune](stages/tune.md) and runtime/engine/speculative.py")
+    (tmp_path / "docs" / "stages").mkdir()
+    (tmp_path / "docs" / "stages" / "tune.md").write_text("")
+    files = [tmp_path / "runtime" / "engine" / "speculative.py", tmp_path / "docs" / "a.md"]
+    assert stale_paths(tmp_path, files) == {"runtime/engine/decode_batch.py": "runtime/engine/speculative.py"}
