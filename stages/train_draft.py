@@ -82,7 +82,8 @@ class DFlash(Strict):
     """DFlash: a block-diffusion draft that predicts `block_size - 1` tokens in one pass from masked slots."""
 
     kind: Literal["dflash"]
-    draft_layers: int = Field(2, ge=1, description="draft layers; at most the target's layer count (one target layer feeds each)")
+    draft_layers: int = Field(2, ge=1, description=(
+        "draft layers; at most the target's layer count less one (each reads its own target layer, below the last)"))
     target_layer_ids: list[int] | None = Field(
         None, description="one target layer per draft layer, 0-based; default: ModelOpt's uniform spread"
     )

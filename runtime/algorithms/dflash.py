@@ -36,14 +36,18 @@ def max_draft_len(block_size: int) -> int:
 
 def default_target_layer_ids(n_layers: int, draft_layers: int) -> tuple[list[int], list[int] | None]:
     """(the target layers a DFlash draft reads by default, ModelOpt's own choice when it was replaced else None).
-    ModelOpt's `build_target_layer_ids` spread skips the first and last 3 layers and repeats layers on shallow
-    targets (4 layers, 2 draft layers -> [1, 1]); then the ids are spread over the whole stack instead."""
+    ModelOpt's `build_target_layer_ids` spread skips the first layer and the last 2 and repeats layers on shallow
+    targets (4 layers, 2 draft layers -> [1, 1]); then the ids are spread over the stack below its last layer instead
+    (-> [0, 2]): ModelOpt's training reads the last layer after the final norm, the engines before it
+    (runtime/training/algorithm.py `_LAST_LAYER`)."""
     from modelopt.torch.speculative.plugins.modeling_dflash import build_target_layer_ids
 
     ids = list(build_target_layer_ids(n_layers, draft_layers))
-    if len(set(ids)) == len(ids):
+    if len(set(ids)) == len(ids) and n_layers - 1 not in ids:
         return ids, None
-    return [round(i * (n_layers - 1) / (draft_layers - 1)) for i in range(draft_layers)], ids
+    top = max(n_layers - 2, 0)
+    spread = [round(i * top / (draft_layers - 1)) for i in range(draft_layers)] if draft_layers > 1 else [top // 2]
+    return spread, ids
 
 
 def required_tensors(num_layers: int) -> set[str]:

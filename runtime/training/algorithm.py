@@ -8,6 +8,14 @@ from __future__ import annotations
 from runtime.algorithms import dflash, eagle3
 from runtime.training.job import JobError
 
+# Read from ModelOpt 0.47 (modelopt/torch/speculative/plugins/hf_dflash.py: `hidden_states[lid + 1]`, where
+# transformers 5.14 ties the last entry to `last_hidden_state`, i.e. after the final norm) and vLLM 0.32
+# (model_executor/models/llama.py `_maybe_add_hidden_state(..., hidden_states, residual)`: the layer's output before it).
+_LAST_LAYER = ("includes layer {last}, the target's last ({src}): ModelOpt's DFlash training reads that one after the "
+               "target's final norm, while vLLM and specpipe's runtime feed the draft its output before the norm, so the "
+               "deployed draft would see other features than it trained on; pick layers below {last} (the default "
+               "spread ends 2 layers below it)")
+
 
 def shape_problems(a, n_layers: int, vocab: int, layers_src: str, vocab_src: str) -> list[tuple[str, str]]:
     """(dotted path, message) for each option of the algorithm section `a` that a target of `n_layers` layers and
@@ -26,12 +34,12 @@ def shape_problems(a, n_layers: int, vocab: int, layers_src: str, vocab_src: str
         if a.draft_vocab_size and a.draft_vocab_size > vocab:
             out.append((f"{p}.draft_vocab_size", f"{a.draft_vocab_size} exceeds the target vocabulary of {vocab} ({vocab_src})"))
     else:
-        if a.draft_layers > n_layers:
+        if a.draft_layers > n_layers - 1:
             out.append(
                 (
                     f"{p}.draft_layers",
-                    f"{a.draft_layers} draft layers need as many target layers to read, but the target has "
-                    f"{n_layers} ({layers_src})",
+                    f"{a.draft_layers} draft layers need as many distinct target layers below the last one to read, but "
+                    f"the target has {n_layers} ({layers_src}): at most {n_layers - 1} draft layers",
                 )
             )
         bad = [i for i in (a.target_layer_ids or []) if i >= n_layers]
@@ -42,6 +50,8 @@ def shape_problems(a, n_layers: int, vocab: int, layers_src: str, vocab_src: str
                     f"{bad} out of range: the target has {n_layers} layers (0..{n_layers - 1}; {layers_src})",
                 )
             )
+        if not bad and n_layers - 1 in (a.target_layer_ids or []):
+            out.append((f"{p}.target_layer_ids", _LAST_LAYER.format(last=n_layers - 1, src=layers_src)))
         if isinstance(a.mask_token, int) and not 0 <= a.mask_token < vocab:
             out.append((f"{p}.mask_token", f"id {a.mask_token} is not in the target vocabulary of {vocab} ({vocab_src})"))
     return out

@@ -391,7 +391,7 @@ def test_dflash_two_process_training_exports_a_checked_draft(dflash):
         cfg["dflash_config"]["mask_token_id"]
         == json.loads((dflash / "artifacts" / "target" / "target.json").read_text())["mask_token_id"]
     )
-    assert cfg["dflash_config"]["target_layer_ids"] == [0, 3]   # ModelOpt's default repeats layer 1 on 4 layers
+    assert cfg["dflash_config"]["target_layer_ids"] == [0, 2]   # ModelOpt repeats layer 1 on 4 layers; the last is not read
     assert cfg["num_attention_heads"] == 4 and cfg["hidden_size"] == 64   # the target's shape, not Qwen3 defaults
     assert all(c["passed"] for c in json.loads((art / "checks.json").read_text()))
     d = json.loads((art / "draft.json").read_text())
@@ -618,6 +618,12 @@ def _check(*overrides: str, config: Path = TINY_CONFIG) -> subprocess.CompletedP
     "overrides,path,fragment",
     [
         (["train_draft.algorithm={kind: dflash, draft_layers: 5}"], "train_draft.algorithm.draft_layers", "target has 4"),
+        (["train_draft.algorithm={kind: dflash, draft_layers: 4}"], "train_draft.algorithm.draft_layers", "at most 3 draft"),
+        (
+            ["train_draft.algorithm={kind: dflash, draft_layers: 2, target_layer_ids: [0, 3]}"],
+            "train_draft.algorithm.target_layer_ids",
+            "includes layer 3, the target's last",
+        ),
         (
             ["train_draft.algorithm={kind: dflash, mask_token: 99999}"],
             "train_draft.algorithm.mask_token",

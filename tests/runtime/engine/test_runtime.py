@@ -99,6 +99,41 @@ def test_dflash_exported_draft_matches_modelopt(tiny):
     assert seen[0].argmax(-1)[0].tolist() == drafts[0].tolist()
 
 
+def test_modelopt_dflash_reads_the_last_target_layer_after_the_final_norm(tiny, tmp_path):
+    """Why train_draft refuses a DFlash `target_layer_ids` holding the target's last layer
+    (runtime/training/algorithm.py `_LAST_LAYER`): ModelOpt 0.47's DFlash (plugins/hf_dflash.py, `hidden_states[lid + 1]`;
+    transformers 5.14 ties that last entry to the normed `last_hidden_state`) feeds the draft layer 3 of this 4-layer
+    target after the final norm, the runtime (like vLLM 0.32, llama.py `_maybe_add_hidden_state`) before it. The same
+    export whose ids stop short of the last layer matches ModelOpt (test_dflash_exported_draft_matches_modelopt)."""
+    import modelopt.torch.speculative as mtsp
+    from modelopt.torch.export import export_speculative_decoding
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    m = LlamaForCausalLM.from_pretrained(tiny["target_dir"], dtype=torch.float32)
+    dc = copy.deepcopy(mtsp.DFLASH_DEFAULT_CFG["config"])
+    dc.update({"dflash_block_size": 4, "dflash_mask_token_id": tiny["tok"].mask_token_id, "dflash_use_torch_compile": False,
+               "dflash_architecture_config": {"num_hidden_layers": 2, "target_layer_ids": [1, 3], "intermediate_size": 128,
+                                              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}})
+    mtsp.convert(m, [("dflash", dc)])
+    m.eval()
+    export_speculative_decoding(m, export_dir=tmp_path / "dflash_last")
+    caps = []
+    hook = m.dflash_module.register_forward_hook(lambda mod, i, o: caps.append(o))
+    ids = torch.tensor([tiny["prompts"][0]])
+    with torch.no_grad():
+        m.pseudo_speculative_generate(ids, steps=3)
+    hook.remove()
+    ref = m.lm_head(caps[0][:, 1:4])
+    model, draft = load_pair(tiny["target_dir"], tmp_path / "dflash_last")
+    eng = SpeculativeEngine(model, draft)
+    seen = []
+    lm = eng.drafter.lm_head
+    eng.drafter.lm_head = lambda x: seen.append(lm(x)) or seen[-1]
+    eng.generate(ids.tolist(), max_new_tokens=2, draft_len=3)
+    assert (seen[0] - ref).abs().max() > 1e-2      # other features than ModelOpt trained on
+
+
 # ---------------------------------------------------------------------------------------------- lossless
 
 
