@@ -231,6 +231,7 @@ class VllmServer:
         self._own_log = log_path is None
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="specpipe-vllm-", suffix=".log")[1])
         self.process: subprocess.Popen | None = None
+        self.rpc_dir: Path | None = None      # where vLLM puts its ZeroMQ sockets; removed by stop()
         self.argv = self._argv(args)
 
     def _argv(self, a: ServeArgs) -> list[str]:
@@ -263,6 +264,12 @@ class VllmServer:
                 env["LD_PRELOAD"] = os.pathsep.join([*have, *filter(None, [env.get("LD_PRELOAD", "")])])
         env.setdefault("VLLM_NO_USAGE_STATS", "1")
         env.setdefault("DO_NOT_TRACK", "1")
+        if "VLLM_RPC_BASE_PATH" not in env:
+            # vLLM 0.32 names each ZeroMQ IPC socket VLLM_RPC_BASE_PATH/<uuid4> (default: the temp dir;
+            # vllm/utils/network_utils.py get_open_zmq_ipc_path) and leaves them when its process group is signalled:
+            # a private folder per server, which stop() removes, instead of ~8 sockets left in /tmp per server
+            self.rpc_dir = self.rpc_dir or Path(tempfile.mkdtemp(prefix="specpipe-vllm-rpc-"))
+            env["VLLM_RPC_BASE_PATH"] = str(self.rpc_dir)
         return env
 
     def log_tail(self, n: int = 40) -> str:
@@ -319,6 +326,7 @@ class VllmServer:
     def stop(self, grace: float = 20.0) -> int | None:
         """SIGTERM the server's process group (API server + engine core + workers), wait, then SIGKILL. Idempotent."""
         if self.process is None:
+            self._remove_rpc_dir()
             return None
         if self.process.poll() is None:
             _signal_group(self.process.pid, signal.SIGTERM)
@@ -329,7 +337,13 @@ class VllmServer:
             self.process.wait(timeout=10)
         rc = self.process.returncode
         self.process = None
+        self._remove_rpc_dir()
         return rc
+
+    def _remove_rpc_dir(self) -> None:
+        if self.rpc_dir is not None:
+            shutil.rmtree(self.rpc_dir, ignore_errors=True)
+            self.rpc_dir = None
 
     def __enter__(self) -> VllmServer:
         return self.start()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import os
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -73,8 +74,14 @@ def test_server_argv_and_cpu_env():
     assert "--enforce-eager" in s.argv and s.argv[s.argv.index("--port") + 1] == "18399"
     assert s.argv[s.argv.index("--speculative-config") + 1] == '{"model":"/m/spec","method":"eagle3","num_speculative_tokens":3}'
     assert s.argv[s.argv.index("--host") + 1] == "127.0.0.1"
-    assert s.env()["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    env = s.env()
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"
     assert s.url == "http://127.0.0.1:18399"
+    # vLLM's ZeroMQ sockets go to a private folder (not the temp dir itself), which stop() removes
+    assert env["VLLM_RPC_BASE_PATH"] == str(s.rpc_dir) and s.rpc_dir.is_dir() and s.rpc_dir.parent == Path(tempfile.gettempdir())
+    rpc = s.rpc_dir
+    s.stop()
+    assert s.rpc_dir is None and not rpc.exists()
 
 
 # ---------------------------------------------------------------------------------------------- real vLLM
@@ -119,7 +126,9 @@ def test_real_server_generates_token_ids_counts_drafts_and_stops(vllm_tiny_run: 
         d = srv.spec_decode() - before
         assert d.drafts > 0 and d.draft_tokens == 3 * d.drafts and 0 <= d.accepted <= d.draft_tokens
         assert sum(d.per_position) == d.accepted
-    assert srv.process is None
+        rpc = srv.rpc_dir
+        assert any(f.is_socket() for f in rpc.iterdir()), "vLLM's ZeroMQ sockets are in the server's own folder"
+    assert srv.process is None and not rpc.exists()
     deadline = time.monotonic() + 10
     while _group_alive(pgid) and time.monotonic() < deadline:
         time.sleep(0.2)
