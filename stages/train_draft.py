@@ -287,13 +287,13 @@ def make_job(ctx: StageContext) -> dict:
 
     sec: Config = ctx.section
     target, data = ctx.input("target"), ctx.input("data")
-    summary = target_artifact.read_info(target.path).raw
+    info = target_artifact.read_info(target.path)
     model_dir = target.path / "model"
     trust = bool(ctx.config.target.trust_remote_code)
     tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust)
     try:
-        algo = resolve_algorithm(sec.algorithm, summary, tok, ctx.log)
-        return assemble(sec, algo=algo, summary=summary, dirs=JobDirs(model_dir, data.path, ctx.scratch_dir, ctx.out_dir),
+        algo = resolve_algorithm(sec.algorithm, info, tok, ctx.log)
+        return assemble(sec, algo=algo, target=info, dirs=JobDirs(model_dir, data.path, ctx.scratch_dir, ctx.out_dir),
                         train_samples=data.metrics.get("train_samples"),
                         device=ctx.device.type, threads=ctx.config.run.threads,
                         trust_remote_code=trust)
@@ -420,7 +420,8 @@ def report(artifact) -> str:
             ["acceptance estimator", ESTIMATORS.get(m.get("acceptance_estimator") or "", "none (eval.prompts_per_domain: 0)")],
             [
                 "acceptance length",
-                f"{m.get('acceptance_length')} at {m.get('eval_draft_len')} draft tokens ({m.get('eval_seconds')} s)",
+                f"{m.get('acceptance_length')} at {m.get('eval_draft_len', m.get('acceptance_draft_len'))} draft tokens "
+                f"({m.get('eval_seconds')} s)",     # acceptance_draft_len: a workdir from before the glossary's renames
             ],
         ],
         ["", ""],
