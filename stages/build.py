@@ -229,7 +229,7 @@ def _ngram(ctx: StageContext, plan: _Plan, options: dict, out: Path) -> dict:
 
     acc = validate_artifact.read_acceptance(ctx.input("validate").path)
     try:
-        return N.deploy(out / "ngram", options, plan.version, plan.target_dir, ctx.section.ngram.model_dump(), acc.raw,
+        return N.deploy(out / "ngram", options, plan.version, plan.target_dir, ctx.section.ngram.model_dump(), acc,
                         acc.max_draft_len or plan.kmax or 4, ctx.log)
     except ValueError as e:
         raise StageError(f"build.ngram: {e}") from None
@@ -268,7 +268,7 @@ def _plan(ctx: StageContext) -> _Plan:
         raise StageError(p)
     mode = rel.mode(algo, sec.eagle3_mode == "one_model")
     try:
-        schedule = draft_schedule.tuned_schedule(tuning.raw, version, mode)
+        schedule = draft_schedule.tuned_schedule(tuning, version, mode)
     except ValueError as e:
         raise StageError(str(e)) from None
     mbs = sec.max_batch_size or tuning.max_batch_size
@@ -276,7 +276,7 @@ def _plan(ctx: StageContext) -> _Plan:
     if not speculation:
         ctx.log.warning("tune predicted no speedup from speculation at any batch size (%s): deploying the target "
                         "alone, without a draft", tuning.note)
-    dcfg = train_draft_artifact.DraftConfig.read(draft_src).raw if speculation else {}
+    dcfg = train_draft_artifact.read_config(draft_src).raw if speculation else {}
     return _Plan(version=version, rel=rel, arts=arts, target_dir=target_dir, draft_src=draft_src, tcfg=tcfg, draft=draft,
                  dcfg=dcfg, tuning=tuning, algo=algo, mode=mode, schedule=schedule, mbs=mbs,
                  kmax=schedule.max_draft_len(mbs), speculation=speculation)

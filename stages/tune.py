@@ -174,7 +174,7 @@ def run(ctx: StageContext) -> dict:
     if (p := compat.algorithm_problem(version, draft.algorithm)) is not None:
         raise StageError(p)
     draft_cfg = train_draft_artifact.read_draft_config(draft_art.path)
-    dep, hw_doc, curves, weights, K = _price(ctx, target.raw, draft.raw, draft_cfg.raw, quant, acc.raw)
+    dep, hw_doc, curves, weights, K = _price(ctx, target, draft, draft_cfg.raw, quant, acc)
     max_batch, capacity = _batch_limit(ctx, dep)
     kw = dict(min_speedup=sec.min_speedup, tie_tolerance=sec.tie_tolerance)
     table = _predicted_table(ctx, dep, curves, weights, K, max_batch, kw)

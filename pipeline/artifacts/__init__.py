@@ -4,10 +4,11 @@ through these, so a file's parsing and its row rules live in one place; the prod
 same module where the contract has more than one reader.
 
 Each reader takes the artifact's directory (`Artifact.path`, or `<workdir>/artifacts/<stage>`) and returns a frozen
-record (`TargetInfo`, `DraftInfo`, `QuantizeInfo`, `AcceptanceInfo`, `TuningInfo`, `DeploymentInfo`, `EvalPrompt`):
-the fields readers use, typed, with their defaults decided in the reader, and `.raw`, the whole document. It raises
-`StageError` naming the file, the missing field and the stage to rerun when the contract is broken. No heavy
-imports at module level."""
+record of runtime/records.py (`TargetInfo`, `DraftInfo`, `QuantizeInfo`, `AcceptanceInfo`, `TuningInfo`,
+`DeploymentInfo`, `EvalPrompt`): the fields readers use, typed, with their defaults decided in the record's
+`from_json`, and `.raw`, the whole document; runtime/ functions take the record. The reader raises `StageError`
+naming the file, the missing field and the stage to rerun when the contract is broken. No heavy imports at module
+level."""
 from __future__ import annotations
 
 import json

@@ -5,22 +5,15 @@ at least 2 tokens and at least one token to train on (the data stage writes noth
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from pipeline.errors import StageError
+from runtime.records import EvalPrompt
 
 SPLITS = ("train", "heldout", "calib")
 EVAL_DIR = "eval"
 CHAT_TEMPLATE = "chat_template.jinja"
-
-
-@dataclass(frozen=True)
-class EvalPrompt:
-    id: str
-    prompt: str                 # already rendered with the chat template when the source was a conversation
-    prompt_ids: list[int]
-    reference: str | None = None
 
 
 def split_path(art: Path, split: str) -> Path:

@@ -1,48 +1,17 @@
 """The `validate` artifact: `acceptance.json` (per domain and pair: acceptance, per position; gates; lossless)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline.artifacts import read_json
+from runtime.records import AcceptanceInfo
 
 if TYPE_CHECKING:
     from pipeline.stage import Artifact
 
 INFO = "acceptance.json"
 REQUIRED = ("max_draft_len", "domains", "overall", "gates")
-
-
-@dataclass(frozen=True)
-class AcceptanceInfo:
-    """acceptance.json, read once (`read_acceptance`). Consumers read different parts (tune the per-position curves,
-    export the gates, monitor the baseline, build the n-gram comparison): the parts are typed here, and `raw` is the
-    whole document for the runtime/ code that takes it as validate wrote it (runtime/cost/tuning.py,
-    runtime/validate/profile.py, runtime/trtllm/ngram.py)."""
-
-    max_draft_len: int                    # the draft length validate measured at
-    domains: dict                         # domain -> {"fp8": {...}, "bf16": {...}, "retention": ...}
-    overall: dict
-    gates: dict                           # {"passed": bool, "rows": [...]}
-    pairs: dict                           # {"fp8": {"target_dir", "draft_dir"}, "bf16": ...} relative to the artifacts
-    max_new_tokens: int                   # 48 where acceptance.json does not say
-    temperature: float                    # 0.0 (greedy) where acceptance.json does not say
-    eos_token_ids: list[int]              # the stop ids validate decoded with (target.json's); [] when absent
-    draft: dict                           # what validate found in the draft (first_layer_norm, ...); {} when absent
-    raw: dict
-
-    @property
-    def passed(self) -> bool:
-        return self.gates.get("passed") is True
-
-    @classmethod
-    def from_json(cls, doc: dict) -> AcceptanceInfo:
-        return cls(max_draft_len=int(doc["max_draft_len"]), domains=dict(doc["domains"] or {}), overall=doc["overall"],
-                   gates=doc["gates"] if isinstance(doc["gates"], dict) else {"passed": False, "detail": doc["gates"]},
-                   pairs=doc.get("pairs") or {}, max_new_tokens=int(doc.get("max_new_tokens") or 48),
-                   temperature=float(doc.get("temperature") or 0.0), eos_token_ids=list(doc.get("eos_token_ids") or []),
-                   draft=doc.get("draft") or {}, raw=doc)
 
 
 def read_acceptance(art: Path) -> AcceptanceInfo:
@@ -76,7 +45,7 @@ def speculation_profile(validate: Artifact, quantize: Artifact, train_draft: Art
         "num_speculative_tokens": acc.max_draft_len, "draft_schedule": draft_schedule, "prompts": prompts,
         "versions": {"specpipe": prov.get("specpipe_version"), "torch": pk.get("torch"),
                      "transformers": pk.get("transformers"), "modelopt": mo.get("nvidia-modelopt")}}
-    return P.build_profile(acc.raw, method=algorithm or "", conditions=conditions,
+    return P.build_profile(acc, method=algorithm or "", conditions=conditions,
                            target={"path": pair.get("target_dir"), "precision": q.quant_algo, "kv_cache": q.kv_cache},
                            draft={"path": pair.get("draft_dir"), "precision": q.draft_format, "algorithm": algorithm},
                            deployed_draft_len=deployed_draft_len)

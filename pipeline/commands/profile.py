@@ -35,7 +35,7 @@ def profile_shapes(cfg, artifacts: Path):
                 and (train_draft_artifact.draft_dir(dart) / "config.json").is_file():
             draft, dcfg = train_draft_artifact.read_info(dart), train_draft_artifact.read_draft_config(dart)
             src += f", {dart / train_draft_artifact.INFO}"
-        return P.shapes_from_artifacts(tinfo.raw, draft and draft.raw, dcfg and dcfg.raw), src
+        return P.shapes_from_artifacts(tinfo, draft, dcfg and dcfg.raw), src
     if cfg.target.bootstrap == "tiny":
         t = cfg.target.tiny
         return {"target": llama("target", num_layers=t.num_layers, hidden=t.hidden_size, heads=t.num_heads,

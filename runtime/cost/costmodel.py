@@ -24,6 +24,10 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from runtime.records import DraftInfo, TargetInfo
 
 # ------------------------------------------------------------------------------------------ shapes
 
@@ -78,15 +82,20 @@ def llama(name: str, *, num_layers: int, hidden: int, heads: int, kv_heads: int,
                       head_gemms=(Gemm("lm_head", hidden, vocab),))
 
 
-def target_shape(t: dict) -> ModelShape:
-    """From the target stage's `target.json`."""
-    return llama("target", num_layers=t["num_layers"], hidden=t["hidden_size"], heads=t["num_attention_heads"],
-                 kv_heads=t["num_key_value_heads"], intermediate=t["intermediate_size"], vocab=t["vocab_size"],
-                 head_dim=t.get("head_dim"))
+def target_shape(t: TargetInfo) -> ModelShape:
+    """From the target stage's `target.json` (RuntimeFailure naming what it lacks)."""
+    if not t.num_attention_heads or not t.intermediate_size:
+        from runtime.errors import RuntimeFailure
+
+        raise RuntimeFailure("target.json lacks num_attention_heads or intermediate_size, which the cost model prices; "
+                         "rerun the target stage")
+    return llama("target", num_layers=t.num_layers, hidden=t.hidden_size, heads=t.num_attention_heads,
+                 kv_heads=t.num_key_value_heads or t.num_attention_heads, intermediate=t.intermediate_size,
+                 vocab=t.vocab_size, head_dim=t.head_dim)
 
 
-def draft_shape(draft: dict, cfg: dict, target_hidden: int) -> ModelShape:
-    """From `draft.json` and the exported draft's `config.json`.
+def draft_shape(draft: DraftInfo, cfg: dict, target_hidden: int) -> ModelShape:
+    """From `draft.json` and the exported draft's `config.json` (the HF config, as a dict).
 
     EAGLE-3: `fc` maps the concatenated aux hidden states (n_aux x hidden) to hidden; the first layer's q/k/v
     read [embedding, hidden] (2 x hidden); lm_head over the draft vocabulary. DFlash: `fc` maps the
@@ -99,22 +108,22 @@ def draft_shape(draft: dict, cfg: dict, target_hidden: int) -> ModelShape:
     kv_heads = cfg.get("num_key_value_heads", heads)
     hd = cfg.get("head_dim") or hidden // heads
     inter = cfg["intermediate_size"]
-    layers = int(draft.get("num_layers") or cfg.get("num_hidden_layers", 1))
-    if draft["algorithm"] == "eagle3":
-        n_aux = len(draft.get("aux_layer_ids") or [0, 0, 0])
-        vocab = int(draft.get("draft_vocab_size") or cfg.get("draft_vocab_size") or cfg["vocab_size"])
+    layers = int(draft.num_layers or cfg.get("num_hidden_layers", 1))
+    if draft.algorithm == "eagle3":
+        n_aux = len(draft.capture_layers or [0, 0, 0])
+        vocab = int(draft.draft_vocab_size or cfg.get("draft_vocab_size") or cfg["vocab_size"])
         return ModelShape("draft", layers, hidden, heads, kv_heads, hd,
                           llama_layer_gemms(hidden, heads, kv_heads, hd, inter, qkv_in=2 * hidden),
                           head_gemms=(Gemm("lm_head", hidden, vocab),),
                           input_gemms=(Gemm("fc", n_aux * target_hidden, hidden, split=False),))
-    if draft["algorithm"] == "dflash":
-        n_feat = len(draft.get("target_layer_ids") or [0])
-        vocab = int(cfg.get("vocab_size") or draft["vocab_size"])
+    if draft.algorithm == "dflash":
+        n_feat = len(draft.capture_layers or [0])
+        vocab = int(cfg.get("vocab_size") or draft.vocab_size)
         return ModelShape("draft", layers, hidden, heads, kv_heads, hd,
                           llama_layer_gemms(hidden, heads, kv_heads, hd, inter),
                           head_gemms=(Gemm("lm_head", hidden, vocab),),
                           input_gemms=(Gemm("fc", n_feat * target_hidden, hidden, split=False),))
-    raise ValueError(f"unknown draft algorithm {draft['algorithm']!r}")
+    raise ValueError(f"unknown draft algorithm {draft.algorithm!r}")
 
 
 # ------------------------------------------------------------------------------------------ machine

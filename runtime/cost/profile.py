@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import platform
 from datetime import datetime, timezone
+from typing import TYPE_CHECKING
 
 from runtime.cost.calibrate import BenchSizes, best_calibration, calibrate, machine_from_calibration
 from runtime.cost.costmodel import Machine, ModelShape, Precision, forward_ops, step_time
 from runtime.cost.measure import DEFAULT_ROWS, measure, precision_for
+
+if TYPE_CHECKING:
+    from runtime.records import DraftInfo, TargetInfo
 
 FORMAT = "specpipe.hardware-profile/1"
 
@@ -126,14 +130,15 @@ def check_profile(doc: dict) -> list[str]:
 # ------------------------------------------------------------------------------------------ `specpipe profile`
 
 
-def shapes_from_artifacts(target: dict, draft: dict | None = None, draft_config: dict | None = None) -> dict[str, ModelShape]:
+def shapes_from_artifacts(target: TargetInfo, draft: DraftInfo | None = None,
+                          draft_config: dict | None = None) -> dict[str, ModelShape]:
     """The target's (and, once trained, the draft's) shapes from `target.json` and `draft.json` + the draft's
     `config.json` (the caller reads them: `pipeline.artifacts`)."""
     from runtime.cost.costmodel import draft_shape, target_shape
 
     shapes = {"target": target_shape(target)}
     if draft is not None and draft_config is not None:
-        shapes["draft"] = draft_shape(draft, draft_config, target["hidden_size"])
+        shapes["draft"] = draft_shape(draft, draft_config, target.hidden_size)
     return shapes
 
 

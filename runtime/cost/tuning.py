@@ -11,9 +11,13 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from runtime.cost import costmodel as cm
 from runtime.errors import RuntimeFailure
+
+if TYPE_CHECKING:
+    from runtime.records import AcceptanceInfo, DraftInfo, QuantizeInfo, TargetInfo
 
 # ------------------------------------------------------------------------------------------ deployment
 
@@ -29,14 +33,14 @@ class Hardware:
     tp: int = 1
 
 
-def deployment(target: dict, draft: dict, draft_cfg: dict, quant, *, hardware: Hardware, context_length: int,
-               efficiency, log):
+def deployment(target: TargetInfo, draft: DraftInfo, draft_cfg: dict, quant: QuantizeInfo, *, hardware: Hardware,
+               context_length: int, efficiency, log):
     """Shapes, precisions and machine of the deployment, and a description of them for tuning.json.
 
-    `quant`: the quantize artifact's info (`format`, `kv_cache_fp8`, `draft_is_fp8`); `efficiency`: `tune.efficiency`
-    (`compute`, `memory`, `op_overhead_us`)."""
+    `draft_cfg`: the exported draft's config.json (the HF config); `efficiency`: `tune.efficiency` (`compute`,
+    `memory`, `op_overhead_us`)."""
     gpu_key, gpu, profile, tp = hardware.gpu_key, hardware.gpu, hardware.profile, hardware.tp
-    algo = draft.get("algorithm")
+    algo = draft.algorithm
     if algo not in ("eagle3", "dflash"):
         raise RuntimeFailure(f"draft.json algorithm is {algo!r}; tune prices eagle3 and dflash drafts")
     weight_fmt = weight_format(quant.format)
@@ -61,12 +65,12 @@ def deployment(target: dict, draft: dict, draft_cfg: dict, quant, *, hardware: H
     tprec = cm.Precision(weight_fmt, 1.0 if weight_fmt == "fp8" else 2.0, kv_bytes)
     dprec = cm.Precision("fp8" if draft_fp8 and gpu.has_fp8 else "bf16", 1.0 if draft_fp8 else 2.0, kv_bytes)
     tshape = cm.target_shape(target)
-    dshape = cm.draft_shape(draft, draft_cfg, target["hidden_size"])
-    max_pos = target.get("max_position_embeddings")
+    dshape = cm.draft_shape(draft, draft_cfg, target.hidden_size)
+    max_pos = target.max_position_embeddings
     if max_pos and context_length > max_pos:
         raise RuntimeFailure(f"tune.context_length {context_length} exceeds the target's max_position_embeddings "
                              f"{max_pos}; use the context the deployment will actually serve")
-    dmax = draft.get("max_position_embeddings") or draft_cfg.get("max_position_embeddings")
+    dmax = draft.max_position_embeddings or draft_cfg.get("max_position_embeddings")
     if dmax and context_length > dmax:
         log.warning("tune.context_length %d is beyond the draft's max_position_embeddings %s: acceptance may "
                     "collapse past it in production", context_length, dmax)
@@ -106,8 +110,8 @@ def shape_summary(s: cm.ModelShape | None) -> dict | None:
 # ------------------------------------------------------------------------------------------ acceptance
 
 
-def acceptance_curves(acc: dict, draft: dict, *, domain_weights: dict[str, float] | None, max_draft_len: int | None,
-                      log=None):
+def acceptance_curves(acc: AcceptanceInfo, draft: DraftInfo, *, domain_weights: dict[str, float] | None,
+                      max_draft_len: int | None, log=None):
     """Per-domain conditional acceptance of the FP8 pair, the traffic weights (`tune.domain_weights`), and the
     longest k to consider (capped by `tune.max_draft_len`).
 
@@ -116,13 +120,13 @@ def acceptance_curves(acc: dict, draft: dict, *, domain_weights: dict[str, float
     curve is the flat rate a with (1 - a^(K+1)) / (1 - a) = AL at the measured K."""
     from runtime.cost.draft_length import flat_acceptance
 
-    domains = acc.get("domains") or {}
+    domains = acc.domains
     curves: dict[str, list[float]] = {}
     for d, v in domains.items():
         fp8 = (v or {}).get("fp8") or {}
         pp = fp8.get("per_position")
         if not pp:
-            al, K = fp8.get("acceptance_length"), acc.get("max_draft_len")
+            al, K = fp8.get("acceptance_length"), acc.max_draft_len
             if not isinstance(al, (int, float)) or not K:
                 raise RuntimeFailure(f"acceptance.json: domain '{d}' has neither fp8.per_position nor an acceptance_length "
                                      "with max_draft_len; rerun validate")
@@ -147,10 +151,10 @@ def acceptance_curves(acc: dict, draft: dict, *, domain_weights: dict[str, float
     K = min(len(c) for c in curves.values())
     if max_draft_len:
         K = min(K, max_draft_len)
-    if draft.get("algorithm") == "dflash" and draft.get("block_size"):
+    if draft.algorithm == "dflash" and draft.block_size:
         from runtime.algorithms import dflash
 
-        K = min(K, dflash.max_draft_len(int(draft["block_size"])))
+        K = min(K, dflash.max_draft_len(int(draft.block_size)))
     return curves, weights, K
 
 

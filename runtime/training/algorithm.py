@@ -5,8 +5,13 @@ token id, the trained draft length). The algorithms' own facts (capture-layer de
 runtime/algorithms/'s."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from runtime.algorithms import dflash, eagle3
 from runtime.training.job import JobError
+
+if TYPE_CHECKING:
+    from runtime.records import TargetInfo
 
 # Read from ModelOpt 0.47 (modelopt/torch/speculative/plugins/hf_dflash.py: `hidden_states[lid + 1]`, where
 # transformers 5.14 ties the last entry to `last_hidden_state`, i.e. after the final norm) and vLLM 0.32
@@ -57,10 +62,10 @@ def shape_problems(a, n_layers: int, vocab: int, layers_src: str, vocab_src: str
     return out
 
 
-def resolve_algorithm(a, summary: dict, tok, log) -> dict:
-    """Algorithm options (the section `a`) with the target's values filled in (target.json's `summary`, its
+def resolve_algorithm(a, target: TargetInfo, tok, log) -> dict:
+    """Algorithm options (the section `a`) with the target's values filled in (target.json's record `target`, its
     tokenizer `tok`); raises JobError for impossible ones."""
-    n_layers, vocab = summary["num_layers"], summary["vocab_size"]
+    n_layers, vocab = target.num_layers, target.vocab_size
     probs = shape_problems(a, n_layers, vocab, f"target.json num_layers={n_layers}", f"target.json vocab_size={vocab}")
     if probs:
         raise JobError("; ".join(f"{k}: {m}" for k, m in probs))

@@ -6,8 +6,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from runtime.training.eval_config import job_options
+
+if TYPE_CHECKING:
+    from runtime.records import TargetInfo
 
 
 class JobError(Exception):
@@ -52,21 +56,21 @@ class JobDirs:
     out_dir: Path
 
 
-def make_job(sec, *, algo: dict, summary: dict, dirs: JobDirs, train_samples: int | None, device: str,
+def make_job(sec, *, algo: dict, target: TargetInfo, dirs: JobDirs, train_samples: int | None, device: str,
              threads: int | None, trust_remote_code: bool) -> dict:
     """The JSON job the runtime executes (in-process or under torchrun), from the stage's section `sec`, the
-    resolved algorithm options (`runtime.training.algorithm.resolve_algorithm`), target.json (`summary`) and the
+    resolved algorithm options (`runtime.training.algorithm.resolve_algorithm`), target.json (`target`) and the
     directories (`dirs`). JobError for a target dtype above the training precision."""
     model_dir, data_dir, scratch_dir, out_dir = dirs.model_dir, dirs.data_dir, dirs.scratch_dir, dirs.out_dir
     train_dtype, tgt_dtype = resolve_dtypes(sec, device)
-    positions = summary.get("max_position_embeddings") or 2048
+    positions = target.max_position_embeddings or 2048
     serving = sec.serving_context or positions
     eval_files = {p.stem: str(p) for p in sorted((data_dir / "eval").glob("*.jsonl"))}
     steps = step_count(sec, data_dir, train_samples)
-    d2t = algo["name"] == "eagle3" and algo["draft_vocab_size"] != summary["vocab_size"]
+    d2t = algo["name"] == "eagle3" and algo["draft_vocab_size"] != target.vocab_size
     return {
         "algorithm": algo,
-        "target": {k: summary[k] for k in TARGET_SHAPE},
+        "target": {k: getattr(target, k) for k in TARGET_SHAPE},
         "target_dir": str(model_dir),
         "train_parquet": str(data_dir / "train.parquet"),
         "heldout_parquet": str(data_dir / "heldout.parquet"),
@@ -80,7 +84,7 @@ def make_job(sec, *, algo: dict, summary: dict, dirs: JobDirs, train_samples: in
         "device": device,
         "train_dtype": train_dtype,
         "target_dtype": tgt_dtype,
-        "export_dtype": summary.get("dtype") or "bfloat16",
+        "export_dtype": target.dtype,
         "threads": threads,
         "trust_remote_code": trust_remote_code,
         "torch_compile": sec.torch_compile,
@@ -89,7 +93,7 @@ def make_job(sec, *, algo: dict, summary: dict, dirs: JobDirs, train_samples: in
         "export_rope_scaling": rope_scaling(sec, positions, serving),
         "serving_context": serving,
         "train": train_options(sec, steps),
-        "eval": eval_options(sec, algo, summary),
+        "eval": eval_options(sec, algo, target),
     }
 
 
@@ -149,7 +153,7 @@ def train_options(sec, steps: int) -> dict:
     }
 
 
-def eval_options(sec, algo: dict, summary: dict) -> dict:
+def eval_options(sec, algo: dict, target: TargetInfo) -> dict:
     return {
         **job_options(sec),
         "estimator": sec.eval.estimator,
@@ -158,5 +162,5 @@ def eval_options(sec, algo: dict, summary: dict) -> dict:
         "draft_len": sec.eval.draft_len or algo["trained_draft_len"],
         "batch_size": sec.eval.batch_size,
         # every id that ends a generation (an instruct model's end-of-turn and its eos)
-        "eos_token_ids": [e for e in (summary.get("eos_token_ids") or [summary.get("eos_token_id")]) if e is not None],
+        "eos_token_ids": list(target.stop_ids),
     }

@@ -5,8 +5,13 @@ version-free type `tune` writes and `build` reads) translated to and from Tensor
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from runtime.algorithms.schedule import DraftSchedule
 from runtime.trtllm import compat
+
+if TYPE_CHECKING:
+    from runtime.records import TuningInfo
 
 
 class UnsupportedSchedule(ValueError):
@@ -94,12 +99,12 @@ def schedule_problems(sched: dict, max_draft_len: int, rel: compat.Release) -> l
     return probs
 
 
-def tuned_schedule(tuning: dict, version: str, mode: str):
+def tuned_schedule(tuning: TuningInfo, version: str, mode: str):
     """tune's draft-length schedule, which it fitted to what `version` runs in `mode` (ValueError with the build
     stage's message when tuning.json does not fit)."""
-    d = tuning.get("deployment") or {}
-    if "draft_schedule" not in tuning or not d:
-        raise ValueError("tuning.json has no draft_schedule/deployment: it was written by an older specpipe; "
+    d = tuning.deployment
+    if not d:
+        raise ValueError("tuning.json has no deployment: it was written by an older specpipe; "
                          "rerun tune (specpipe build --from tune)")
     if compat.normalize_version(d.get("trtllm_version") or "") != version or d.get("mode") != mode:
         raise ValueError(f"tuning.json was tuned for TensorRT-LLM {d.get('trtllm_version')} {d.get('mode')}, but build "
@@ -107,6 +112,6 @@ def tuned_schedule(tuning: dict, version: str, mode: str):
                          "run again (its fingerprint includes the build section: `specpipe build` reruns it; with "
                          "tune.trtllm_version set, remove it)")
     try:
-        return DraftSchedule.from_json(tuning["draft_schedule"])
+        return DraftSchedule.from_json(tuning.draft_schedule)
     except ValueError as e:
         raise ValueError(f"tuning.json draft_schedule: {e}; rerun tune") from None

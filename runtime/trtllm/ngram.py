@@ -12,8 +12,13 @@ is_use_oldest: true proposes the earliest match, as vLLM's rule does.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from runtime.algorithms import ngram
 from runtime.trtllm.schema import unknown_keys
+
+if TYPE_CHECKING:
+    from runtime.records import AcceptanceInfo
 
 
 def ngram_speculative_config(k: int, max_n: int) -> dict:
@@ -98,12 +103,13 @@ def _readme(doc: dict, version: str) -> str:
     return "\n".join(lines)
 
 
-def deploy(out, base_options: dict, version: str, target_dir, want: dict, acceptance: dict, fallback_k: int, log) -> dict:
+def deploy(out, base_options: dict, version: str, target_dir, want: dict, acceptance: AcceptanceInfo, fallback_k: int,
+           log) -> dict:
     """What build runs for `build.ngram.enabled`: the settings (`resolve`), vLLM's environment when installed (its
     SpeculativeConfig checks the written keys), `write_ngram`. Returns the deployment.json entry."""
     from runtime.vllm import engine as E
 
-    measured = acceptance.get("ngram")
+    measured = acceptance.ngram
     settings, src = resolve(want, measured, fallback_k)
     try:
         py = E.find_vllm().python

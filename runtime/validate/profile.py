@@ -26,6 +26,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from runtime.records import AcceptanceInfo
 
 SCHEMA_VERSION = "1.0"            # ModelOpt's speculation_profile schema version
 SPECPIPE_PROFILE_VERSION = 1      # specpipe's extension fields (measurements, histogram_source, deployed_draft_len)
@@ -110,32 +114,31 @@ def measurement(engine: str, domains: dict[str, dict], overall: dict, K: int, co
             "measurement_conditions": {"engine": engine, **conditions}}
 
 
-def validate_measurement(acc: dict, conditions: dict) -> dict:
+def validate_measurement(acc: AcceptanceInfo, conditions: dict) -> dict:
     """validate's measurement of the deployed (FP8) pair, from acceptance.json."""
-    K = int(acc.get("max_draft_len") or 0)
-    domains = {d: {**(v.get("fp8") or {})} for d, v in (acc.get("domains") or {}).items()}
-    engine = ENGINE_NAMES.get(str(acc.get("runtime")), str(acc.get("runtime") or "specpipe"))
-    cond = {**conditions, "runtime_reason": acc.get("runtime_reason"),
-            "sampling": {"temperature": acc.get("temperature"), "max_new_tokens": acc.get("max_new_tokens"),
-                         "batch_size": acc.get("batch_size")}}
-    return measurement(engine, domains, (acc.get("overall") or {}).get("fp8") or {}, K, cond)
+    domains = {d: {**((v or {}).get("fp8") or {})} for d, v in acc.domains.items()}
+    engine = ENGINE_NAMES.get(str(acc.runtime), str(acc.runtime or "specpipe"))
+    cond = {**conditions, "runtime_reason": acc.runtime_reason,
+            "sampling": {"temperature": acc.temperature, "max_new_tokens": acc.max_new_tokens,
+                         "batch_size": acc.batch_size}}
+    return measurement(engine, domains, (acc.overall or {}).get("fp8") or {}, acc.max_draft_len, cond)
 
 
-def engine_measurements(acc: dict, conditions: dict) -> list[dict]:
+def engine_measurements(acc: AcceptanceInfo, conditions: dict) -> list[dict]:
     """Entries an inference engine measured (vLLM, TensorRT-LLM), from acceptance.json's optional `engines`:
     {name: {"version", "draft_len", "domains": {domain: stats}, "overall": stats, "conditions": {...}}}, each stats
     entry with `acceptance_length`, `steps` and `accepted_per_step` or `per_position` (docs/stages/build_export.md)."""
     out = []
-    for name, e in sorted((acc.get("engines") or {}).items()):
+    for name, e in sorted(acc.engines.items()):
         if not isinstance(e, dict):
             continue
-        K = int(e.get("draft_len") or acc.get("max_draft_len") or 0)
+        K = int(e.get("draft_len") or acc.max_draft_len)
         cond = {**conditions, "engine_version": e.get("version"), **(e.get("conditions") or {})}
         out.append(measurement(str(name), e.get("domains") or {}, e.get("overall") or {}, K, cond))
     return out
 
 
-def build_profile(acc: dict, *, method: str, target: dict, draft: dict, conditions: dict,
+def build_profile(acc: AcceptanceInfo, *, method: str, target: dict, draft: dict, conditions: dict,
                   deployed_draft_len: int | None = None) -> dict:
     """The profile of the pair validate measured (acceptance.json `acc`). `conditions`: what every measurement
     shares (pair and precisions, prompts, versions); `target`/`draft`: what was measured (no absolute paths)."""

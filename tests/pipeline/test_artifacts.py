@@ -60,8 +60,10 @@ def test_quantize_info_resolves_paths_against_the_artifacts_directory(tmp_path):
 
 
 def test_stop_ids_prefer_the_list():
-    assert target.stop_ids({"eos_token_ids": [7, 2, 7], "eos_token_id": 7}) == [2, 7]
-    assert target.stop_ids({"eos_token_id": 5}) == [5]
+    from runtime.records import stop_ids
+
+    assert stop_ids({"eos_token_ids": [7, 2, 7], "eos_token_id": 7}) == [2, 7]
+    assert stop_ids({"eos_token_id": 5}) == [5]
 
 
 # one document per record, as its stage writes it (the fields the readers use)
@@ -120,6 +122,10 @@ def test_records_decide_their_defaults_once(tmp_path):
         (tmp_path / stage / name).write_text(json.dumps(doc))
     t = target.read_info(tmp_path / "target")
     assert (t.dtype, t.stop_ids, t.eos_token_id, t.mask_token_id) == ("bfloat16", (2, 9), 2, None)
+    assert (t.num_attention_heads, t.num_key_value_heads, t.head_dim) == (None, None, None)
+    (tmp_path / "target" / "target.json").write_text(json.dumps({**_TARGET, "num_attention_heads": 8}))
+    t = target.read_info(tmp_path / "target")                  # no num_key_value_heads: multi-head attention
+    assert (t.num_attention_heads, t.num_key_value_heads) == (8, 8)
     (tmp_path / "target" / "target.json").write_text(json.dumps({**_TARGET, "eos_token_id": [7, 3], "eos_token_ids": None}))
     t = target.read_info(tmp_path / "target")                  # an HF config's list of eos ids
     assert (t.eos_token_id, t.stop_ids) == (7, (3, 7))
@@ -140,6 +146,7 @@ def test_records_decide_their_defaults_once(tmp_path):
     assert [dep.schedule().k_at(b) for b in (1, 8, 9, 16)] == [3, 3, 1, 1]
     acc = validate.read_acceptance(tmp_path / "validate")
     assert (acc.passed, acc.max_new_tokens, acc.temperature, acc.eos_token_ids, acc.pairs) == (True, 48, 0.0, [], {})
+    assert (acc.engines, acc.ngram, acc.runtime, acc.batch_size) == ({}, None, None, None)
 
 
 def test_deployment_options_and_the_draft_config_name_their_file(tmp_path):
@@ -157,3 +164,5 @@ def test_deployment_options_and_the_draft_config_name_their_file(tmp_path):
     (tmp_path / "train_draft" / "draft" / "config.json").write_text(json.dumps({"num_hidden_layers": 2}))
     c = train_draft.read_draft_config(tmp_path / "train_draft")
     assert (c.num_hidden_layers, c.max_position_embeddings, c.raw) == (2, None, {"num_hidden_layers": 2})
+    with pytest.raises(StageError, match=r"draft_fp8/config\.json: .*--force quantize`"):   # quantize's FP8 draft
+        train_draft.read_config(tmp_path / "quantize" / "draft_fp8")

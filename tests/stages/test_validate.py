@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.artifacts.target import stop_ids
 from pipeline.errors import StageError
 from pipeline.stage import Artifact, StageContext
 from runtime.engine.drafters import Drafter
 from runtime.engine.sampling import Sampling
 from runtime.engine.speculative import SpeculativeEngine, load_pair
 from runtime.engine.target import TargetRunner, load_target
+from runtime.records import stop_ids
 from runtime.validate.decode import Measurement
 from runtime.validate.lossless_arms import STATISTIC, exact_check, lossless_and_speed
 from runtime.validate.trtllm import trtllm_available, trtllm_llm_kwargs, trtllm_sampling_kwargs

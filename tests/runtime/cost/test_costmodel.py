@@ -15,6 +15,7 @@ from pipeline.hardware import GPUS
 from runtime.cost import costmodel as cm
 from runtime.cost import draft_length as dl
 from runtime.cost import tuning
+from runtime.records import DraftInfo, TargetInfo
 
 from conftest import run_cli, tiny_overrides
 
@@ -99,10 +100,11 @@ def test_tensor_parallel_splits_the_step():
 def test_draft_costs_eagle3_serial_dflash_parallel():
     dcfg = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
             "num_hidden_layers": 1, "vocab_size": 128256}
-    e3 = cm.draft_shape({"algorithm": "eagle3", "num_layers": 1, "aux_layer_ids": [1, 15, 28], "draft_vocab_size": 32000},
-                        dcfg, 4096)
+    e3 = cm.draft_shape(DraftInfo.from_json({"algorithm": "eagle3", "num_layers": 1, "aux_layer_ids": [1, 15, 28],
+                                            "draft_vocab_size": 32000}), dcfg, 4096)
     assert e3.layer_gemms[0].k == 2 * 4096 and e3.input_gemms[0].k == 3 * 4096 and e3.head_gemms[0].n == 32000
-    df = cm.draft_shape({"algorithm": "dflash", "num_layers": 1, "target_layer_ids": [1, 10, 20, 30]}, dcfg, 4096)
+    df = cm.draft_shape(DraftInfo.from_json({"algorithm": "dflash", "num_layers": 1, "target_layer_ids": [1, 10, 20, 30]}),
+                        dcfg, 4096)
     m = datasheet("h200", 0.85, 2.0)
     dep_e3 = cm.Deployment(L8B, e3, "eagle3", FP8, BF16, m, context=1024)
     dep_df = cm.Deployment(L8B, df, "dflash", FP8, BF16, m, context=1024)
@@ -110,7 +112,7 @@ def test_draft_costs_eagle3_serial_dflash_parallel():
     assert dep_e3.draft_time(1, 6) > 4 * dep_e3.draft_time(1, 1)     # k serial passes
     assert dep_df.draft_time(1, 6) < 1.5 * dep_df.draft_time(1, 1)   # one parallel pass
     with pytest.raises(ValueError):
-        cm.draft_shape({"algorithm": "medusa"}, dcfg, 4096)
+        cm.draft_shape(DraftInfo.from_json({"algorithm": "medusa"}), dcfg, 4096)
 
 
 def test_expected_tokens_matches_the_closed_form():
@@ -209,7 +211,7 @@ def tiny_profile():
     from runtime.cost import profile as P
 
     shape = cm.llama("t", num_layers=2, hidden=32, heads=2, kv_heads=1, intermediate=64, vocab=128)
-    draft = cm.draft_shape({"algorithm": "eagle3", "num_layers": 1, "aux_layer_ids": [0, 1]},
+    draft = cm.draft_shape(DraftInfo.from_json({"algorithm": "eagle3", "num_layers": 1, "aux_layer_ids": [0, 1]}),
                            {"hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 1,
                             "intermediate_size": 64, "vocab_size": 128}, 32)
     return P.profile({"target": shape, "draft": draft}, device=torch.device("cpu"), gemm_dtype="float32",
@@ -335,6 +337,8 @@ def test_profile_measures_the_committed_target_and_draft(tmp_path):
         (arts / rel).parent.mkdir(parents=True, exist_ok=True)
         (arts / rel).write_text(json.dumps(doc))
     shapes, src = profile_shapes(None, arts)
-    assert shapes["target"] == cm.target_shape(LLAMA_8B) and shapes["target"].hidden == LLAMA_8B["hidden_size"]
-    assert shapes["draft"] == cm.draft_shape(draft, dcfg, LLAMA_8B["hidden_size"])
+    assert shapes["target"] == cm.target_shape(TargetInfo.from_json(LLAMA_8B))
+    assert shapes["target"].hidden == LLAMA_8B["hidden_size"] and shapes["target"].num_layers == LLAMA_8B["num_layers"]
+    assert shapes["draft"] == cm.draft_shape(DraftInfo.from_json(draft), dcfg, LLAMA_8B["hidden_size"])
+    assert shapes["draft"].head_gemms[0].n == 32000          # the draft's reduced vocabulary, not the target's 128k
     assert "target.json" in src and "draft.json" in src

@@ -77,6 +77,7 @@ def _job(run_dir: Path, out: Path, **eval_opts) -> dict:
     """The job the stage would write (runtime.training.job.make_job) for a 9-step EAGLE-3 run."""
     from transformers import AutoTokenizer
 
+    from runtime.records import TargetInfo
     from runtime.training.algorithm import resolve_algorithm
     from runtime.training.job import JobDirs, make_job
     from stages.train_draft import Config
@@ -85,9 +86,9 @@ def _job(run_dir: Path, out: Path, **eval_opts) -> dict:
                                  "log_every": 1, "algorithm": {"kind": "eagle3", "draft_vocab_size": 256},
                                  "eval": {"prompts_per_domain": 2, "osl": 12, **eval_opts}})
     t, d = run_dir / "artifacts" / "target", run_dir / "artifacts" / "data"
-    summary = json.loads((t / "target.json").read_text())
-    algo = resolve_algorithm(sec.algorithm, summary, AutoTokenizer.from_pretrained(t / "model"), logging.getLogger("t"))
-    return make_job(sec, algo=algo, summary=summary, dirs=JobDirs(t / "model", d, out / "scratch", out), train_samples=None,
+    info = TargetInfo.from_json(json.loads((t / "target.json").read_text()))
+    algo = resolve_algorithm(sec.algorithm, info, AutoTokenizer.from_pretrained(t / "model"), logging.getLogger("t"))
+    return make_job(sec, algo=algo, target=info, dirs=JobDirs(t / "model", d, out / "scratch", out), train_samples=None,
                     device="cpu", threads=2, trust_remote_code=False)
 
 

@@ -86,6 +86,7 @@ def test_run_stats_record_the_accepted_count_histogram():
 def test_engine_measured_entries_become_measurements():
     """The hook for engine-measured acceptance: acceptance.json `engines` -> one measurement per engine, after
     validate's (which stays the top level)."""
+    from runtime.records import AcceptanceInfo
     from runtime.validate.profile import build_profile
 
     st = {"acceptance_length": 2.5, "steps": 4, "accepted_per_step": [1, 1, 1, 1], "per_position": [0.75, 2 / 3, 0.5]}
@@ -94,7 +95,8 @@ def test_engine_measured_entries_become_measurements():
            "engines": {"vllm": {"version": "0.32.0", "draft_len": 3, "domains": {"code": {**st, "acceptance_length": 2.0,
                                                                                          "accepted_per_step": [2, 1, 0, 1]}},
                                 "overall": {**st, "acceptance_length": 2.0, "accepted_per_step": [2, 1, 0, 1]}}}}
-    p = build_profile(acc, method="eagle3", target={}, draft={}, conditions={"versions": {}})
+    p = build_profile(AcceptanceInfo.from_json({**acc, "gates": {"passed": True}}), method="eagle3", target={}, draft={},
+                      conditions={"versions": {}})
     assert [m["engine"] for m in p["measurements"]] == ["specpipe", "vllm"]
     assert p["measurement_conditions"]["engine"] == "specpipe" and p["mean_accept_length"] == 2.5
     v = p["measurements"][1]
