@@ -103,8 +103,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     a = ap.parse_args(argv)
     if a.workdir:
         arts = a.workdir / "artifacts"
-        q = json.loads((arts / "quantize" / "quantize.json").read_text())
-        a.target, a.draft = arts / q["target_dir"], arts / q["draft_dir"]
+        from pipeline.artifacts import quantize as quantize_artifact
+
+        q = quantize_artifact.read_info(arts / "quantize")
+        a.target, a.draft = q.target_dir(arts), q.draft_dir(arts)
         a.bf16_target = a.bf16_target or arts / "target" / "model"
         a.prompts_from = a.prompts_from or arts / "data" / "eval"
     if not (a.target and a.draft and a.prompts_from):
