@@ -66,6 +66,8 @@ class Eagle3(Strict):
     )
     intermediate_size: int | None = Field(None, ge=1, description="draft MLP width; default: the target's")
     loss_decay_factor: float = Field(0.9, gt=0, le=1, description="weight of TTT step k is factor**k")
+    loss: Literal["kl", "lk_hybrid", "nla"] = Field("kl", description="kl: ModelOpt's soft CE; lk_hybrid, nla: LK losses")
+    lk_eta: float = Field(3.0, gt=0, description="lk_hybrid's eta: KL weight exp(-eta * acceptance)")
 
     @field_validator("aux_layer_ids")
     @classmethod

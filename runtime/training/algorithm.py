@@ -76,7 +76,7 @@ def resolve_algorithm(a, target: TargetInfo, tok, log) -> dict:
                  "spread over the target: TensorRT-LLM's default (1, L//2-1, L-4) is not 3 distinct layers here")
         return {"name": "eagle3", "draft_layers": a.draft_layers, "aux_layer_ids": ids, "ttt_steps": a.ttt_steps,
                 "draft_vocab_size": a.draft_vocab_size or vocab, "intermediate_size": a.intermediate_size,
-                "loss_decay_factor": a.loss_decay_factor, "trained_draft_len": a.ttt_steps}
+                "loss_decay_factor": a.loss_decay_factor, "loss": a.loss, "lk_eta": a.lk_eta, "trained_draft_len": a.ttt_steps}
     ids = a.target_layer_ids
     if not ids:
         ids, modelopt_ids = dflash.default_target_layer_ids(n_layers, a.draft_layers)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+from runtime.training import objectives
 from runtime.training.fsdp import fsdp_active, load_target_skeleton, shard_target_layers
 from runtime.training.job import target_dtype, torch_dtype
 
@@ -73,6 +74,9 @@ def build_model(job: dict, offline: bool, device):
     mtsp.convert(model, [(mode, cfg)])
     if tdtype != dtype:   # ModelOpt builds the draft in the base model's dtype: its master weights stay in `dtype`
         draft_module(model).to(dtype)
+    if job["algorithm"]["name"] == "eagle3":
+        objectives.install(model, job["algorithm"].get("loss", "kl"), job["algorithm"].get("lk_eta", 3.0),
+                           compile_loss=bool(job["torch_compile"]))
     if job["algorithm"]["name"] == "eagle3" and job.get("d2t_path"):
         from modelopt.torch.speculative.plugins.hf_eagle import HFEagleModel
 

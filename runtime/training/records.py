@@ -36,6 +36,7 @@ def draft_record(job: dict, cfg: dict, draft_dir: Path, acc: dict, result: dict)
         "vocab_size": job["target"]["vocab_size"], "draft_vocab_size": cfg.get("draft_vocab_size", job["target"]["vocab_size"]),
         "has_d2t": "d2t" in tensor_names(draft_dir), "block_size": a.get("block_size"), "mask_token_id": a.get("mask_token_id"),
         "trained_draft_len": a["trained_draft_len"], "max_position_embeddings": cfg.get("max_position_embeddings"),
+        "objective": a.get("loss", "kl") if a["name"] == "eagle3" else a.get("loss_objective"),
         "rope_scaling": cfg.get("rope_scaling"), "serving_context": job["serving_context"], "mode": job["mode"],
         "acceptance_length": acc.get("acceptance_length"), "eval_draft_len": acc.get("draft_len"),
         "acceptance_estimator": acc.get("estimator"),

@@ -111,7 +111,7 @@ def test_eagle3_exports_a_checked_deployable_draft(eagle):
     assert all(c["passed"] for c in checks), checks
     d = json.loads((art / "draft.json").read_text())
     assert d["algorithm"] == "eagle3" and d["aux_layer_ids"] == [0, 1, 3] and d["has_d2t"] is True
-    assert d["acceptance_estimator"] == "runtime"
+    assert d["acceptance_estimator"] == "runtime" and d["objective"] == "kl"
     assert d["vocab_size"] == 512 and d["draft_vocab_size"] == 256 and d["trained_draft_len"] == 3
     acc = json.loads((art / "curve.json").read_text())["acceptance"]
     assert d["acceptance_length"] == acc["acceptance_length"] and 1.0 <= d["acceptance_length"] <= 4.0
