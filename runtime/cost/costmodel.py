@@ -90,7 +90,7 @@ def target_shape(t: TargetInfo) -> ModelShape:
         raise RuntimeFailure("target.json lacks num_attention_heads or intermediate_size, which the cost model prices; "
                          "rerun the target stage")
     return llama("target", num_layers=t.num_layers, hidden=t.hidden_size, heads=t.num_attention_heads,
-                 kv_heads=t.num_key_value_heads or t.num_attention_heads, intermediate=t.intermediate_size,
+                 kv_heads=t.num_key_value_heads, intermediate=t.intermediate_size,
                  vocab=t.vocab_size, head_dim=t.head_dim)
 
 

@@ -97,6 +97,17 @@ def test_tensor_parallel_splits_the_step():
     assert any(o.kind == "allreduce" and o.count == 160 for o in ops)
 
 
+def test_target_shape_from_the_record_names_what_target_json_lacks():
+    from runtime.errors import RuntimeFailure
+
+    doc = {"architecture": "LlamaForCausalLM", "num_layers": 2, "hidden_size": 64, "vocab_size": 128,
+           "num_attention_heads": 4, "intermediate_size": 96}
+    s = cm.target_shape(TargetInfo.from_json(doc))          # no num_key_value_heads, no head_dim: MHA, hidden / heads
+    assert (s.heads, s.kv_heads, s.head_dim, s.num_layers) == (4, 4, 16, 2)
+    with pytest.raises(RuntimeFailure, match="target.json lacks num_attention_heads or intermediate_size"):
+        cm.target_shape(TargetInfo.from_json({k: v for k, v in doc.items() if k != "intermediate_size"}))
+
+
 def test_draft_costs_eagle3_serial_dflash_parallel():
     dcfg = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
             "num_hidden_layers": 1, "vocab_size": 128256}

@@ -77,7 +77,8 @@ def test_server_argv_and_cpu_env():
     env = s.env()
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"
     assert s.url == "http://127.0.0.1:18399"
-    # vLLM's ZeroMQ sockets go to a private folder (not the temp dir itself), which stop() removes
+    # vLLM's ZeroMQ sockets go to a private folder (not the temp dir itself), which stop() removes: vllm-cpu 0.32.0
+    # vllm/utils/network_utils.py get_open_zmq_ipc_path puts them at envs.VLLM_RPC_BASE_PATH/<uuid4>
     assert env["VLLM_RPC_BASE_PATH"] == str(s.rpc_dir) and s.rpc_dir.is_dir() and s.rpc_dir.parent == Path(tempfile.gettempdir())
     rpc = s.rpc_dir
     s.stop()
