@@ -1,17 +1,18 @@
 """`specpipe build`: the table of what each stage did."""
 from __future__ import annotations
 
+import sys
 
-def print_outcomes(outcomes, store) -> None:
-    from rich.console import Console
-    from rich.table import Table
+from pipeline.commands.table import render, use_color
 
-    t = Table(title=f"specpipe build: {store.root}")
-    for c in ("stage", "action", "reason", "time"):
-        t.add_column(c)
-    colors = {"ran": "green", "skip": "dim", "failed": "red", "blocked": "yellow", "disabled": "dim", "excluded": "dim"}
-    for o in outcomes:
-        t.add_row(o.name, f"[{colors.get(o.action, '')}]{o.action}[/]", o.reason,
-                  f"{o.wall_s:.1f}s" if o.action in ("ran", "failed") else "")
-    # emoji=False: a reason is never emoji (":name:" stays as written) and rich skips loading its emoji table
-    Console(stderr=True, width=160, emoji=False).print(t)
+ACTION_STYLES = {"ran": "green", "skip": "dim", "failed": "red", "blocked": "yellow", "disabled": "dim", "excluded": "dim"}
+
+
+def print_outcomes(outcomes, store, stream=None) -> None:
+    """One row a stage (action, why, wall time of what ran), on stderr: stdout stays free for what a caller pipes."""
+    stream = stream or sys.stderr
+    rows = [[o.name, o.action, o.reason, f"{o.wall_s:.1f}s" if o.action in ("ran", "failed") else ""] for o in outcomes]
+    styles = [["", ACTION_STYLES.get(o.action, ""), "", ""] for o in outcomes]
+    stream.write(render(f"specpipe build: {store.root}", ["stage", "action", "reason", "time"], rows, width=160,
+                        wrap=2, styles=styles, color=use_color(stream)))
+    stream.flush()

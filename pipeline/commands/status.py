@@ -1,7 +1,10 @@
 """`specpipe status`: each stage's state, fingerprint, timings and metrics (optionally re-verified), as a table."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+
+from pipeline.commands.table import render, use_color
 
 
 def collect(wd: Path, verify: bool) -> dict:
@@ -19,18 +22,14 @@ def collect(wd: Path, verify: bool) -> dict:
 
 
 def print_table(doc: dict, wd: Path) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    t = Table(title=f"specpipe status: {wd}")
-    for c in ("stage", "state", "fingerprint", "wall", "peak RSS", "key metrics"):
-        t.add_column(c)
+    rows = []
     for st in doc["stages"]:
         metrics = ", ".join(f"{k}={_short(v)}" for k, v in list(st["metrics"].items())[:4] if not isinstance(v, (dict, list)))
-        t.add_row(st["name"], st["state"], (st["fingerprint"] or "")[:12],
-                  f"{st['wall_time_s']:.1f}s" if st["wall_time_s"] is not None else "",
-                  f"{st['peak_rss_mb']:.0f} MB" if st["peak_rss_mb"] is not None else "", metrics)
-    Console(width=180).print(t)
+        rows.append([st["name"], st["state"], (st["fingerprint"] or "")[:12],
+                     f"{st['wall_time_s']:.1f}s" if st["wall_time_s"] is not None else "",
+                     f"{st['peak_rss_mb']:.0f} MB" if st["peak_rss_mb"] is not None else "", metrics])
+    sys.stdout.write(render(f"specpipe status: {wd}", ["stage", "state", "fingerprint", "wall", "peak RSS", "key metrics"],
+                            rows, width=180, wrap=5, color=use_color(sys.stdout)))
 
 
 def _short(v) -> str:
