@@ -165,7 +165,7 @@ def test_the_record_holds_what_the_issue_asks(record):
     assert {1} < {r.batch for r in record.runs}
     for r in record.runs:
         src = doc["sources"][r.source]
-        assert src.get("url") or (src.get("repo") and src.get("path") and src.get("commit")), r.source
+        assert src.get("url") or (src.get("file") and src.get("commit")), r.source
         s, al = r.published_speedup(), r.measured.get("al")
         assert not (r.batch == 1 and s and al and s > al), r.id
     assert all(e.get("reason") and e.get("source") for e in record.excluded)
