@@ -384,8 +384,10 @@ class Deployment:
 
     def tree_draft_time(self, batch: int, steps: int, topk: int) -> float:
         """EAGLE-3 drafting a tree `steps` deep with `topk` branches (SGLang's speculative_num_steps /
-        speculative_eagle_topk): the first pass over the 1+steps verified rows (logits for the last row), then
-        steps-1 passes of `topk` rows per sequence, each with logits for all of them."""
+        speculative_eagle_topk, as its documentation names them): the first pass over the 1+steps verified rows
+        (logits for the last row), then steps-1 passes of `topk` rows per sequence, each with logits for all of them.
+        This pass structure is this model's, not read from SGLang's source; what a tree costs besides is fitted
+        (runtime.cost.engine_fit: tree_pass)."""
         if self.draft is None or steps == 0:
             return 0.0
         d, p, c = self.draft, self.draft_prec, self.context
