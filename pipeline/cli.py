@@ -313,6 +313,27 @@ def monitor(**options):
 
 
 @cli.command()
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--overheads", type=click.Choice(["fitted", "none", "refit"]), default="fitted", show_default=True,
+              help="engine overheads: the fitted constants, none (the model as tune prices), or fitted on FILE's fit set")
+@click.option("--json", "as_json", is_flag=True, help="every run's prediction, published figures and errors as JSON")
+def predict(file, overheads, as_json):
+    """The cost model against published GPU runs (FILE: bench/published_runs.yaml or one in its schema):
+    predicted plain and speculative tokens/s and speedup beside the published ones, and the error."""
+    from pipeline.commands import predict as C
+
+    try:
+        doc = C.compare(file, overheads)
+    except RuntimeFailure as e:
+        _fail(e)
+        return
+    if as_json:
+        click.echo(json.dumps(doc, indent=2))
+        return
+    C.print_table(doc)
+
+
+@cli.command()
 @config_arg
 @workdir_opt
 @override_opt

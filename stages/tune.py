@@ -198,6 +198,7 @@ def run(ctx: StageContext) -> dict:
         "hardware": hw_doc,
         **_models_and_acceptance(dep, curves, weights, K, acc.max_draft_len),
         "predicted": table,
+        "prediction_check": _prediction_check(ctx, table),
     }
     (ctx.out_dir / "tuning.json").write_text(json.dumps(doc, indent=2))
     b1 = table[0]
@@ -285,6 +286,20 @@ def _limits(ctx: StageContext, schedule, max_batch: int, policy: dict) -> tuple[
     return kmax, num_tokens, graphs
 
 
+def _prediction_check(ctx: StageContext, table: list[dict]) -> dict:
+    """How far this model was from published GPU runs (runtime.cost.engine_fit.error_band), logged with the batch-1
+    prediction it qualifies."""
+    from runtime.cost import engine_fit
+
+    band = engine_fit.error_band()
+    b1 = table[0]
+    ctx.log.info("predicted speedup %.2fx at batch %d; against %d published GPU runs the model priced this way "
+                 "over-predicted speedup by %.0f %% on average (worst %.0f %%; the one TensorRT-LLM run %+.0f %%): %s",
+                 b1["speedup"], b1["batch"], band["runs_held_out"], band["speedup_mean_abs_error"] * 100,
+                 band["speedup_max_abs_error"] * 100, band["trtllm_speedup_error"] * 100, band["record"])
+    return band
+
+
 def _models_and_acceptance(dep, curves, weights, K: int, measured_draft_len: int) -> dict:
     """tuning.json's `models` (shapes and precisions the cost model priced) and `acceptance` (the curves it used)."""
     from runtime.cost import tuning
@@ -357,6 +372,7 @@ def report(artifact) -> str:
         ["max_num_tokens", t["max_num_tokens"]],
         ["cuda_graph batch_sizes", t["cuda_graph_batch_sizes"]],
         ["hardware", t["hardware"]["machine"]],
+        *_check_row(t.get("prediction_check")),
     ], ["", ""]))
     doms = sorted(rows[0]["domain_speedups"])
     html.append(table([[r["batch"], r["k"], round(r["speedup"], 3), *[round(r["domain_speedups"][d], 3) for d in doms],
@@ -365,3 +381,14 @@ def report(artifact) -> str:
                       ["batch", "k", "speedup (mix)", *[f"speedup {esc(d)}" for d in doms], "tokens/step",
                        "target step ms", "spec step ms", "tokens/s", "B(1+k)/ridge"]))
     return "\n".join(html)
+
+
+def _check_row(band: dict | None) -> list[list]:
+    if not band:
+        return []
+    return [["error band of these predictions",
+             f"on {band['runs_held_out']} published GPU runs held out of the fit the model as priced here was off in speedup "
+             f"by {band['speedup_mean_abs_error'] * 100:.0f} % on average, worst {band['speedup_max_abs_error'] * 100:.0f} % "
+             f"(TensorRT-LLM: one run, {band['trtllm_speedup_error'] * 100:+.0f} %); plain tokens/s by "
+             f"{band['plain_tokens_per_s_mean_abs_error'] * 100:.0f} % "
+             f"(worst {band['plain_tokens_per_s_max_abs_error'] * 100:.0f} %): {band['record']}"]]

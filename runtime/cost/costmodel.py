@@ -381,3 +381,24 @@ class Deployment:
 
     def spec_time(self, batch: int, k: int) -> float:
         return self.target_time(batch, 1 + k) + self.draft_time(batch, k)
+
+    def tree_draft_time(self, batch: int, steps: int, topk: int) -> float:
+        """EAGLE-3 drafting a tree `steps` deep with `topk` branches (SGLang's speculative_num_steps /
+        speculative_eagle_topk, as its documentation names them): the first pass over the 1+steps verified rows
+        (logits for the last row), then steps-1 passes of `topk` rows per sequence, each with logits for all of them.
+        This pass structure is this model's, not read from SGLang's source; what a tree costs besides is fitted
+        (runtime.cost.engine_fit: tree_pass)."""
+        if self.draft is None or steps == 0:
+            return 0.0
+        d, p, c = self.draft, self.draft_prec, self.context
+        t = step_time(forward_ops(d, batch=batch, q_len=1 + steps, context=c, prec=p, tp=self.tp,
+                                  logits_rows=batch), self.machine)
+        if steps > 1:
+            t += (steps - 1) * step_time(forward_ops(d, batch=batch, q_len=topk, context=c, prec=p, tp=self.tp,
+                                                     with_input_gemms=False), self.machine)
+        return t
+
+    def tree_time(self, batch: int, steps: int, topk: int, nodes: int) -> float:
+        """One tree step: the target verifies `nodes` tree tokens per sequence (SGLang's
+        speculative_num_draft_tokens, the root included) after the draft built the tree."""
+        return self.target_time(batch, nodes) + self.tree_draft_time(batch, steps, topk)

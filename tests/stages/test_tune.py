@@ -336,6 +336,20 @@ def test_report_has_the_plot_and_the_schedule(tmp_path):
     assert "draft_len_schedule" in html and "two-model" in html
 
 
+def test_the_prediction_comes_with_its_published_error_band(tmp_path):
+    """tuning.json and the report carry how far the model, priced as tune prices it, was from the published GPU runs
+    held out of the overhead fit (runtime/cost/engine_fit.py RAW_HELD_OUT, recomputed from the record by
+    tests/runtime/cost/test_published.py)."""
+    from runtime.cost import engine_fit
+
+    doc = run_tune(tmp_path, curves={"code": [0.75, 0.65, 0.55]}, batch_sizes=[1, 8], **TWO_MODEL)
+    band = doc["prediction_check"]
+    assert band["runs_held_out"] == engine_fit.RAW_HELD_OUT["speedup"].n > 20
+    assert band["speedup_mean_abs_error"] == engine_fit.RAW_HELD_OUT["speedup"].mean_abs
+    html = tune.report(Artifact("tune", tmp_path / "out", {"fingerprint": "x", "metrics": {}}))
+    assert "error band of these predictions" in html and "bench/published_runs.yaml" in html
+
+
 # ---------------------------------------------------------------------------------------------- config
 
 
