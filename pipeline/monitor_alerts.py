@@ -77,6 +77,8 @@ def monitor_rules(model: str) -> dict:
         alert("SpecpipeDiagnosisTargetChanged", f'specpipe_monitor_diagnosis{{cause="target_changed",{m}}} == 1', "0m",
               "critical", "The served model is not the exported one",
               "{{ $labels.action }} (specpipe monitor compared the served files with export.json)"),
+        alert("SpecpipeDiagnosisDraftChanged", f'specpipe_monitor_diagnosis{{cause="draft_changed",{m}}} == 1', "0m",
+              "critical", "The served draft is not the exported one", "{{ $labels.action }}"),
         alert("SpecpipeDiagnosisEngineState", f'specpipe_monitor_diagnosis{{cause="engine_state",{m}}} == 1', "0m",
               "warning", "Acceptance dropped on the validated prompts and on the traffic: engine state",
               "{{ $labels.action }}"),

@@ -6,8 +6,9 @@
   compared with the identity export recorded for the exported pair (export.json `served_identity`).
 
 Verdicts (docs/serving.md, "Why it dropped"):
-- target changed: what is served differs from the export (the evidence names the files), whatever the CUSUMs say
-  once one alarms -> rebuild (`specpipe build`) on what is now served, or redeploy the exported pair;
+- target changed: the served target differs from the export (the evidence names the files), whatever the CUSUMs say
+  -> rebuild (`specpipe build`) on what is now served, or redeploy the exported pair;
+- draft changed: only the served draft differs -> redeploy the exported draft;
 - engine state: the canary and the traffic both dropped on unchanged files (one alarmed, the other alarmed or is below
   its alarm boundary) -> restart the engine first (acceptance
   decay over hours of serving is the common report: vllm-project/vllm#41838, sgl-project/sglang#28771, #37326),
@@ -27,7 +28,7 @@ from pathlib import Path
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                    "vocab.json", "merges.txt")
 TRAFFIC = "traffic"     # the live traffic's test beside the canary's domains (active mode with --traffic)
-CAUSES = ("target_changed", "engine_state", "traffic_drift", "canary_only", "unknown")
+CAUSES = ("target_changed", "draft_changed", "engine_state", "traffic_drift", "canary_only", "unknown")
 
 
 def _sha(paths: list[Path]) -> str | None:
@@ -108,13 +109,19 @@ def diagnose(canary: dict, traffic, changed: list[str]) -> Verdict | None:
     canary_alarm = [t for t in canary.values() if t.alarm]
     traffic_alarm = traffic is not None and traffic.alarm
     if changed:
+        target = any(not e.startswith("draft") for e in changed)
+        cause = "target_changed" if target else "draft_changed"
+        what = "target" if target else "draft"
         if canary_alarm or traffic_alarm:
             ev = changed + [f"canary alarm: {_fmt(t)}" for t in canary_alarm] + ([f"traffic {_fmt(traffic)}"]
                                                                              if traffic_alarm else [])
-            return Verdict("target_changed", "rebuild: what is served is not the exported pair (run `specpipe build` on "
-                           "the served target, or redeploy the exported files)", ev)
-        return Verdict("target_changed", "no acceptance drop yet, but what is served is not the exported pair: "
-                       "redeploy the exported files or rebuild on the served ones", changed)
+            act = ("rebuild: the served target is not the exported one (run `specpipe build` on the served target, or "
+                   "redeploy the exported files)" if target else
+                   "redeploy the exported draft: the served draft is not the validated one (or rebuild if a new draft "
+                   "was meant)")
+            return Verdict(cause, act, ev)
+        return Verdict(cause, f"no acceptance drop yet, but the served {what} is not the exported one: redeploy the "
+                       "exported files or rebuild on the served ones", changed)
     if not canary_alarm and not traffic_alarm:
         return None
     held = [_fmt(t) for t in canary.values() if not _down(t)]

@@ -101,7 +101,8 @@ def _served_dirs(o: MonitorOptions, engine: str, url: str | None) -> dict[str, s
 
 
 def watch(mon, *, once: bool, probes: int | None, interval: float, echo) -> Outcome:
-    """Rounds of probes: with `once` one round (a failed probe or a domain without statistics is not ok), else
+    """Rounds of probes: with `once` one round (a failed probe, a domain without statistics or served files that differ
+    from the export is not ok), else
     until `probes` rounds or Ctrl-C; a failed probe is reported and the next round runs."""
     import time
 
@@ -122,7 +123,8 @@ def watch(mon, *, once: bool, probes: int | None, interval: float, echo) -> Outc
             n += 1
             if once:
                 missing = [d for d, t in mon.tests.items() if t.missing_stats]
-                return Outcome(n, raised, once_ok=not (alarms or missing))
+                served_differs = getattr(mon, "verdict", None) is not None      # a diagnosis without an alarm yet
+                return Outcome(n, raised, once_ok=not (alarms or missing or served_differs))
             if probes is not None and n >= probes:
                 break
             time.sleep(interval)

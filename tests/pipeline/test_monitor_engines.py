@@ -199,6 +199,8 @@ def test_verdict_table():
     v = diagnose({"code": _test("code", low, True)}, None, ["target config sha256 a != exported b"])
     assert v.cause == "target_changed" and "rebuild" in v.action and v.evidence[0].startswith("target config")
     assert diagnose(canary, None, ["target weights ..."]).cause == "target_changed"     # no drop yet: still said
+    v = diagnose({"code": _test("code", low, True)}, None, ["draft weights sha256 a != exported b"])
+    assert v.cause == "draft_changed" and "redeploy the exported draft" in v.action
     assert diagnose({}, _test("traffic", low, True), []).cause == "unknown"
 
 
