@@ -54,6 +54,9 @@ def open_monitor(wd: Path, o: MonitorOptions, echo):
     if o.traffic and (o.passive or not (metrics_url or engine == "vllm")):
         raise UsageError("--traffic tests the engine's counters beside the active probes: give --url and --metrics-url "
                          "(not --passive)")
+    for r, d in (("target", o.served_target), ("draft", o.served_draft)):
+        if d and not Path(d).is_dir():
+            raise UsageError(f"--served-{r} {d}: not a directory (the {r} directory the endpoint serves)")
     if engine == "vllm":
         from pipeline import monitor_vllm as MV
         from pipeline.commands.serve_vllm import exported_draft_len
@@ -85,12 +88,7 @@ def open_monitor(wd: Path, o: MonitorOptions, echo):
 def _served_dirs(o: MonitorOptions, engine: str, url: str | None) -> dict[str, str]:
     """role -> the directory the endpoint serves: --served-target/--served-draft, else (vLLM) the `root` its
     /v1/models names when that is a directory this machine can read."""
-    from pipeline.errors import UsageError
-
     served = {r: d for r, d in (("target", o.served_target), ("draft", o.served_draft)) if d}
-    for r, d in served.items():
-        if not Path(d).is_dir():
-            raise UsageError(f"--served-{r} {d}: not a directory")
     if "target" not in served and engine == "vllm" and url:
         from pipeline import monitor_vllm as MV
 

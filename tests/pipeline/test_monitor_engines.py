@@ -417,3 +417,15 @@ def test_dashboard_matches_grafana_schema(monitoring, engine):
     with pytest.raises(AssertionError, match="not in Grafana"):      # the check can fail
         subset({**doc, "panels": [{**doc["panels"][0], "gridpos": {}}]}, json.loads(JSONEncoder().encode(
             Dashboard.from_json({**doc, "panels": [{**doc["panels"][0], "gridpos": {}}]}))))
+
+
+def test_cli_usage_errors(tmp_path):
+    from conftest import run_cli
+
+    r = run_cli("monitor", "--workdir", str(tmp_path), "--engine", "trtllm", "--url", "http://127.0.0.1:1")
+    assert r.returncode == 2 and "--engine trtllm reads the engine's own metrics: give --passive" in r.stderr
+    r = run_cli("monitor", "--workdir", str(tmp_path), "--passive", "--metrics-url", "http://127.0.0.1:1/m", "--traffic")
+    assert r.returncode == 2 and "--traffic tests the engine's counters beside the active probes" in r.stderr
+    r = run_cli("monitor", "--workdir", str(tmp_path), "--url", "http://127.0.0.1:1", "--served-target",
+                str(tmp_path / "missing"))
+    assert r.returncode == 2 and "--served-target" in r.stderr and "not a directory" in r.stderr
