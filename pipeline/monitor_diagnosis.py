@@ -63,8 +63,9 @@ def model_identity(d: Path, cache: dict | None = None) -> dict[str, str | None]:
 
 
 def served_identity(target_dir, drafts: dict) -> dict:
-    """export.json's `served_identity`: model_identity of the exported target and of each exported draft (role ->
-    directory; None: not exported), which `specpipe monitor --served-target/--served-draft` compares with what is served."""
+    """export.json's `served_identity`: model_identity of the exported target and of each other exported model
+    (role -> directory; None: not exported; "target_bf16", "draft_cpu": variants a served target or draft may match),
+    which `specpipe monitor --served-target/--served-draft` compares with what is served."""
     out = {"target": model_identity(Path(target_dir))}
     out.update({role: model_identity(Path(d)) for role, d in drafts.items() if d})
     return out

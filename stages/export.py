@@ -96,7 +96,8 @@ def run(ctx: StageContext) -> dict:
                                        draft_len=dep.schedule().k_at(1), log=ctx.log) if profile else None
     drafts = {"draft": dep.trtllm_draft_dir, "draft_cpu": dep.draft_dir if sec.cpu_repository else None,
               "draft_speculators": ctx.out_dir / "speculators" if vllm else None} if speculation else {}
-    served = served_identity(dep.target_dir, drafts)
+    bf16 = Path(ctx.workdir) / "artifacts" / "target" / "model"     # what `specpipe serve --engine vllm` serves on a CPU
+    served = served_identity(dep.target_dir, {"target_bf16": bf16 if (bf16 / "config.json").is_file() else None, **drafts})
     parsed = check_pbtxt([p for p in ctx.out_dir.rglob("config.pbtxt")])
     ctx.log.info("config.pbtxt: %s", ", ".join(f"{Path(k).relative_to(ctx.out_dir)} {v}" for k, v in parsed.items()))
     doc = {"model_name": sec.model_name, "trtllm_version": version, "triton_image": image,

@@ -132,6 +132,10 @@ def test_monitor_reads_vllm_counters_passive_and_probes_active(served, vllm_run,
         assert re.search(rf"\[{d}\] AL \d+\.\d+ over \d+ steps", act.stdout), act.stdout
     probe = _metrics(url) - before
     assert probe.drafts > 0
+    # what is served: the directory /v1/models names (vLLM's `root`, its --model), hashed against export.json's
+    # served_identity (the BF16 target `serve --engine vllm` runs on a CPU is recorded as target_bf16): unchanged
+    assert re.search(r"served files target \S+/artifacts/target/model vs export\.json", act.stdout), act.stdout
+    assert "diagnosis" not in act.stdout and "SERVED MODEL DIFFERS" not in act.stdout
     # passive: first round takes the counters since the server started, the second the delta (none: no traffic)
     pas = run_cli("monitor", "--engine", "vllm", "--workdir", str(vllm_run), "--url", url, "--passive", "--probes", "2",
                   "--interval", "0", "--state", str(tmp_path / "p.json"), "--prom-file", str(tmp_path / "p.prom"), env=env)
