@@ -163,8 +163,8 @@ def diagnose_round(mon) -> None:
                      "rerun `specpipe build` to compare what is served")
         # a draft matches any of the exported drafts (TensorRT-LLM's, the CPU model's, the speculators one)
         diffs = [compare_identity(role, c, ident) for k, c in expected.items() if k == role or k.startswith(role + "_")]
-        if diffs and all(diffs):
-            mon.changed += diffs[0]
+        if diffs and all(diffs):              # the evidence against the closest exported variant
+            mon.changed += min(diffs, key=len)
     if mon.passive:
         canary, traffic = {}, mon.tests.get("overall")
     else:

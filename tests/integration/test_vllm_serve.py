@@ -148,6 +148,43 @@ def test_monitor_reads_vllm_counters_passive_and_probes_active(served, vllm_run,
     assert "specpipe_monitor_acceptance_length" in (tmp_path / "p.prom").read_text()
 
 
+def test_monitor_diagnoses_a_swapped_target(vllm_run, tmp_path):
+    """vLLM serves, with the exported draft, a copy of the target whose weights were replaced (every floating tensor
+    plus Gaussian noise of half its standard deviation: another model of the same architecture). The monitor hashes
+    the directory vLLM's /v1/models names (`root`, its --model) against export.json's served_identity and says the
+    target changed (rebuild), in the round's output, the state and the Prometheus file; --once exits 1."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from pipeline.commands.serve_vllm import exported_draft_len
+    from runtime.vllm import engine as E
+
+    art = vllm_run / "artifacts"
+    swapped = tmp_path / "swapped_target"
+    shutil.copytree(art / "target" / "model", swapped)
+    g = torch.Generator().manual_seed(0)
+    for f in swapped.glob("*.safetensors"):
+        t = load_file(f)
+        t = {k: (v + (0.5 * v.float().std() * torch.randn(v.shape, generator=g)).to(v.dtype))
+             if v.is_floating_point() and v.numel() > 1 else v for k, v in t.items()}
+        save_file(t, f, metadata={"format": "pt"})
+    srv = E.VllmServer(vllm_install(), E.ServeArgs(str(swapped), draft=str(art / "export" / "speculators"),
+                                                   num_speculative_tokens=exported_draft_len(vllm_run), max_model_len=256),
+                       kv_cache_gib=1, log_path=tmp_path / "vllm.log")
+    with srv:
+        r = run_cli("monitor", "--engine", "vllm", "--workdir", str(vllm_run), "--url", srv.url, "--once",
+                    "--state", str(tmp_path / "s.json"), "--prom-file", str(tmp_path / "m.prom"),
+                    env={**os.environ, "PYTHONPATH": str(REPO)})
+    print(r.stdout[-3000:], r.stderr[-2000:])
+    assert r.returncode == 1 and "probe failed" not in r.stderr
+    assert f"served files target {swapped}" in r.stdout
+    assert "diagnosis: target changed (target weights sha256" in r.stdout
+    assert json.loads((tmp_path / "s.json").read_text())["diagnosis"]["cause"] == "target_changed"
+    assert re.search(r'specpipe_monitor_diagnosis{cause="target_changed",[^}]*} 1', (tmp_path / "m.prom").read_text())
+
+
 def test_sigterm_stops_serve_and_vllm(served):
     p, _, _, pid, _ = served
     p.send_signal(signal.SIGTERM)
