@@ -146,6 +146,27 @@ def test_monitor_reads_vllm_counters_passive_and_probes_active(served, vllm_run,
     assert int(m.group(2)) == now.drafts and float(m.group(1)) == pytest.approx(now.acceptance_length, abs=1e-3)
     assert "no traffic since the last round" in pas.stdout
     assert "specpipe_monitor_acceptance_length" in (tmp_path / "p.prom").read_text()
+    # --traffic: beside the canary, the counters between rounds (live requests sent meanwhile, the probes left out)
+    stop = threading.Event()
+    model = json.loads(urllib.request.urlopen(f"{url}/v1/models", timeout=30).read())["data"][0]["id"]  # noqa: S310
+
+    def traffic():
+        ids = _prompts(vllm_run, 4)
+        while not stop.is_set():
+            _post(f"{url}/v1/completions", {"model": model, "prompt": ids[0], "max_tokens": 16, "temperature": 0})
+
+    t = threading.Thread(target=traffic, daemon=True)
+    t.start()
+    try:
+        tr = run_cli("monitor", "--engine", "vllm", "--workdir", str(vllm_run), "--url", url, "--traffic", "--probes", "2",
+                     "--interval", "3", "--state", str(tmp_path / "t.json"), "--prom-file", str(tmp_path / "t.prom"), env=env)
+    finally:
+        stop.set()
+        t.join(timeout=120)
+    assert "probe failed" not in tr.stderr, tr.stderr
+    assert "round 1 [traffic] no traffic since the last round" in tr.stdout, tr.stdout      # no window yet
+    assert re.search(r"round 2 \[traffic\] AL \d+\.\d+ over [1-9]\d* steps", tr.stdout), tr.stdout
+    assert 'specpipe_monitor_probes{domain="traffic"' in (tmp_path / "t.prom").read_text()
 
 
 def test_monitor_diagnoses_a_swapped_target(vllm_run, tmp_path):
