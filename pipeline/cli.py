@@ -284,9 +284,19 @@ def _serve_vllm(o) -> None:
 @click.option("--state", "state_file", type=click.Path(dir_okay=False), default=None,
               help="CUSUM state across runs (default: <workdir>/monitor/state-<endpoint>.json)")
 @click.option("--reset", is_flag=True, help="forget the accumulated evidence")
-@click.option("--engine", type=click.Choice(["triton", "vllm"]), default="triton", show_default=True,
+@click.option("--engine", type=click.Choice(["triton", "vllm", "trtllm", "trtllm-json", "sglang"]), default="triton",
+              show_default=True,
               help="vllm: a vLLM server (OpenAI completions probes; its vllm:spec_decode_* counters, --metrics-url "
-                   "defaulting to <url>/metrics)")
+                   "defaulting to <url>/metrics); with --passive: trtllm (trtllm-serve's /prometheus/metrics), "
+                   "trtllm-json (its JSON /metrics iteration stats), sglang (SGLang's /metrics)")
+@click.option("--traffic", is_flag=True,
+              help="beside the active probes (the canary), test the engine's counters between rounds (the live "
+                   "traffic, probes left out); the diagnosis tells engine state from traffic drift")
+@click.option("--served-target", type=click.Path(file_okay=False), default=None,
+              help="the target directory the endpoint serves, hashed and compared with export.json (vLLM: default its "
+                   "/v1/models root when readable here)")
+@click.option("--served-draft", type=click.Path(file_okay=False), default=None,
+              help="the draft directory the endpoint serves, compared with export.json")
 def monitor(**options):
     """Watch a live endpoint's acceptance against validate's baseline (draft drift): a sequential test per
     domain, an alarm line, a Prometheus text file."""

@@ -39,7 +39,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import time
 import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, field
@@ -48,13 +47,10 @@ from pathlib import Path
 from pipeline.artifacts import build as build_artifact
 from pipeline.artifacts import data as data_artifact
 from pipeline.artifacts import validate as validate_artifact
-from pipeline.errors import SpecpipeError, StageError, UsageError
+from pipeline.errors import StageError, UsageError
 from pipeline.monitor_baseline import check_prompt_format, read_baseline
-
-
-class ProbeError(SpecpipeError):
-    """The endpoint could not be probed (unreachable, an error response, no speculative statistics)."""
-
+from pipeline.monitor_diagnosis import TRAFFIC
+from pipeline.monitor_metrics import ProbeError, _url  # noqa: F401 - ProbeError, _url: this module's API too
 
 # ---------------------------------------------------------------------------------------------- baseline
 
@@ -185,6 +181,7 @@ class Run:
     baseline_source: str = "acceptance.json"
     prompt_format: dict | None = None     # export's triton/prompt_format.json: how clients are told to send prompts
     prompt_ids: dict[str, list[list[int]]] = field(default_factory=dict)   # the same prompts as token ids
+    served_identity: dict | None = None   # export.json's: sha256 of config/tokenizer/weights per role (target, draft)
 
 
 def read_run(workdir: Path, draft_len: int | None = None, prompts_per_probe: int | None = None) -> Run:
@@ -216,15 +213,15 @@ def read_run(workdir: Path, draft_len: int | None = None, prompts_per_probe: int
                 raise UsageError(f"{workdir}: {e}") from None
         else:
             draft_len = acc.max_draft_len
-    model, fmt = "tensorrt_llm", None
+    model, fmt, ident = "tensorrt_llm", None, None
     ex = arts / "export" / "export.json"
     if ex.exists():
         doc = json.loads(ex.read_text())
-        model, fmt = doc.get("model_name", model), doc.get("prompt_format")
+        model, fmt, ident = doc.get("model_name", model), doc.get("prompt_format"), doc.get("served_identity")
         check_prompt_format(arts, fmt)
     return Run(Path(workdir), acc.raw, prompts, draft_len, acc.max_new_tokens, acc.temperature, model, digest, per,
                overall, source, fmt,
-               {d: [list(p.prompt_ids) for p in ps] for d, ps in evals.items()})
+               {d: [list(p.prompt_ids) for p in ps] for d, ps in evals.items()}, ident)
 
 
 def confidence_text(S: float) -> str:
@@ -233,11 +230,6 @@ def confidence_text(S: float) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- probing
-
-
-def _url(u: str) -> str:
-    u = u.rstrip("/")
-    return u if u.startswith(("http://", "https://")) else f"http://{u}"
 
 
 def probe(url: str, model: str, prompt: str, *, max_tokens: int, temperature: float, timeout: float) -> dict:
@@ -260,39 +252,21 @@ def probe(url: str, model: str, prompt: str, *, max_tokens: int, temperature: fl
     return out
 
 
-def read_counters(metrics_url: str, model: str) -> dict[str, dict[str, float]]:
-    """The CPU model's speculation counters from Triton's Prometheus endpoint, per series (its labels: versions
-    and instances; a reloaded model starts new series)."""
-    try:
-        with urllib.request.urlopen(_url(metrics_url), timeout=10) as r:  # noqa: S310
-            text = r.read().decode()
-    except (urllib.error.URLError, OSError) as e:
-        raise ProbeError(f"{metrics_url}: no answer ({e})") from None
-    names = {"specpipe_draft_tokens_total": "drafted", "specpipe_accepted_draft_tokens_total": "accepted",
-             "specpipe_verification_steps_total": "steps"}
-    out: dict[str, dict[str, float]] = {}
-    for line in text.splitlines():
-        name, _, rest = line.partition("{")
-        if name in names and f'model="{model}"' in rest:
-            series = rest.rsplit("}", 1)[0]
-            out.setdefault(series, {v: 0.0 for v in names.values()})[names[name]] = float(line.rsplit(" ", 1)[1])
-    if not out:
-        raise ProbeError(f"{metrics_url}: no specpipe_* counters for model '{model}' (passive mode needs the CPU "
-                         "model's metrics; a TensorRT-LLM endpoint: use active probes)")
-    return out
-
-
 # ---------------------------------------------------------------------------------------------- the monitor
 
 
 @dataclass(frozen=True)
 class Endpoint:
-    """What a monitor watches: the HTTP address (active probes), the metrics URL, passive (counters only), the timeout."""
+    """What a monitor watches: the HTTP address (active probes), the metrics URL, passive (counters only), the timeout;
+    traffic: in active mode also test the engine's counters between rounds (the live traffic, the probes left out);
+    served: role (target, draft) -> the model directory the endpoint serves, compared with the export's identity."""
 
     url: str | None
     metrics_url: str | None = None
     passive: bool = False
     timeout: float = 120.0
+    traffic: bool = False
+    served: tuple = ()            # ((role, directory), ...)
 
 
 class Monitor:
@@ -301,13 +275,23 @@ class Monitor:
         url, metrics_url, passive = endpoint.url, endpoint.metrics_url, endpoint.passive
         self.run, self.design, self.url, self.metrics_url, self.passive = run, design, url, metrics_url, passive
         self.state_path, self.prom_path, self.timeout, self.echo = Path(state_path), Path(prom_path), endpoint.timeout, echo
+        self.traffic = endpoint.traffic and not passive and bool(metrics_url)
+        self.served = dict(endpoint.served)
         if passive:
             self.tests = {"overall": make_test("overall", run.baseline_overall or [], design)}
         else:
+            if TRAFFIC in run.baseline:
+                raise UsageError(f"a validated domain is named '{TRAFFIC}', the monitor's name for the live traffic")
             self.tests = {d: make_test(d, p, design) for d, p in run.baseline.items()}
+            if self.traffic:
+                self.tests[TRAFFIC] = make_test(TRAFFIC, run.baseline_overall or [], design)
         self.key = f"{run.digest}:K{design.draft_len}:{design.drop}:{design.false_alarm}:{design.dispersion}:" \
-                   f"{'passive' if passive else 'active'}"
+                   f"{'passive' if passive else 'active'}{'+traffic' if self.traffic else ''}"
         self.counters: dict | None = None
+        self.traffic_counters: dict | None = None
+        self.identity_cache: dict = {}
+        self.verdict = None
+        self.changed: list[str] = []
         self.round = 0
         if not reset:
             self._load()
@@ -326,12 +310,17 @@ class Monitor:
                 for k in ("S", "seg_steps", "seg_accepted", "probes", "alarm", "last_al", "last_steps", "history"):
                     setattr(self.tests[d], k, t.get(k, getattr(self.tests[d], k)))
         self.counters = st.get("counters")
+        self.traffic_counters = st.get("traffic_counters")
+        self.identity_cache = st.get("identity_cache") or {}
         self.round = st.get("round", 0)
 
     def _save(self) -> None:
         self.state_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.state_path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"key": self.key, "round": self.round, "counters": self.counters,
+                                   "traffic_counters": self.traffic_counters, "identity_cache": self.identity_cache,
+                                   "diagnosis": self.verdict.to_json() if self.verdict else None,
+                                   "served_changed": self.changed,
                                    "tests": {d: asdict(t) for d, t in self.tests.items()}}, indent=1))
         os.replace(tmp, self.state_path)
 
@@ -340,7 +329,11 @@ class Monitor:
         """One probe round (active: every domain; passive: the counters since the last round). Returns the
         domains in alarm."""
         self.round += 1
+        traffic = self._traffic_since_last_round() if self.traffic else None
         obs = self._observe_passive() if self.passive else self._observe_active()
+        if self.traffic:
+            self.traffic_counters = self.read_series()       # after the probes: they are not the traffic
+            obs[TRAFFIC] = traffic
         for d, (steps, accepted) in obs.items():
             t = self.tests[d]
             if steps is None:
@@ -356,18 +349,49 @@ class Monitor:
             self.echo(f"round {self.round} [{d}] AL {t.last_al:.3f} over {steps:.0f} steps | baseline {t.al0:.3f} "
                       f"(alarm below ~{(t.al0 + t.al1) / 2:.3f}) | CUSUM {t.S:.2f} / {t.threshold:.2f} ({llr:+.2f})"
                       + (": DRIFT" if t.alarm else ": ok"))
+        self._diagnose()
         self._save()
         self.write_prom()
         alarms = [d for d, t in self.tests.items() if t.alarm]
         for d in alarms:
             self.echo(self.alarm_line(self.tests[d]))
+        if self.verdict is not None and not alarms:
+            self.echo(f"round {self.round} SERVED MODEL DIFFERS FROM THE EXPORT: {self.verdict.line()}")
         return alarms
 
     def alarm_line(self, t: DomainTest) -> str:
         return (f"DRIFT ALARM domain={t.domain}: live acceptance length {t.live_al:.3f} vs validated baseline "
                 f"{t.al0:.3f} (draft length {self.design.draft_len}, {t.seg_steps:.0f} steps since the CUSUM restarted); "
                 f"one-sided CUSUM {t.S:.1f} >= {t.threshold:.2f}: confidence {confidence_text(t.S)} that the "
-                f"acceptance dropped (designed false-alarm rate {self.design.false_alarm:g} per probe)")
+                f"acceptance dropped (designed false-alarm rate {self.design.false_alarm:g} per probe)"
+                + (f" | {self.verdict.line()}" if self.verdict else ""))
+
+    # -- the diagnosis (pipeline/monitor_diagnosis.py)
+    def _diagnose(self) -> None:
+        from pipeline.monitor_diagnosis import diagnose_round
+
+        diagnose_round(self)
+
+    def read_series(self) -> dict[str, dict]:
+        """The endpoint's cumulative speculation counters now, {series: {"steps", "accepted", ...}}."""
+        from pipeline.monitor_metrics import read_counters
+
+        return read_counters(self.metrics_url, self.run.model_name)
+
+    def _traffic_since_last_round(self) -> tuple[float, float]:
+        """(steps, accepted) of the live traffic between the end of the last round's probes and now."""
+        now = self.read_series()
+        prev = self.traffic_counters or {}
+        steps = accepted = 0.0
+        for series, c in now.items():
+            p = prev.get(series)
+            if p is None or c["steps"] < p["steps"]:
+                if p is None and not prev:      # the first round: no window yet
+                    continue
+                p = {"steps": 0.0, "accepted": 0.0}
+            steps += c["steps"] - p["steps"]
+            accepted += c["accepted"] - p["accepted"]
+        return steps, accepted
 
     def _observe_active(self) -> dict:
         from runtime.serving.prompt_format import text_input_for
@@ -387,6 +411,8 @@ class Monitor:
         return out
 
     def _observe_passive(self) -> dict:
+        from pipeline.monitor_metrics import read_counters
+
         now = read_counters(self.metrics_url, self.run.model_name)
         prev = self.counters or {}
         self.counters = now
@@ -401,50 +427,11 @@ class Monitor:
 
     # -- Prometheus text file
     def write_prom(self) -> None:
-        src = (self.metrics_url if self.passive else self.url or "").replace("\\", "").replace('"', "")
-        lab = lambda d: f'{{domain="{d}",model="{self.run.model_name}",source="{src}"}}'  # noqa: E731
-        lines = []
+        from pipeline.monitor_output import write_prom
 
-        def gauge(name, help_, values):
-            lines.append(f"# HELP {name} {help_}")
-            lines.append(f"# TYPE {name} gauge")
-            lines.extend(f"{name}{lab(d)} {v}" for d, v in values)
-
-        ts = self.tests.items()
-        gauge("specpipe_monitor_drift_alarm", "1 while the CUSUM of the domain is at or above its threshold",
-              [(d, int(t.alarm)) for d, t in ts])
-        gauge("specpipe_monitor_acceptance_length", "Live acceptance length since the CUSUM restarted (or the last probe)",
-              [(d, round(t.live_al, 6)) for d, t in ts if t.live_al is not None])
-        gauge("specpipe_monitor_baseline_acceptance_length", "validate's acceptance length at the deployed draft length",
-              [(d, round(t.al0, 6)) for d, t in ts])
-        gauge("specpipe_monitor_cusum", "One-sided CUSUM statistic (log-likelihood ratio)", [(d, round(t.S, 6)) for d, t in ts])
-        gauge("specpipe_monitor_threshold", "CUSUM threshold ln(1/false_alarm)", [(d, round(t.threshold, 6)) for d, t in ts])
-        gauge("specpipe_monitor_confidence", "1 - exp(-CUSUM): confidence that the acceptance dropped",
-              [(d, round(t.confidence, 8)) for d, t in ts])
-        gauge("specpipe_monitor_probes", "Observations tested", [(d, t.probes) for d, t in ts])
-        gauge("specpipe_monitor_missing_statistics", "1 when the last round returned no speculative statistics",
-              [(d, int(t.missing_stats)) for d, t in ts])
-        lines.append("# HELP specpipe_monitor_last_round_timestamp_seconds When the monitor last ran a round")
-        lines.append("# TYPE specpipe_monitor_last_round_timestamp_seconds gauge")
-        lines.append(f'specpipe_monitor_last_round_timestamp_seconds{{model="{self.run.model_name}",source="{src}"}} '
-                     f'{time.time():.3f}')
-        self.prom_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.prom_path.with_name(self.prom_path.name + ".tmp")
-        tmp.write_text("\n".join(lines) + "\n")
-        os.replace(tmp, self.prom_path)                   # atomic: a scraper never reads half a file
+        write_prom(self)
 
     def describe(self) -> str:
-        d = self.design
-        rows = [f"  {t.domain}: baseline AL {t.al0:.3f}, alternative AL {t.al1:.3f}, alarm boundary "
-                f"{(t.al0 + t.al1) / 2:.3f}" for t in self.tests.values()]
-        src = f"metrics {self.metrics_url}" if self.passive else f"{self.url} model {self.run.model_name}"
-        fmt = self.run.prompt_format
-        if not self.passive and fmt is not None:     # the probes are sent as export's README tells clients to
-            kinds = ", ".join(f"{d} {k}" for d, k in sorted((fmt.get("domains") or {}).items()))
-            src += (f", prompts as triton/README.md tells clients to send them ({kinds}; chat = rendered with "
-                    f"triton/{fmt['chat_template']}" + (", minus the BOS the tokenizer adds" if fmt.get("tokenizer_adds_bos")
-                                                        else "") + ")")
-        return (f"monitoring {src} against {self.run.workdir} (baseline {self.run.baseline_source}, "
-                f"{self.run.digest}), draft length {d.draft_len}: "
-                f"one-sided CUSUM, drop {100 * d.drop:.0f}%, threshold {d.threshold:.2f} (false alarms <= {d.false_alarm:g} "
-                f"per probe and domain), dispersion {d.dispersion:g}\n" + "\n".join(rows))
+        from pipeline.monitor_output import describe
+
+        return describe(self)

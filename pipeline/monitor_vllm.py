@@ -51,6 +51,16 @@ def served_model(url: str, timeout: float = 10.0) -> str:
         raise ProbeError(f"{url}/v1/models lists no model: is this an OpenAI-compatible (vLLM) server?") from None
 
 
+def served_root(url: str, timeout: float = 10.0) -> str | None:
+    """The directory the server loaded its model from (GET /v1/models `root`), or None when it names none."""
+    try:
+        data = json.loads(_get(f"{_url(url)}/v1/models", timeout)).get("data") or []
+        root = data[0].get("root") if data else None
+    except (ValueError, AttributeError):
+        return None
+    return str(root) if root else None
+
+
 def complete(url: str, model: str, prompt_ids: list[int], *, max_tokens: int, temperature: float, timeout: float) -> dict:
     body = {"model": model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": temperature}
     req = urllib.request.Request(f"{_url(url)}/v1/completions", data=json.dumps(body).encode(), method="POST",
@@ -98,6 +108,10 @@ class VllmMonitor(Monitor):
                                              list(prev.get("per_position") or []))
         self._check_k("overall", delta)
         return {"overall": (float(delta.drafts), float(delta.accepted))}
+
+    def read_series(self) -> dict[str, dict]:
+        c = read_vllm_counters(self.metrics_url, self.timeout)
+        return {"vllm": {"steps": float(c.drafts), "accepted": float(c.accepted)}}
 
     def _check_k(self, domain: str, delta) -> None:
         if delta.drafts and delta.draft_tokens != delta.drafts * self.design.draft_len:

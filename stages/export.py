@@ -12,7 +12,9 @@
                  `specpipe serve` answers on a CPU with the acceptance statistics TensorRT-LLM would report.
   speculators/   the draft in the speculators format for vLLM (runtime/vllm/speculators_format.py), with the tuned
                  draft length, a README and `serve_vllm.sh` (`vllm serve <FP8 target> --speculative-config ...`).
-  export.json    what was exported and checked.
+  monitoring/    Prometheus alerting rules and a Grafana dashboard per serving engine (pipeline/monitor_alerts.py).
+  export.json    what was exported and checked, and the identity (sha256 of config, tokenizer, weights) of the
+                 exported target and drafts that `specpipe monitor` compares with what is served.
 
 Refuses to run when `validate`'s gate failed. Every config.pbtxt is parsed with Triton's model-config protobuf
 (tritonclient 2.51, the version of the server `specpipe serve` runs) and model.yaml is checked against the
@@ -29,17 +31,19 @@ from typing import Literal
 
 from pydantic import Field
 
+from pipeline import monitor_alerts
 from pipeline.artifacts import build as build_artifact
 from pipeline.artifacts import data as data_artifact
 from pipeline.artifacts import tune as tune_artifact
 from pipeline.artifacts import validate as validate_artifact
 from pipeline.errors import StageError
+from pipeline.monitor_diagnosis import served_identity
 from pipeline.stage import Artifact, StageContext, StageSection
 from runtime.quant import hf_quant_config
 
 NAME = "export"
 CONSUMES: tuple[str, ...] = ("data", "train_draft", "quantize", "validate", "build", "tune")   # tune: vLLM's per-batch k
-VERSION = "4"   # 4: vLLM command with the per-batch draft length (vLLM 0.32 num_speculative_tokens_per_batch_size)
+VERSION = "5"   # 5: monitoring/ (Prometheus rules, Grafana dashboards) and served_identity in export.json
 PACKAGES = ("tritonclient",)
 
 
@@ -88,6 +92,12 @@ def run(ctx: StageContext) -> dict:
         ctx.log.info("speculators/: not written, the deployment runs the target alone (tune found no draft length that pays)")
 
     profile = _speculation_profile(ctx, acc, dep, vllm) if speculation else None
+    monitoring = monitor_alerts.export(ctx.out_dir, ctx.out_dir / profile["files"][0], model=sec.model_name,
+                                       draft_len=dep.schedule().k_at(1), log=ctx.log) if profile else None
+    drafts = {"draft": dep.trtllm_draft_dir, "draft_cpu": dep.draft_dir if sec.cpu_repository else None,
+              "draft_speculators": ctx.out_dir / "speculators" if vllm else None} if speculation else {}
+    bf16 = Path(ctx.workdir) / "artifacts" / "target" / "model"     # what `specpipe serve --engine vllm` serves on a CPU
+    served = served_identity(dep.target_dir, {"target_bf16": bf16 if (bf16 / "config.json").is_file() else None, **drafts})
     parsed = check_pbtxt([p for p in ctx.out_dir.rglob("config.pbtxt")])
     ctx.log.info("config.pbtxt: %s", ", ".join(f"{Path(k).relative_to(ctx.out_dir)} {v}" for k, v in parsed.items()))
     doc = {"model_name": sec.model_name, "trtllm_version": version, "triton_image": image,
@@ -95,7 +105,7 @@ def run(ctx: StageContext) -> dict:
            "speculation": speculation, "prompt_format": {**fmt, "file": "triton/prompt_format.json"},
            "cpu_repository": "triton_cpu" if sec.cpu_repository else None,
            "config_pbtxt": {str(Path(k).relative_to(ctx.out_dir)): v for k, v in parsed.items()}, "speculators": vllm,
-           "speculation_profile": profile}
+           "speculation_profile": profile, "monitoring": monitoring, "served_identity": served}
     (ctx.out_dir / "export.json").write_text(json.dumps(doc, indent=2))
     publish_tree(ctx.out_dir)      # world-readable: a non-root container user reads the repositories
     if image is None:

@@ -36,14 +36,27 @@ class MonitorOptions:
     state_file: str | None = None
     reset: bool = False
     engine: str = "triton"
+    traffic: bool = False
+    served_target: str | None = None
+    served_draft: str | None = None
 
 
 def open_monitor(wd: Path, o: MonitorOptions, echo):
     """The Monitor of `wd`'s validated pair for the endpoint (state and Prometheus files named after it);
     engine vllm: pipeline/monitor_vllm.VllmMonitor (vLLM's spec-decode counters, its served model, its draft length)."""
     from pipeline import monitor as M
+    from pipeline.errors import UsageError
 
     draft_len, metrics_url, url, engine = o.draft_len, o.metrics_url, o.url, o.engine
+    if engine in ("trtllm", "trtllm-json", "sglang") and not o.passive:
+        raise UsageError(f"--engine {engine} reads the engine's own metrics: give --passive --metrics-url URL "
+                         "(active probes: --engine vllm for an OpenAI-compatible server, triton for the LLM-API model)")
+    if o.traffic and (o.passive or not (metrics_url or engine == "vllm")):
+        raise UsageError("--traffic tests the engine's counters beside the active probes: give --url and --metrics-url "
+                         "(not --passive)")
+    for r, d in (("target", o.served_target), ("draft", o.served_draft)):
+        if d and not Path(d).is_dir():
+            raise UsageError(f"--served-{r} {d}: not a directory (the {r} directory the endpoint serves)")
     if engine == "vllm":
         from pipeline import monitor_vllm as MV
         from pipeline.commands.serve_vllm import exported_draft_len
@@ -58,15 +71,36 @@ def open_monitor(wd: Path, o: MonitorOptions, echo):
     design = M.Design(draft_len=run.draft_len, drop=o.drop, false_alarm=o.false_alarm, dispersion=o.dispersion)
     target = metrics_url if o.passive else url
     tag = hashlib.sha256(f"{target}|{run.model_name}{'|vllm' if engine == 'vllm' else ''}".encode()).hexdigest()[:10]
+    served = _served_dirs(o, engine, url)
+    endpoint = M.Endpoint(url, metrics_url=metrics_url, passive=o.passive, timeout=o.timeout, traffic=o.traffic,
+                          served=tuple(served.items()))
+    kw = dict(state_path=Path(o.state_file) if o.state_file else wd / "monitor" / f"state-{tag}.json",
+              prom_path=Path(o.prom_file) if o.prom_file else wd / "monitor" / f"specpipe_monitor-{tag}.prom",
+              reset=o.reset, echo=echo)
+    if engine in ("trtllm", "trtllm-json", "sglang"):
+        from pipeline.monitor_engines import EngineMonitor
+
+        return EngineMonitor(run, design, endpoint, engine=engine, **kw)
     cls = MV.VllmMonitor if engine == "vllm" else M.Monitor
-    return cls(run, design, M.Endpoint(url, metrics_url=metrics_url, passive=o.passive, timeout=o.timeout),
-               state_path=Path(o.state_file) if o.state_file else wd / "monitor" / f"state-{tag}.json",
-               prom_path=Path(o.prom_file) if o.prom_file else wd / "monitor" / f"specpipe_monitor-{tag}.prom",
-               reset=o.reset, echo=echo)
+    return cls(run, design, endpoint, **kw)
+
+
+def _served_dirs(o: MonitorOptions, engine: str, url: str | None) -> dict[str, str]:
+    """role -> the directory the endpoint serves: --served-target/--served-draft, else (vLLM) the `root` its
+    /v1/models names when that is a directory this machine can read."""
+    served = {r: d for r, d in (("target", o.served_target), ("draft", o.served_draft)) if d}
+    if "target" not in served and engine == "vllm" and url:
+        from pipeline import monitor_vllm as MV
+
+        root = MV.served_root(url, timeout=min(o.timeout, 30))
+        if root and Path(root).is_dir():
+            served["target"] = root
+    return served
 
 
 def watch(mon, *, once: bool, probes: int | None, interval: float, echo) -> Outcome:
-    """Rounds of probes: with `once` one round (a failed probe or a domain without statistics is not ok), else
+    """Rounds of probes: with `once` one round (a failed probe, a domain without statistics or served files that differ
+    from the export is not ok), else
     until `probes` rounds or Ctrl-C; a failed probe is reported and the next round runs."""
     import time
 
@@ -87,7 +121,8 @@ def watch(mon, *, once: bool, probes: int | None, interval: float, echo) -> Outc
             n += 1
             if once:
                 missing = [d for d, t in mon.tests.items() if t.missing_stats]
-                return Outcome(n, raised, once_ok=not (alarms or missing))
+                served_differs = getattr(mon, "verdict", None) is not None      # a diagnosis without an alarm yet
+                return Outcome(n, raised, once_ok=not (alarms or missing or served_differs))
             if probes is not None and n >= probes:
                 break
             time.sleep(interval)

@@ -132,6 +132,10 @@ def test_monitor_reads_vllm_counters_passive_and_probes_active(served, vllm_run,
         assert re.search(rf"\[{d}\] AL \d+\.\d+ over \d+ steps", act.stdout), act.stdout
     probe = _metrics(url) - before
     assert probe.drafts > 0
+    # what is served: the directory /v1/models names (vLLM's `root`, its --model), hashed against export.json's
+    # served_identity (the BF16 target `serve --engine vllm` runs on a CPU is recorded as target_bf16): unchanged
+    assert re.search(r"served files target \S+/artifacts/target/model vs export\.json", act.stdout), act.stdout
+    assert "diagnosis" not in act.stdout and "SERVED MODEL DIFFERS" not in act.stdout
     # passive: first round takes the counters since the server started, the second the delta (none: no traffic)
     pas = run_cli("monitor", "--engine", "vllm", "--workdir", str(vllm_run), "--url", url, "--passive", "--probes", "2",
                   "--interval", "0", "--state", str(tmp_path / "p.json"), "--prom-file", str(tmp_path / "p.prom"), env=env)
@@ -142,6 +146,64 @@ def test_monitor_reads_vllm_counters_passive_and_probes_active(served, vllm_run,
     assert int(m.group(2)) == now.drafts and float(m.group(1)) == pytest.approx(now.acceptance_length, abs=1e-3)
     assert "no traffic since the last round" in pas.stdout
     assert "specpipe_monitor_acceptance_length" in (tmp_path / "p.prom").read_text()
+    # --traffic: beside the canary, the counters between rounds (live requests sent meanwhile, the probes left out)
+    stop = threading.Event()
+    model = json.loads(urllib.request.urlopen(f"{url}/v1/models", timeout=30).read())["data"][0]["id"]  # noqa: S310
+
+    def traffic():
+        ids = _prompts(vllm_run, 4)
+        while not stop.is_set():
+            _post(f"{url}/v1/completions", {"model": model, "prompt": ids[0], "max_tokens": 16, "temperature": 0})
+
+    t = threading.Thread(target=traffic, daemon=True)
+    t.start()
+    try:
+        tr = run_cli("monitor", "--engine", "vllm", "--workdir", str(vllm_run), "--url", url, "--traffic", "--probes", "2",
+                     "--interval", "3", "--state", str(tmp_path / "t.json"), "--prom-file", str(tmp_path / "t.prom"), env=env)
+    finally:
+        stop.set()
+        t.join(timeout=120)
+    assert "probe failed" not in tr.stderr, tr.stderr
+    assert "round 1 [traffic] no traffic since the last round" in tr.stdout, tr.stdout      # no window yet
+    assert re.search(r"round 2 \[traffic\] AL \d+\.\d+ over [1-9]\d* steps", tr.stdout), tr.stdout
+    assert 'specpipe_monitor_probes{domain="traffic"' in (tmp_path / "t.prom").read_text()
+
+
+def test_monitor_diagnoses_a_swapped_target(vllm_run, tmp_path):
+    """vLLM serves, with the exported draft, a copy of the target whose weights were replaced (every floating tensor
+    plus Gaussian noise of half its standard deviation: another model of the same architecture). The monitor hashes
+    the directory vLLM's /v1/models names (`root`, its --model) against export.json's served_identity and says the
+    target changed (rebuild), in the round's output, the state and the Prometheus file; --once exits 1."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from pipeline.commands.serve_vllm import exported_draft_len
+    from runtime.vllm import engine as E
+
+    art = vllm_run / "artifacts"
+    swapped = tmp_path / "swapped_target"
+    shutil.copytree(art / "target" / "model", swapped)
+    g = torch.Generator().manual_seed(0)
+    for f in swapped.glob("*.safetensors"):
+        t = load_file(f)
+        t = {k: (v + (0.5 * v.float().std() * torch.randn(v.shape, generator=g)).to(v.dtype))
+             if v.is_floating_point() and v.numel() > 1 else v for k, v in t.items()}
+        save_file(t, f, metadata={"format": "pt"})
+    srv = E.VllmServer(vllm_install(), E.ServeArgs(str(swapped), draft=str(art / "export" / "speculators"),
+                                                   num_speculative_tokens=exported_draft_len(vllm_run), max_model_len=256),
+                       kv_cache_gib=1, log_path=tmp_path / "vllm.log")
+    with srv:
+        r = run_cli("monitor", "--engine", "vllm", "--workdir", str(vllm_run), "--url", srv.url, "--once",
+                    "--state", str(tmp_path / "s.json"), "--prom-file", str(tmp_path / "m.prom"),
+                    env={**os.environ, "PYTHONPATH": str(REPO)})
+    print(r.stdout[-3000:], r.stderr[-2000:])
+    assert r.returncode == 1 and "probe failed" not in r.stderr
+    assert f"served files target {swapped}" in r.stdout
+    assert "diagnosis: target changed (target weights sha256" in r.stdout
+    assert json.loads((tmp_path / "s.json").read_text())["diagnosis"]["cause"] == "target_changed"
+    assert re.search(r'specpipe_monitor_diagnosis{cause="target_changed",[^}]*} 1', (tmp_path / "m.prom").read_text())
 
 
 def test_sigterm_stops_serve_and_vllm(served):

@@ -10,8 +10,9 @@ CLI as an operator runs it, raises no alarm over N = 5 probe rounds (active) nor
 same endpoint (same server, same URL, same FP8 target) serves a degraded draft, trained for 2 steps in the test,
 after a model reload: the monitor raises the alarm within M = 2 rounds (the design expects 1: a degraded draft
 accepts ~1 token per step against a baseline near 5), names the domain, the baseline, the live value and the
-confidence, exits 1 in `--once` mode, and its Prometheus text file says so. Designed false-alarm rate: 0.001 per
-probe and domain (threshold ln 1000).
+confidence, exits 1 in `--once` mode, and its Prometheus text file says so; the diagnosis (the served draft hashed
+against export.json's served_identity) says the draft changed, in the alarm line, the state and the text file.
+Designed false-alarm rate: 0.001 per probe and domain (threshold ln 1000).
 """
 from __future__ import annotations
 
@@ -133,9 +134,13 @@ def test_monitor_quiet_on_the_validated_pair_alarms_on_a_degraded_draft(run_dir,
     srv = triton_server.start(repo, ready_timeout=120)
     try:
         url = f"http://{srv.http_url}"
-        common = ["--url", url, "--state", str(state), "--prom-file", str(prom)]
+        draft = repo / "tensorrt_llm" / "1" / "draft"
+        # the canary, the traffic between rounds (none here) and the served draft compared with export.json
+        common = ["--url", url, "--state", str(state), "--prom-file", str(prom), "--traffic", "--metrics-url",
+                  srv.metrics_url, "--served-draft", str(draft)]
         r = monitor(run_dir, *common, "--probes", str(N_PROBES), "--interval", "0")
         assert r.returncode == 0 and "DRIFT ALARM" not in r.stdout and "no drift alarm" in r.stdout
+        assert "diagnosis" not in r.stdout and "[traffic] no traffic since the last round" in r.stdout
         domains = sorted(json.loads((run_dir / "artifacts" / "validate" / "acceptance.json").read_text())["domains"])
         rounds = re.findall(r"round (\d+) \[(\w+)\] AL ([\d.]+)", r.stdout)
         assert len(rounds) == N_PROBES * len(domains)
@@ -148,13 +153,12 @@ def test_monitor_quiet_on_the_validated_pair_alarms_on_a_degraded_draft(run_dir,
         assert r.returncode == 0 and "[overall] AL" in r.stdout
 
         # the same endpoint now serves the same target with a degraded draft
-        draft = repo / "tensorrt_llm" / "1" / "draft"
         shutil.rmtree(draft)
         shutil.copytree(degraded_draft, draft)
         srv.load("tensorrt_llm", timeout=300, parameters={"specpipe_reload": "degraded-draft"})
         for i in range(1, M_PROBES + 1):  # noqa: B007 - i, the probe count, is printed after the loop
             r = monitor(run_dir, *common, "--once")
-            if r.returncode != 0:
+            if "DRIFT ALARM" in r.stdout:
                 break
         assert r.returncode == 1, "no alarm within M probes"
         print(f"alarm after {i} probe round(s) on the degraded draft")
@@ -164,6 +168,10 @@ def test_monitor_quiet_on_the_validated_pair_alarms_on_a_degraded_draft(run_dir,
         live, base = float(alarm.group(2)), float(alarm.group(3))
         assert alarm.group(1) in domains and live < 0.8 * base
         assert re.search(r'specpipe_monitor_drift_alarm{domain="\w+",[^}]*} 1', prom.read_text())
+        # the diagnosis: the served draft's weights are not the exported ones
+        assert "| diagnosis: draft changed (draft weights sha256" in r.stdout and "redeploy the exported draft" in r.stdout
+        assert re.search(r'specpipe_monitor_diagnosis{cause="draft_changed",[^}]*} 1', prom.read_text())
+        assert json.loads(state.read_text())["diagnosis"]["cause"] == "draft_changed"
         r = monitor(run_dir, "--passive", "--metrics-url", srv.metrics_url, "--once", "--state", str(pstate),
                     "--prom-file", str(pprom))
         assert r.returncode == 1 and "DRIFT ALARM domain=overall" in r.stdout

@@ -282,3 +282,24 @@ def test_serve_without_an_export_is_a_usage_error(tmp_path):
 
     r = run_cli("serve", "--workdir", str(tmp_path))
     assert r.returncode == 2 and "no committed export with a CPU repository" in r.stderr
+
+
+@pytest.mark.fast
+def test_export_ships_monitoring_and_the_served_identity(exported):
+    """monitoring/ (rules and dashboards per engine, from the exported profile's baseline) and export.json's
+    served_identity, which `specpipe monitor --served-target/--served-draft` compares with what is served."""
+    from pipeline.monitor_diagnosis import model_identity
+
+    _, out, _ = exported
+    doc = json.loads((out / "export.json").read_text())
+    mon = doc["monitoring"]
+    assert mon["engines"] == ["triton", "vllm", "trtllm", "sglang"] and 1 <= mon["alarm_boundary"] < mon["acceptance_length"]
+    assert all((out / f).is_file() for f in mon["files"]) and len(mon["files"]) == 9
+    dep = json.loads((out.parent / "build" / "deployment.json").read_text())
+    ident = doc["served_identity"]
+    assert ident["target"] == model_identity(Path(dep["target_dir"])) and ident["target"]["config"]
+    assert ident["draft"] == model_identity(Path(dep["trtllm_draft_dir"]))
+    if shutil.which("promtool"):
+        r = subprocess.run(["promtool", "check", "rules", *(str(out / f) for f in mon["files"] if f.endswith(".yml"))],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stdout + r.stderr
