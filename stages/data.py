@@ -43,6 +43,10 @@ NAME = "data"
 CONSUMES = ("target",)
 VERSION = "2"   # 2: masks from any chat template, regeneration through the runtime, chat_template.jinja
 PACKAGES = ("transformers", "tokenizers", "datasets", "torch")
+# how and where a server engine is reached, not what it answers: a change keeps the answers journaled so far
+EXECUTION_ONLY = tuple(f"regenerate.{k}" for k in ("endpoint", "api_key_env", "headers", "tls_verify", "ca_bundle",
+                                                   "concurrency", "timeout_s", "max_attempts", "backoff_s",
+                                                   "max_failed_fraction"))
 
 Format = Literal["auto", "messages", "prompt", "text"]
 
@@ -96,13 +100,27 @@ class RegenerateConfig(Strict):
     max_new_tokens: int = Field(128, ge=1, description="tokens generated per response at most; prompts longer than "
                                                        "data.max_length minus this are skipped")
     batch_size: int = Field(16, ge=1, description="prompts decoded together (sorted by length to limit padding); through a "
-                                                  "server: requests in flight")
+                                                  "server: the seed numbering, and requests in flight unless concurrency")
     engine: Literal["auto", "vllm", "endpoint", "runtime"] = Field(
         "auto", description="auto: the endpoint when set, else vLLM where installed (the `vllm` section), else specpipe's "
                             "runtime (runtime/data/regen_engines.py)")
-    endpoint: str | None = Field(None, description="base URL of an OpenAI-compatible completions server (vllm serve, "
-                                                   "trtllm-serve, SGLang), e.g. http://host:8000")
+    endpoint: str | list[str] | None = Field(None, description="base URL of an OpenAI-compatible completions server (vllm "
+                                                               "serve, trtllm-serve, SGLang), e.g. http://host:8000, or a list "
+                                                               "of them sharing the load")
     endpoint_model: str | None = Field(None, description="model name at the endpoint (default: the first id of GET /v1/models)")
+    api_key_env: str | None = Field(None, description="environment variable holding the endpoint's API key (sent as "
+                                                      "Authorization: Bearer; the key itself never goes in the config)")
+    headers: dict[str, str] = Field(default_factory=dict, description="extra HTTP headers sent to the endpoint (values never "
+                                                                      "logged)")
+    tls_verify: bool = Field(True, description="verify the endpoint's TLS certificate (https)")
+    ca_bundle: Path | None = Field(None, description="PEM file of the CA certificates that sign the endpoint's certificate")
+    concurrency: int | None = Field(None, ge=1, description="requests in flight to a server engine (default: batch_size)")
+    timeout_s: float = Field(600.0, gt=0, description="per request: connect, send and each read of the answer (httpx timeouts)")
+    max_attempts: int = Field(6, ge=1, description="attempts per request on 429, 408, 5xx, dropped connections and timeouts")
+    backoff_s: float = Field(0.5, ge=0, description="first retry delay; doubles per attempt (capped at 30 s, half of it random), "
+                                                    "or the server's Retry-After when longer")
+    max_failed_fraction: float = Field(0.0, ge=0, lt=1, description="share of prompts allowed to fail every attempt; they are "
+                                                                    "left out and counted in stats.json (0: any fails the stage)")
     cut_loops: bool = Field(False, description="end a response that falls into a loop after two copies of the repeated "
                                                "segment (small targets' greedy answers loop; the loop is not trained on)")
     turns: Literal["last", "first"] = Field("last", description="chats: rewrite the last assistant turn (last), or answer the "
@@ -378,13 +396,19 @@ def _regenerate_splits(ctx: StageContext, renderer, tok, tmpl_info: dict, train:
     gens, rs = run_regeneration(
         choose_engine(rc, vllm_cfg, model_dir=model_dir, new_tokens=len(jobs) * rc.max_new_tokens), vllm_cfg=vllm_cfg,
         target=RegenTarget(model_dir, tinfo.dtype, sec.max_length + 8, tok,
-                           tmpl_info.get("end_of_turn_id") or (stop_ids or [None])[0]),
+                           tmpl_info.get("end_of_turn_id") or (stop_ids or [None])[0], tinfo.vocab_size),
         prompts=[j.prompt for j in jobs], keys=[j.sample.key for j in jobs], batch_size=rc.batch_size,
         decoding=Decoding(rc.max_new_tokens, 0.0 if greedy else rc.temperature, 1.0 if greedy else rc.top_p, stop_ids,
                           sec.seed),
         run=RegenRun(ctx.scratch_dir / "regenerate", ctx.log, ctx.progress,
                      lambda n: fault_point(NAME, f"regenerate-batch-{n}")))
     rs.update(skipped_long_prompts=skip_t + skip_h, prompt_budget=budget, mode=rc.mode, turns=rc.turns)
+    if any(g is None for g in gens):     # prompts a server failed within data.regenerate.max_failed_fraction: left out
+        answered = [g is not None for g in gens]
+        nt = len(train_jobs)
+        train_jobs = [j for j, a in zip(train_jobs, answered[:nt], strict=True) if a]
+        held_jobs = [j for j, a in zip(held_jobs, answered[nt:], strict=True) if a]
+        jobs, gens = [j for j, a in zip(jobs, answered, strict=True) if a], [g for g in gens if g is not None]
     rs["template"] = (template_consistency(renderer, tok, jobs, gens, tmpl_info.get("end_of_turn_id"))
                       if renderer is not None else None)
     rows_all, loops = regenerated_rows(jobs, gens, cut_loops=rc.cut_loops)
@@ -418,7 +442,8 @@ def _metrics(stats: dict, tmpl_info: dict) -> dict:
     if regen:
         metrics["regeneration"] = {k: regen.get(k) for k in ("engine", "prompts", "resumed_prompts", "seconds", "prompts_per_s",
                                                              "new_tokens_per_s", "mean_new_tokens", "ended_at_stop",
-                                                             "hit_max_new_tokens", "retokenized")}
+                                                             "hit_max_new_tokens", "retokenized", "retried_requests",
+                                                             "failed_prompts")}
     return metrics
 
 
@@ -442,6 +467,14 @@ def report(artifact) -> str:
                 ["mean new tokens", g["mean_new_tokens"]], ["ended at a stop id", g["ended_at_stop"]],
                 ["hit max_new_tokens", f"{g['hit_max_new_tokens']} (max {g['max_new_tokens']})"],
                 ["long prompts skipped", g.get("skipped_long_prompts")], ["responses that loop", g.get("looping")]]
+        if g.get("endpoints"):
+            rows += [["endpoints", ", ".join(f"{u} ({c['answered']} answered, {c['retried']} retried)"
+                                             for u, c in g["endpoints"].items())],
+                     ["requests in flight", g.get("concurrency")], ["retried requests", g.get("retried_requests")],
+                     ["failed prompts (left out)", f"{g.get('failed_prompts')} (allowed: max_failed_fraction "
+                                                   f"{g.get('max_failed_fraction')})"]]
+            if g.get("failed_prompts"):
+                rows.append(["last error", g.get("last_error")])
         if g.get("template"):
             rows.append(["equal to the template's rendering", f"{g['template']['consistent']} of {g['template']['checked']}"])
         out += table(rows, ["regeneration", ""])

@@ -2,10 +2,11 @@
 (runtime/vllm/engine.py), any OpenAI-compatible completions endpoint (`vllm serve`, `trtllm-serve`, SGLang), or
 specpipe's own runtime (runtime/data/regenerate.py), the fallback.
 
-Every engine fills the same plan (prompts sorted by (length, key) into batches of `batch_size`) and writes the same
-scratch files (`batch-<b>.json`), so a rerun resumes whatever engine finished a batch. The server engines take
-token-id prompts (the chat template is applied once, by us, exactly as for the runtime), keep `batch_size` requests
-in flight, sample as the runtime does (greedy, or seeded temperature/top_p: request i of batch b gets seed
+Every engine fills the same plan (prompts sorted by (length, key) into batches of `batch_size`) and appends to the
+same answers journal (runtime/data/answers.py), so a rerun resumes whatever engine answered a prompt. The server
+engines take token-id prompts (the chat template is applied once, by us, exactly as for the runtime), keep
+`concurrency` requests in flight (default `batch_size`), fed as capacity frees, through the retrying client of
+runtime/data/endpoint_client.py, sample as the runtime does (greedy, or seeded temperature/top_p: request i of batch b gets seed
 `seed + b * batch_size + i`), stop at the same stop ids (`stop_token_ids`) and cut each answer after its first stop id.
 
 Facts from vLLM v0.32.0 (vllm/entrypoints/openai/completion/protocol.py): `prompt` may be a list of token ids,
@@ -15,16 +16,25 @@ sampling extras of the same request; GET /v1/models lists the served ids in `dat
 from __future__ import annotations
 
 import contextlib
-import json
+import dataclasses
+import os
+import queue
+import threading
 import time
-import urllib.error
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.data.regenerate import Decoding, RegenRun, regenerate, write_batch
-from runtime.errors import RuntimeFailure, RuntimeUsageError
+from runtime.data.answers import AnswerLog
+from runtime.data.endpoint_client import (
+    ClientSettings,
+    CompletionsPool,
+    EndpointError,
+    FatalAnswer,
+    RequestFailed,
+    Stopped,
+)
+from runtime.data.regenerate import Decoding, RegenRun, regenerate
+from runtime.errors import RuntimeUsageError
 from runtime.vllm import engine as E
 
 # `auto` takes vLLM for a job of at least this many new tokens (max_new_tokens x prompts): below it the server start
@@ -41,18 +51,55 @@ class EngineConfigError(RuntimeUsageError):
         self.message = message
 
 
-class EndpointError(RuntimeFailure):
-    """The completions server failed a request or answered something this client cannot read."""
-
-
 @dataclass(frozen=True)
 class EngineChoice:
     kind: str                    # vllm | endpoint | runtime
     why: str
     auto: bool = False           # chosen by engine: auto (a vLLM that fails falls back to the runtime)
     install: E.VllmInstall | None = None
-    endpoint: str | None = None
+    endpoint: str | None = None  # the endpoints, comma-separated (for people; the client holds the list)
     model: str | None = None
+    client: ClientSettings | None = None      # a server engine's client settings (endpoint: with the endpoints)
+    max_failed_fraction: float = 0.0
+
+
+def endpoints_of(rc) -> tuple[str, ...]:
+    """`data.regenerate.endpoint` as a tuple of base URLs (one URL or a list); EngineConfigError naming the entry."""
+    raw = rc.endpoint
+    many = isinstance(raw, (list, tuple))
+    urls = []
+    for i, u in enumerate(raw if many else [raw] if raw else []):
+        u = (u or "").strip()
+        name = f"data.regenerate.endpoint.{i}" if many else "data.regenerate.endpoint"
+        if not u.startswith(("http://", "https://")):
+            raise EngineConfigError(name, f"{u!r} is not an http(s) base URL (e.g. http://host:8000)")
+        urls.append(u.rstrip("/"))
+    if len(set(urls)) < len(urls):
+        raise EngineConfigError("data.regenerate.endpoint", f"lists an endpoint twice ({urls})")
+    return tuple(urls)
+
+
+def client_settings(rc, endpoints: tuple[str, ...] = (), env=os.environ) -> ClientSettings:
+    """The client settings `rc` (data.regenerate) asks for; the API key read from the variable `api_key_env` names.
+    EngineConfigError naming the field when that variable is unset or the CA bundle is missing."""
+    key = None
+    if rc.api_key_env:
+        key = env.get(rc.api_key_env)
+        if not key:
+            raise EngineConfigError("data.regenerate.api_key_env", f"the environment variable {rc.api_key_env} is not set "
+                                    "or empty; export it with the endpoint's API key (the key never goes in the config)")
+    verify: bool | str = bool(rc.tls_verify)
+    if rc.ca_bundle is not None:
+        p = Path(rc.ca_bundle).expanduser()
+        if not p.is_file():
+            raise EngineConfigError("data.regenerate.ca_bundle", f"file not found: {rc.ca_bundle} (a PEM file of the CA "
+                                    "certificates that sign the endpoint's certificate)")
+        if not rc.tls_verify:
+            raise EngineConfigError("data.regenerate.ca_bundle", "set with tls_verify: false; drop one of them")
+        verify = str(p)
+    return ClientSettings(endpoints, model=rc.endpoint_model, api_key=key, headers=tuple(sorted((rc.headers or {}).items())),
+                          verify=verify, timeout_s=float(rc.timeout_s), max_attempts=int(rc.max_attempts),
+                          backoff_s=float(rc.backoff_s), concurrency=int(rc.concurrency or rc.batch_size))
 
 
 def choose_engine(rc, vllm_cfg=None, find=E.find_vllm, *, model_dir: Path | None = None,
@@ -60,17 +107,18 @@ def choose_engine(rc, vllm_cfg=None, find=E.find_vllm, *, model_dir: Path | None
     """The engine `rc` (the data.regenerate section) asks for. auto: the endpoint when one is set, else vLLM where
     installed (and not switched off by `vllm.enabled: false`), the target runs there (`model_dir`: a head_dim vLLM's
     CPU attention has a kernel for) and the job (`new_tokens` at most) outweighs a server start, else the runtime.
-    Raises EngineConfigError for an explicit engine that cannot run (vllm missing or disabled, endpoint without URL)."""
-    kind, url = rc.engine, (rc.endpoint or "").strip() or None
-    if url and not url.startswith(("http://", "https://")):
-        raise EngineConfigError("data.regenerate.endpoint", f"{url!r} is not an http(s) base URL (e.g. http://host:8000)")
-    if kind == "endpoint" or (kind == "auto" and url):
-        if not url:
+    Raises EngineConfigError for an explicit engine that cannot run (vllm missing or disabled, endpoint without URL,
+    an API key variable that is not set, a CA bundle that is missing)."""
+    kind, urls = rc.engine, endpoints_of(rc)
+    if kind == "endpoint" or (kind == "auto" and urls):
+        if not urls:
             raise EngineConfigError("data.regenerate.endpoint", "engine: endpoint needs the base URL of an OpenAI-compatible "
-                                    "completions server (`vllm serve`, `trtllm-serve`, SGLang), e.g. http://host:8000; "
-                                    "set it, or choose engine: auto | vllm | runtime")
-        return EngineChoice("endpoint", f"data.regenerate.endpoint {url}" + (" (engine: auto)" if kind == "auto" else ""),
-                            auto=kind == "auto", endpoint=url.rstrip("/"), model=rc.endpoint_model)
+                                    "completions server (`vllm serve`, `trtllm-serve`, SGLang), e.g. http://host:8000, "
+                                    "or a list of them; set it, or choose engine: auto | vllm | runtime")
+        shown = ", ".join(urls)
+        return EngineChoice("endpoint", f"data.regenerate.endpoint {shown}" + (" (engine: auto)" if kind == "auto" else ""),
+                            auto=kind == "auto", endpoint=shown, model=rc.endpoint_model, client=client_settings(rc, urls),
+                            max_failed_fraction=rc.max_failed_fraction)
     if kind == "runtime":
         return EngineChoice("runtime", "data.regenerate.engine: runtime")
     enabled = getattr(vllm_cfg, "enabled", "auto")
@@ -89,7 +137,10 @@ def choose_engine(rc, vllm_cfg=None, find=E.find_vllm, *, model_dir: Path | None
     if kind == "auto" and (why := _auto_declines(inst, model_dir, new_tokens)):
         return EngineChoice("runtime", f"engine: auto: {why}", auto=True)
     return EngineChoice("vllm", f"{'engine: auto, ' if kind == 'auto' else ''}vLLM {inst.version} ({inst.device}) at "
-                                f"{inst.python}", auto=kind == "auto", install=inst)
+                                f"{inst.python}", auto=kind == "auto", install=inst,
+                        client=ClientSettings((), timeout_s=float(rc.timeout_s), max_attempts=int(rc.max_attempts),
+                                              backoff_s=float(rc.backoff_s), concurrency=int(rc.concurrency or rc.batch_size)),
+                        max_failed_fraction=rc.max_failed_fraction)
 
 
 def _auto_declines(inst: E.VllmInstall, model_dir: Path | None, new_tokens: int | None) -> str | None:
@@ -106,58 +157,7 @@ def _auto_declines(inst: E.VllmInstall, model_dir: Path | None, new_tokens: int 
     return None
 
 
-# ------------------------------------------------------------------------------------------ completions client
-
-
-class Completions:
-    """POST {url}/v1/completions with token-id prompts (stdlib HTTP). `complete` returns (generated ids or None
-    where the server does not return them, text, finish_reason)."""
-
-    def __init__(self, url: str, model: str | None = None, timeout: float = 600.0):
-        self.url, self.timeout, self.token_ids = url.rstrip("/"), timeout, True
-        self.model = model or self.models()[0]
-
-    def _call(self, path: str, body: dict | None = None) -> dict:
-        data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(self.url + path, data=data, method="POST" if body is not None else "GET",
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as r:  # noqa: S310 - the configured endpoint
-                return json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            raise EndpointError(f"{self.url}{path} answered HTTP {e.code}: {e.read().decode(errors='replace')[:1000]}") from None
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, ValueError) as e:
-            raise EndpointError(f"{self.url}{path}: no usable answer ({e})") from None
-
-    def models(self) -> list[str]:
-        out = self._call("/v1/models")
-        ids = [m.get("id") for m in out.get("data") or [] if isinstance(m, dict) and m.get("id")]
-        if not ids:
-            raise EndpointError(f"{self.url}/v1/models lists no model ({str(out)[:300]}); set data.regenerate.endpoint_model")
-        return ids
-
-    def complete(self, prompt: list[int], *, max_tokens: int, temperature: float, top_p: float, seed: int | None,
-                 stop_ids: list[int]) -> tuple[list[int] | None, str, str | None]:
-        body = {"model": self.model, "prompt": prompt, "max_tokens": int(max_tokens), "temperature": float(temperature),
-                "top_p": float(top_p), "stop_token_ids": list(stop_ids)}
-        if temperature > 0 and seed is not None:
-            body["seed"] = int(seed)
-        if self.token_ids:
-            body["return_token_ids"] = True
-        try:
-            out = self._call("/v1/completions", body)
-        except EndpointError as e:
-            if not (self.token_ids and "return_token_ids" in str(e) and "HTTP 4" in str(e)):
-                raise
-            self.token_ids = False        # a server that refuses vLLM's extra: text answers, re-tokenized
-            return self.complete(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                                 stop_ids=stop_ids)
-        try:
-            c = out["choices"][0]
-        except (KeyError, IndexError, TypeError):
-            raise EndpointError(f"{self.url}/v1/completions: no choices in {str(out)[:300]}") from None
-        ids = c.get("token_ids")
-        return ([int(t) for t in ids] if ids is not None else None), c.get("text") or "", c.get("finish_reason")
+# ------------------------------------------------------------------------------------------ server engines
 
 
 def cut_at_stop(ids: list[int], stop_ids) -> list[int]:
@@ -171,63 +171,228 @@ def cut_at_stop(ids: list[int], stop_ids) -> list[int]:
 
 @dataclass
 class ServerJob:
-    """What a server engine needs beside the plan: the client, the concurrency, and how to re-tokenize a text answer
-    (`tok`, `end_id`: the id a text answer that stopped at a stop id gets back)."""
+    """What a server engine needs beside the plan: the client, the plan's batch size (request i of batch b is seeded
+    `seed + b * batch_size + i`), how to re-tokenize a text answer (`tok`, `end_id`: the id a text answer that stopped
+    at a stop id gets back), and the share of prompts allowed to fail every attempt (`max_failed_fraction`)."""
 
-    client: Completions
+    client: CompletionsPool
     batch_size: int
     tok: object = None
     end_id: int | None = None
     kind: str = "endpoint"
     detail: str = ""
+    max_failed_fraction: float = 0.0
 
 
-def _answer(job: ServerJob, prompt: list[int], seed: int, sampling: dict, stop_ids: list[int]) -> tuple[list[int], bool]:
-    ids, text, reason = job.client.complete(prompt, seed=seed, stop_ids=stop_ids, **sampling)
+def _answer(job: ServerJob, prompt: list[int], seed: int, sampling: dict, stop_ids: list[int],
+            on_retry=None) -> tuple[list[int], bool]:
+    ids, text, reason = job.client.complete(prompt, seed=seed, stop_ids=stop_ids, on_retry=on_retry, **sampling)
     if ids is not None:
         return cut_at_stop(ids, stop_ids), False
     if job.tok is None:
-        raise EndpointError(f"{job.client.url} returned text without token ids and no tokenizer was given")
+        raise FatalAnswer(f"{job.client.url} returned text without token ids and no tokenizer was given")
     ids = job.tok(text, add_special_tokens=False)["input_ids"]
     if reason == "stop" and job.end_id is not None:
         ids.append(job.end_id)
     return cut_at_stop(ids, stop_ids), True
 
 
+LOG_EVERY_S = 30.0      # a progress log line at most this far apart (answered, retried, failed, tokens/s, ETA)
+BAR_EVERY_S = 0.25      # the progress bar redrawn at most this often
+SHOW_RETRIES = 5        # retries logged one by one; the rest are counted in the progress lines
+
+
+class _Tally:
+    """The counters of a server regeneration, its progress bar and its log lines."""
+
+    def __init__(self, job: ServerJob, total: int, resumed: int, run: RegenRun, bar):
+        self.job, self.total, self.resumed, self.log, self.bar = job, total, resumed, run.log, bar
+        self.answered = self.failed = self.retried = self.new_tokens = self.retok = self.failures_in_row = 0
+        self.failed_keys: list[str] = []
+        self.last_error: str | None = None
+        self.t0 = self._bar_t = self._log_t = time.perf_counter()
+        self._bar_n = 0
+        self._lock = threading.Lock()
+
+    def on_retry(self, err) -> None:        # called from the workers
+        with self._lock:
+            self.retried += 1
+            n = self.retried
+        if n <= SHOW_RETRIES:
+            self.log.warning("regeneration: retrying (%s)%s", str(err)[:300],
+                             "; further retries are counted in the progress lines" if n == SHOW_RETRIES else "")
+
+    def ok(self, ids: list[int], retok: bool) -> None:
+        self.answered += 1
+        self.new_tokens += len(ids)
+        self.retok += retok
+        self.failures_in_row = 0
+
+    def fail(self, key: str, err) -> None:
+        self.failed += 1
+        self.failures_in_row += 1
+        self.last_error = str(err.last)[:1000]
+        if len(self.failed_keys) < 20:
+            self.failed_keys.append(key)
+        self.log.warning("regeneration: prompt %s failed every attempt (%s)", key, str(err)[:300])
+
+    def tick(self, final: bool = False) -> None:
+        now = time.perf_counter()
+        done = self.answered + self.failed
+        if self.bar is not None and (final or now - self._bar_t >= BAR_EVERY_S):
+            self.bar.update(done - self._bar_n, **self.fields(now))
+            self._bar_n, self._bar_t = done, now
+        if not final and now - self._log_t >= LOG_EVERY_S:
+            self._log_t = now
+            f = self.fields(now)
+            self.log.info("regeneration: %d/%d answered (%d resumed), %d retried, %d failed, %s new tokens/s, ETA %s",
+                          self.resumed + self.answered, self.total, self.resumed, self.retried, self.failed, f["tok_s"],
+                          f["eta"])
+
+    def fields(self, now: float) -> dict:
+        dt = max(now - self.t0, 1e-9)
+        done = self.answered + self.failed
+        left = self.total - self.resumed - done
+        eta = time.strftime("%H:%M:%S", time.gmtime(left * dt / done)) if done else "-"
+        return {"answered": self.resumed + self.answered, "retried": self.retried, "failed": self.failed,
+                "tok_s": f"{self.new_tokens / dt:.1f}", "eta": eta}
+
+
+def _worker(job: ServerJob, prompts, feed, out: queue.SimpleQueue, call: tuple) -> None:
+    """Take the next (prompt index, batch, seed) from `feed` until it is empty or the run stops; put (j, b, answer,
+    error) on `out`, then None."""
+    sampling, stop_ids, on_retry = call
+    stop = job.client.stop
+    try:
+        while not stop.is_set():
+            item = feed()
+            if item is None:
+                break
+            j, b, seed = item
+            try:
+                out.put((j, b, _answer(job, prompts[j], seed, sampling, stop_ids, on_retry), None))
+            except Stopped:
+                break
+            except BaseException as e:  # noqa: BLE001 - handed to the main thread, which decides
+                out.put((j, b, None, e))
+    finally:
+        out.put(None)
+
+
+def _feeder(job: ServerJob, todo: list, results: list, seed: int):
+    """A thread-safe `next()` over the unanswered prompts in plan order: requests are fed as capacity frees."""
+    items = ((j, b, seed + b * job.batch_size + i) for b, idx in todo for i, j in enumerate(idx) if results[j] is None)
+    lock = threading.Lock()
+
+    def feed():
+        with lock:
+            return next(items, None)
+    return feed
+
+
 def server_batches(job: ServerJob, prompts: list[list[int]], keys: list[str], todo: list, results: list, *, resumed: int,
                    decoding: Decoding, run: RegenRun) -> dict:
-    """`regenerate`'s batch driver for a completions server: every prompt of `todo` submitted in plan order with
-    `job.batch_size` requests in flight; a batch is written to `run.scratch` as soon as all its answers are in."""
-    d, scratch, progress, on_batch = decoding, run.scratch, run.progress, run.on_batch
-    stop_ids, seed = d.stop_ids, d.seed
-    sampling = {"max_tokens": d.max_new_tokens, "temperature": d.temperature, "top_p": d.top_p}
-    left = {b: len(idx) for b, idx in todo}
-    plan = dict(todo)
-    new_tokens = retok = done = generated = 0
-    bars = progress(total=len(prompts), desc=f"regenerate through {job.kind}") if progress else contextlib.nullcontext()
-    t0 = time.perf_counter()
-    with bars as bar, ThreadPoolExecutor(max_workers=max(1, job.batch_size)) as pool:
-        if resumed and progress:
+    """`regenerate`'s driver for completions servers: `job.client.s.concurrency` workers take the unanswered prompts
+    of `todo` in plan order as they free up (nothing queued up front), each answer appended to `run.answers` as it
+    arrives; retries inside the client, failures counted (the run stops when `max(8, 2 x concurrency)` requests in a
+    row failed every attempt, or at a fatal answer); at the end more failed prompts than `max_failed_fraction` allows
+    fail the regeneration (the answers stay in the journal for a rerun)."""
+    d, client, answers = decoding, job.client, run.answers or AnswerLog(None, keys)
+    pending = sum(1 for _, idx in todo for j in idx if results[j] is None)
+    left = {b: sum(1 for j in idx if results[j] is None) for b, idx in todo}
+    bars = run.progress(total=len(prompts), desc=f"regenerate through {job.kind}") if run.progress else contextlib.nullcontext()
+    client.stop.clear()
+    with bars as bar:
+        if resumed and run.progress:
             bar.update(resumed)
-        futs = {pool.submit(_answer, job, prompts[j], seed + b * job.batch_size + i, sampling, stop_ids): (b, j)
-                for b, idx in todo for i, j in enumerate(idx)}
+        tally = _Tally(job, len(prompts), resumed, run, bar if run.progress else None)
+        out: queue.SimpleQueue = queue.SimpleQueue()
+        call = ({"max_tokens": d.max_new_tokens, "temperature": d.temperature, "top_p": d.top_p}, d.stop_ids, tally.on_retry)
+        feed, alive = _feeder(job, todo, results, d.seed), min(client.s.concurrency, pending)
+        for _ in range(alive):
+            threading.Thread(target=_worker, args=(job, prompts, feed, out, call), daemon=True).start()
         try:
-            for f in as_completed(futs):
-                b, j = futs[f]
-                results[j], r = f.result()
-                new_tokens, retok, generated, left[b] = new_tokens + len(results[j]), retok + r, generated + 1, left[b] - 1
-                if progress:
-                    bar.update(1, tok_s=f"{new_tokens / (time.perf_counter() - t0):.1f}")
-                if left[b] == 0:
-                    write_batch(scratch, b, [keys[k] for k in plan[b]], [results[k] for k in plan[b]], time.perf_counter() - t0)
-                    done += 1
-                    if on_batch is not None:
-                        on_batch(done)
-        except BaseException:
-            pool.shutdown(wait=True, cancel_futures=True)
-            raise
-    return {"load_s": 0.0, "gen_s": time.perf_counter() - t0, "new_tokens": new_tokens, "padded": 0, "generated": generated,
-            "retokenized": retok, "engine": job.kind, "detail": job.detail}
+            alive = _collect(job, keys, results, answers, out, alive, tally, _batch_counter(left, run.on_batch))
+        finally:
+            client.stop.set()       # workers stop after their request (daemons: an interrupt does not wait for them)
+        tally.tick(final=True)
+    _check_failures(job, tally, len(prompts), answers)
+    return {"load_s": 0.0, "gen_s": time.perf_counter() - tally.t0, "new_tokens": tally.new_tokens, "padded": 0,
+            "generated": tally.answered, "retokenized": tally.retok, "engine": job.kind, "detail": job.detail,
+            **_failure_stats(job, tally, len(prompts))}
+
+
+def _batch_counter(left: dict, on_batch):
+    """`answered(b)`: one more prompt of batch b settled; `on_batch(n)` when it completes the n-th batch (fault points)."""
+    done = [0]
+
+    def answered(b: int) -> None:
+        left[b] -= 1
+        if left[b] == 0:
+            done[0] += 1
+            if on_batch is not None:
+                on_batch(done[0])
+    return answered
+
+
+def _collect(job: ServerJob, keys, results, answers: AnswerLog, out: queue.SimpleQueue, alive: int, tally: _Tally,
+             settled) -> int:
+    """The main thread's loop: answers into `results` and the journal, failures counted, progress drawn."""
+    abort_after = max(8, 2 * job.client.s.concurrency)
+    while alive:
+        try:
+            msg = out.get(timeout=0.5)
+        except queue.Empty:
+            tally.tick()
+            continue
+        if msg is None:
+            alive -= 1
+            continue
+        j, b, got, err = msg
+        if err is None:
+            ids, retok = got
+            results[j] = ids
+            answers.append(j, ids)
+            tally.ok(ids, retok)
+        elif isinstance(err, RequestFailed):
+            tally.fail(keys[j], err)
+            if tally.failures_in_row >= abort_after:
+                raise EndpointError(f"{tally.failures_in_row} requests in a row failed every one of their "
+                                    f"{job.client.s.max_attempts} attempts: the endpoints ({job.client.url}) look down; "
+                                    f"last error: {tally.last_error}; {_kept(tally, answers)}")
+        elif isinstance(err, EndpointError):
+            raise EndpointError(f"{err} (prompt {keys[j]}); {_kept(tally, answers)}") from None
+        else:
+            raise err
+        settled(b)
+        tally.tick()
+    return alive
+
+
+def _kept(tally: _Tally, answers: AnswerLog) -> str:
+    where = f"in {answers.path}" if answers.path is not None else "nowhere (no scratch)"
+    return f"the {tally.resumed + tally.answered} answers so far are kept {where}: a rerun asks only for the rest"
+
+
+def _failure_stats(job: ServerJob, tally: _Tally, total: int) -> dict:
+    return {"failed_prompts": tally.failed, "failed_fraction": round(tally.failed / total, 6) if total else 0.0,
+            "max_failed_fraction": job.max_failed_fraction, "failed_examples": tally.failed_keys,
+            "last_error": tally.last_error, "retried_requests": tally.retried, "concurrency": job.client.s.concurrency,
+            "endpoints": {e.url: e.counts() for e in job.client.endpoints}}
+
+
+def _check_failures(job: ServerJob, tally: _Tally, total: int, answers: AnswerLog) -> None:
+    allowed = int(job.max_failed_fraction * total)
+    if tally.failed > allowed:
+        worst = max(job.client.endpoints, key=lambda e: e.retried)
+        raise EndpointError(f"{tally.failed} of {total} prompts failed every one of their {job.client.s.max_attempts} "
+                            f"attempts at {job.client.url} (data.regenerate.max_failed_fraction {job.max_failed_fraction:g} "
+                            f"allows {allowed}); most retried endpoint {worst.url} ({worst.retried} retries); last error: "
+                            f"{tally.last_error}; {_kept(tally, answers)}")
+    if tally.failed:
+        tally.log.warning("regeneration: %d of %d prompts failed every attempt and are left out (max_failed_fraction %g "
+                          "allows %d); last error: %s", tally.failed, total, job.max_failed_fraction, allowed,
+                          tally.last_error)
 
 
 @dataclass(frozen=True)
@@ -241,6 +406,7 @@ class RegenTarget:
     max_model_len: int = 0
     tok: object = None
     end_id: int | None = None
+    vocab_size: int | None = None     # answers with an id outside 0..vocab_size-1 are refused
 
 
 def _vllm_batches(choice: EngineChoice, vllm_cfg, target: RegenTarget, batch_size: int, log_dir: Path):
@@ -260,10 +426,16 @@ def _vllm_batches(choice: EngineChoice, vllm_cfg, target: RegenTarget, batch_siz
             load_s = time.perf_counter() - t0
             kw["run"].log.info("regeneration: vLLM %s serves %s (dtype %s, max-model-len %d) after %.1fs; log %s",
                            choice.install.version, model_dir, dtype, max_model_len, load_s, srv.log_path)
-            job = ServerJob(Completions(srv.url, srv.served_model_name), batch_size, kind="vllm",
-                            detail=f"vLLM {choice.install.version} ({choice.install.device}), dtype {dtype}, started for the job")
             try:
-                out = server_batches(job, prompts, keys, todo, results, **kw)
+                pool = CompletionsPool(dataclasses.replace(choice.client, endpoints=(srv.url,), model=srv.served_model_name,
+                                                           vocab_size=target.vocab_size))
+                job = ServerJob(pool, batch_size, kind="vllm", max_failed_fraction=choice.max_failed_fraction,
+                                detail=f"vLLM {choice.install.version} ({choice.install.device}), dtype {dtype}, started for "
+                                       "the job")
+                try:
+                    out = server_batches(job, prompts, keys, todo, results, **kw)
+                finally:
+                    pool.close()
             except EndpointError as e:
                 raise E.VllmError(f"{e}; the server is {'running' if srv.alive() else 'not running'}; its log "
                                   f"({srv.log_path}):\n{srv.log_tail(20)}") from None
@@ -272,9 +444,9 @@ def _vllm_batches(choice: EngineChoice, vllm_cfg, target: RegenTarget, batch_siz
 
 
 def run_regeneration(choice: EngineChoice, *, vllm_cfg, target: RegenTarget, prompts: list[list[int]], keys: list[str],
-                     batch_size: int, decoding: Decoding, run: RegenRun) -> tuple[list[list[int]], dict]:
+                     batch_size: int, decoding: Decoding, run: RegenRun) -> tuple[list[list[int] | None], dict]:
     """`regenerate` through the chosen engine; a vLLM chosen by `auto` that fails to start or serve hands over to the
-    runtime, which continues from the batches already finished. The stats carry engine, why and `retokenized`."""
+    runtime, which continues from the answers already journaled. The stats carry engine, why and `retokenized`."""
     common = dict(batch_size=batch_size, decoding=decoding, run=run)
     model_dir, log = target.model_dir, run.log
     why, fallback = choice.why, None
@@ -282,11 +454,18 @@ def run_regeneration(choice: EngineChoice, *, vllm_cfg, target: RegenTarget, pro
     if choice.kind == "runtime":
         gens, st = regenerate(model_dir, prompts, keys, **common)
     elif choice.kind == "endpoint":
-        job = ServerJob(Completions(choice.endpoint, choice.model), batch_size, tok=target.tok, end_id=target.end_id,
-                        detail=f"{choice.endpoint}")
-        job.detail = f"{choice.endpoint} model {job.client.model}"
-        gens, st = regenerate(model_dir, prompts, keys, generate_batches=lambda *a, **k: server_batches(job, *a, **k),
-                              **common)
+        pool = CompletionsPool(dataclasses.replace(choice.client, vocab_size=target.vocab_size))
+        job = ServerJob(pool, batch_size, tok=target.tok, end_id=target.end_id, max_failed_fraction=choice.max_failed_fraction,
+                        detail=f"{choice.endpoint} model {pool.model}")
+        log.info("regeneration: %d endpoint(s), model %s, %d requests in flight, timeout %gs, %d attempts a request%s%s",
+                 len(pool.endpoints), pool.model, pool.s.concurrency, pool.s.timeout_s, pool.s.max_attempts,
+                 ", an API key (Authorization: Bearer, not shown)" if pool.s.api_key else "",
+                 f", headers {[k for k, _ in pool.s.headers]}" if pool.s.headers else "")
+        try:
+            gens, st = regenerate(model_dir, prompts, keys, generate_batches=lambda *a, **k: server_batches(job, *a, **k),
+                                  **common)
+        finally:
+            pool.close()
     else:
         try:
             gens, st = regenerate(model_dir, prompts, keys, generate_batches=_vllm_batches(
@@ -295,7 +474,7 @@ def run_regeneration(choice: EngineChoice, *, vllm_cfg, target: RegenTarget, pro
             if not choice.auto:
                 raise
             fallback = str(e)[:4000]
-            log.warning("regeneration: vLLM failed (%s); specpipe's runtime continues from the finished batches", fallback)
+            log.warning("regeneration: vLLM failed (%s); specpipe's runtime continues from the answers so far", fallback)
             why = f"engine: auto, vLLM failed ({fallback.splitlines()[0][:300]}): the runtime"
             gens, st = regenerate(model_dir, prompts, keys, **common)
     st.update(engine_why=why, fallback=fallback)

@@ -339,8 +339,8 @@ def test_local_hf_dataset_with_column_mapping_and_determinism(tmp_path, target_w
 
 
 def test_regeneration_resumes_after_an_interruption(tmp_path, target_workdir):
-    """Killed (SIGKILL, the runner's fault injection) after 2 finished batches, the rerun reuses them, regenerates only
-    the rest, and ends with exactly the artifact of an uninterrupted run (sampling, so the seeds per batch matter)."""
+    """Killed (SIGKILL, the runner's fault injection) after 2 finished batches, the rerun reuses their answers from the
+    journal, regenerates only the rest, and ends with exactly the artifact of an uninterrupted run (sampling, so the seeds per batch matter)."""
     prompts = _jsonl(tmp_path, [{"messages": [{"role": "user", "content": f"Write function number {i}."}]} for i in range(12)])
     ev = _jsonl(tmp_path, [{"prompt": "class A:"}, {"prompt": "import sys"}], "ev.jsonl")
     data = {"sources": [{"kind": "jsonl", "path": str(prompts)}], "eval_domains": {"c": {"kind": "jsonl", "path": str(ev)}},
@@ -348,12 +348,12 @@ def test_regeneration_resumes_after_an_interruption(tmp_path, target_workdir):
             "regenerate": {"enabled": True, "mode": "sample", "temperature": 1.0, "max_new_tokens": 6, "batch_size": 2}}
     wd, r = _data_run(tmp_path, target_workdir, data, env={"SPECPIPE_FAULT": "data:regenerate-batch-2"})
     assert r.returncode != 0 and not (wd / "artifacts" / "data" / "manifest.json").exists()
-    done = sorted((wd / "scratch" / "data").glob("*/regenerate/batch-*.json"))
-    assert [p.name for p in done] == ["batch-00000.json", "batch-00001.json"]
+    journal = list((wd / "scratch" / "data").glob("*/regenerate/answers.jsonl"))
+    assert len(journal) == 1 and len(journal[0].read_text().splitlines()) == 4      # 2 batches of 2, appended as decoded
     cfg = _config(tmp_path, {"model": str(target_workdir[1])}, data)
     r = run_cli("build", str(cfg), "--workdir", str(wd), *_only_upto("data"))
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "regeneration: resumed 2 finished batches (4 prompts)" in r.stderr and "8 prompts left" in r.stderr
+    assert "regeneration: resumed 4 answers from" in r.stderr and "8 prompts left" in r.stderr
     stats = json.loads((wd / "artifacts" / "data" / "stats.json").read_text())["regeneration"]
     assert (stats["prompts"], stats["resumed_prompts"], stats["generated_prompts"]) == (12, 4, 8)
     (tmp_path / "fresh").mkdir()
