@@ -21,6 +21,7 @@ from runtime.data import endpoint_client as C
 from runtime.data import regen_engines as R
 from runtime.data.answers import AnswerLog
 from runtime.data.regenerate import Decoding, RegenRun, regenerate
+
 from support.fake_completions import FakeCompletions, State, expected_answer
 
 LOG = logging.getLogger("test.regen_faults")
@@ -225,6 +226,7 @@ def test_cli_check_exits_2_naming_the_api_key_variable():
     from conftest import TINY_CONFIG, run_cli
 
     r = run_cli("check", str(TINY_CONFIG), "-o", "data.regenerate.enabled=true", "-o", "data.regenerate.engine=endpoint",
-                "-o", "data.regenerate.endpoint=http://127.0.0.1:9", "-o", "data.regenerate.api_key_env=SPECPIPE_TEST_NO_SUCH_KEY")
+                "-o", "data.regenerate.endpoint=http://127.0.0.1:9",
+                "-o", "data.regenerate.api_key_env=SPECPIPE_TEST_NO_SUCH_KEY")
     assert r.returncode == 2, r.stderr
     assert "data.regenerate.api_key_env: the environment variable SPECPIPE_TEST_NO_SUCH_KEY is not set" in r.stderr
