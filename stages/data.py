@@ -115,7 +115,8 @@ class RegenerateConfig(Strict):
     tls_verify: bool = Field(True, description="verify the endpoint's TLS certificate (https)")
     ca_bundle: Path | None = Field(None, description="PEM file of the CA certificates that sign the endpoint's certificate")
     concurrency: int | None = Field(None, ge=1, description="requests in flight to a server engine (default: batch_size)")
-    timeout_s: float = Field(600.0, gt=0, description="per request: connect, send and each read of the answer (httpx timeouts)")
+    timeout_s: float = Field(600.0, gt=0, description="per request: connect, send and each read of the answer (socket "
+                                                     "timeouts)")
     max_attempts: int = Field(6, ge=1, description="attempts per request on 429, 408, 5xx, dropped connections and timeouts")
     backoff_s: float = Field(0.5, ge=0, description="first retry delay; doubles per attempt (capped at 30 s, half of it random), "
                                                     "or the server's Retry-After when longer")

@@ -1,27 +1,35 @@
 """The completions client of the server engines (`data.regenerate.engine: endpoint`, and the vLLM started for the job):
-POST `<endpoint>/v1/completions` with token-id prompts on one endpoint or several sharing the load, through httpx
-(connection pooling, timeouts, TLS verification with an optional CA bundle), with the retries production clients make.
+POST `<endpoint>/v1/completions` with token-id prompts on one endpoint or several sharing the load, over the standard
+library's `http.client` (one keep-alive connection per worker thread and endpoint, socket timeouts, TLS verification
+with an optional CA bundle), with the retries production clients make.
 
-Retries are ours: httpx retries only connection failures (httpcore 1.0.9, httpcore/_sync/connection.py: `retries`
-catches ConnectError/ConnectTimeout alone), while a shared endpoint answers 429/503 under load, drops connections when
-it restarts and stalls. A request is retried on HTTP 408, 429 and 5xx, on any transport error (connection refused or
-reset, a body cut short) and on a timeout, up to `max_attempts` attempts, after an exponential backoff with jitter
-(`backoff_s` x 2^(attempt-1), capped at BACKOFF_CAP_S, half of it random) or the server's `Retry-After` when longer
-(capped at RETRY_AFTER_CAP_S). The endpoint that failed rests for as long, and the retry goes to the next endpoint.
-Answers that cannot get better by asking again fail at once (`FatalAnswer`): another 4xx, a body that is not the
-completions JSON, token ids outside the vocabulary.
+Why not httpx or the `openai` SDK: client CPU. Side by side on the same fake endpoint (bench/regen_scale.py,
+docs/benchmarks.md), bare httpx costs ~0.9 ms of CPU a request and bare `http.client` ~0.25-0.35 ms, so the goal of
+under 1 ms a request for the whole path (retries, journal, progress) is out of reach on httpx; the SDK is built on
+httpx and parses every answer into pydantic objects on top. Their retries would not have been enough either: httpx
+retries only connection failures (httpcore 1.0.9, httpcore/_sync/connection.py: `retries` catches
+ConnectError/ConnectTimeout alone), while a shared endpoint answers 429/503 under load, drops connections when it
+restarts and stalls. Not supported here: HTTP proxies from the environment (HTTP(S)_PROXY), HTTP/2.
 
-Not the `openai` SDK: it is not a dependency here, it parses every answer into pydantic objects (client CPU at 100,000
-prompts), and its retry policy is not configurable per status; httpx is what it uses underneath.
+A request is retried on HTTP 408, 429 and 5xx, on any transport error (connection refused or reset, a body cut
+short) and on a timeout (`timeout_s`: connect, send and each read, as a socket timeout), up to `max_attempts`
+attempts, after an exponential backoff with jitter (`backoff_s` x 2^(attempt-1), capped at BACKOFF_CAP_S, half of it
+random) or the server's `Retry-After` when longer (capped at RETRY_AFTER_CAP_S). The endpoint that failed rests for
+as long, and the retry goes to the next endpoint. Answers that cannot get better by asking again fail at once
+(`FatalAnswer`): another 4xx, a body that is not the completions JSON, token ids outside the vocabulary, a TLS
+certificate that is not trusted.
 """
 from __future__ import annotations
 
 import email.utils
+import http.client
 import itertools
 import json
 import random
+import ssl
 import threading
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 
 from runtime.errors import RuntimeFailure
@@ -97,10 +105,12 @@ def backoff_delay(attempt: int, base: float, retry_after: float | None = None, r
 
 
 class Endpoint:
-    """One base URL, its httpx client and its counters; `rest_until`: not picked before this monotonic time."""
+    """One base URL and its counters; `rest_until`: not picked before this monotonic time."""
 
-    def __init__(self, url: str, client):
-        self.url, self.client = url, client
+    def __init__(self, url: str):
+        u = urllib.parse.urlsplit(url)
+        self.url, self.https, self.host = url, u.scheme == "https", u.hostname or ""
+        self.port, self.path = u.port or (443 if self.https else 80), u.path.rstrip("/")
         self.token_ids = True           # vLLM's `return_token_ids`; False after a server refused it (text answers)
         self.rest_until = 0.0
         self.requests = self.answered = self.retried = self.failures_in_row = 0
@@ -112,26 +122,24 @@ class Endpoint:
 
 class CompletionsPool:
     """The endpoints of one regeneration, used round robin (skipping those resting after a failure). Thread-safe:
-    the engine's workers share it. `complete` returns (generated ids or None where the server returned text only,
-    text, finish_reason)."""
+    the engine's workers share it, each thread keeping its own keep-alive connection to each endpoint. `complete`
+    returns (generated ids or None where the server returned text only, text, finish_reason)."""
 
     def __init__(self, s: ClientSettings, stop: threading.Event | None = None):
-        import logging
-
-        import httpx
-
-        for name in ("httpx", "httpcore"):      # one INFO line per request (100,000 of them) is not a log
-            logging.getLogger(name).setLevel(logging.WARNING)
         self.s, self.stop = s, stop or threading.Event()
-        headers = {"Content-Type": "application/json", **dict(s.headers)}
+        self.headers = {"Content-Type": "application/json", **dict(s.headers)}
         if s.api_key:
-            headers["Authorization"] = f"Bearer {s.api_key}"
-        limits = httpx.Limits(max_connections=s.concurrency, max_keepalive_connections=s.concurrency)
-        self.endpoints = [Endpoint(u.rstrip("/"), httpx.Client(headers=headers, verify=s.verify, limits=limits,
-                                                                 timeout=httpx.Timeout(s.timeout_s)))
-                          for u in s.endpoints]
+            self.headers["Authorization"] = f"Bearer {s.api_key}"
+        self.ssl = None
+        if any(u.startswith("https://") for u in s.endpoints):
+            self.ssl = ssl.create_default_context(cafile=s.verify if isinstance(s.verify, str) else None)
+            if s.verify is False:
+                self.ssl.check_hostname, self.ssl.verify_mode = False, ssl.CERT_NONE
+        self.endpoints = [Endpoint(u.rstrip("/")) for u in s.endpoints]
         self._rr = itertools.count()
         self._lock = threading.Lock()
+        self._local = threading.local()
+        self._open: list = []
         self.model = s.model or self.models()[0]
 
     @property
@@ -139,8 +147,10 @@ class CompletionsPool:
         return ", ".join(e.url for e in self.endpoints)
 
     def close(self) -> None:
-        for e in self.endpoints:
-            e.client.close()
+        with self._lock:
+            conns, self._open = self._open, []
+        for c in conns:
+            c.close()
 
     def _pick(self) -> Endpoint:
         now = time.monotonic()
@@ -156,22 +166,45 @@ class CompletionsPool:
             e.requests += 1
             return e
 
-    def _once(self, e: Endpoint, path: str, body: bytes | None) -> dict:
-        import httpx
+    def _conn(self, e: Endpoint):
+        conns = self._local.__dict__.setdefault("conns", {})
+        c = conns.get(e.url)
+        if c is None:
+            c = (http.client.HTTPSConnection(e.host, e.port, timeout=self.s.timeout_s, context=self.ssl) if e.https else
+                 http.client.HTTPConnection(e.host, e.port, timeout=self.s.timeout_s))
+            conns[e.url] = c
+            with self._lock:
+                self._open.append(c)
+        return c
 
+    def _drop(self, e: Endpoint) -> None:
+        c = self._local.__dict__.get("conns", {}).pop(e.url, None)
+        if c is not None:
+            c.close()
+
+    def _once(self, e: Endpoint, path: str, body: bytes | None) -> dict:
+        c = self._conn(e)
         try:
-            r = e.client.post(e.url + path, content=body) if body is not None else e.client.get(e.url + path)
-            content = r.content
-        except httpx.TimeoutException as x:
-            raise Retryable(f"{e.url}{path}: no answer within data.regenerate.timeout_s={self.s.timeout_s:g}s "
-                            f"({type(x).__name__})") from None
-        except httpx.TransportError as x:
+            c.request("POST" if body is not None else "GET", e.path + path, body=body, headers=self.headers)
+            r = c.getresponse()
+            content, status = r.read(), r.status
+            retry_after = r.getheader("Retry-After")
+            if r.will_close:
+                self._drop(e)
+        except ssl.SSLCertVerificationError as x:
+            self._drop(e)
+            raise FatalAnswer(f"{e.url}: the TLS certificate is not trusted ({x.verify_message}); set "
+                              "data.regenerate.ca_bundle to the CA that signs it") from None
+        except TimeoutError:
+            self._drop(e)
+            raise Retryable(f"{e.url}{path}: no answer within data.regenerate.timeout_s={self.s.timeout_s:g}s") from None
+        except (OSError, http.client.HTTPException) as x:
+            self._drop(e)
             raise Retryable(f"{e.url}{path}: {type(x).__name__}: {x}") from None
-        if r.status_code != 200:
-            text = content[:500].decode(errors="replace")
-            msg = f"{e.url}{path} answered HTTP {r.status_code}: {text}"
-            if r.status_code in RETRYABLE_STATUS:
-                raise Retryable(msg, retry_after_s(r.headers.get("retry-after")))
+        if status != 200:
+            msg = f"{e.url}{path} answered HTTP {status}: {content[:500].decode(errors='replace')}"
+            if status in RETRYABLE_STATUS:
+                raise Retryable(msg, retry_after_s(retry_after))
             raise FatalAnswer(msg)
         try:
             return json.loads(content)

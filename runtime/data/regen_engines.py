@@ -427,8 +427,8 @@ def _vllm_batches(choice: EngineChoice, vllm_cfg, target: RegenTarget, batch_siz
             kw["run"].log.info("regeneration: vLLM %s serves %s (dtype %s, max-model-len %d) after %.1fs; log %s",
                            choice.install.version, model_dir, dtype, max_model_len, load_s, srv.log_path)
             try:
-                pool = CompletionsPool(dataclasses.replace(choice.client, endpoints=(srv.url,), model=srv.served_model_name,
-                                                           vocab_size=target.vocab_size))
+                pool = CompletionsPool(dataclasses.replace(choice.client or ClientSettings(()), endpoints=(srv.url,),
+                                                           model=srv.served_model_name, vocab_size=target.vocab_size))
                 job = ServerJob(pool, batch_size, kind="vllm", max_failed_fraction=choice.max_failed_fraction,
                                 detail=f"vLLM {choice.install.version} ({choice.install.device}), dtype {dtype}, started for "
                                        "the job")
