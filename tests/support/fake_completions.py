@@ -65,8 +65,9 @@ class FakeCompletions:
     """One endpoint. `url` after `start()`; `stop()` ends it (what a dying endpoint does)."""
 
     def __init__(self, state: State | None = None, *, model: str = "fake-target", api_key: str | None = None,
-                 die_after: int | None = None, delay_s: float = 0.0):
+                 die_after: int | None = None, delay_s: float = 0.0, tls: tuple[str, str] | None = None):
         self.state = state or State()
+        self.tls = tls          # (certificate file, key file): https
         self.model, self.api_key, self.die_after, self.delay_s = model, api_key, die_after, delay_s
         self.served = 0
         self.dead = False
@@ -75,12 +76,18 @@ class FakeCompletions:
     def start(self) -> str:
         handler = type("Handler", (_Handler,), {"fake": self})
         self.httpd = _Server(("127.0.0.1", 0), handler)
+        if self.tls:
+            import ssl
+
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.load_cert_chain(*self.tls)
+            self.httpd.socket = ctx.wrap_socket(self.httpd.socket, server_side=True)
         threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
         return self.url
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.httpd.server_address[1]}"
 
     def stop(self) -> None:
         self.dead = True

@@ -100,6 +100,31 @@ def test_a_4xx_is_not_retried_and_names_what_the_server_said(tmp_path):
 
 
 @pytest.mark.fast
+def test_tls_verified_against_the_ca_bundle_and_an_untrusted_certificate_fails_fast(tmp_path):
+    """https with a self-signed certificate (made by the openssl CLI): untrusted without data.regenerate.ca_bundle (a
+    fatal answer naming the field, not retried), answered with it, and with tls_verify: false."""
+    import shutil
+
+    if shutil.which("openssl") is None:
+        from support import missing
+
+        missing("the openssl command line tool is missing (apt-get install openssl)")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "2", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    prompts, keys = _prompts(6)
+    with FakeCompletions(State(vocab=VOCAB), tls=(str(cert), str(key))) as a:
+        assert a.url.startswith("https://")
+        with pytest.raises(C.FatalAnswer, match="not trusted.*data.regenerate.ca_bundle"):
+            _run([a.url], prompts, keys, tmp_path / "x")
+        res, _ = _run([a.url], prompts, keys, tmp_path / "ca", verify=str(cert))
+        assert res == [expected_answer(p, NEW, [2], VOCAB) for p in prompts]
+        res, _ = _run([a.url], prompts, keys, tmp_path / "off", verify=False)
+        assert res == [expected_answer(p, NEW, [2], VOCAB) for p in prompts]
+
+
+@pytest.mark.fast
 def test_failures_beyond_the_allowed_fraction_fail_at_the_end_and_a_rerun_asks_only_for_them(tmp_path):
     st = State({"always503": 0.05}, vocab=VOCAB)
     prompts, keys = _prompts(120)
