@@ -255,3 +255,27 @@ def test_cli_check_exits_2_naming_the_api_key_variable():
                 "-o", "data.regenerate.api_key_env=SPECPIPE_TEST_NO_SUCH_KEY")
     assert r.returncode == 2, r.stderr
     assert "data.regenerate.api_key_env: the environment variable SPECPIPE_TEST_NO_SUCH_KEY is not set" in r.stderr
+
+
+@pytest.mark.fast
+def test_how_the_endpoint_is_reached_stays_out_of_the_fingerprint(monkeypatch):
+    """Another endpoint list, key variable, concurrency, timeout or failure budget keeps the data stage's fingerprint,
+    so the answers journaled in its scratch directory are resumed; the model or the sampling does not."""
+    from pipeline import registry, runner
+    from pipeline.config import load_config
+
+    from conftest import TINY_CONFIG
+
+    spec = next(s for s in registry.stages() if s.name == "data")
+    monkeypatch.setenv("SPECPIPE_TEST_FP_KEY", "x")
+
+    def fp(*o):
+        cfg = load_config(TINY_CONFIG, ["data.regenerate.enabled=true", "data.regenerate.engine=endpoint", *o])
+        return runner.fingerprint(runner.fingerprint_inputs(spec, cfg, {"target": "t"}))
+
+    base = fp("data.regenerate.endpoint=http://a:1")
+    assert fp("data.regenerate.endpoint=[http://b:1, http://c:2]", "data.regenerate.concurrency=64",
+              "data.regenerate.api_key_env=SPECPIPE_TEST_FP_KEY", "data.regenerate.timeout_s=5", "data.regenerate.max_attempts=9",
+              "data.regenerate.max_failed_fraction=0.01", "data.regenerate.headers={X-A: b}") == base
+    assert fp("data.regenerate.endpoint=http://a:1", "data.regenerate.endpoint_model=other") != base
+    assert fp("data.regenerate.endpoint=http://a:1", "data.regenerate.max_new_tokens=9") != base
