@@ -90,7 +90,7 @@ class RssAtProgress(logging.Handler):
 def full_path(a, urls, prompts, keys, scratch: Path) -> dict:
     from pipeline.progress import Progress
     from runtime.data import endpoint_client as C
-    from runtime.data import regen_engines as R
+    from runtime.data import server_engine as S
     from runtime.data.regenerate import Decoding, RegenRun, regenerate
 
     log = logging.getLogger("bench.regen_scale")
@@ -98,12 +98,12 @@ def full_path(a, urls, prompts, keys, scratch: Path) -> dict:
     probe = RssAtProgress()
     log.addHandler(probe)
     pool = C.CompletionsPool(C.ClientSettings(tuple(urls), concurrency=a.concurrency, timeout_s=60, vocab_size=32000))
-    job = R.ServerJob(pool, 16)
+    job = S.ServerJob(pool, 16)
     rss0, cpu0, t0 = rss_mb(), cpu_s(), time.perf_counter()
     res, st = regenerate(Path("/unused"), prompts, keys, batch_size=16,
                          decoding=Decoding(a.max_new_tokens, 0.0, 1.0, [2], 0),
                          run=RegenRun(scratch, log, lambda total, desc: Progress(log, total=total, desc=desc)),
-                         generate_batches=lambda *x, **k: R.server_batches(job, *x, **k))
+                         generate_batches=lambda *x, **k: S.server_batches(job, *x, **k))
     cpu, wall = cpu_s() - cpu0, time.perf_counter() - t0
     pool.close()
     answers_mb = sum(56 + 8 * len(t) + 28 * sum(1 for x in t if x > 256) for t in res) / 2**20   # the lists + their ints

@@ -292,3 +292,36 @@ def log_outcome(log, rs: dict) -> None:
              rs["looping"], rs["prompts"], LOOP_MAX_PERIOD,
              f"; cut after its second copy: {rs['loop_tokens_cut']} tokens dropped" if rs["cut_loops"] else
              "; kept (data.regenerate.cut_loops: false)")
+
+
+def answered_only(train_jobs: list, held_jobs: list, gens: list) -> tuple[list, list, list]:
+    """The train and held-out jobs and answers without the prompts a server engine failed (answer None, allowed by
+    data.regenerate.max_failed_fraction)."""
+    if all(g is not None for g in gens):
+        return train_jobs, held_jobs, gens
+    nt = len(train_jobs)
+    keep = [g is not None for g in gens]
+    return ([j for j, k in zip(train_jobs, keep[:nt], strict=True) if k],
+            [j for j, k in zip(held_jobs, keep[nt:], strict=True) if k], [g for g in gens if g is not None])
+
+
+def report_rows(g: dict) -> list[list]:
+    """The report's regeneration table (stats.json["regeneration"] `g`): engine, throughput, how answers ended, and for
+    the server engines the endpoints, retries and failures."""
+    rows = [["engine", f"{g['engine']} ({g.get('engine_why', '')})"],
+            ["prompts (resumed)", f"{g['prompts']} ({g['resumed_prompts']})"], ["seconds", g["seconds"]],
+            ["prompts/s", g["prompts_per_s"]], ["new tokens/s", g["new_tokens_per_s"]],
+            ["mean new tokens", g["mean_new_tokens"]], ["ended at a stop id", g["ended_at_stop"]],
+            ["hit max_new_tokens", f"{g['hit_max_new_tokens']} (max {g['max_new_tokens']})"],
+            ["long prompts skipped", g.get("skipped_long_prompts")], ["responses that loop", g.get("looping")]]
+    if g.get("endpoints"):
+        rows += [["endpoints", ", ".join(f"{u} ({c['answered']} answered, {c['retried']} retried)"
+                                         for u, c in g["endpoints"].items())],
+                 ["requests in flight", g.get("concurrency")], ["retried requests", g.get("retried_requests")],
+                 ["failed prompts (left out)", f"{g.get('failed_prompts')} (allowed: max_failed_fraction "
+                                               f"{g.get('max_failed_fraction')})"]]
+        if g.get("failed_prompts"):
+            rows.append(["last error", g.get("last_error")])
+    if g.get("template"):
+        rows.append(["equal to the template's rendering", f"{g['template']['consistent']} of {g['template']['checked']}"])
+    return rows

@@ -18,6 +18,7 @@ import pytest
 
 from runtime.data import endpoint_client as C
 from runtime.data import regen_engines as R
+from runtime.data import server_engine as S
 from runtime.data.regenerate import Decoding, RegenRun, regenerate
 from runtime.vllm import engine as E
 
@@ -63,7 +64,7 @@ def test_choose_engine_explains_its_choice_and_refuses_what_cannot_run(tmp_path)
     assert e.value.field == "data.regenerate.endpoint"
     with pytest.raises(R.EngineConfigError, match="not an http"):
         R.choose_engine(rc(endpoint="host:8000"), on, found)
-    assert R.cut_at_stop([5, 2, 7, 2], [2]) == [5, 2] and R.cut_at_stop([5, 6], [2]) == [5, 6]
+    assert S.cut_at_stop([5, 2, 7, 2], [2]) == [5, 2] and S.cut_at_stop([5, 6], [2]) == [5, 6]
 
 
 @pytest.mark.fast
@@ -152,9 +153,9 @@ def test_endpoint_regeneration_equals_vllm_and_retokenizes_text_answers(smol, tm
         pool = C.CompletionsPool(C.ClientSettings((srv.url,), concurrency=4, vocab_size=len(smol["tok"])))
         for e in pool.endpoints:
             e.token_ids = False
-        job = R.ServerJob(pool, 4, tok=smol["tok"], end_id=2)
+        job = S.ServerJob(pool, 4, tok=smol["tok"], end_id=2)
         res = [None] * N_PROMPTS
-        out = R.server_batches(job, smol["prompts"], smol["keys"], [(0, list(range(N_PROMPTS)))], res, resumed=0,
+        out = S.server_batches(job, smol["prompts"], smol["keys"], [(0, list(range(N_PROMPTS)))], res, resumed=0,
                                decoding=GREEDY, run=RegenRun(None, LOG))
         assert out["retokenized"] == N_PROMPTS
         assert sum(a == b for a, b in zip(res, gens, strict=True)) >= 8
@@ -166,13 +167,13 @@ def test_endpoint_regeneration_equals_vllm_and_retokenizes_text_answers(smol, tm
 KILLED = """
 import json, logging, sys
 from pathlib import Path
-from runtime.data import endpoint_client as C, regen_engines as R
+from runtime.data import endpoint_client as C, server_engine as S
 from runtime.data.regenerate import Decoding, RegenRun, regenerate
 prompts, keys = json.loads(Path(sys.argv[1]).read_text())
 pool = C.CompletionsPool(C.ClientSettings((sys.argv[2],), concurrency=1))
 regenerate(Path("/unused"), prompts, keys, batch_size=4, decoding=Decoding({new}, 0.0, 1.0, [2], 0),
            run=RegenRun(Path(sys.argv[3]), logging.getLogger("x")),
-           generate_batches=lambda *a, **k: R.server_batches(R.ServerJob(pool, 4), *a, **k))
+           generate_batches=lambda *a, **k: S.server_batches(S.ServerJob(pool, 4), *a, **k))
 """
 
 
@@ -201,7 +202,7 @@ def _killed_client_resumes(srv, smol, work: Path):
     pool = C.CompletionsPool(C.ClientSettings((srv.url,), concurrency=4))
     try:
         res, st = regenerate(Path("/unused"), smol["prompts"], smol["keys"], batch_size=4, decoding=GREEDY,
-                             run=RegenRun(work, LOG), generate_batches=lambda *a, **k: R.server_batches(R.ServerJob(pool, 4),
+                             run=RegenRun(work, LOG), generate_batches=lambda *a, **k: S.server_batches(S.ServerJob(pool, 4),
                                                                                                           *a, **k))
     finally:
         pool.close()

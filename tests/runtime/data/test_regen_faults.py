@@ -19,6 +19,7 @@ import pytest
 
 from runtime.data import endpoint_client as C
 from runtime.data import regen_engines as R
+from runtime.data import server_engine as S
 from runtime.data.answers import AnswerLog
 from runtime.data.regenerate import Decoding, RegenRun, regenerate
 
@@ -37,10 +38,10 @@ def _prompts(n: int):
 def _run(urls, prompts, keys, scratch, *, concurrency=8, max_failed=0.0, attempts=6, timeout=0.5, **kw):
     pool = C.CompletionsPool(C.ClientSettings(tuple(urls), timeout_s=timeout, max_attempts=attempts, backoff_s=0.01,
                                               concurrency=concurrency, vocab_size=VOCAB, **kw))
-    job = R.ServerJob(pool, 4, max_failed_fraction=max_failed)
+    job = S.ServerJob(pool, 4, max_failed_fraction=max_failed)
     try:
         return regenerate(Path("/unused"), prompts, keys, batch_size=4, decoding=DEC, run=RegenRun(scratch, LOG),
-                          generate_batches=lambda *a, **k: R.server_batches(job, *a, **k))
+                          generate_batches=lambda *a, **k: S.server_batches(job, *a, **k))
     finally:
         pool.close()
 
@@ -185,15 +186,15 @@ KILLED = """
 import logging, sys
 from pathlib import Path
 sys.path[:0] = [{repo!r}, {tests!r}]
-from runtime.data import endpoint_client as C, regen_engines as R
+from runtime.data import endpoint_client as C, server_engine as S
 from runtime.data.regenerate import Decoding, RegenRun, regenerate
 prompts = [[5 + i % 7, 11 + i, 3 + (i * 7) % 13] for i in range(400)]
 keys = [f"k{{i:05d}}" for i in range(400)]
 pool = C.CompletionsPool(C.ClientSettings(({url!r},), timeout_s=5, backoff_s=0.01, concurrency=4, vocab_size=1000))
-job = R.ServerJob(pool, 4)
+job = S.ServerJob(pool, 4)
 regenerate(Path("/unused"), prompts, keys, batch_size=4, decoding=Decoding(16, 0.0, 1.0, [2], 0),
            run=RegenRun(Path({scratch!r}), logging.getLogger("x")),
-           generate_batches=lambda *a, **k: R.server_batches(job, *a, **k))
+           generate_batches=lambda *a, **k: S.server_batches(job, *a, **k))
 """
 
 
