@@ -109,9 +109,14 @@ class _Tally:
         dt = max(now - self.t0, 1e-9)
         done = self.answered + self.failed
         left = self.total - self.resumed - done
-        eta = time.strftime("%H:%M:%S", time.gmtime(left * dt / done)) if done else "-"
+        eta = _hms(left * dt / done) if done else "-"
         return {"answered": self.resumed + self.answered, "retried": self.retried, "failed": self.failed,
                 "tok_s": f"{self.new_tokens / dt:.1f}", "eta": eta}
+
+
+def _hms(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
 def _worker(job: ServerJob, prompts, feed, out: queue.SimpleQueue, call: tuple) -> None:

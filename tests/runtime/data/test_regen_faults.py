@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -51,9 +52,12 @@ def _journal(scratch: Path) -> list[dict]:
 
 
 @pytest.mark.fast
-def test_every_prompt_answered_exactly_once_through_every_retryable_fault(tmp_path):
+def test_every_prompt_answered_exactly_once_through_every_retryable_fault(tmp_path, monkeypatch, caplog):
     """~3 % of prompts each get 503, 429 (Retry-After: 1), a reset mid-body, a hang past the 0.5 s timeout, and one of
-    the two endpoints dies after 40 answers: all 300 answered right, once each (server side and journal)."""
+    the two endpoints dies after 40 answers: all 300 answered right, once each (server side and journal); the progress
+    lines count answered, retried, failed, tokens/s and ETA."""
+    monkeypatch.setattr(S, "LOG_EVERY_S", 0.0)
+    caplog.set_level(logging.INFO, logger=LOG.name)
     st = State({"503": 0.03, "429": 0.03, "reset": 0.03, "hang": 0.02}, vocab=VOCAB, retry_after="1", hang_s=1.0)
     prompts, keys = _prompts(300)
     with FakeCompletions(st) as a, FakeCompletions(st, die_after=40) as b:
@@ -70,6 +74,10 @@ def test_every_prompt_answered_exactly_once_through_every_retryable_fault(tmp_pa
     assert stats["failed_prompts"] == 0 and stats["retried_requests"] >= sum(st.faulted.values())
     assert stats["generated_prompts"] == 300 and stats["concurrency"] == 8
     assert took >= 1.0                            # a 429's Retry-After: 1 was waited for (backoff_s alone: ~10 ms)
+    lines = [r.getMessage() for r in caplog.records if "answered (0 resumed)" in r.getMessage()]
+    assert lines and re.fullmatch(r"regeneration: \d+/300 answered \(0 resumed\), \d+ retried, 0 failed, [\d.]+ new tokens/s, "
+                                  r"ETA \d+:\d\d:\d\d", lines[-1]), lines[-1:]
+    assert int(lines[-1].split(", ")[1].split()[0]) > 0          # retries counted live
     assert res2 == res and st2["resumed_prompts"] == 300 and st2["generated_prompts"] == 0 and len(_journal(tmp_path)) == 300
 
 
