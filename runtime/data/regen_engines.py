@@ -63,6 +63,9 @@ def endpoints_of(rc) -> tuple[str, ...]:
         name = f"data.regenerate.endpoint.{i}" if many else "data.regenerate.endpoint"
         if not u.startswith(("http://", "https://")):
             raise EngineConfigError(name, f"{u!r} is not an http(s) base URL (e.g. http://host:8000)")
+        if "@" in u.split("/")[2]:
+            raise EngineConfigError(name, "has credentials in the URL; give the key through data.regenerate.api_key_env (or "
+                                    "headers), which are never logged")
         urls.append(u.rstrip("/"))
     if len(set(urls)) < len(urls):
         raise EngineConfigError("data.regenerate.endpoint", f"lists an endpoint twice ({urls})")

@@ -240,6 +240,9 @@ def test_config_errors_name_the_field(tmp_path):
     with pytest.raises(R.EngineConfigError) as e:
         R.choose_engine(SimpleNamespace(**base))
     assert e.value.field == "data.regenerate.endpoint.1"
+    with pytest.raises(R.EngineConfigError, match="credentials in the URL") as e:
+        R.choose_engine(SimpleNamespace(**{**base, "endpoint": "https://me:pw@host:1"}))
+    assert e.value.field == "data.regenerate.endpoint" and "pw" not in str(e.value)
     rc = SimpleNamespace(**{**base, "endpoint": ["http://a:1", "https://b:2/"], "api_key_env": "SPECPIPE_TEST_NO_SUCH_KEY"})
     with pytest.raises(R.EngineConfigError, match="SPECPIPE_TEST_NO_SUCH_KEY is not set") as e:
         R.choose_engine(rc)
