@@ -4,7 +4,7 @@ library's `http.client` (one keep-alive connection per worker thread and endpoin
 with an optional CA bundle), with the retries production clients make.
 
 Why not httpx or the `openai` SDK: client CPU. Side by side on the same fake endpoint (bench/regen_scale.py,
-docs/benchmarks.md), bare httpx costs ~1.0 ms of CPU a request and bare `http.client` ~0.24 ms, so the goal of
+docs/benchmarks.md), bare httpx costs 0.83-1.04 ms of CPU a request and bare `http.client` 0.22-0.24 ms, so the goal of
 under 1 ms a request for the whole path (retries, journal, progress) is out of reach on httpx; the SDK is built on
 httpx and parses every answer into pydantic objects on top. Their retries would not have been enough either: httpx
 retries only connection failures (httpcore 1.0.9, httpcore/_sync/connection.py: `retries` catches
