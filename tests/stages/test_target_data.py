@@ -392,6 +392,9 @@ def test_regeneration_through_failing_endpoints_survives_sigterm_and_equals_an_u
         stats = json.loads((wd / "artifacts" / "data" / "stats.json").read_text())["regeneration"]
         assert (stats["resumed_prompts"], stats["generated_prompts"], stats["failed_prompts"]) == (kept, 30 - kept, 0)
         assert set(stats["endpoints"]) == {a.url, b.url} and stats["concurrency"] == 3
+        assert run_cli("report", "--workdir", str(wd)).returncode == 0
+        html = (wd / "report.html").read_text()
+        assert "retried requests" in html and "failed prompts (left out)" in html and a.url in html
         (tmp_path / "fresh").mkdir()
         wd2, r2 = _data_run(tmp_path / "fresh", target_workdir, data, env=env)
         assert r2.returncode == 0, r2.stderr[-3000:]
