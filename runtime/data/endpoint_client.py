@@ -113,11 +113,12 @@ class Endpoint:
         self.port, self.path = u.port or (443 if self.https else 80), u.path.rstrip("/")
         self.token_ids = True           # vLLM's `return_token_ids`; False after a server refused it (text answers)
         self.rest_until = 0.0
-        self.requests = self.answered = self.retried = self.failures_in_row = 0
+        self.requests = self.answered = self.failed_attempts = self.failures_in_row = 0
         self.last_error: str | None = None
 
     def counts(self) -> dict:
-        return {"requests": self.requests, "answered": self.answered, "retried": self.retried, "last_error": self.last_error}
+        return {"requests": self.requests, "answered": self.answered, "failed_attempts": self.failed_attempts,
+                "last_error": self.last_error}
 
 
 class CompletionsPool:
@@ -224,7 +225,7 @@ class CompletionsPool:
                 last = x
                 delay = backoff_delay(attempt, self.s.backoff_s, x.retry_after)
                 with self._lock:
-                    e.retried += 1
+                    e.failed_attempts += 1
                     e.failures_in_row += 1
                     e.last_error = str(x)[:500]
                     rest = backoff_delay(e.failures_in_row, self.s.backoff_s, x.retry_after)

@@ -315,7 +315,7 @@ def report_rows(g: dict) -> list[list]:
             ["hit max_new_tokens", f"{g['hit_max_new_tokens']} (max {g['max_new_tokens']})"],
             ["long prompts skipped", g.get("skipped_long_prompts")], ["responses that loop", g.get("looping")]]
     if g.get("endpoints"):
-        rows += [["endpoints", ", ".join(f"{u} ({c['answered']} answered, {c['retried']} retried)"
+        rows += [["endpoints", ", ".join(f"{u} ({c['answered']} answered, {c['failed_attempts']} failed attempts)"
                                          for u, c in g["endpoints"].items())],
                  ["requests in flight", g.get("concurrency")], ["retried requests", g.get("retried_requests")],
                  ["failed prompts (left out)", f"{g.get('failed_prompts')} (allowed: max_failed_fraction "

@@ -245,10 +245,11 @@ def _failure_stats(job: ServerJob, tally: _Tally, total: int) -> dict:
 def _check_failures(job: ServerJob, tally: _Tally, total: int, answers: AnswerLog) -> None:
     allowed = int(job.max_failed_fraction * total)
     if tally.failed > allowed:
-        worst = max(job.client.endpoints, key=lambda e: e.retried)
+        worst = max(job.client.endpoints, key=lambda e: e.failed_attempts)
         raise EndpointError(f"{tally.failed} of {total} prompts failed every one of their {job.client.s.max_attempts} "
                             f"attempts at {job.client.url} (data.regenerate.max_failed_fraction {job.max_failed_fraction:g} "
-                            f"allows {allowed}); most retried endpoint {worst.url} ({worst.retried} retries); last error: "
+                            f"allows {allowed}); most failing endpoint {worst.url} ({worst.failed_attempts} failed "
+                            f"attempts); last error: "
                             f"{tally.last_error}; {_kept(tally, answers)}")
     if tally.failed:
         tally.log.warning("regeneration: %d of %d prompts failed every attempt and are left out (max_failed_fraction %g "
