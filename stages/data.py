@@ -14,7 +14,7 @@ sample, the message and the text that differs.
 Optionally the target regenerates the responses (what makes a draft match its target, the EAGLE recipe): from
 prompt-only chats, or replacing a conversation's last assistant turn given the earlier ones. Regeneration runs the
 project's own runtime (batched KV-cache decoding, prompts sorted by length into batches), stops at the target's
-stop ids (`target.json["eos_token_ids"]`), and resumes from finished batches in the scratch dir after an
+stop ids (`target.json["eos_token_ids"]`), and resumes from the answers journaled in the scratch dir after an
 interruption. Artifact: see docs/architecture.md (data); what each check proves: docs/stages/data.md.
 
 This module is the stage's contract and orchestration; how samples are read (runtime/data/sources.py), rendered and
@@ -43,6 +43,9 @@ NAME = "data"
 CONSUMES = ("target",)
 VERSION = "2"   # 2: masks from any chat template, regeneration through the runtime, chat_template.jinja
 PACKAGES = ("transformers", "tokenizers", "datasets", "torch")
+# how and where a server engine is reached, not what it answers: a change keeps the answers journaled so far
+EXECUTION_ONLY = tuple(f"regenerate.{k}" for k in ("endpoint", "api_key_env", "headers", "tls_verify", "ca_bundle", "concurrency",
+                                                   "timeout_s", "max_attempts", "backoff_s", "max_failed_fraction"))
 
 Format = Literal["auto", "messages", "prompt", "text"]
 
@@ -96,13 +99,23 @@ class RegenerateConfig(Strict):
     max_new_tokens: int = Field(128, ge=1, description="tokens generated per response at most; prompts longer than "
                                                        "data.max_length minus this are skipped")
     batch_size: int = Field(16, ge=1, description="prompts decoded together (sorted by length to limit padding); through a "
-                                                  "server: requests in flight")
+                                                  "server: the seed numbering, and requests in flight unless concurrency")
     engine: Literal["auto", "vllm", "endpoint", "runtime"] = Field(
         "auto", description="auto: the endpoint when set, else vLLM where installed (the `vllm` section), else specpipe's "
                             "runtime (runtime/data/regen_engines.py)")
-    endpoint: str | None = Field(None, description="base URL of an OpenAI-compatible completions server (vllm serve, "
-                                                   "trtllm-serve, SGLang), e.g. http://host:8000")
+    endpoint: str | list[str] | None = Field(None, description="base URL of an OpenAI-compatible completions server (vllm "
+                                                               "serve, trtllm-serve, SGLang), or a list of them sharing the load")
     endpoint_model: str | None = Field(None, description="model name at the endpoint (default: the first id of GET /v1/models)")
+    api_key_env: str | None = Field(None, description="environment variable holding the endpoint's API key (sent as Bearer)")
+    headers: dict[str, str] = Field(default_factory=dict, description="extra HTTP headers to the endpoint (values never logged)")
+    tls_verify: bool = Field(True, description="verify the endpoint's TLS certificate (https)")
+    ca_bundle: Path | None = Field(None, description="PEM file of the CA certificates that sign the endpoint's certificate")
+    concurrency: int | None = Field(None, ge=1, description="requests in flight to a server engine (default: batch_size)")
+    timeout_s: float = Field(600.0, gt=0, description="per request: connect, send and each read (socket timeouts)")
+    max_attempts: int = Field(6, ge=1, description="attempts per request on 429, 408, 5xx, dropped connections and timeouts")
+    backoff_s: float = Field(0.5, ge=0, description="first retry delay, doubling (<= 30 s, half random), or a longer Retry-After")
+    max_failed_fraction: float = Field(0.0, ge=0, lt=1, description="share of prompts allowed to fail every attempt (left out, "
+                                                                    "counted in stats.json)")
     cut_loops: bool = Field(False, description="end a response that falls into a loop after two copies of the repeated "
                                                "segment (small targets' greedy answers loop; the loop is not trained on)")
     turns: Literal["last", "first"] = Field("last", description="chats: rewrite the last assistant turn (last), or answer the "
@@ -338,26 +351,18 @@ def _write_eval_prompts(ctx: StageContext, sec: Config, renderer, tok, evals: di
 def _regenerate_splits(ctx: StageContext, renderer, tok, tmpl_info: dict, train: list[Sample], heldout: list[Sample],
                        bad: Malformed, shown: int):
     """The target writes the responses (data.regenerate): (train, its rows, heldout, its rows, stats, shown)."""
+    from runtime.data import regenerate as G
     from runtime.data.regen_engines import RegenTarget, choose_engine, run_regeneration
-    from runtime.data.regenerate import (
-        Decoding,
-        RegenRun,
-        first_turn,
-        log_outcome,
-        regenerated_rows,
-        select_jobs,
-        template_consistency,
-    )
 
     sec: Config = ctx.section
     target = ctx.input("target")
     model_dir, tinfo = target_artifact.model_dir(target.path), target_artifact.read_info(target.path)
     rc = sec.regenerate
     budget = sec.max_length - rc.max_new_tokens
-    train, heldout = ([first_turn(s) for s in x] for x in (train, heldout)) if rc.turns == "first" else (train, heldout)
-    train_jobs, skip_t = select_jobs(renderer, tok, train, sec.max_samples, budget, sec.max_length, bad, tmpl_info)
+    train, heldout = ([G.first_turn(s) for s in x] for x in (train, heldout)) if rc.turns == "first" else (train, heldout)
+    train_jobs, skip_t = G.select_jobs(renderer, tok, train, sec.max_samples, budget, sec.max_length, bad, tmpl_info)
     n_held = math.ceil(len(train_jobs) * sec.eval_fraction / (1 - sec.eval_fraction)) if sec.eval_fraction else 0
-    held_jobs, skip_h = select_jobs(renderer, tok, heldout, n_held, budget, sec.max_length, bad, tmpl_info)
+    held_jobs, skip_h = G.select_jobs(renderer, tok, heldout, n_held, budget, sec.max_length, bad, tmpl_info)
     shown = _check_malformed(bad, sec, ctx.log, shown)
     if not train_jobs:
         raise StageError(f"data: no training prompt fits data.max_length - data.regenerate.max_new_tokens = {budget} tokens "
@@ -365,9 +370,8 @@ def _regenerate_splits(ctx: StageContext, renderer, tok, tmpl_info: dict, train:
     if skip_t or skip_h:
         ctx.log.info("regeneration: %d prompts longer than %d tokens (data.max_length %d - max_new_tokens %d) skipped",
                      skip_t + skip_h, budget, sec.max_length, rc.max_new_tokens)
-    stop_ids = list(tinfo.stop_ids)
-    if renderer is not None and tmpl_info["end_of_turn_id"] is not None and tmpl_info["end_of_turn_id"] not in stop_ids:
-        stop_ids.append(tmpl_info["end_of_turn_id"])      # data.chat_template's end of turn
+    eot = tmpl_info["end_of_turn_id"] if renderer is not None else None     # data.chat_template's end of turn
+    stop_ids = list(tinfo.stop_ids) + ([eot] if eot is not None and eot not in tinfo.stop_ids else [])
     greedy = rc.mode == "greedy"
     ctx.log.info("regeneration: %d train + %d held-out prompts, batches of %d sorted by length, up to %d new tokens, %s, "
                  "stop ids %s", len(train_jobs), len(held_jobs), rc.batch_size, rc.max_new_tokens,
@@ -378,18 +382,20 @@ def _regenerate_splits(ctx: StageContext, renderer, tok, tmpl_info: dict, train:
     gens, rs = run_regeneration(
         choose_engine(rc, vllm_cfg, model_dir=model_dir, new_tokens=len(jobs) * rc.max_new_tokens), vllm_cfg=vllm_cfg,
         target=RegenTarget(model_dir, tinfo.dtype, sec.max_length + 8, tok,
-                           tmpl_info.get("end_of_turn_id") or (stop_ids or [None])[0]),
+                           tmpl_info.get("end_of_turn_id") or (stop_ids or [None])[0], tinfo.vocab_size),
         prompts=[j.prompt for j in jobs], keys=[j.sample.key for j in jobs], batch_size=rc.batch_size,
-        decoding=Decoding(rc.max_new_tokens, 0.0 if greedy else rc.temperature, 1.0 if greedy else rc.top_p, stop_ids,
+        decoding=G.Decoding(rc.max_new_tokens, 0.0 if greedy else rc.temperature, 1.0 if greedy else rc.top_p, stop_ids,
                           sec.seed),
-        run=RegenRun(ctx.scratch_dir / "regenerate", ctx.log, ctx.progress,
+        run=G.RegenRun(ctx.scratch_dir / "regenerate", ctx.log, ctx.progress,
                      lambda n: fault_point(NAME, f"regenerate-batch-{n}")))
     rs.update(skipped_long_prompts=skip_t + skip_h, prompt_budget=budget, mode=rc.mode, turns=rc.turns)
-    rs["template"] = (template_consistency(renderer, tok, jobs, gens, tmpl_info.get("end_of_turn_id"))
+    train_jobs, held_jobs, gens = G.answered_only(train_jobs, held_jobs, gens)    # failed within max_failed_fraction
+    jobs = train_jobs + held_jobs
+    rs["template"] = (G.template_consistency(renderer, tok, jobs, gens, tmpl_info.get("end_of_turn_id"))
                       if renderer is not None else None)
-    rows_all, loops = regenerated_rows(jobs, gens, cut_loops=rc.cut_loops)
+    rows_all, loops = G.regenerated_rows(jobs, gens, cut_loops=rc.cut_loops)
     rs.update(loops, cut_loops=rc.cut_loops)
-    log_outcome(ctx.log, rs)
+    G.log_outcome(ctx.log, rs)
     return ([j.sample for j in train_jobs], rows_all[: len(train_jobs)], [j.sample for j in held_jobs],
             rows_all[len(train_jobs):], rs, shown)
 
@@ -418,7 +424,7 @@ def _metrics(stats: dict, tmpl_info: dict) -> dict:
     if regen:
         metrics["regeneration"] = {k: regen.get(k) for k in ("engine", "prompts", "resumed_prompts", "seconds", "prompts_per_s",
                                                              "new_tokens_per_s", "mean_new_tokens", "ended_at_stop",
-                                                             "hit_max_new_tokens", "retokenized")}
+                                                             "hit_max_new_tokens", "retokenized", "failed_prompts")}
     return metrics
 
 
@@ -436,15 +442,9 @@ def report(artifact) -> str:
                       ["assistant header", repr(t["generation_prompt"])]], ["chat template", ""])
     g = s.get("regeneration")
     if g:
-        rows = [["engine", f"{g['engine']} ({g.get('engine_why', '')})"],
-                ["prompts (resumed)", f"{g['prompts']} ({g['resumed_prompts']})"], ["seconds", g["seconds"]],
-                ["prompts/s", g["prompts_per_s"]], ["new tokens/s", g["new_tokens_per_s"]],
-                ["mean new tokens", g["mean_new_tokens"]], ["ended at a stop id", g["ended_at_stop"]],
-                ["hit max_new_tokens", f"{g['hit_max_new_tokens']} (max {g['max_new_tokens']})"],
-                ["long prompts skipped", g.get("skipped_long_prompts")], ["responses that loop", g.get("looping")]]
-        if g.get("template"):
-            rows.append(["equal to the template's rendering", f"{g['template']['consistent']} of {g['template']['checked']}"])
-        out += table(rows, ["regeneration", ""])
+        from runtime.data.regenerate import report_rows
+
+        out += table(report_rows(g), ["regeneration", ""])
     if s.get("malformed"):
         out += "<p>malformed lines: " + esc(", ".join(s["malformed_examples"][:5])) + "</p>"
     return out

@@ -1,20 +1,20 @@
 """Regeneration of the responses by the target (`data.regenerate`, the EAGLE recipe: a draft learns what its target
 writes): what the target continues for each sample (a conversation without its last assistant turn, a prompt, the
 first half of a text), batched decoding through specpipe's runtime (`runtime.engine.speculative`, draft_len 0) with
-resumable finished batches, the rows of prompt + generated ids (loss on the generated ones), and the check that the
-chat template renders exactly those rows."""
+every answer journaled as it arrives (runtime/data/answers.py), the rows of prompt + generated ids (loss on the
+generated ones), and the check that the chat template renders exactly those rows."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from runtime.data.answers import AnswerLog
 from runtime.data.render import need_template, render_prompt, template_error
 from runtime.data.sources import Malformed, Sample
-from runtime.files import atomic_write_text
 
 RUNTIME_DETAIL = "runtime.engine.speculative (autoregressive, KV cache, draft_len 0)"
 
@@ -34,14 +34,15 @@ class Decoding:
 
 @dataclass(frozen=True)
 class RegenRun:
-    """Where a regeneration keeps its finished batches (`scratch`, None: nowhere, nothing resumed), its log, its
+    """Where a regeneration keeps its answers journal (`scratch`, None: nowhere, nothing resumed), its log, its
     progress bars (`progress(total=, desc=)`, none when None) and `on_batch(n)`, called after the n-th batch this run
-    decoded (the stage's fault points)."""
+    completed (the stage's fault points)."""
 
     scratch: Path | None
     log: object
     progress: object = None
     on_batch: object = None
+    answers: AnswerLog | None = None     # the journal every answer is appended to (regenerate opens it)
 
 
 @dataclass
@@ -116,84 +117,75 @@ def select_jobs(r, tok, candidates: list[Sample], limit: int, budget: int, max_l
 
 
 def regenerate(model_dir: Path, prompts: list[list[int]], keys: list[str], *, batch_size: int, decoding: Decoding,
-               run: RegenRun, generate_batches=None) -> tuple[list[list[int]], dict]:
+               run: RegenRun, generate_batches=None) -> tuple[list[list[int] | None], dict]:
     """The target's continuation of every prompt, through specpipe's runtime (`runtime.engine.speculative`: batched
     KV-cache decoding, draft_len 0) or `generate_batches` (an engine of runtime/data/regen_engines.py, same
     signature as `_generate_batches` without `model_dir`). Prompts are sorted by (length, key) into batches of
-    `batch_size`; batch b is decoded with seed `decoding.seed + b`; each finished batch is written to `run.scratch` and
-    reused on a rerun, whatever engine wrote it (an interrupted regeneration continues where it stopped). Returns
-    (generated ids per prompt, cut after the first stop id, and statistics)."""
+    `batch_size`; batch b is decoded with seed `decoding.seed + b`; every answer is appended to the journal
+    `run.scratch/answers.jsonl` (runtime/data/answers.py) as it arrives, and a rerun asks only for the prompts it does
+    not hold, whatever engine wrote it (an interrupted regeneration continues where it stopped). Returns (generated
+    ids per prompt, cut after the first stop id, None for a prompt a server engine failed within its allowed
+    failures; and statistics)."""
     d, scratch, log = decoding, run.scratch, run.log
     n = len(prompts)
     order = sorted(range(n), key=lambda j: (len(prompts[j]), keys[j]))
     batches = [order[i: i + batch_size] for i in range(0, n, batch_size)]
     results: list[list[int] | None] = [None] * n
-    todo, resumed, resumed_batches = _resume_batches(batches, keys, scratch, results, log)
-    if resumed:
-        log.info("regeneration: resumed %d finished batches (%d prompts) from %s; %d prompts left", resumed_batches, resumed,
-                 scratch, n - resumed)
+    answers = AnswerLog(scratch / ANSWERS if scratch is not None else None, keys)
+    resumed = answers.load(results)
+    todo = [(b, idx) for b, idx in enumerate(batches) if any(results[j] is None for j in idx)]
+    if resumed or any(answers.loaded[k] for k in ("torn_bytes", "stale", "repeated", "unreadable")):
+        log.info("regeneration: resumed %d answers from %s (%d prompts left; journal: %s)", resumed, answers.path,
+                 n - resumed, ", ".join(f"{k} {v}" for k, v in answers.loaded.items() if k != "answers"))
     gen = generate_batches or functools.partial(_generate_batches, model_dir)
-    counts = gen(prompts, keys, todo, results, resumed=resumed, decoding=d, run=run)
+    with answers:
+        counts = gen(prompts, keys, todo, results, resumed=resumed, decoding=d, run=dataclasses.replace(run, answers=answers))
     stop = set(d.stop_ids)
-    outs = [t or [] for t in results]
+    outs = [t for t in results if t is not None]
     ended = sum(1 for t in outs if t and t[-1] in stop)
     gen_s, new_tokens, generated = counts["gen_s"], counts["new_tokens"], counts["generated"]
     stats = {
         "engine": counts.get("engine", "runtime"), "engine_detail": counts.get("detail", RUNTIME_DETAIL),
         "retokenized": counts.get("retokenized", 0),
         "prompts": n, "batches": len(batches), "batch_size": batch_size, "resumed_prompts": resumed,
-        "resumed_batches": resumed_batches, "generated_prompts": generated, "max_new_tokens": d.max_new_tokens,
+        "resumed_batches": len(batches) - len(todo), "generated_prompts": generated, "max_new_tokens": d.max_new_tokens,
         "temperature": d.temperature, "top_p": d.top_p, "stop_ids": list(d.stop_ids),
         "load_seconds": round(counts["load_s"], 3), "seconds": round(gen_s, 3),
         "new_tokens": new_tokens,
         "prompts_per_s": round(generated / gen_s, 4) if gen_s else None,
         "new_tokens_per_s": round(new_tokens / gen_s, 3) if gen_s else None,
-        "mean_new_tokens": round(sum(len(t) for t in outs) / n, 2) if n else 0.0,
+        "mean_new_tokens": round(sum(len(t) for t in outs) / len(outs), 2) if outs else 0.0,
         "ended_at_stop": ended,
         "hit_max_new_tokens": sum(1 for t in outs if len(t) >= d.max_new_tokens and not (t and t[-1] in stop)),
         "prefill_padding_fraction": round(counts["padded"] / max(1, counts["padded"] + sum(len(prompts[j]) for _, idx in todo
                                                                                      for j in idx)), 4),
+        "journal": {k: v for k, v in answers.loaded.items() if k != "answers"},
+        **{k: counts[k] for k in SERVER_COUNTS if k in counts},
     }
-    return outs, stats
+    return results, stats
 
 
-def _resume_batches(batches: list[list[int]], keys: list[str], scratch: Path | None, results: list, log):
-    """Fill `results` from the batches a previous run finished (`scratch/batch-<b>.json` with this plan's keys).
-    Returns (the batches left as (b, prompt indices), prompts resumed, batches resumed)."""
-    todo, resumed, resumed_batches = [], 0, 0
-    if scratch is not None:
-        scratch.mkdir(parents=True, exist_ok=True)
-    for b, idx in enumerate(batches):
-        f = scratch / f"batch-{b:05d}.json" if scratch is not None else None
-        if f is not None and f.exists():
-            try:
-                rec = json.loads(f.read_text())
-            except (OSError, json.JSONDecodeError):
-                rec = None
-            if rec and rec.get("keys") == [keys[j] for j in idx] and len(rec.get("tokens", [])) == len(idx):
-                for j, t in zip(idx, rec["tokens"], strict=True):
-                    results[j] = t
-                resumed += len(idx)
-                resumed_batches += 1
-                continue
-            log.warning("regeneration: %s does not match this run's batch plan; generating that batch again", f)
-        todo.append((b, idx))
-    return todo, resumed, resumed_batches
+ANSWERS = "answers.jsonl"
+# what a server engine counts beside the common statistics (runtime/data/regen_engines.py), passed on to stats.json
+SERVER_COUNTS = ("failed_prompts", "failed_fraction", "max_failed_fraction", "failed_examples", "last_error",
+                 "retried_requests", "concurrency", "endpoints")
 
 
 def _generate_batches(model_dir: Path, prompts: list[list[int]], keys: list[str], todo: list, results: list, *,
                       resumed: int, decoding: Decoding, run: RegenRun) -> dict:
-    """Decode the batches in `todo` into `results` (the target is loaded at the first batch), each written to
-    `run.scratch` when finished. Returns the counters {"load_s", "gen_s", "new_tokens", "padded", "generated"}."""
+    """Decode the prompts of `todo` not yet answered into `results` (the target is loaded at the first batch), each
+    batch's answers appended to `run.answers` when it is finished. Returns the counters {"load_s", "gen_s", "new_tokens",
+    "padded", "generated"}."""
     from runtime.engine.sampling import Sampling
 
-    d, scratch, log, progress, on_batch = decoding, run.scratch, run.log, run.progress, run.on_batch
+    d, log, progress, on_batch, answers = decoding, run.log, run.progress, run.on_batch, run.answers
     engine, load_s, gen_s, new_tokens, padded, done, generated = None, 0.0, 0.0, 0, 0, 0, 0
     bars = progress(total=len(prompts), desc="regenerate with target") if progress else contextlib.nullcontext()
     with bars as bar:
         if resumed and progress:
             bar.update(resumed)
-        for b, idx in todo:
+        for b, full in todo:
+            idx = [j for j in full if results[j] is None]
             if engine is None:
                 from runtime.engine.speculative import SpeculativeEngine
                 from runtime.engine.target import load_target
@@ -209,7 +201,7 @@ def _generate_batches(model_dir: Path, prompts: list[list[int]], keys: list[str]
             dt = time.perf_counter() - t0
             for j, t in zip(idx, g.tokens, strict=True):
                 results[j] = t
-            write_batch(scratch, b, [keys[j] for j in idx], g.tokens, dt)
+                answers.append(j, t)
             gen_s += dt
             generated += len(idx)
             new_tokens += sum(len(t) for t in g.tokens)
@@ -221,13 +213,6 @@ def _generate_batches(model_dir: Path, prompts: list[list[int]], keys: list[str]
             if on_batch is not None:
                 on_batch(done)
     return {"load_s": load_s, "gen_s": gen_s, "new_tokens": new_tokens, "padded": padded, "generated": generated}
-
-
-def write_batch(scratch: Path | None, b: int, keys: list[str], tokens: list[list[int]], seconds: float) -> None:
-    """`scratch/batch-<b>.json`: one finished batch (its prompts' keys and generated ids), what a rerun resumes."""
-    if scratch is not None:
-        atomic_write_text(scratch / f"batch-{b:05d}.json",
-                          json.dumps({"keys": keys, "tokens": tokens, "seconds": round(seconds, 3)}))
 
 
 LOOP_MIN_SPAN = 12      # tokens a repeat must cover to count as a loop (indentation or a short ruler is not one)
@@ -307,3 +292,36 @@ def log_outcome(log, rs: dict) -> None:
              rs["looping"], rs["prompts"], LOOP_MAX_PERIOD,
              f"; cut after its second copy: {rs['loop_tokens_cut']} tokens dropped" if rs["cut_loops"] else
              "; kept (data.regenerate.cut_loops: false)")
+
+
+def answered_only(train_jobs: list, held_jobs: list, gens: list) -> tuple[list, list, list]:
+    """The train and held-out jobs and answers without the prompts a server engine failed (answer None, allowed by
+    data.regenerate.max_failed_fraction)."""
+    if all(g is not None for g in gens):
+        return train_jobs, held_jobs, gens
+    nt = len(train_jobs)
+    keep = [g is not None for g in gens]
+    return ([j for j, k in zip(train_jobs, keep[:nt], strict=True) if k],
+            [j for j, k in zip(held_jobs, keep[nt:], strict=True) if k], [g for g in gens if g is not None])
+
+
+def report_rows(g: dict) -> list[list]:
+    """The report's regeneration table (stats.json["regeneration"] `g`): engine, throughput, how answers ended, and for
+    the server engines the endpoints, retries and failures."""
+    rows = [["engine", f"{g['engine']} ({g.get('engine_why', '')})"],
+            ["prompts (resumed)", f"{g['prompts']} ({g['resumed_prompts']})"], ["seconds", g["seconds"]],
+            ["prompts/s", g["prompts_per_s"]], ["new tokens/s", g["new_tokens_per_s"]],
+            ["mean new tokens", g["mean_new_tokens"]], ["ended at a stop id", g["ended_at_stop"]],
+            ["hit max_new_tokens", f"{g['hit_max_new_tokens']} (max {g['max_new_tokens']})"],
+            ["long prompts skipped", g.get("skipped_long_prompts")], ["responses that loop", g.get("looping")]]
+    if g.get("endpoints"):
+        rows += [["endpoints", ", ".join(f"{u} ({c['answered']} answered, {c['failed_attempts']} failed attempts)"
+                                         for u, c in g["endpoints"].items())],
+                 ["requests in flight", g.get("concurrency")], ["retried requests", g.get("retried_requests")],
+                 ["failed prompts (left out)", f"{g.get('failed_prompts')} (allowed: max_failed_fraction "
+                                               f"{g.get('max_failed_fraction')})"]]
+        if g.get("failed_prompts"):
+            rows.append(["last error", g.get("last_error")])
+    if g.get("template"):
+        rows.append(["equal to the template's rendering", f"{g['template']['consistent']} of {g['template']['checked']}"])
+    return rows

@@ -339,8 +339,9 @@ def test_local_hf_dataset_with_column_mapping_and_determinism(tmp_path, target_w
 
 
 def test_regeneration_resumes_after_an_interruption(tmp_path, target_workdir):
-    """Killed (SIGKILL, the runner's fault injection) after 2 finished batches, the rerun reuses them, regenerates only
-    the rest, and ends with exactly the artifact of an uninterrupted run (sampling, so the seeds per batch matter)."""
+    """Killed (SIGKILL, the runner's fault injection) after 2 finished batches, the rerun reuses their answers from the
+    journal, regenerates only the rest, and ends with exactly the artifact of an uninterrupted run (sampling, so the
+    seeds per batch matter)."""
     prompts = _jsonl(tmp_path, [{"messages": [{"role": "user", "content": f"Write function number {i}."}]} for i in range(12)])
     ev = _jsonl(tmp_path, [{"prompt": "class A:"}, {"prompt": "import sys"}], "ev.jsonl")
     data = {"sources": [{"kind": "jsonl", "path": str(prompts)}], "eval_domains": {"c": {"kind": "jsonl", "path": str(ev)}},
@@ -348,12 +349,12 @@ def test_regeneration_resumes_after_an_interruption(tmp_path, target_workdir):
             "regenerate": {"enabled": True, "mode": "sample", "temperature": 1.0, "max_new_tokens": 6, "batch_size": 2}}
     wd, r = _data_run(tmp_path, target_workdir, data, env={"SPECPIPE_FAULT": "data:regenerate-batch-2"})
     assert r.returncode != 0 and not (wd / "artifacts" / "data" / "manifest.json").exists()
-    done = sorted((wd / "scratch" / "data").glob("*/regenerate/batch-*.json"))
-    assert [p.name for p in done] == ["batch-00000.json", "batch-00001.json"]
+    journal = list((wd / "scratch" / "data").glob("*/regenerate/answers.jsonl"))
+    assert len(journal) == 1 and len(journal[0].read_text().splitlines()) == 4      # 2 batches of 2, appended as decoded
     cfg = _config(tmp_path, {"model": str(target_workdir[1])}, data)
     r = run_cli("build", str(cfg), "--workdir", str(wd), *_only_upto("data"))
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "regeneration: resumed 2 finished batches (4 prompts)" in r.stderr and "8 prompts left" in r.stderr
+    assert "regeneration: resumed 4 answers from" in r.stderr and "8 prompts left" in r.stderr
     stats = json.loads((wd / "artifacts" / "data" / "stats.json").read_text())["regeneration"]
     assert (stats["prompts"], stats["resumed_prompts"], stats["generated_prompts"]) == (12, 4, 8)
     (tmp_path / "fresh").mkdir()
@@ -361,6 +362,47 @@ def test_regeneration_resumes_after_an_interruption(tmp_path, target_workdir):
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads((wd2 / "artifacts" / "data" / "stats.json").read_text())["regeneration"]["resumed_prompts"] == 0
     assert _rows(wd2, "train") == _rows(wd, "train") and len(_rows(wd, "train")) == 12
+
+
+def test_regeneration_through_failing_endpoints_survives_sigterm_and_equals_an_undisturbed_run(tmp_path, target_workdir):
+    """`specpipe build --only data` through two endpoints (a fake completions server in this process, API key required)
+    answering 503, 429 with Retry-After, resets mid-body and hangs past the timeout, SIGTERM'd after 4 complete batches:
+    the rerun asks only for what the journal lacks and the artifact equals that of an undisturbed run (sampled, seeded
+    per request); the key is in no log."""
+    from support.fake_completions import FakeCompletions, State
+
+    prompts = _jsonl(tmp_path, [{"messages": [{"role": "user", "content": f"Write function number {i}."}]} for i in range(30)])
+    ev = _jsonl(tmp_path, [{"prompt": "class A:"}, {"prompt": "import sys"}], "ev.jsonl")
+    state = State({"503": 0.05, "429": 0.05, "reset": 0.05, "hang": 0.03}, vocab=500, hang_s=1.0)
+    env = {"SPECPIPE_TEST_REGEN_KEY": "s3cr3t-k3y"}
+    with FakeCompletions(state, api_key="s3cr3t-k3y") as a, FakeCompletions(state, api_key="s3cr3t-k3y") as b:
+        data = {"sources": [{"kind": "jsonl", "path": str(prompts)}], "eval_domains": {"c": {"kind": "jsonl", "path": str(ev)}},
+                "min_length": 4, "eval_fraction": 0.0,
+                "regenerate": {"enabled": True, "engine": "endpoint", "endpoint": [a.url, b.url], "mode": "sample",
+                               "temperature": 1.0, "max_new_tokens": 6, "batch_size": 2, "concurrency": 3, "timeout_s": 0.5,
+                               "backoff_s": 0.01, "api_key_env": "SPECPIPE_TEST_REGEN_KEY"}}
+        wd, r = _data_run(tmp_path, target_workdir, data, env={**env, "SPECPIPE_FAULT": "data:regenerate-batch-4:TERM"})
+        assert r.returncode != 0 and not (wd / "artifacts" / "data" / "manifest.json").exists()
+        journal = next((wd / "scratch" / "data").glob("*/regenerate/answers.jsonl"))
+        kept = len(journal.read_text().splitlines())
+        assert 8 <= kept < 30
+        cfg = _config(tmp_path, {"model": str(target_workdir[1])}, data)
+        r = run_cli("build", str(cfg), "--workdir", str(wd), *_only_upto("data"), env=env)
+        assert r.returncode == 0, r.stderr[-3000:]
+        stats = json.loads((wd / "artifacts" / "data" / "stats.json").read_text())["regeneration"]
+        assert (stats["resumed_prompts"], stats["generated_prompts"], stats["failed_prompts"]) == (kept, 30 - kept, 0)
+        assert set(stats["endpoints"]) == {a.url, b.url} and stats["concurrency"] == 3
+        assert run_cli("report", "--workdir", str(wd)).returncode == 0
+        html = (wd / "report.html").read_text()
+        assert "retried requests" in html and "failed prompts (left out)" in html and a.url in html
+        (tmp_path / "fresh").mkdir()
+        wd2, r2 = _data_run(tmp_path / "fresh", target_workdir, data, env=env)
+        assert r2.returncode == 0, r2.stderr[-3000:]
+    assert state.faulted and json.loads((wd2 / "artifacts" / "data" / "stats.json").read_text())["regeneration"][
+        "retried_requests"] + stats["retried_requests"] > 0
+    assert _rows(wd2, "train") == _rows(wd, "train") and len(_rows(wd, "train")) == 30
+    for text in (r.stderr, r2.stderr, *(p.read_text() for p in wd.glob("logs/*.log"))):
+        assert "s3cr3t" not in text
 
 
 # ------------------------------------------------------------------------------------------ the real model

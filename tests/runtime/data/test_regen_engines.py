@@ -16,8 +16,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from runtime.data import endpoint_client as C
 from runtime.data import regen_engines as R
-from runtime.data.regenerate import Decoding, RegenRun
+from runtime.data import server_engine as S
+from runtime.data.regenerate import Decoding, RegenRun, regenerate
 from runtime.vllm import engine as E
 
 LOG = logging.getLogger("test.regen_engines")
@@ -25,7 +27,9 @@ INST = E.VllmInstall("/venv/bin/python", "0.32.0", "cpu")
 
 
 def rc(**kw):
-    return SimpleNamespace(**{"engine": "auto", "endpoint": None, "endpoint_model": None, **kw})
+    return SimpleNamespace(**{"engine": "auto", "endpoint": None, "endpoint_model": None, "api_key_env": None, "headers": {},
+                              "tls_verify": True, "ca_bundle": None, "concurrency": None, "batch_size": 4, "timeout_s": 600.0,
+                              "max_attempts": 6, "backoff_s": 0.5, "max_failed_fraction": 0.0, **kw})
 
 
 def _missing(python=None):
@@ -60,7 +64,7 @@ def test_choose_engine_explains_its_choice_and_refuses_what_cannot_run(tmp_path)
     assert e.value.field == "data.regenerate.endpoint"
     with pytest.raises(R.EngineConfigError, match="not an http"):
         R.choose_engine(rc(endpoint="host:8000"), on, found)
-    assert R.cut_at_stop([5, 2, 7, 2], [2]) == [5, 2] and R.cut_at_stop([5, 6], [2]) == [5, 6]
+    assert S.cut_at_stop([5, 2, 7, 2], [2]) == [5, 2] and S.cut_at_stop([5, 6], [2]) == [5, 6]
 
 
 @pytest.mark.fast
@@ -116,15 +120,13 @@ def smol(real_model, tmp_path_factory):
 
 @pytest.mark.slow
 def test_vllm_regeneration_matches_the_runtime_and_resumes_without_a_server(smol):
-    from runtime.data.regenerate import regenerate
-
     gens, st, work = smol["gens"], smol["stats"], smol["work"]
     assert st["engine"] == "vllm" and st["generated_prompts"] == N_PROMPTS and st["retokenized"] == 0
     assert st["new_tokens_per_s"] > 0 and st["load_seconds"] > 0
     for g in gens:
         assert 0 < len(g) <= NEW and 2 not in g[:-1]                  # cut after the first <|im_end|>
     assert st["ended_at_stop"] == sum(g[-1] == 2 for g in gens)
-    assert sorted(p.name for p in (work / "regenerate").glob("batch-*.json")) == [f"batch-{b:05d}.json" for b in range(3)]
+    assert len((work / "regenerate" / "answers.jsonl").read_text().splitlines()) == N_PROMPTS    # the journal
     assert "Application startup complete" in (work / "vllm" / "vllm.log").read_text(errors="replace")
     ref, rst = regenerate(smol["model_dir"], smol["prompts"], smol["keys"], batch_size=4, decoding=GREEDY,
                           run=RegenRun(None, LOG))
@@ -148,13 +150,62 @@ def test_endpoint_regeneration_equals_vllm_and_retokenizes_text_answers(smol, tm
         assert st["engine"] == "endpoint" and srv.served_model_name in st["engine_detail"]   # GET /v1/models
         assert gens == smol["gens"] and st["retokenized"] == 0
         # a server that returns text only: the answers re-tokenized (and counted), the stop id given back
-        job = R.ServerJob(R.Completions(srv.url), 4, tok=smol["tok"], end_id=2)
-        job.client.token_ids = False
+        pool = C.CompletionsPool(C.ClientSettings((srv.url,), concurrency=4, vocab_size=len(smol["tok"])))
+        for e in pool.endpoints:
+            e.token_ids = False
+        job = S.ServerJob(pool, 4, tok=smol["tok"], end_id=2)
         res = [None] * N_PROMPTS
-        out = R.server_batches(job, smol["prompts"], smol["keys"], [(0, list(range(N_PROMPTS)))], res, resumed=0,
+        out = S.server_batches(job, smol["prompts"], smol["keys"], [(0, list(range(N_PROMPTS)))], res, resumed=0,
                                decoding=GREEDY, run=RegenRun(None, LOG))
         assert out["retokenized"] == N_PROMPTS
         assert sum(a == b for a, b in zip(res, gens, strict=True)) >= 8
         assert [g[-1] == 2 for g in res] == [g[-1] == 2 for g in gens]
+        _killed_client_resumes(srv, smol, tmp_path / "killed")
     assert srv.process is None
-    assert not Path(tmp_path / "regenerate").joinpath("batch-00003.json").exists()
+
+
+KILLED = """
+import json, logging, sys
+from pathlib import Path
+from runtime.data import endpoint_client as C, server_engine as S
+from runtime.data.regenerate import Decoding, RegenRun, regenerate
+prompts, keys = json.loads(Path(sys.argv[1]).read_text())
+pool = C.CompletionsPool(C.ClientSettings((sys.argv[2],), concurrency=1))
+regenerate(Path("/unused"), prompts, keys, batch_size=4, decoding=Decoding({new}, 0.0, 1.0, [2], 0),
+           run=RegenRun(Path(sys.argv[3]), logging.getLogger("x")),
+           generate_batches=lambda *a, **k: S.server_batches(S.ServerJob(pool, 4), *a, **k))
+"""
+
+
+def _killed_client_resumes(srv, smol, work: Path):
+    """The client killed (SIGKILL) after 3 answers from real vLLM, one request in flight; the rerun asks only for the
+    rest, and the answers equal the undisturbed run's (greedy), each once in the journal."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    work.mkdir()
+    (work / "plan.json").write_text(json.dumps([smol["prompts"], smol["keys"]]))
+    journal = work / "answers.jsonl"
+    repo = Path(__file__).resolve().parents[3]
+    proc = subprocess.Popen([sys.executable, "-c", KILLED.format(new=NEW), str(work / "plan.json"), srv.url, str(work)],
+                            env={**os.environ, "PYTHONPATH": str(repo)})
+    deadline = time.monotonic() + 120
+    while not (journal.exists() and journal.read_text().count("\n") >= 3) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    kept = len(journal.read_text().splitlines())
+    assert 3 <= kept < N_PROMPTS, kept
+    pool = C.CompletionsPool(C.ClientSettings((srv.url,), concurrency=4))
+    try:
+        res, st = regenerate(Path("/unused"), smol["prompts"], smol["keys"], batch_size=4, decoding=GREEDY,
+                             run=RegenRun(work, LOG), generate_batches=lambda *a, **k: S.server_batches(S.ServerJob(pool, 4),
+                                                                                                          *a, **k))
+    finally:
+        pool.close()
+    assert (st["resumed_prompts"], st["generated_prompts"]) == (kept, N_PROMPTS - kept)
+    assert res == smol["gens"]
+    assert sorted(json.loads(x)["i"] for x in journal.read_text().splitlines()) == list(range(N_PROMPTS))
