@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 
 NAME = "build"
 CONSUMES: tuple[str, ...] = ("target", "data", "train_draft", "quantize", "validate", "tune")
-VERSION = "3"   # 3: build.ngram (deployment/ngram/)
+VERSION = "4"   # 3: build.ngram (deployment/ngram/); 4: build.chunked_prefill (long prompts)
 PACKAGES = ("tensorrt_llm",)
 USES = ("hardware",)
 
@@ -100,7 +100,12 @@ class Config(StageSection):
         "two_model (1.2 only) also writes disable_overlap_scheduler: true"))
     max_batch_size: int | None = Field(None, ge=1, description="default: from tune")
     max_num_tokens: int | None = Field(None, ge=1, description="default: from tune")
-    max_seq_len: int | None = Field(None, ge=16, description="default: min(target, draft) positions")
+    max_seq_len: int | None = Field(None, ge=16, description=(
+        "default: min(target, draft) positions (chunked_prefill: off caps it at max_num_tokens)"))
+    chunked_prefill: Literal["auto", "on", "off"] = Field("auto", description=(
+        "enable_chunked_prefill: auto writes it where a prompt of max_seq_len - 1 tokens exceeds max_num_tokens (the "
+        "PyTorch backend refuses such prompts without it); off never writes it and caps the default max_seq_len at "
+        "max_num_tokens, a deliberate prompt limit"))
     kv_cache: KvCache = Field(default_factory=KvCache)
     cuda_graphs: bool = Field(True, description="CUDA-graph batch sizes from tune (schedule boundaries included)")
     pipeline_parallel_size: int = Field(1, ge=1, description="> 1 is refused: speculation is incompatible with pipeline "
@@ -315,6 +320,14 @@ def _deployment_spec(ctx: StageContext, plan: _Plan, ddraft: _DeployedDraft) -> 
     positions = [p for p in (plan.tcfg.get("max_position_embeddings"),
                              draft_positions(plan.dcfg) if plan.dcfg else None) if p]
     msl = sec.max_seq_len or (min(positions) if positions else 2048)
+    if sec.chunked_prefill == "off" and not sec.max_seq_len and msl > mnt:
+        ctx.log.info("build.chunked_prefill: off: max_seq_len capped at max_num_tokens %d (the models cover %d): "
+                     "longer prompts would be refused by TensorRT-LLM's PyTorch backend", mnt, msl)
+        msl = int(mnt)
+    chunked = sec.chunked_prefill == "on" or (sec.chunked_prefill == "auto" and msl - 1 > mnt)
+    if chunked and sec.chunked_prefill == "auto":
+        ctx.log.info("enable_chunked_prefill: true: max_seq_len %d allows prompts longer than max_num_tokens %d, which "
+                     "TensorRT-LLM's PyTorch backend refuses without chunked prefill", msl, mnt)
     kv = {"free_gpu_memory_fraction": sec.kv_cache.free_gpu_memory_fraction,
           "enable_block_reuse": sec.kv_cache.enable_block_reuse}
     if sec.kv_cache.dtype == "fp8":
@@ -329,7 +342,8 @@ def _deployment_spec(ctx: StageContext, plan: _Plan, ddraft: _DeployedDraft) -> 
         max_batch_size=mbs, max_num_tokens=int(mnt), max_seq_len=int(msl), cuda_graph_batch_sizes=cg, kv_cache=kv,
         eagle3_one_model=sec.eagle3_mode == "one_model", tensor_parallel_size=ctx.config.hardware.tensor_parallel_size,
         pipeline_parallel_size=sec.pipeline_parallel_size,
-        acceptance_window=guard.window if guard else None, min_acceptance_rate=guard.min_acceptance_rate if guard else None)
+        acceptance_window=guard.window if guard else None, min_acceptance_rate=guard.min_acceptance_rate if guard else None,
+        enable_chunked_prefill=chunked)
 
 
 def _llm_api_options(spec: DeploymentSpec, version: str) -> dict:
@@ -411,6 +425,7 @@ def _deployment_doc(ctx: StageContext, plan: _Plan, options: dict, ddraft: _Depl
         "eagle3_layers_to_capture": sc.get("eagle3_layers_to_capture"),
         "max_draft_len": plan.kmax, "max_batch_size": plan.mbs,
         "max_num_tokens": options["max_num_tokens"], "max_seq_len": options["max_seq_len"],
+        "enable_chunked_prefill": bool(options.get("enable_chunked_prefill")),
         "draft_schedule": runs.to_json(plan.mbs), "schedule_note": plan.tuning.deployment.get("note"),
         "acceptance_guard": guard_doc or None, "acceptance_guard_note": guard_note,
         "options_file": "deployment/llm_api_options.yaml",

@@ -152,6 +152,15 @@ SOURCES: dict[str, str] = {
                        "cache of PR #10502) adds quant_config=model_config.get_quant_config() to fc; "
                        "tensorrt_llm/_torch/modules/linear.py copy_weight: src.to(dst.dtype), no scale",
     "dflash_block_size": "llm_args.py DFlashDecodingConfig (1.3): max_draft_len <= block_size - 1",
+    "prompt_vs_max_num_tokens": "tensorrt_llm/llmapi/llm.py BaseLLM._check_arguments, read at "
+                                "byshiue/TensorRT-LLM@1dbe7443c687504a8c96db5fe4a534b0bdba1ae5 (a 1.x-line snapshot; the "
+                                "NVIDIA/TensorRT-LLM version the index holds for main raises RequestError on the same "
+                                "condition): for backend pytorch, `not enable_chunked_prefill and not is_gen_only` and "
+                                "prompt_len / cp_size + query_len > max_num_tokens -> 'The sum of prompt length (...), query "
+                                "length (...) should not exceed max_num_tokens (...)'. Added by PR #5541 (merged 2025-06-27, "
+                                "before the 1.2 line); PR #9499 'Enable chunked prefill by default' was closed unmerged, so "
+                                "enable_chunked_prefill stays False by default (BaseLlmArgs, schemas/trtllm-1.2.json); issue "
+                                "#9277 shows the error from a Triton LLM-API model (llm.py(583): _check_arguments)",
 }
 
 

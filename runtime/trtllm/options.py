@@ -33,6 +33,7 @@ class DeploymentSpec:
     pipeline_parallel_size: int = 1
     acceptance_window: int | None = None         # guard: switch speculation off when acceptance collapses
     min_acceptance_rate: float | None = None
+    enable_chunked_prefill: bool = False         # written only when True (TensorRT-LLM's default is False)
 
     @property
     def release(self) -> compat.Release:
@@ -79,6 +80,10 @@ def llm_api_options(spec: DeploymentSpec) -> dict:
         "max_seq_len": spec.max_seq_len,
         "kv_cache_config": dict(spec.kv_cache),
     }
+    if spec.enable_chunked_prefill:
+        # prompts longer than max_num_tokens are prefilled over several iterations instead of being refused
+        # (checks.prompt_rejection, compat.SOURCES prompt_vs_max_num_tokens)
+        opts["enable_chunked_prefill"] = True
     if spec.cuda_graph_batch_sizes:
         # batch_sizes only: with max_batch_size too, 1.2 requires batch_sizes to equal its generated list
         opts["cuda_graph_config"] = {"enable_padding": spec.cuda_graph_padding,
