@@ -249,7 +249,8 @@ def _write_profile(ctx: StageContext, plan: _Plan, where: Path, doc: dict, k1: i
                                                  algorithm=plan.algo, draft_schedule=doc.get("draft_schedule"),
                                                  deployed_draft_len=k1)
     f = P.write_profile(prof, [where])[0]
-    ctx.log.info("%s: the draft's measured acceptance (AL %s at k=%s, %s)", f.relative_to(ctx.out_dir),
+    ctx.log.info("%s: the draft's measured acceptance (AL %s at the deployed k=%s; %s at the measured k=%s; %s)",
+                 f.relative_to(ctx.out_dir), prof["deployed_accept_length"], prof["deployed_draft_len"],
                  prof["mean_accept_length"], prof["num_speculative_tokens"], prof["measurement_conditions"]["engine"])
 
 

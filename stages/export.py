@@ -122,10 +122,12 @@ def _speculation_profile(ctx: StageContext, acc: validate_artifact.AcceptanceInf
     if vllm:
         dirs.append(ctx.out_dir / "speculators")
     files = [str(f.relative_to(ctx.out_dir)) for f in P.write_profile(doc, dirs)]
-    ctx.log.info("speculation_profile.json (%s, AL %s at k=%s): %s", doc["measurement_conditions"]["engine"],
+    ctx.log.info("speculation_profile.json (%s, AL %s at the deployed k=%s, %s at the measured k=%s): %s",
+                 doc["measurement_conditions"]["engine"], doc["deployed_accept_length"], doc["deployed_draft_len"],
                  doc["mean_accept_length"], doc["num_speculative_tokens"], ", ".join(files))
     return {"files": files, "engines": [m["engine"] for m in doc["measurements"]],
-            "mean_accept_length": doc["mean_accept_length"], "num_speculative_tokens": doc["num_speculative_tokens"]}
+            "mean_accept_length": doc["mean_accept_length"], "num_speculative_tokens": doc["num_speculative_tokens"],
+            "deployed_draft_len": doc["deployed_draft_len"], "deployed_accept_length": doc["deployed_accept_length"]}
 
 
 def _production_repository(ctx: StageContext, dep: build_artifact.DeploymentInfo, options: dict, io: dict, image: str | None,
