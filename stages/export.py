@@ -256,9 +256,7 @@ def _speculators(ctx: StageContext, dep: build_artifact.DeploymentInfo, options:
                                 tensor_parallel_size=int(options.get("tensor_parallel_size") or 1), schedule=sched)
     (spec.path / "README.md").write_text(V.readme(spec, argv, draft=str(final), source_draft=str(src.resolve()),
                                                   deployed_draft=dep.draft_dir))
-    (spec.path / "serve_vllm.sh").write_text("#!/usr/bin/env bash\n# vLLM with the speculators draft beside this "
-                                             "script (see README.md); extra arguments go to `vllm serve`.\n"
-                                             f"set -euo pipefail\nexec {shlex.join(argv)} \"$@\"\n")
+    (spec.path / "serve_vllm.sh").write_text(V.serve_script(argv))
     (spec.path / "serve_vllm.sh").chmod(0o755)
     ctx.log.info("speculators/: %s draft for vLLM, %d speculative tokens, capture layers %s (speculators numbering), %s",
                  spec.algorithm, spec.speculative_tokens, spec.aux_hidden_state_layer_ids,
