@@ -60,6 +60,9 @@ class Config(StageSection):
     speculators: bool = Field(True, description=(
         "also write speculators/: the BF16 draft in the speculators 0.9 format with the tuned draft length and a "
         "`vllm serve` command, for vLLM"))
+    speculators_verifier: str | None = Field(None, description=(
+        "speculators/config.json verifier.name_or_path: the target as the serving side names it (a hub id, or its "
+        "path there); default: target.model when it is a hub id, else the FP8 target's path on this machine"))
 
 
 def run(ctx: StageContext) -> dict:
@@ -245,7 +248,8 @@ def _speculators(ctx: StageContext, dep: build_artifact.DeploymentInfo, options:
     final = Path(ctx.workdir).resolve() / "artifacts" / NAME / "speculators"     # where it lives once committed
     try:
         spec = S.write_speculators_draft(src, ctx.out_dir / "speculators", target_dir=dep.target_dir,
-                                         speculative_tokens=int(dep.max_draft_len))
+                                         speculative_tokens=int(dep.max_draft_len),
+                                         verifier_name_or_path=_verifier_name(ctx, dep))
     except S.SpeculatorsFormatError as e:
         raise StageError(f"the draft cannot be written in the speculators format for vLLM: {e} "
                          "(export.speculators: false exports without it)") from None
@@ -265,6 +269,19 @@ def _speculators(ctx: StageContext, dep: build_artifact.DeploymentInfo, options:
         ctx.log.info("speculators/: %s", note)
     return {**spec.as_dict(), "source_draft": str(src.resolve()), "vllm_serve": shlex.join(argv),
             "readme": "speculators/README.md", "script": "speculators/serve_vllm.sh"}
+
+
+def _verifier_name(ctx: StageContext, dep: build_artifact.DeploymentInfo) -> str:
+    """What speculators/config.json names as the verifier: `export.speculators_verifier`, else the target's hub id
+    (target.model, when it is not a local path), else the FP8 target's path here (logged: only valid on this machine)."""
+    model = ctx.config.target.model
+    if ctx.section.speculators_verifier:
+        return ctx.section.speculators_verifier
+    if model and not model.startswith((".", "/", "~")) and model.count("/") == 1 and not Path(model).exists():
+        return model
+    ctx.log.warning("speculators/config.json names the verifier by its path on this machine (%s): set "
+                    "export.speculators_verifier to the target as the serving side names it", dep.target_dir)
+    return str(Path(dep.target_dir).resolve())
 
 
 def fingerprint_extra(section: Config) -> dict | None:
