@@ -183,7 +183,8 @@ docker run --gpus all -p 8000:8000 -e HOST=0.0.0.0 -v <run>:<run> <image with vL
 (the run mounted at the same absolute path: the command names the checkpoints by path).
 Or, since `config.json` names the verifier, `vllm serve {shlex.quote(draft)}` (vLLM then serves
 `{spec.verifier}` with this draft and the draft's own `num_speculative_tokens` = {spec.speculative_tokens}; a path
-must exist where vLLM runs, a hub id is the hub's model, not this run's FP8 target; `export.speculators_verifier` sets it). {_schedule_text(argv, spec)}
+must exist where vLLM runs, a hub id is the hub's model, not this run's FP8 target; `export.speculators_verifier` sets
+it). {_schedule_text(argv, spec)}
 On a CPU machine, `specpipe serve --engine vllm --workdir <run>` serves the BF16 target with this draft (vLLM's CPU
 FP8 kernel does not take every shape the FP8 target has).
 
