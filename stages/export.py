@@ -158,7 +158,8 @@ def _production_repository(ctx: StageContext, dep: build_artifact.DeploymentInfo
     (prod / sec.model_name / "config.pbtxt").write_text(
         config_pbtxt(sec.model_name, io, decoupled=sec.decoupled,
                      max_batch_size=body["triton_config"]["max_batch_size"]))
-    (prod / "launch.sh").write_text(triton_launch.launch_sh(sec.container_path, sec.model_name))
+    (prod / "launch.sh").write_text(triton_launch.launch_sh(sec.container_path, sec.model_name,
+                                                            int(options.get("tensor_parallel_size") or 1)))
     (prod / "launch.sh").chmod(0o755)
     fmt = _prompt_format(ctx, dep, prod)
     (prod / "README.md").write_text(_readme(sec, dep, image, ctx.workdir)
