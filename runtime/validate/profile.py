@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 SCHEMA_VERSION = "1.0"            # ModelOpt's speculation_profile schema version
 SPECPIPE_PROFILE_VERSION = 2      # specpipe's extension fields (measurements, histogram_source, deployed_draft_len;
-#                                   2: accept_length_by_k_source, deployed_accept_length)
+#                                   2: accept_length_by_k_source, deployed_accept_length, served_computation)
 FILENAME = "speculation_profile.json"
 _CHAIN_METHODS = frozenset({"eagle", "eagle1", "eagle2", "eagle3", "draft_model"})   # ModelOpt's _CHAIN_DRAFTING_METHODS
 ENGINE_NAMES = {"reference": "specpipe", "tensorrt_llm": "tensorrt_llm"}
@@ -205,8 +205,31 @@ def build_profile(acc: AcceptanceInfo, *, method: str, target: dict, draft: dict
         "specpipe_profile_version": SPECPIPE_PROFILE_VERSION, "deployed_draft_len": deployed_draft_len,
         "accept_length_by_k_source": _by_k_source(by_k, K, meth),
         "deployed_accept_length": by_k.get(str(deployed_draft_len)) if deployed_draft_len else None,
+        "served_computation": served_computation(acc, meth),
         "measurements": ms,
     }
+
+
+def served_computation(acc: AcceptanceInfo, meth: str | None) -> dict | None:
+    """EAGLE-3: the acceptance length for the first-layer computation the engines run, `hidden_norm(h)` (TensorRT-LLM,
+    vLLM, SGLang; validate's `first_layer_norm: serving`), beside the one validate gated on when that was ModelOpt's
+    training form `hidden_norm(input_layernorm(h))` (docs/stages/validate.md). Per domain from validate's
+    `fp8_other_norm` arm, or from the main measurement when validate ran the serving form; overall only then (the other
+    arm records no step counts). None for other methods (DFlash has no such choice)."""
+    if meth != "eagle3":
+        return None
+    norm = (acc.draft or {}).get("first_layer_norm") or "modelopt"
+    key = "fp8" if norm == "serving" else "fp8_other_norm"
+    per = {d: ((v or {}).get(key) or {}).get("acceptance_length") for d, v in acc.domains.items()}
+    main = {d: ((v or {}).get("fp8") or {}).get("acceptance_length") for d, v in acc.domains.items()}
+    measured = any(x is not None for x in per.values())
+    return {"first_layer_norm": "serving", "computation": "hidden_norm(h), as TensorRT-LLM, vLLM and SGLang compute it",
+            "measured": measured, "per_category": per if measured else None,
+            "mean_accept_length": ((acc.overall or {}).get("fp8") or {}).get("acceptance_length") if norm == "serving" else None,
+            "source": ("validate's measurement (validate.first_layer_norm: serving)" if norm == "serving" else
+                       "validate's fp8_other_norm arm" if measured else "not measured (validate.measure_other_norm: false)"),
+            "validate_first_layer_norm": norm,
+            "validate_per_category": main if norm != "serving" else None}
 
 
 def _by_k_source(by_k: dict, K: int, meth: str | None) -> dict[str, str]:

@@ -132,6 +132,38 @@ def test_profile_states_the_al_at_every_k_and_the_deployed_one():
     assert d["deployed_accept_length"] == 2.925 and "DFlash drafter" in d["accept_length_by_k_source"]["2"]
 
 
+@pytest.mark.fast
+def test_profile_and_verdict_lead_with_the_first_layer_the_engines_compute():
+    """validate gates on ModelOpt's training first layer hidden_norm(input_layernorm(h)) by default; TensorRT-LLM, vLLM
+    and SGLang compute hidden_norm(h) (validate's `serving`, measured as fp8_other_norm): the profile's
+    served_computation and the report's verdict table give that figure first, the gated one beside it."""
+    from pipeline.verdict import al_rows
+    from runtime.records import AcceptanceInfo
+    from runtime.validate.profile import build_profile
+
+    st = {"acceptance_length": 2.5, "steps": 4, "accepted_per_step": [1, 1, 1, 1]}
+    doc = {"max_draft_len": 3, "runtime": "reference", "draft": {"first_layer_norm": "modelopt"}, "gates": {"passed": True},
+           "domains": {"code": {"fp8": st, "fp8_other_norm": {"first_layer_norm": "serving", "acceptance_length": 2.2}},
+                       "prose": {"fp8": {**st, "acceptance_length": 2.0}}},
+           "overall": {"fp8": st}}
+    p = build_profile(AcceptanceInfo.from_json(doc), method="eagle3", target={}, draft={}, conditions={})
+    sc = p["served_computation"]
+    assert sc["first_layer_norm"] == "serving" and sc["measured"] and sc["per_category"] == {"code": 2.2, "prose": None}
+    assert sc["validate_per_category"] == {"code": 2.5, "prose": 2.0} and sc["mean_accept_length"] is None
+    assert p["mean_accept_length"] == 2.5                                # ModelOpt's fields keep validate's measurement
+    header, rows = al_rows(doc)
+    assert "hidden_norm(h)" in header[1] and "training first layer" in header[2]
+    assert rows[0][:3] == ["code", 2.2, 2.5] and rows[1][:3] == ["prose", "not measured", 2.0]
+    assert rows[2][:3] == ["overall", "per domain only", 2.5]
+    serving = {**doc, "draft": {"first_layer_norm": "serving"}}
+    served = build_profile(AcceptanceInfo.from_json(serving), method="eagle3", target={}, draft={}, conditions={})
+    sc = served["served_computation"]
+    assert sc["mean_accept_length"] == 2.5 and sc["per_category"]["code"] == 2.5
+    assert "hidden_norm" not in al_rows(serving)[0][1]                   # nothing to put beside it
+    assert build_profile(AcceptanceInfo.from_json(doc), method="dflash", target={}, draft={}, conditions={})[
+        "served_computation"] is None
+
+
 # ---------------------------------------------------------------------------------------------- the tiny run
 
 
@@ -237,8 +269,9 @@ def test_report_opens_with_the_verdict(run_dir, tmp_path):
     assert "<h2 id='verdict'>Verdict</h2>" in head and "<h2>validate</h2>" not in head
     text = _text(head)
     assert "SHIPPED" in text and "gate(s) passed" in text
-    for d, v in acc["domains"].items():
-        assert re.search(rf"{d} {v['fp8']['acceptance_length']:.4g} ", text), (d, text)
+    for d, v in acc["domains"].items():     # the engines' first layer first where validate measured it, then the gated AL
+        lead = f"{v['fp8_other_norm']['acceptance_length']:.4g} " if v.get("fp8_other_norm") else ""
+        assert re.search(rf"{d} {lead}{v['fp8']['acceptance_length']:.4g} ", text), (d, text)
     assert f"{tune['predicted_speedup_batch1']:.2f}x at batch 1" in text
     assert "H200" in text
     ex = json.loads((arts / "export" / "export.json").read_text())
