@@ -63,16 +63,27 @@ def outcome(doc: dict, acc: dict | None) -> tuple[str, str]:
 
 def al_rows(acc: dict) -> tuple[list[str], list[list]]:
     """(header, rows) of the acceptance length per domain: the deployed FP8 pair on specpipe's runtime, BF16 and
-    retention, then one column per engine-measured entry (acceptance.json `engines`)."""
+    retention, then one column per engine-measured entry (acceptance.json `engines`). For an EAGLE-3 pair validate
+    measured with ModelOpt's training first layer and also with the engines' `hidden_norm(h)` (`fp8_other_norm`), the
+    engines' computation leads and the gated figure stands beside it (docs/stages/validate.md)."""
     engines = sorted((acc.get("engines") or {}).items())
     runtime = "specpipe" if acc.get("runtime") == "reference" else str(acc.get("runtime"))
-    header = ["domain", f"AL deployed pair ({runtime} runtime)", "AL BF16 pair", "retention",
+    domains = acc.get("domains") or {}
+    served = (acc.get("draft") or {}).get("first_layer_norm") == "modelopt" and \
+        any((v or {}).get("fp8_other_norm") for v in domains.values())
+    lead = [f"AL deployed pair, first layer hidden_norm(h) as the engines compute it ({runtime} runtime)",
+            "AL with ModelOpt's training first layer (gated)"] if served else [f"AL deployed pair ({runtime} runtime)"]
+    header = ["domain", *lead, "AL BF16 pair", "retention",
               *[f"AL measured by {name}" + (f" {e.get('version')}" if e.get("version") else "") for name, e in engines]]
     rows = []
-    for d, v in [*(acc.get("domains") or {}).items(), ("overall", acc.get("overall") or {})]:
+    for d, v in [*domains.items(), ("overall", acc.get("overall") or {})]:
         eng = [((e.get("domains") or {}).get(d, {}) if d != "overall" else (e.get("overall") or {})).get("acceptance_length")
                for _, e in engines]
-        rows.append([d, (v.get("fp8") or {}).get("acceptance_length"), (v.get("bf16") or {}).get("acceptance_length"),
+        al = [(v.get("fp8") or {}).get("acceptance_length")]
+        if served:
+            other = (v.get("fp8_other_norm") or {}).get("acceptance_length")
+            al = ["per domain only" if d == "overall" else "not measured" if other is None else other, *al]
+        rows.append([d, *al, (v.get("bf16") or {}).get("acceptance_length"),
                      v.get("retention"), *["not measured" if x is None else x for x in eng]])
     return header, rows
 

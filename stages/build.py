@@ -1,32 +1,30 @@
 """Stage `build`: the TensorRT-LLM deployment of the FP8 target and its draft.
 
-For EAGLE-3 and DFlash TensorRT-LLM has no engine build: they run in the PyTorch backend (LLM API), where
-the deployment is the checkpoint pair plus the LLM-API options (CUDA graphs are captured when `LLM(...)`
-starts). So this stage writes, for the TensorRT-LLM version it targets (`build.trtllm_version`, default the
-version the shipped Triton image pins, `runtime/trtllm/compat.py`) and in that version's forms:
+For EAGLE-3 and DFlash TensorRT-LLM has no engine build: they run in the PyTorch backend (LLM API), where the deployment
+is the checkpoint pair plus the LLM-API options (CUDA graphs are captured when `LLM(...)` starts). So this stage writes,
+for the TensorRT-LLM version it targets (`build.trtllm_version`, default the version the shipped Triton image pins,
+`runtime/trtllm/compat.py`) and in that version's forms:
 
-  deployment/llm_api_options.yaml   speculative_config (the tuned draft length per batch size, the capture layers,
-                                    the acceptance guard), batch/token/sequence limits, KV, CUDA graphs
-  deployment/draft/                 the EAGLE-3 draft with its layers named as the targeted loader reads them, where
-                                    that differs from ModelOpt's names (1.2: midlayer.*); train_draft's artifact
-                                    stays as ModelOpt wrote it
-  deployment/[draft/]speculation_profile.json  the draft's measured acceptance (validate's, ModelOpt's proposed
-                                    schema, docs/stages/build_export.md): in draft/ where build writes the draft,
-                                    else beside the options that name it
+  deployment/llm_api_options.yaml   speculative_config (the tuned draft length per batch size, the capture layers, the
+                                    acceptance guard), batch/token/sequence limits, chunked prefill, KV, CUDA graphs
+  deployment/draft/                 the EAGLE-3 draft with its layers named as the targeted loader reads them, where that
+                                    differs from ModelOpt's (1.2: midlayer.*); train_draft's artifact stays as ModelOpt wrote it
+  deployment/[draft/]speculation_profile.json  the draft's measured acceptance (validate's, ModelOpt's proposed schema,
+                                    docs/stages/build_export.md): in draft/ where build writes the draft, else beside the options
   deployment/serve.sh               trtllm-serve <FP8 target> --backend pytorch --extra_llm_api_options ...
-  deployment/bench.sh               trtllm-bench throughput on bench_dataset.jsonl (the eval prompts, repeated
-                                    to hold `bench.rounds` x the bench concurrency requests)
-  deployment/README.md              what was built, for which version/container, which batch sizes get which
-                                    draft length, the checks, how to run it
+  deployment/bench.sh               trtllm-bench throughput on bench_dataset.jsonl (the eval prompts, repeated to hold
+                                    `bench.rounds` x the bench concurrency requests)
+  deployment/README.md              what was built, for which version/container, which batch sizes get which draft length,
+                                    the checks, how to run it
   deployment.json                   the same facts for `export` and `status`
   deployment/ngram/                 with build.ngram.enabled: n-gram (prompt-lookup) drafting of the target, TensorRT-LLM's
                                     NGramDecodingConfig options and vLLM's ngram speculative_config (runtime/trtllm/ngram.py)
 
-When `tune` found that speculation never pays, the deployment is the target alone (no speculative_config) and
-the README says why. Every key is checked against the version's field list, and the named consistency checks
-of `runtime.trtllm.checks.consistency_checks` must pass (a failed check fails the stage with its message).
-Where `tensorrt_llm` imports and a CUDA GPU exists, `LLM(...)` is instantiated from the written options and a
-short generation is run; elsewhere the stage records plainly that the deployment was written, not loaded.
+When `tune` found that speculation never pays, the deployment is the target alone (no speculative_config) and the README
+says why. Every key is checked against the version's field list, and the named consistency checks of
+`runtime.trtllm.checks.consistency_checks` must pass (a failed check fails the stage with its message). Where
+`tensorrt_llm` imports and a CUDA GPU exists, `LLM(...)` is instantiated from the written options and a short generation
+is run; elsewhere the stage records plainly that the deployment was written, not loaded.
 """
 from __future__ import annotations
 
@@ -53,7 +51,7 @@ if TYPE_CHECKING:
 
 NAME = "build"
 CONSUMES: tuple[str, ...] = ("target", "data", "train_draft", "quantize", "validate", "tune")
-VERSION = "3"   # 3: build.ngram (deployment/ngram/)
+VERSION = "4"   # 3: build.ngram (deployment/ngram/); 4: build.chunked_prefill (long prompts)
 PACKAGES = ("tensorrt_llm",)
 USES = ("hardware",)
 
@@ -96,15 +94,17 @@ class Config(StageSection):
         "TensorRT-LLM backend; EAGLE-3 and DFlash run only in pytorch (the LLM API), tensorrt is refused"))
     trtllm_version: str = Field(compat.DEFAULT_TRTLLM_VERSION, description=(
         "TensorRT-LLM whose field names and semantics are written; default: the version the shipped Triton image pins"))
-    eagle3_mode: Literal["one_model", "two_model"] = Field("one_model", description=(
-        "two_model (1.2 only) also writes disable_overlap_scheduler: true"))
+    eagle3_mode: Literal["one_model", "two_model"] = Field("one_model", description="two_model (1.2 only) also writes "
+                                                                                    "disable_overlap_scheduler: true")
     max_batch_size: int | None = Field(None, ge=1, description="default: from tune")
     max_num_tokens: int | None = Field(None, ge=1, description="default: from tune")
-    max_seq_len: int | None = Field(None, ge=16, description="default: min(target, draft) positions")
+    max_seq_len: int | None = Field(None, ge=16, description="default: min(target, draft) positions (see chunked_prefill)")
+    chunked_prefill: Literal["auto", "on", "off"] = Field("auto", description=(
+        "auto: enable_chunked_prefill where a prompt of max_seq_len - 1 tokens exceeds max_num_tokens (refused without "
+        "it); off: never, and the default max_seq_len is capped at max_num_tokens (a deliberate prompt limit)"))
     kv_cache: KvCache = Field(default_factory=KvCache)
     cuda_graphs: bool = Field(True, description="CUDA-graph batch sizes from tune (schedule boundaries included)")
-    pipeline_parallel_size: int = Field(1, ge=1, description="> 1 is refused: speculation is incompatible with pipeline "
-                                                             "parallelism")
+    pipeline_parallel_size: int = Field(1, ge=1, description="> 1 is refused: speculation needs pipeline_parallel_size 1")
     acceptance_guard: AcceptanceGuard | None = Field(None, description="switch speculation off when acceptance collapses")
     bench: Bench = Field(default_factory=Bench, description="trtllm-bench command and dataset")
     load: Literal["auto", "never"] = Field("auto", description="auto: instantiate LLM(...) where TensorRT-LLM and a GPU exist")
@@ -244,8 +244,8 @@ def _write_profile(ctx: StageContext, plan: _Plan, where: Path, doc: dict, k1: i
                                                  algorithm=plan.algo, draft_schedule=doc.get("draft_schedule"),
                                                  deployed_draft_len=k1)
     f = P.write_profile(prof, [where])[0]
-    ctx.log.info("%s: the draft's measured acceptance (AL %s at k=%s, %s)", f.relative_to(ctx.out_dir),
-                 prof["mean_accept_length"], prof["num_speculative_tokens"], prof["measurement_conditions"]["engine"])
+    ctx.log.info("%s: AL %s at the deployed k=%s (%s at the measured k=%s)", f.relative_to(ctx.out_dir),
+                 prof["deployed_accept_length"], k1, prof["mean_accept_length"], prof["num_speculative_tokens"])
 
 
 def _plan(ctx: StageContext) -> _Plan:
@@ -314,7 +314,8 @@ def _deployment_spec(ctx: StageContext, plan: _Plan, ddraft: _DeployedDraft) -> 
     mnt = sec.max_num_tokens or plan.tuning.max_num_tokens or mbs * (1 + plan.kmax)
     positions = [p for p in (plan.tcfg.get("max_position_embeddings"),
                              draft_positions(plan.dcfg) if plan.dcfg else None) if p]
-    msl = sec.max_seq_len or (min(positions) if positions else 2048)
+    msl, chunked = T.prompt_limits(int(mnt), sec.max_seq_len, min(positions) if positions else 2048, sec.chunked_prefill,
+                                   ctx.log)
     kv = {"free_gpu_memory_fraction": sec.kv_cache.free_gpu_memory_fraction,
           "enable_block_reuse": sec.kv_cache.enable_block_reuse}
     if sec.kv_cache.dtype == "fp8":
@@ -329,7 +330,8 @@ def _deployment_spec(ctx: StageContext, plan: _Plan, ddraft: _DeployedDraft) -> 
         max_batch_size=mbs, max_num_tokens=int(mnt), max_seq_len=int(msl), cuda_graph_batch_sizes=cg, kv_cache=kv,
         eagle3_one_model=sec.eagle3_mode == "one_model", tensor_parallel_size=ctx.config.hardware.tensor_parallel_size,
         pipeline_parallel_size=sec.pipeline_parallel_size,
-        acceptance_window=guard.window if guard else None, min_acceptance_rate=guard.min_acceptance_rate if guard else None)
+        acceptance_window=guard.window if guard else None, min_acceptance_rate=guard.min_acceptance_rate if guard else None,
+        enable_chunked_prefill=chunked)
 
 
 def _llm_api_options(spec: DeploymentSpec, version: str) -> dict:
@@ -400,8 +402,8 @@ def _deployment_doc(ctx: StageContext, plan: _Plan, options: dict, ddraft: _Depl
     guard_doc, guard_note = guard
     return {
         "trtllm_version": plan.version, "serving_image": compat.serving_image_for(plan.version), "backend": "pytorch",
-        "algorithm": plan.algo, "mode": plan.mode,
-        "speculation": plan.speculation, "decoding_type": sc.get("decoding_type"), "target_dir": str(plan.target_dir),
+        "algorithm": plan.algo, "mode": plan.mode, "speculation": plan.speculation,
+        "decoding_type": sc.get("decoding_type"), "target_dir": str(plan.target_dir),
         # draft_dir: the draft as train_draft/quantize wrote it (specpipe's runtime reads it); trtllm_draft_dir: the
         # one TensorRT-LLM loads (layer names of the targeted version)
         "draft_dir": str(plan.draft_src) if plan.speculation else None,
@@ -409,14 +411,13 @@ def _deployment_doc(ctx: StageContext, plan: _Plan, options: dict, ddraft: _Depl
         "draft_weight_names": ({"renamed": ddraft.renamed, "from": "layers.<i>.*", "to": "midlayer.*",
                                 "dir": "deployment/draft"} if ddraft.renamed else None),
         "eagle3_layers_to_capture": sc.get("eagle3_layers_to_capture"),
-        "max_draft_len": plan.kmax, "max_batch_size": plan.mbs,
-        "max_num_tokens": options["max_num_tokens"], "max_seq_len": options["max_seq_len"],
+        "max_draft_len": plan.kmax, "max_batch_size": plan.mbs, "max_num_tokens": options["max_num_tokens"],
+        "max_seq_len": options["max_seq_len"], "enable_chunked_prefill": bool(options.get("enable_chunked_prefill")),
         "draft_schedule": runs.to_json(plan.mbs), "schedule_note": plan.tuning.deployment.get("note"),
         "acceptance_guard": guard_doc or None, "acceptance_guard_note": guard_note,
-        "options_file": "deployment/llm_api_options.yaml",
-        "bench_prompts": bench.prompts, "bench_requests": bench.requests, "bench_concurrency": bench.concurrency,
-        "bench_model_name": bench.model_name,
-        "checks": [{"name": c.name, "ok": c.ok, "message": c.message} for c in checks], "load": loaded,
+        "options_file": "deployment/llm_api_options.yaml", "bench_prompts": bench.prompts, "bench_requests": bench.requests,
+        "bench_concurrency": bench.concurrency, "bench_model_name": bench.model_name, "load": loaded,
+        "checks": [{"name": c.name, "ok": c.ok, "message": c.message} for c in checks],
         "workdir": str(Path(ctx.workdir).resolve()),
     }
 
@@ -444,7 +445,6 @@ def report(artifact: Artifact) -> str:
     fig, ax = plt.subplots(figsize=(6, 2.6))
     ks = sched.ks(doc["max_batch_size"])
     ax.step(range(1, len(ks) + 1), ks, where="mid")
-    ax.set_xlabel("batch size")
-    ax.set_ylabel("draft length")
+    ax.set_xlabel("batch size"), ax.set_ylabel("draft length")
     ax.set_title("draft length TensorRT-LLM uses (written options)")
     return html + figure(fig)

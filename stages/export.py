@@ -64,6 +64,9 @@ class Config(StageSection):
     speculators: bool = Field(True, description=(
         "also write speculators/: the BF16 draft in the speculators 0.9 format with the tuned draft length and a "
         "`vllm serve` command, for vLLM"))
+    speculators_verifier: str | None = Field(None, description=(
+        "speculators/config.json verifier.name_or_path: the target as the serving side names it (a hub id, or its "
+        "path there); default: target.model when it is a hub id, else the FP8 target's path on this machine"))
 
 
 def run(ctx: StageContext) -> dict:
@@ -132,10 +135,12 @@ def _speculation_profile(ctx: StageContext, acc: validate_artifact.AcceptanceInf
     if vllm:
         dirs.append(ctx.out_dir / "speculators")
     files = [str(f.relative_to(ctx.out_dir)) for f in P.write_profile(doc, dirs)]
-    ctx.log.info("speculation_profile.json (%s, AL %s at k=%s): %s", doc["measurement_conditions"]["engine"],
+    ctx.log.info("speculation_profile.json (%s, AL %s at the deployed k=%s, %s at the measured k=%s): %s",
+                 doc["measurement_conditions"]["engine"], doc["deployed_accept_length"], doc["deployed_draft_len"],
                  doc["mean_accept_length"], doc["num_speculative_tokens"], ", ".join(files))
     return {"files": files, "engines": [m["engine"] for m in doc["measurements"]],
-            "mean_accept_length": doc["mean_accept_length"], "num_speculative_tokens": doc["num_speculative_tokens"]}
+            "mean_accept_length": doc["mean_accept_length"], "num_speculative_tokens": doc["num_speculative_tokens"],
+            "deployed_draft_len": doc["deployed_draft_len"], "deployed_accept_length": doc["deployed_accept_length"]}
 
 
 def _production_repository(ctx: StageContext, dep: build_artifact.DeploymentInfo, options: dict, io: dict, image: str | None,
@@ -163,7 +168,8 @@ def _production_repository(ctx: StageContext, dep: build_artifact.DeploymentInfo
     (prod / sec.model_name / "config.pbtxt").write_text(
         config_pbtxt(sec.model_name, io, decoupled=sec.decoupled,
                      max_batch_size=body["triton_config"]["max_batch_size"]))
-    (prod / "launch.sh").write_text(triton_launch.launch_sh(sec.container_path, sec.model_name))
+    (prod / "launch.sh").write_text(triton_launch.launch_sh(sec.container_path, sec.model_name,
+                                                            int(options.get("tensor_parallel_size") or 1)))
     (prod / "launch.sh").chmod(0o755)
     fmt = _prompt_format(ctx, dep, prod)
     (prod / "README.md").write_text(_readme(sec, dep, image, ctx.workdir)
@@ -253,7 +259,8 @@ def _speculators(ctx: StageContext, dep: build_artifact.DeploymentInfo, options:
     final = Path(ctx.workdir).resolve() / "artifacts" / NAME / "speculators"     # where it lives once committed
     try:
         spec = S.write_speculators_draft(src, ctx.out_dir / "speculators", target_dir=dep.target_dir,
-                                         speculative_tokens=int(dep.max_draft_len))
+                                         speculative_tokens=int(dep.max_draft_len),
+                                         verifier_name_or_path=_verifier_name(ctx, dep))
     except S.SpeculatorsFormatError as e:
         raise StageError(f"the draft cannot be written in the speculators format for vLLM: {e} "
                          "(export.speculators: false exports without it)") from None
@@ -264,9 +271,7 @@ def _speculators(ctx: StageContext, dep: build_artifact.DeploymentInfo, options:
                                 tensor_parallel_size=int(options.get("tensor_parallel_size") or 1), schedule=sched)
     (spec.path / "README.md").write_text(V.readme(spec, argv, draft=str(final), source_draft=str(src.resolve()),
                                                   deployed_draft=dep.draft_dir))
-    (spec.path / "serve_vllm.sh").write_text("#!/usr/bin/env bash\n# vLLM with the speculators draft beside this "
-                                             "script (see README.md); extra arguments go to `vllm serve`.\n"
-                                             f"set -euo pipefail\nexec {shlex.join(argv)} \"$@\"\n")
+    (spec.path / "serve_vllm.sh").write_text(V.serve_script(argv))
     (spec.path / "serve_vllm.sh").chmod(0o755)
     ctx.log.info("speculators/: %s draft for vLLM, %d speculative tokens, capture layers %s (speculators numbering), %s",
                  spec.algorithm, spec.speculative_tokens, spec.aux_hidden_state_layer_ids,
@@ -275,6 +280,19 @@ def _speculators(ctx: StageContext, dep: build_artifact.DeploymentInfo, options:
         ctx.log.info("speculators/: %s", note)
     return {**spec.as_dict(), "source_draft": str(src.resolve()), "vllm_serve": shlex.join(argv),
             "readme": "speculators/README.md", "script": "speculators/serve_vllm.sh"}
+
+
+def _verifier_name(ctx: StageContext, dep: build_artifact.DeploymentInfo) -> str:
+    """What speculators/config.json names as the verifier: `export.speculators_verifier`, else the target's hub id
+    (target.model, when it is not a local path), else the FP8 target's path here (logged: only valid on this machine)."""
+    model = ctx.config.target.model
+    if ctx.section.speculators_verifier:
+        return ctx.section.speculators_verifier
+    if model and not model.startswith((".", "/", "~")) and model.count("/") == 1 and not Path(model).exists():
+        return model
+    ctx.log.warning("speculators/config.json names the verifier by its path on this machine (%s): set "
+                    "export.speculators_verifier to the target as the serving side names it", dep.target_dir)
+    return str(Path(dep.target_dir).resolve())
 
 
 def fingerprint_extra(section: Config) -> dict | None:

@@ -13,6 +13,15 @@ Decoding: transformers 5 ignores `clean_up_tokenization_spaces: true` for a BPE 
 `_decode`: the cleanup strips spaces before punctuation, which corrupts BPE text), 4.57.1 applies it ("a , b" decodes
 to "a, b"). The file says `false` for a BPE tokenizer, which is what transformers 5 does with `true`.
 
+Extra special tokens: transformers 5 saves the tokens a tokenizer was given beyond bos/eos/pad/... (Llama-3.x's
+`<|start_header_id|>`, Qwen3's `<|im_start|>`, re-saved by transformers 5) as a LIST, `"extra_special_tokens": [...]`.
+transformers 4.57.1 reads `extra_special_tokens` as a dict of named tokens (tokenization_utils_base.py
+`PreTrainedTokenizerBase.__init__` -> `_set_model_specific_special_tokens`: `special_tokens.keys()`), so a list raises
+AttributeError inside the tokenizer's constructor, and `from_pretrained` reports it as a protobuf ImportError where
+protobuf is absent. Both versions read the same list under `additional_special_tokens` (measured: ids, decodings,
+special ids and chat renderings equal under 4.57.1 and 5.14.1, tests/runtime/text/test_tokenizer_compat.py), so a list
+is moved there; a dict (named tokens, which 4.57.1 understands) stays.
+
 The chat template stays where transformers 5 writes it, `chat_template.jinja`: 4.57.1 reads that file too
 (tokenization_utils_base.py, CHAT_TEMPLATE_FILE) and it wins over a `chat_template` key.
 tests/runtime/text/test_tokenizer_compat.py loads every shipped tokenizer under both versions and compares ids,
@@ -42,6 +51,11 @@ def portable_config(cfg: dict, tokenizer_json: dict | None) -> dict:
     cls = out.get("tokenizer_class")
     if cls in RENAMED_CLASSES and tokenizer_json is not None:
         out["tokenizer_class"] = RENAMED_CLASSES[cls]
+    extra = out.get("extra_special_tokens")
+    if isinstance(extra, list):
+        have = list(out.get("additional_special_tokens") or [])
+        out["additional_special_tokens"] = have + [t for t in extra if t not in have]
+        del out["extra_special_tokens"]
     bpe = ((tokenizer_json or {}).get("model") or {}).get("type") == "BPE"
     if bpe and out.get("clean_up_tokenization_spaces") and not out.get(
             "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"):

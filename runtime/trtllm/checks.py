@@ -130,10 +130,53 @@ def consistency_checks(options: dict, *, version: str, algorithm: str, target_di
     else:
         _draft_checks(add, _Deployment(options, sc, rel, version, mode, algorithm, Path(draft_dir), expected))
 
+    add("long_prompts", *long_prompt_check(options))
+
     bad = unknown_keys(options, version)
     add("schema_keys", not bad, f"keys unknown to TensorRT-LLM {version}: "
                                 f"{bad}" if bad else f"every key exists in TensorRT-LLM {version}")
     return checks
+
+
+def prompt_rejection(options: dict, prompt_len: int, query_len: int = 0, cp_size: int = 1,
+                     is_gen_only: bool = False) -> str | None:
+    """Why TensorRT-LLM's PyTorch backend refuses a request of `prompt_len` prompt tokens under `options` before it is
+    queued, or None: `BaseLLM._check_arguments` in tensorrt_llm/llmapi/llm.py (compat.SOURCES prompt_vs_max_num_tokens).
+    Without `enable_chunked_prefill` a prompt (divided by the context-parallel size, plus the query) longer than
+    `max_num_tokens` is rejected, because its prefill must fit one iteration's token budget; generation-only
+    (disaggregated) requests are not checked. The message is upstream's, with the fix appended."""
+    mnt = options.get("max_num_tokens", TRTLLM_DEFAULT_MAX_NUM_TOKENS)
+    if options.get("enable_chunked_prefill") or is_gen_only or not mnt:
+        return None
+    if prompt_len / cp_size + query_len > mnt:
+        return (f"The sum of prompt length ({prompt_len / cp_size}), query length ({query_len}) should not exceed "
+                f"max_num_tokens ({mnt})")
+    return None
+
+
+# TorchLlmArgs.max_num_tokens default (runtime/trtllm/schemas/trtllm-1.2.json), used where the options omit it
+TRTLLM_DEFAULT_MAX_NUM_TOKENS = 8192
+
+
+def longest_prompt(options: dict) -> int | None:
+    """The longest prompt a deployment is meant to serve: `max_seq_len` less one output token (None: unset)."""
+    msl = options.get("max_seq_len")
+    return None if not msl else int(msl) - 1
+
+
+def long_prompt_check(options: dict) -> tuple[bool, str]:
+    """Every prompt up to max_seq_len - 1 tokens passes `prompt_rejection` (the PyTorch backend's admission rule)."""
+    n = longest_prompt(options)
+    if n is None:
+        return True, "max_seq_len unset: TensorRT-LLM derives it from the model (not checked)"
+    why = prompt_rejection(options, n)
+    if why is None:
+        how = ("enable_chunked_prefill: true (the prefill is split across iterations)" if options.get("enable_chunked_prefill")
+               else f"max_num_tokens {options.get('max_num_tokens')} covers it")
+        return True, f"a prompt of max_seq_len - 1 = {n} tokens is accepted: {how}"
+    return False, (f"a prompt of {n} tokens (max_seq_len {options['max_seq_len']} - 1) would be refused by the PyTorch "
+                   f"backend: '{why}'. Set build.chunked_prefill: auto (writes enable_chunked_prefill: true), or cap "
+                   f"build.max_seq_len at max_num_tokens {options.get('max_num_tokens')} (a deliberate prompt limit)")
 
 
 def _draft_checks(add, d: _Deployment) -> None:

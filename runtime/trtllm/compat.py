@@ -152,6 +152,28 @@ SOURCES: dict[str, str] = {
                        "cache of PR #10502) adds quant_config=model_config.get_quant_config() to fc; "
                        "tensorrt_llm/_torch/modules/linear.py copy_weight: src.to(dst.dtype), no scale",
     "dflash_block_size": "llm_args.py DFlashDecodingConfig (1.3): max_draft_len <= block_size - 1",
+    "openai_part_reasoning_text": "tensorrt_llm/serve/responses_utils.py stored 02238b67ef3a25ae4d8c50d5f1942ddee2f8f00b imports "
+                                  "PartReasoningText from openai.types.responses.response_content_part_added_event; "
+                                  "openai/openai-python d296d85884cac05917a2776cc22c632027e8eb05 (2025-09-19) adds it, first "
+                                  "tag v1.108.1; triton-inference-server/tutorials qwen2_5_vl_trtllm_guide.md stored "
+                                  "9511717dc28753922ce5125b36ea1ded031a7a3f: the 26.07 image's openai is too old for "
+                                  "tensorrt_llm.serve (its version is not stated: unknown here); requirements.txt stored "
+                                  "000867d9 lists openai unpinned (runtime/trtllm/triton_launch.py)",
+    "llmapi_launch": "tensorrt_llm/executor/proxy.py stored 005bc848893f575ec14b45d6b13139360d67c790 ExecutorBindingsProxy: "
+                     "mpi_session None -> MpiPoolSession (MPI_Comm_spawn) unless TLLM_SPAWN_PROXY_PROCESS=1 "
+                     "(create_mpi_comm_session); GenerationExecutor.create passes mpi_session=None for one GPU; "
+                     "tensorrt_llm/llmapi/trtllm-llmapi-launch stored 020c89e64e49f24102f1b62be96a1a68283cdf7a sets it, "
+                     "rank 0 runs the command + mgmn_leader_node, ranks > 0 mgmn_worker_node; llmapi model.py stored "
+                     "044a90d2: global_mpi_size() > 1 -> MpiCommSession(COMM_WORLD) (runtime/trtllm/triton_launch.py)",
+    "prompt_vs_max_num_tokens": "tensorrt_llm/llmapi/llm.py BaseLLM._check_arguments, read at "
+                                "byshiue/TensorRT-LLM@1dbe7443c687504a8c96db5fe4a534b0bdba1ae5 (a 1.x-line snapshot; the "
+                                "NVIDIA/TensorRT-LLM version the index holds for main raises RequestError on the same "
+                                "condition): for backend pytorch, `not enable_chunked_prefill and not is_gen_only` and "
+                                "prompt_len / cp_size + query_len > max_num_tokens -> 'The sum of prompt length (...), query "
+                                "length (...) should not exceed max_num_tokens (...)'. Added by PR #5541 (merged 2025-06-27, "
+                                "before the 1.2 line); PR #9499 'Enable chunked prefill by default' was closed unmerged, so "
+                                "enable_chunked_prefill stays False by default (BaseLlmArgs, schemas/trtllm-1.2.json); issue "
+                                "#9277 shows the error from a Triton LLM-API model (llm.py(583): _check_arguments)",
 }
 
 

@@ -33,6 +33,7 @@ class DeploymentSpec:
     pipeline_parallel_size: int = 1
     acceptance_window: int | None = None         # guard: switch speculation off when acceptance collapses
     min_acceptance_rate: float | None = None
+    enable_chunked_prefill: bool = False         # written only when True (TensorRT-LLM's default is False)
 
     @property
     def release(self) -> compat.Release:
@@ -66,6 +67,23 @@ def acceptance_guard(rel: compat.Release, mode: compat.Mode, window: int | None,
     return {rel.acceptance_window_key: int(window), rel.acceptance_threshold_key: value}, None
 
 
+def prompt_limits(max_num_tokens: int, max_seq_len: int | None, positions: int, chunked_prefill: str,
+                  log) -> tuple[int, bool]:
+    """(max_seq_len, enable_chunked_prefill) for `build.chunked_prefill` (auto | on | off). Without chunked prefill the
+    PyTorch backend refuses every prompt longer than max_num_tokens (checks.prompt_rejection): auto turns it on where
+    a prompt of max_seq_len - 1 tokens would be refused; off caps a default max_seq_len at max_num_tokens instead."""
+    msl = max_seq_len or positions
+    if chunked_prefill == "off" and not max_seq_len and msl > max_num_tokens:
+        log.info("build.chunked_prefill: off: max_seq_len capped at max_num_tokens %d (the models cover %d): longer "
+                 "prompts would be refused by TensorRT-LLM's PyTorch backend", max_num_tokens, msl)
+        msl = max_num_tokens
+    chunked = chunked_prefill == "on" or (chunked_prefill == "auto" and msl - 1 > max_num_tokens)
+    if chunked and chunked_prefill == "auto":
+        log.info("enable_chunked_prefill: true: max_seq_len %d allows prompts longer than max_num_tokens %d, which "
+                 "TensorRT-LLM's PyTorch backend refuses without chunked prefill", msl, max_num_tokens)
+    return int(msl), chunked
+
+
 def llm_api_options(spec: DeploymentSpec) -> dict:
     """The extra_llm_api_options dict (no `model`/`backend`: those are command-line arguments of trtllm-serve
     and trtllm-bench, and are added to Triton's model.yaml by the export). Without speculation (the schedule
@@ -79,6 +97,10 @@ def llm_api_options(spec: DeploymentSpec) -> dict:
         "max_seq_len": spec.max_seq_len,
         "kv_cache_config": dict(spec.kv_cache),
     }
+    if spec.enable_chunked_prefill:
+        # prompts longer than max_num_tokens are prefilled over several iterations instead of being refused
+        # (checks.prompt_rejection, compat.SOURCES prompt_vs_max_num_tokens)
+        opts["enable_chunked_prefill"] = True
     if spec.cuda_graph_batch_sizes:
         # batch_sizes only: with max_batch_size too, 1.2 requires batch_sizes to equal its generated list
         opts["cuda_graph_config"] = {"enable_padding": spec.cuda_graph_padding,

@@ -17,6 +17,16 @@ simulator, vLLM's synthetic sampler) reads specpipe's unchanged:
 - `per_category`: ModelOpt's optional `{category: {mean_accept_length, ...}}`; specpipe fills it per domain with
   the same fields as the top level.
 
+ModelOpt's `accept_length_by_k` holds one entry (the measured K) and is "only meaningful once measured at more than one
+K"; specpipe fills every k <= K from the measured chain, AL(k) = 1 + sum(marginal_accept_rates[:k]) (exact for a
+draft whose first k tokens do not depend on K: EAGLE-3's chain, and specpipe's DFlash drafter, which drafts the whole
+block and keeps its first k), and names each entry's source in `accept_length_by_k_source`. ModelOpt's schema has no
+field for the draft length a deployment runs (read at 095124e9d582ea52b3aeb636efc281919f3aa4db as at edf879d3):
+specpipe's `deployed_draft_len` says it, `deployed_accept_length` is accept_length_by_k at it. `block_size` and
+`max_supported_k` (block_size - 1) are ModelOpt's fields for block-parallel DFlash. `mean_accept_length_per_request`
+is ModelOpt's per-request mean (its AcceptanceRate `Average_AL`: each request's tokens per step, averaged over
+requests), from validate's per-prompt [steps, accepted] rows where recorded (else null).
+
 specpipe adds (documented in docs/stages/build_export.md, versioned by `specpipe_profile_version`):
 `measurements`, the list of every measurement of this pair, each with the engine that made it (specpipe's
 reference runtime from validate; entries an engine measured, from acceptance.json's `engines`), its own
@@ -32,7 +42,8 @@ if TYPE_CHECKING:
     from runtime.records import AcceptanceInfo
 
 SCHEMA_VERSION = "1.0"            # ModelOpt's speculation_profile schema version
-SPECPIPE_PROFILE_VERSION = 1      # specpipe's extension fields (measurements, histogram_source, deployed_draft_len)
+SPECPIPE_PROFILE_VERSION = 2      # specpipe's extension fields (measurements, histogram_source, deployed_draft_len;
+#                                   2: accept_length_by_k_source, deployed_accept_length, served_computation)
 FILENAME = "speculation_profile.json"
 _CHAIN_METHODS = frozenset({"eagle", "eagle1", "eagle2", "eagle3", "draft_model"})   # ModelOpt's _CHAIN_DRAFTING_METHODS
 ENGINE_NAMES = {"reference": "specpipe", "tensorrt_llm": "tensorrt_llm"}
@@ -78,15 +89,34 @@ def vectors(hist: list[int]) -> tuple[list[float], list[float], float]:
     return conditional, marginal, mean
 
 
+def accept_length_by_k(marginal: list[float], mean: float) -> dict[str, float]:
+    """AL at every k <= K from the measured chain: 1 + sum(marginal[:k]); the entry at K is the measured per-step mean
+    (equal to 1 + sum(marginal) for a dense histogram, validation.mean_consistency)."""
+    K = len(marginal)
+    out = {str(k): round(1.0 + sum(marginal[:k]), 6) for k in range(1, K)}
+    out[str(K)] = round(mean, 6)
+    return out
+
+
+def per_request_mean(rows) -> float | None:
+    """ModelOpt's mean_accept_length_per_request (AcceptanceRate `Average_AL`): the mean over requests of each
+    request's tokens per verification step, (steps + accepted) / steps, from validate's per-prompt [steps, accepted]
+    rows; None where they were not recorded."""
+    per = [(int(st) + int(a)) / int(st) for st, a in (rows or []) if st]
+    return round(sum(per) / len(per), 6) if per else None
+
+
 def block(entry: dict, K: int) -> dict:
     """One measurement of one domain (or overall) in the profile's fields."""
     hist, source = histogram_of(entry, K)
     out: dict = {"num_speculative_tokens": K, "steps": entry.get("steps"), "prompts": entry.get("prompts"),
-                 "reported_mean_accept_length": entry.get("acceptance_length")}
+                 "reported_mean_accept_length": entry.get("acceptance_length"),
+                 "mean_accept_length_per_request": per_request_mean(entry.get("per_prompt"))}
     if hist is None:
         al = entry.get("acceptance_length")
         return {**out, "measured": False, "mean_accept_length": al, "conditional_accept_rates": None,
-                "marginal_accept_rates": None, "acceptance_length_histogram": None, "histogram_source": None}
+                "marginal_accept_rates": None, "acceptance_length_histogram": None, "histogram_source": None,
+                "accept_length_by_k": {}}
     cond, marg, mean = vectors(hist)
     reported = float(entry.get("acceptance_length") or mean)
     implied = 1.0 + sum(marg)
@@ -96,7 +126,7 @@ def block(entry: dict, K: int) -> dict:
             "conditional_accept_rates": [round(x, 6) for x in cond],
             "marginal_accept_rates": [round(x, 6) for x in marg],
             "acceptance_length_histogram": {str(a + 1): c for a, c in enumerate(hist) if c},
-            "histogram_source": source,
+            "histogram_source": source, "accept_length_by_k": accept_length_by_k(marg, mean) if marg else {},
             "validation": {"mean_consistency": {"implied_mean_accept_length": round(implied, 6),
                                                 "reported_mean_accept_length": round(reported, 6),
                                                 "abs_delta": round(abs(implied - reported), 6), "tolerance": 0.02,
@@ -115,13 +145,17 @@ def measurement(engine: str, domains: dict[str, dict], overall: dict, K: int, co
 
 
 def validate_measurement(acc: AcceptanceInfo, conditions: dict) -> dict:
-    """validate's measurement of the deployed (FP8) pair, from acceptance.json."""
+    """validate's measurement of the deployed (FP8) pair, from acceptance.json (the overall per-prompt rows are the
+    domains' together)."""
     domains = {d: {**((v or {}).get("fp8") or {})} for d, v in acc.domains.items()}
     engine = ENGINE_NAMES.get(str(acc.runtime), str(acc.runtime or "specpipe"))
     cond = {**conditions, "runtime_reason": acc.runtime_reason,
             "sampling": {"temperature": acc.temperature, "max_new_tokens": acc.max_new_tokens,
                          "batch_size": acc.batch_size}}
-    return measurement(engine, domains, (acc.overall or {}).get("fp8") or {}, acc.max_draft_len, cond)
+    overall = dict((acc.overall or {}).get("fp8") or {})
+    if "per_prompt" not in overall and domains and all(e.get("per_prompt") for e in domains.values()):
+        overall["per_prompt"] = [r for e in domains.values() for r in e["per_prompt"]]
+    return measurement(engine, domains, overall, acc.max_draft_len, cond)
 
 
 def engine_measurements(acc: AcceptanceInfo, conditions: dict) -> list[dict]:
@@ -139,30 +173,70 @@ def engine_measurements(acc: AcceptanceInfo, conditions: dict) -> list[dict]:
 
 
 def build_profile(acc: AcceptanceInfo, *, method: str, target: dict, draft: dict, conditions: dict,
-                  deployed_draft_len: int | None = None) -> dict:
+                  deployed_draft_len: int | None = None, block_size: int | None = None) -> dict:
     """The profile of the pair validate measured (acceptance.json `acc`). `conditions`: what every measurement
-    shares (pair and precisions, prompts, versions); `target`/`draft`: what was measured (no absolute paths)."""
+    shares (pair and precisions, prompts, versions); `target`/`draft`: what was measured (no absolute paths);
+    `block_size`: DFlash's trained block (its drafts are at most block_size - 1 long: `max_supported_k`)."""
     ms = [validate_measurement(acc, conditions), *engine_measurements(acc, conditions)]
     main = ms[0]
     top = main["overall"]
     K = top["num_speculative_tokens"]
     meth = (method or "").lower() or None
+    by_k = top.get("accept_length_by_k") or {}
+    block_k = None
+    if meth == "dflash" and block_size:
+        from runtime.algorithms import dflash
+
+        block_k = dflash.max_draft_len(int(block_size))
     return {
         "schema_version": SCHEMA_VERSION, "measured": bool(top.get("measured")), "method": meth,
-        "draft_checkpoint": draft, "target_model": target, "num_speculative_tokens": K, "block_size": None,
-        "max_supported_k": K, "verification_method": "longest_prefix",
+        "draft_checkpoint": draft, "target_model": target, "num_speculative_tokens": K,
+        "block_size": int(block_size) if meth == "dflash" and block_size else None,
+        "max_supported_k": block_k if block_k is not None else K, "verification_method": "longest_prefix",
         "conditional_accept_rates": top.get("conditional_accept_rates"),
         "marginal_accept_rates": top.get("marginal_accept_rates"),
         "mean_accept_length": top.get("mean_accept_length"),
-        "mean_accept_length_per_request": None,
+        "mean_accept_length_per_request": top.get("mean_accept_length_per_request"),
         "accept_length_model": "chain_analytic" if meth in _CHAIN_METHODS else "measured_per_k",
-        "accept_length_by_k": {str(K): top.get("mean_accept_length")} if top.get("measured") else {},
+        "accept_length_by_k": by_k,
         "acceptance_length_histogram": top.get("acceptance_length_histogram"),
         "per_category": main["per_category"], "measurement_conditions": main["measurement_conditions"],
         "validation": top.get("validation"),
         "specpipe_profile_version": SPECPIPE_PROFILE_VERSION, "deployed_draft_len": deployed_draft_len,
+        "accept_length_by_k_source": _by_k_source(by_k, K, meth),
+        "deployed_accept_length": by_k.get(str(deployed_draft_len)) if deployed_draft_len else None,
+        "served_computation": served_computation(acc, meth),
         "measurements": ms,
     }
+
+
+def served_computation(acc: AcceptanceInfo, meth: str | None) -> dict | None:
+    """EAGLE-3: the acceptance length for the first-layer computation the engines run, `hidden_norm(h)` (TensorRT-LLM,
+    vLLM, SGLang; validate's `first_layer_norm: serving`), beside the one validate gated on when that was ModelOpt's
+    training form `hidden_norm(input_layernorm(h))` (docs/stages/validate.md). Per domain from validate's
+    `fp8_other_norm` arm, or from the main measurement when validate ran the serving form; overall only then (the other
+    arm records no step counts). None for other methods (DFlash has no such choice)."""
+    if meth != "eagle3":
+        return None
+    norm = (acc.draft or {}).get("first_layer_norm") or "modelopt"
+    key = "fp8" if norm == "serving" else "fp8_other_norm"
+    per = {d: ((v or {}).get(key) or {}).get("acceptance_length") for d, v in acc.domains.items()}
+    main = {d: ((v or {}).get("fp8") or {}).get("acceptance_length") for d, v in acc.domains.items()}
+    measured = any(x is not None for x in per.values())
+    return {"first_layer_norm": "serving", "computation": "hidden_norm(h), as TensorRT-LLM, vLLM and SGLang compute it",
+            "measured": measured, "per_category": per if measured else None,
+            "mean_accept_length": ((acc.overall or {}).get("fp8") or {}).get("acceptance_length") if norm == "serving" else None,
+            "source": ("validate's measurement (validate.first_layer_norm: serving)" if norm == "serving" else
+                       "validate's fp8_other_norm arm" if measured else "not measured (validate.measure_other_norm: false)"),
+            "validate_first_layer_norm": norm,
+            "validate_per_category": main if norm != "serving" else None}
+
+
+def _by_k_source(by_k: dict, K: int, meth: str | None) -> dict[str, str]:
+    """Where each accept_length_by_k entry comes from: the measurement (k = K) or the measured chain (k < K)."""
+    chain = ("chain: 1 + sum(marginal_accept_rates[:k]); " + ("EAGLE-3's first k drafts are the same at every K" if
+             meth in _CHAIN_METHODS else "specpipe's DFlash drafter drafts the whole block and keeps its first k"))
+    return {k: ("measured" if int(k) == K else chain) for k in by_k}
 
 
 # ---------------------------------------------------------------------------------------------- files

@@ -71,6 +71,27 @@ def vllm_serve_command(spec: SpeculatorsExport, *, target: str, draft: str, max_
     return argv
 
 
+BIND_ENV = {"--host": ('"${HOST:-', '}"'), "--port": ('"${PORT:-', '}"')}
+
+
+def serve_script(argv: list[str]) -> str:
+    """serve_vllm.sh: `exec` the argv with its `--host` / `--port` values taken from $HOST / $PORT (defaults: the
+    argv's, 127.0.0.1 and 8000). A server bound to 127.0.0.1 inside a container is unreachable through a published port
+    (`docker run -p 8000:8000` forwards to the container's own interface), so the container form runs it with
+    `-e HOST=0.0.0.0`; outside one the default keeps it on the loopback interface. Extra arguments go to `vllm serve`."""
+    words = []
+    for i, a in enumerate(argv):
+        flag = argv[i - 1] if i else None
+        if flag in BIND_ENV and all(c.isalnum() or c in ".:-" for c in a):
+            pre, post = BIND_ENV[flag]
+            words.append(pre + a + post)
+        else:
+            words.append(shlex.quote(a))
+    return ("#!/usr/bin/env bash\n# vLLM with the speculators draft beside this script (see README.md); extra arguments go "
+            "to `vllm serve`.\n# Binds $HOST (default 127.0.0.1) and $PORT (default 8000): in a container, run it with "
+            "-e HOST=0.0.0.0 -p 8000:8000.\nset -euo pipefail\nexec " + " ".join(words) + ' "$@"\n')
+
+
 def schedule_from_predicted(predicted: list[dict]):
     """tune's predicted table (best k per measured batch size, not constrained by a TensorRT-LLM version) as a
     step function: each measured batch size's k holds up to the next measured one. None if the table is empty."""
@@ -153,9 +174,17 @@ and TensorRT-LLM number the same states `{spec.modelopt_layer_ids}`, the layer t
 ```bash
 {cmd}
 ```
-or, since `config.json` names the verifier, `vllm serve {shlex.quote(draft)}` (vLLM then serves
-`{spec.verifier}` with this draft and the draft's own `num_speculative_tokens` = {spec.speculative_tokens}; the path
-must exist where vLLM runs). {_schedule_text(argv, spec)}
+(`serve_vllm.sh` runs it, with `--host` / `--port` from `$HOST` / `$PORT`, default 127.0.0.1:8000). In a container
+the server must listen on the container's interface, not its loopback, for a published port to reach it:
+```bash
+docker run --gpus all -p 8000:8000 -e HOST=0.0.0.0 -v <run>:<run> <image with vLLM> \\
+  <run>/artifacts/export/speculators/serve_vllm.sh
+```
+(the run mounted at the same absolute path: the command names the checkpoints by path).
+Or, since `config.json` names the verifier, `vllm serve {shlex.quote(draft)}` (vLLM then serves
+`{spec.verifier}` with this draft and the draft's own `num_speculative_tokens` = {spec.speculative_tokens}; a path
+must exist where vLLM runs, a hub id is the hub's model, not this run's FP8 target; `export.speculators_verifier` sets
+it). {_schedule_text(argv, spec)}
 On a CPU machine, `specpipe serve --engine vllm --workdir <run>` serves the BF16 target with this draft (vLLM's CPU
 FP8 kernel does not take every shape the FP8 target has).
 

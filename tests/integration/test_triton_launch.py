@@ -20,6 +20,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -43,17 +44,21 @@ def production(tmp_path_factory) -> Path:
     return run_stage(root, export, export.Config(speculators=False, cpu_repository=False)) / "triton"
 
 
-def _argv(launch: Path, tmp: Path, **env) -> list[str]:
-    """What launch.sh exec's, captured by a stand-in executable that prints its argv (no server)."""
+def _argv(launch: Path, tmp: Path, launcher: bool = False, **env) -> list[str]:
+    """What launch.sh exec's, captured by a stand-in executable that prints its argv (no server); `launcher`: a
+    trtllm-llmapi-launch stand-in on PATH too."""
     tmp.mkdir(parents=True, exist_ok=True)
     show = tmp / "show_argv"
     show.write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$(basename "$0")" "$@"\n')
     show.chmod(0o755)
     (tmp / "mpirun").symlink_to(show)
     e = {**os.environ, "LLMAPI_MODEL_DIR": str(FAKE_MODEL), "SPECPIPE_REPO": str(launch.parent),
-         "SERVE_REPO": str(tmp / "serve"), "TRITONSERVER": "tritonserver", "PATH": f"{tmp}:{os.environ['PATH']}", **env}
+         "SERVE_REPO": str(tmp / "serve"), "TRITONSERVER": "tritonserver", "PATH": f"{tmp}:{os.environ['PATH']}",
+         "SPECPIPE_PREFLIGHT": "off", **env}   # the preflight has its own tests below
     (tmp / "tritonserver").symlink_to(show)
-    r = subprocess.run(["bash", str(launch)], env=e, capture_output=True, text=True, timeout=30)
+    if launcher:
+        (tmp / "trtllm-llmapi-launch").symlink_to(show)
+    r = subprocess.run(["bash", str(launch)], env=e, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     return r.stdout.splitlines()
 
@@ -75,6 +80,60 @@ def test_launch_runs_the_command_launch_triton_server_py_builds(production, tmp_
                     "-n", "1", "tritonserver", *rank(1)]
     assert (serve / "tensorrt_llm" / "1" / "model.yaml").resolve() == (production / "tensorrt_llm" / "1" / "model.yaml")
     assert (serve / "tensorrt_llm" / "1" / "model.py").read_text() == (FAKE_MODEL / "model.py").read_text()
+
+
+def test_launch_runs_the_server_under_trtllm_llmapi_launch_where_the_image_has_it(production, tmp_path):
+    """tensorrt_llm/executor/proxy.py (stored 005bc848): without TLLM_SPAWN_PROXY_PROCESS=1 the LLM API spawns its
+    worker with MPI_Comm_spawn even on one GPU; trtllm-llmapi-launch (stored 020c89e6) sets it and runs the MPI side
+    (ranks > 0: worker nodes under mpirun). TP 1: the launcher around tritonserver; TP 2: mpirun -n 2 around it;
+    LLMAPI_LAUNCH=none, or no launcher in the image: plain tritonserver; WORLD_SIZE > 1 keeps one server per rank."""
+    launch = production / "launch.sh"
+    rank0 = lambda d: [f"--model-repository={tmp_path / d / 'serve'}", "--grpc-port=8001", "--http-port=8000",  # noqa: E731
+                       "--metrics-port=8002", "--disable-auto-complete-config",
+                       "--backend-config=python,shm-region-prefix-name=prefix0_"]
+    assert _argv(launch, tmp_path / "a", launcher=True) == ["trtllm-llmapi-launch", "tritonserver", *rank0("a")]
+    assert _argv(launch, tmp_path / "b", launcher=True, TP_SIZE="2") == \
+        ["mpirun", "--allow-run-as-root", "-n", "2", "trtllm-llmapi-launch", "tritonserver", *rank0("b")]
+    assert _argv(launch, tmp_path / "c", launcher=True, LLMAPI_LAUNCH="none") == ["tritonserver", *rank0("c")]
+    two = _argv(launch, tmp_path / "d", launcher=True, WORLD_SIZE="2")
+    assert two[:5] == ["mpirun", "--allow-run-as-root", "-n", "1", "tritonserver"] and "trtllm-llmapi-launch" not in two
+    assert "TP_SIZE=\"${TP_SIZE:-1}\"" in launch.read_text()     # model.yaml's tensor_parallel_size, written by export
+
+
+def _preflight(launch: Path, tmp: Path, python: str, *, fake_site: bool) -> subprocess.CompletedProcess:
+    """launch.sh with its preflight on, run by `python`; the server is a stand-in that prints its argv."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    show = tmp / "tritonserver"
+    show.write_text('#!/usr/bin/env bash\necho SERVER-STARTED "$@"\n')
+    show.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update({"LLMAPI_MODEL_DIR": str(FAKE_MODEL), "SPECPIPE_REPO": str(launch.parent), "SERVE_REPO": str(tmp / "s"),
+                "TRITONSERVER": str(show), "LLMAPI_LAUNCH": "none", "PYTHON": python})
+    if fake_site:
+        env["PYTHONPATH"] = str(FAKE_MODEL / "site")
+    return subprocess.run(["bash", str(launch)], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_preflight_stops_before_the_server_and_names_the_fix(production, tmp_path):
+    """Real pythons: one without site-packages (no openai at all) and vLLM's environment (a real openai that has
+    PartReasoningText, no tensorrt_llm); the LLM-API model's imports come from a FAKE tensorrt_llm package."""
+    from support.vllm_env import vllm_install
+
+    launch = production / "launch.sh"
+    nosite = tmp_path / "python-nosite"
+    nosite.write_text(f'#!/usr/bin/env bash\nexec {sys.executable} -S "$@"\n')
+    nosite.chmod(0o755)
+    r = _preflight(launch, tmp_path / "a", str(nosite), fake_site=True)
+    assert r.returncode == 3 and "SERVER-STARTED" not in r.stdout, r.stdout + r.stderr
+    assert "openai (not installed) lacks" in r.stderr and "pip install 'openai>=1.108.1'" in r.stderr
+    assert "tritonserver not started" in r.stderr
+    py = vllm_install().python
+    r = _preflight(launch, tmp_path / "b", py, fake_site=False)           # openai fine, no tensorrt_llm
+    assert r.returncode == 3 and "SERVER-STARTED" not in r.stdout
+    assert "the LLM-API model imports tensorrt_llm, which fails: ModuleNotFoundError" in r.stderr, r.stderr
+    r = _preflight(launch, tmp_path / "c", py, fake_site=True)
+    assert r.returncode == 0, r.stderr
+    assert "preflight: openai and the LLM-API model's imports load" in r.stdout and "SERVER-STARTED" in r.stdout
 
 
 def test_launch_refuses_a_bad_world_size_and_a_missing_repository(production, tmp_path):
@@ -107,7 +166,8 @@ def test_the_process_launch_sh_leaves_is_the_triton_server_and_lives_until_kille
     http, grpc, metrics = T.free_port(), T.free_port(), T.free_port()
     env = {**T._env(inst), "TRITONSERVER": str(inst.binary), "LLMAPI_MODEL_DIR": str(FAKE_MODEL),
            "SPECPIPE_REPO": str(production), "SERVE_REPO": str(tmp_path / "serve"),
-           "HTTP_PORT": str(http), "GRPC_PORT": str(grpc), "METRICS_PORT": str(metrics)}
+           "HTTP_PORT": str(http), "GRPC_PORT": str(grpc), "METRICS_PORT": str(metrics),
+           "SPECPIPE_PREFLIGHT": "off", "LLMAPI_LAUNCH": "none"}   # both checked above; here: the exec'd server
     cpu_flags = [f"--backend-directory={T._backend_dir(inst, tmp_path)}", f"--cache-directory={inst.root / 'caches'}",
                  "--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1",
                  "--allow-gpu-metrics=false", "--pinned-memory-pool-byte-size=0", "--exit-timeout-secs=5"]

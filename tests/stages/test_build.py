@@ -280,7 +280,8 @@ def _edit(path: Path, **kv):
 
 @pytest.mark.fast
 @pytest.mark.parametrize("name,breaker,needle", [
-    ("token_budget", lambda o, ck: o.update(max_num_tokens=40), "max_batch_size 16 x (1 + max_total_draft_tokens 4) = 80"),
+    ("token_budget", lambda o, ck: o.update(max_num_tokens=40, enable_chunked_prefill=True),
+     "max_batch_size 16 x (1 + max_total_draft_tokens 4) = 80"),
     ("cuda_graph_batch_sizes", lambda o, ck: o["cuda_graph_config"]["batch_sizes"].append(32), "too large: [32]"),
     ("target_quant_config", lambda o, ck: (ck["target"] / "hf_quant_config.json").unlink(), "unquantized"),
     # one reader (runtime/quant/hf_quant_config.py): a file that is not JSON is named as found, not a crash
@@ -300,7 +301,9 @@ def _edit(path: Path, **kv):
     ("two_model_overlap_scheduler", lambda o, ck: o["speculative_config"].update(eagle3_one_model=False),
      "disable_overlap_scheduler: true"),
     ("no_pipeline_parallel", lambda o, ck: o.update(pipeline_parallel_size=2), "pipeline parallelism"),
-    ("draft_positions", lambda o, ck: o.update(max_seq_len=8192), "acceptance collapses"),
+    ("draft_positions", lambda o, ck: o.update(max_seq_len=8192, enable_chunked_prefill=True), "acceptance collapses"),
+    # llm.py _check_arguments: without chunked prefill a prompt longer than max_num_tokens is refused
+    ("long_prompts", lambda o, ck: o.update(max_num_tokens=1024), "should not exceed max_num_tokens (1024)"),
     ("schema_keys", lambda o, ck: o["speculative_config"].update(acceptance_rate_threshold=0.5), "acceptance_rate_threshold"),
 ])
 def test_each_consistency_check_fails_on_a_broken_input(tmp_path, name, breaker, needle):
@@ -550,3 +553,71 @@ def test_build_checks_rope_against_the_source_model(tmp_path):
     _edit(ck["target"] / "config.json", **hf_config.normalize({"rope_theta": 10000.0}))
     with pytest.raises(StageError, match="theta 10000 differs from the model's 100000"):
         run_build(tmp_path / "c")
+
+
+# ------------------------------------------------------------------------------------------ long prompts
+
+
+@pytest.mark.fast
+def test_prompt_admission_is_tensorrt_llms_check_arguments():
+    """tensorrt_llm/llmapi/llm.py BaseLLM._check_arguments (compat.SOURCES prompt_vs_max_num_tokens): on the PyTorch
+    backend, without enable_chunked_prefill, prompt_len / cp_size + query_len > max_num_tokens is refused."""
+    opts = {"max_num_tokens": 8192, "max_seq_len": 131072}
+    assert checks.prompt_rejection(opts, 8192) is None
+    assert "should not exceed max_num_tokens (8192)" in checks.prompt_rejection(opts, 8193)
+    assert "prompt length (8193.0), query length (0)" in checks.prompt_rejection(opts, 8193)
+    assert checks.prompt_rejection(opts, 8000, query_len=192) is None
+    assert checks.prompt_rejection(opts, 8000, query_len=193) is not None
+    assert checks.prompt_rejection(opts, 16384, cp_size=2) is None
+    assert checks.prompt_rejection(opts, 100_000, is_gen_only=True) is None
+    assert checks.prompt_rejection({**opts, "enable_chunked_prefill": True}, 131071) is None
+    assert checks.prompt_rejection({"max_seq_len": 131072}, 8193) is not None     # TorchLlmArgs default 8192
+    ok, msg = checks.long_prompt_check(opts)
+    assert not ok and "131071 tokens" in msg and "build.chunked_prefill: auto" in msg
+
+
+def _shipped_build(tmp_path: Path, cfg_file: Path, positions: int, **over):
+    """Run the build stage with `cfg_file`'s build section on synthetic checkpoints covering `positions` tokens, tune's
+    max_num_tokens computed from its tune section as tune computes it."""
+    from pipeline.config import load_config
+    from runtime.cost import tuning
+
+    cfg = load_config(cfg_file, [])
+    algo = cfg.train_draft.algorithm.kind
+    version = cfg.build.trtllm_version
+    mnt = tuning.max_num_tokens(16, 4, cfg.tune.min_num_tokens)
+    write_checkpoints(tmp_path, Upstream(algorithm=algo, version=version, positions=positions, max_num_tokens=mnt,
+                                         mode=cfg.build.eagle3_mode if algo == "eagle3" else "one_model"))
+    section = cfg.build.model_copy(update={"load": "never", **over})
+    ctx = make_ctx(tmp_path, section)
+    build.run(ctx)
+    dep = ctx.out_dir / "deployment"
+    return yaml.safe_load((dep / "llm_api_options.yaml").read_text()), json.loads((ctx.out_dir / "deployment.json").read_text())
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("cfg_file", sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml")),
+                         ids=lambda p: p.stem)
+def test_every_shipped_config_serves_prompts_up_to_its_max_seq_len(tmp_path, cfg_file):
+    """ModelOpt copies the target's max_position_embeddings into the draft, so max_seq_len is the model's context
+    (131,072 for Llama-3.x) while tune's max_num_tokens stays near 8,192: every prompt up to max_seq_len - 1 must
+    pass TensorRT-LLM's admission rule, which the options without enable_chunked_prefill would fail."""
+    opts, doc = _shipped_build(tmp_path, cfg_file, 131072)
+    assert opts["max_seq_len"] == 131072 and opts["max_num_tokens"] < 131071
+    assert checks.prompt_rejection(opts, opts["max_seq_len"] - 1) is None
+    assert opts["enable_chunked_prefill"] is True and doc["enable_chunked_prefill"] is True
+    assert schema.unknown_keys(opts, doc["trtllm_version"]) == []
+    assert {c["name"]: c["ok"] for c in doc["checks"]}["long_prompts"] is True
+    without = {k: v for k, v in opts.items() if k != "enable_chunked_prefill"}    # what ab12171 wrote
+    assert "should not exceed max_num_tokens" in checks.prompt_rejection(without, opts["max_seq_len"] - 1)
+
+
+def test_chunked_prefill_off_is_a_deliberate_cap_and_a_contradiction_fails(tmp_path):
+    cfg_file = Path(__file__).resolve().parents[2] / "configs" / "llama70b_fp8_eagle3.yaml"
+    opts, doc = _shipped_build(tmp_path / "off", cfg_file, 131072, chunked_prefill="off")
+    assert "enable_chunked_prefill" not in opts and opts["max_seq_len"] == opts["max_num_tokens"]
+    assert checks.prompt_rejection(opts, opts["max_seq_len"] - 1) is None
+    short, _ = _shipped_build(tmp_path / "short", cfg_file, 2048)       # a short context needs no chunking
+    assert "enable_chunked_prefill" not in short and short["max_seq_len"] == 2048
+    with pytest.raises(StageError, match="long_prompts: a prompt of 32767 tokens"):
+        _shipped_build(tmp_path / "bad", cfg_file, 131072, chunked_prefill="off", max_seq_len=32768)

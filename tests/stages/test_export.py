@@ -303,3 +303,28 @@ def test_export_ships_monitoring_and_the_served_identity(exported):
         r = subprocess.run(["promtool", "check", "rules", *(str(out / f) for f in mon["files"] if f.endswith(".yml"))],
                            capture_output=True, text=True)
         assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.fast
+def test_speculators_verifier_is_what_the_serving_side_names_not_a_build_host_path(tmp_path, caplog):
+    """speculators/config.json verifier.name_or_path is published with the draft: a hub target's id (what `vllm serve
+    <draft>` and the speculators library then open), export.speculators_verifier where given, and the build-host path
+    only as the last resort, with a warning naming the setting."""
+    import logging
+    from types import SimpleNamespace
+
+    from support import REPO, TINY_CONFIG, real_config
+
+    dep = SimpleNamespace(target_dir=str(tmp_path / "artifacts" / "quantize" / "target_fp8"))
+
+    def name(config, **sec):
+        ctx = SimpleNamespace(config=real_config(config=config), section=export.Config(**sec),
+                              log=logging.getLogger("test.export"))
+        return export._verifier_name(ctx, dep)
+
+    hub = REPO / "configs" / "llama70b_fp8_eagle3.yaml"
+    assert name(hub) == real_config(config=hub).target.model and "/" in name(hub)   # its hub id
+    assert name(hub, speculators_verifier="/models/llama-fp8") == "/models/llama-fp8"
+    with caplog.at_level(logging.WARNING):
+        assert name(TINY_CONFIG) == dep.target_dir                        # the tiny target: no hub id
+    assert "export.speculators_verifier" in caplog.text

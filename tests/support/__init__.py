@@ -29,3 +29,16 @@ def real_config(*overrides: str, config: Path = TINY_CONFIG, **sections):
     from pipeline.config import load_config
 
     return load_config(config, list(overrides)).model_copy(update=sections)
+
+
+def script_argv(script: Path, *args: str, **env: str) -> list[str]:
+    """The argv a generated `exec ...` shell script would run, expanded by bash itself with `env` set (its `exec` line
+    made to print the words instead of running them): what the script does with $HOST, quoting and "$@"."""
+    import subprocess
+
+    text = script.read_text()
+    assert "\nexec " in text, f"{script} has no exec line"
+    text = text.replace("\nexec ", "\nprintf '%s\\0' ", 1)
+    r = subprocess.run(["bash", "-c", text, script.name, *args], capture_output=True, check=True,
+                       env={**os.environ, **env})
+    return r.stdout.decode().split("\0")[:-1]

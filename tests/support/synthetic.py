@@ -64,13 +64,14 @@ def write_acceptance(arts: Path) -> None:
                                                                                    "accepted_per_step": [2, 2, 2, 0, 2]}}}))
 
 
-def write_tuning(arts: Path, runs, *, version="1.2.1", mode="one_model", max_batch=16, graphs=None) -> None:
+def write_tuning(arts: Path, runs, *, version="1.2.1", mode="one_model", max_batch=16, graphs=None,
+                 max_num_tokens=2048) -> None:
     (arts / "tune").mkdir(parents=True, exist_ok=True)
     sched = DraftSchedule.from_json({"runs": runs})
     (arts / "tune" / "tuning.json").write_text(json.dumps({
         "deployment": {"trtllm_version": version, "mode": mode, "note": "synthetic tuning for a test"},
         "speculation": sched.speculates(max_batch), "max_draft_len": sched.max_draft_len(max_batch),
-        "draft_schedule": sched.to_json(max_batch), "max_batch_size": max_batch, "max_num_tokens": 2048,
+        "draft_schedule": sched.to_json(max_batch), "max_batch_size": max_batch, "max_num_tokens": max_num_tokens,
         "cuda_graph_batch_sizes": graphs or [1, 2, 4, 8, 16]}))
 
 
@@ -96,6 +97,8 @@ class Upstream:
     runs: list | None = None
     version: str = "1.2.1"
     mode: str = "one_model"
+    positions: int = 2048          # max_position_embeddings of target and draft (ModelOpt copies the target's)
+    max_num_tokens: int = 2048     # tune's
 
 
 def write_checkpoints(root: Path, up: Upstream = Upstream()) -> dict:
@@ -110,15 +113,15 @@ def write_checkpoints(root: Path, up: Upstream = Upstream()) -> dict:
     tgt = arts / "quantize" / "target_fp8"
     tgt.mkdir(parents=True)
     (tgt / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": up.layers,
-                                                 "hidden_size": H, "vocab_size": up.vocab, "max_position_embeddings": 2048,
-                                                 **rope_cfg(up.theta, up.target_rope)}))
+                                                 "hidden_size": H, "vocab_size": up.vocab,
+                                                 "max_position_embeddings": up.positions, **rope_cfg(up.theta, up.target_rope)}))
     if up.fp8:
         (tgt / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"}, "quantization": {
             "quant_algo": up.quant_algo, "kv_cache_quant_algo": None, "exclude_modules": ["lm_head"]}}))
     draft = arts / "train_draft" / "draft"
     draft.mkdir(parents=True)
     aux = up.aux if up.aux is not None else [1, 3, 5]
-    dcfg = {"architectures": ["LlamaForCausalLMEagle3"], "vocab_size": up.vocab, "max_position_embeddings": 2048,
+    dcfg = {"architectures": ["LlamaForCausalLMEagle3"], "vocab_size": up.vocab, "max_position_embeddings": up.positions,
             "hidden_size": H, "num_hidden_layers": up.draft_layers,
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux}, **rope_cfg(10000.0, up.draft_rope)}
     tensors = {"fc.weight": np.zeros((H, len(set(aux)) * H), np.float32), "norm.weight": np.ones(H, np.float32)}
@@ -133,7 +136,7 @@ def write_checkpoints(root: Path, up: Upstream = Upstream()) -> dict:
             tensors["d2t"] = np.zeros((up.draft_vocab,), np.int64)
     if up.algorithm == "dflash":   # ModelOpt's DFlash export: no lm_head/embeddings, block + dflash_config
         dcfg = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": 8, "num_target_layers": up.layers,
-                "max_position_embeddings": 2048, "dflash_config": {"mask_token_id": 2, "target_layer_ids": [1, 5]},
+                "max_position_embeddings": up.positions, "dflash_config": {"mask_token_id": 2, "target_layer_ids": [1, 5]},
                 **rope_cfg(up.theta, up.draft_rope)}
         tensors = {"fc.weight": np.zeros((H, 2 * H), np.float32),
                    "layers.0.self_attn.q_proj.weight": np.zeros((H, H), np.float32)}
@@ -147,11 +150,11 @@ def write_checkpoints(root: Path, up: Upstream = Upstream()) -> dict:
         "algorithm": up.algorithm, "num_layers": up.draft_layers, "aux_layer_ids": aux if up.algorithm == "eagle3" else None,
         "block_size": 8 if up.algorithm == "dflash" else None, "vocab_size": up.vocab,
         "draft_vocab_size": up.draft_vocab or up.vocab, "has_d2t": up.d2t, "trained_draft_len": 3,
-        "max_position_embeddings": 2048}))
+        "max_position_embeddings": up.positions}))
     write_acceptance(arts)
     write_tuning(arts, up.runs or ([[1, 16, 4]] if up.mode == "one_model" and up.version.startswith("1.2") else
                                    [[1, 4, 4], [5, 8, 2], [9, 16, 1 if up.version.startswith("1.3") else 0]]),
-                 version=up.version, mode=up.mode)
+                 version=up.version, mode=up.mode, max_num_tokens=up.max_num_tokens)
     ev = arts / "data" / "eval"
     ev.mkdir(parents=True)
     for dom in ("code", "prose"):

@@ -98,6 +98,52 @@ def test_the_real_models_tokenizer_as_quantize_ships_it_reads_the_same(real_mode
     assert assert_same_in_both([out])[str(out)]["has_chat_template"]
 
 
+def _saved_by_transformers5(d: Path) -> Path:
+    """A BPE tokenizer with extra special tokens (Llama-3.x style headers) saved by the project's transformers 5, which
+    writes them as a list: `"extra_special_tokens": [...]`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.train_from_iterator(["hello world, a test of a tokenizer: def add(a, b): return a+b"] * 20, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|begin_of_text|>", "<|eot_id|>", "<|pad|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    t = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>",
+                                pad_token="<|pad|>",
+                                extra_special_tokens=["<|start_header_id|>", "<|end_header_id|>", "<|python_tag|>"])
+    t.chat_template = ("{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>{{ m['content'] }}"
+                       "<|eot_id|>{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>"
+                       "{% endif %}")
+    t.save_pretrained(str(d))
+    return d
+
+
+def test_a_transformers5_tokenizer_with_extra_special_tokens_reads_the_same_under_4_57_1(tmp_path):
+    """transformers 5 writes extra special tokens as a list; 4.57.1 wants a dict (_set_model_specific_special_tokens
+    calls .keys()) and cannot load the file. The portable form moves the list to additional_special_tokens, which both
+    read alike."""
+    from runtime.text.tokenizer_files import portable_tokenizer
+
+    raw = _saved_by_transformers5(tmp_path / "raw")
+    cfg = json.loads((raw / "tokenizer_config.json").read_text())
+    assert isinstance(cfg["extra_special_tokens"], list)          # what transformers 5 writes
+    out = tmp_path / "portable"
+    shutil.copytree(raw, out)
+    assert portable_tokenizer(out)
+    new = json.loads((out / "tokenizer_config.json").read_text())
+    assert "extra_special_tokens" not in new
+    assert new["additional_special_tokens"] == ["<|start_header_id|>", "<|end_header_id|>", "<|python_tag|>"]
+    old, five = probe(tf457_python(), [raw, out]), probe(sys.executable, [raw, out])   # one process per version
+    assert "error" in old[str(raw)]                               # 4.57.1 cannot load it as transformers 5 saved it
+    assert "error" not in old[str(out)], old[str(out)]
+    assert five[str(raw)] == five[str(out)]                       # transformers 5 reads the portable file unchanged
+    a, b = ({k: v for k, v in r[str(out)].items() if k != "class"} for r in (old, five))
+    assert a == b, sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+    assert a["has_chat_template"] and len(a["all_special_ids"]) == 6
+
+
 def test_portable_config_rules():
     from runtime.text.tokenizer_files import portable_config
 
@@ -110,6 +156,11 @@ def test_portable_config_rules():
     assert portable_config(wp, {"model": {"type": "WordPiece"}}) == {**wp, "tokenizer_class": "PreTrainedTokenizerFast"}
     assert portable_config(wp, None) == wp
     assert portable_config({"tokenizer_class": "LlamaTokenizer"}, bpe) == {"tokenizer_class": "LlamaTokenizer"}
+    # transformers 5's list of extra special tokens joins any additional_special_tokens; a dict (named tokens) stays
+    assert portable_config({"extra_special_tokens": ["<b>", "<a>"], "additional_special_tokens": ["<a>"]}, None) == \
+        {"additional_special_tokens": ["<a>", "<b>"]}
+    named = {"extra_special_tokens": {"image_token": "<img>"}}
+    assert portable_config(named, None) == named
 
 
 def test_rewriting_a_hard_linked_tokenizer_leaves_the_source_alone(tmp_path):

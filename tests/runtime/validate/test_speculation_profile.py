@@ -105,6 +105,65 @@ def test_engine_measured_entries_become_measurements():
     assert v["per_category"]["code"]["acceptance_length_histogram"] == {"1": 2, "2": 1, "4": 1}
 
 
+@pytest.mark.fast
+def test_profile_states_the_al_at_every_k_and_the_deployed_one():
+    """accept_length_by_k at every k <= K from the measured chain (ModelOpt keeps only K's entry), the deployed draft
+    length's AL beside ModelOpt's fields, ModelOpt's per-request mean (AcceptanceRate Average_AL: each request's tokens
+    per step, averaged over requests) and DFlash's block_size / max_supported_k."""
+    from runtime.records import AcceptanceInfo
+    from runtime.validate.profile import build_profile
+
+    hist = [184, 182, 159, 475]                     # PR #2247's example: marginal [0.816, 0.634, 0.475], AL 2.925
+    rows = [[10, 20], [30, 30]]                      # per prompt [steps, accepted]: 3.0 and 2.0 tokens per step
+    st = {"acceptance_length": 2.925, "steps": 1000, "accepted_per_step": hist, "per_prompt": rows}
+    acc = AcceptanceInfo.from_json({"max_draft_len": 3, "runtime": "reference", "domains": {"code": {"fp8": st}},
+                                    "overall": {"fp8": {k: v for k, v in st.items() if k != "per_prompt"}},
+                                    "gates": {"passed": True}})
+    p = build_profile(acc, method="eagle3", target={}, draft={}, conditions={}, deployed_draft_len=2)
+    assert p["accept_length_by_k"] == {"1": 1.816, "2": 2.45, "3": 2.925}
+    assert p["accept_length_by_k"]["3"] == p["mean_accept_length"] and p["num_speculative_tokens"] == 3
+    assert p["deployed_draft_len"] == 2 and p["deployed_accept_length"] == 2.45     # not the 2.925 measured at K
+    assert p["accept_length_by_k_source"]["3"] == "measured" and p["accept_length_by_k_source"]["1"].startswith("chain")
+    assert p["per_category"]["code"]["accept_length_by_k"] == p["accept_length_by_k"]
+    assert p["mean_accept_length_per_request"] == 2.5 == p["per_category"]["code"]["mean_accept_length_per_request"]
+    assert p["block_size"] is None and p["max_supported_k"] == 3
+    d = build_profile(acc, method="dflash", target={}, draft={}, conditions={}, deployed_draft_len=3, block_size=8)
+    assert d["block_size"] == 8 and d["max_supported_k"] == 7 and d["accept_length_model"] == "measured_per_k"
+    assert d["deployed_accept_length"] == 2.925 and "DFlash drafter" in d["accept_length_by_k_source"]["2"]
+
+
+@pytest.mark.fast
+def test_profile_and_verdict_lead_with_the_first_layer_the_engines_compute():
+    """validate gates on ModelOpt's training first layer hidden_norm(input_layernorm(h)) by default; TensorRT-LLM, vLLM
+    and SGLang compute hidden_norm(h) (validate's `serving`, measured as fp8_other_norm): the profile's
+    served_computation and the report's verdict table give that figure first, the gated one beside it."""
+    from pipeline.verdict import al_rows
+    from runtime.records import AcceptanceInfo
+    from runtime.validate.profile import build_profile
+
+    st = {"acceptance_length": 2.5, "steps": 4, "accepted_per_step": [1, 1, 1, 1]}
+    doc = {"max_draft_len": 3, "runtime": "reference", "draft": {"first_layer_norm": "modelopt"}, "gates": {"passed": True},
+           "domains": {"code": {"fp8": st, "fp8_other_norm": {"first_layer_norm": "serving", "acceptance_length": 2.2}},
+                       "prose": {"fp8": {**st, "acceptance_length": 2.0}}},
+           "overall": {"fp8": st}}
+    p = build_profile(AcceptanceInfo.from_json(doc), method="eagle3", target={}, draft={}, conditions={})
+    sc = p["served_computation"]
+    assert sc["first_layer_norm"] == "serving" and sc["measured"] and sc["per_category"] == {"code": 2.2, "prose": None}
+    assert sc["validate_per_category"] == {"code": 2.5, "prose": 2.0} and sc["mean_accept_length"] is None
+    assert p["mean_accept_length"] == 2.5                                # ModelOpt's fields keep validate's measurement
+    header, rows = al_rows(doc)
+    assert "hidden_norm(h)" in header[1] and "training first layer" in header[2]
+    assert rows[0][:3] == ["code", 2.2, 2.5] and rows[1][:3] == ["prose", "not measured", 2.0]
+    assert rows[2][:3] == ["overall", "per domain only", 2.5]
+    serving = {**doc, "draft": {"first_layer_norm": "serving"}}
+    served = build_profile(AcceptanceInfo.from_json(serving), method="eagle3", target={}, draft={}, conditions={})
+    sc = served["served_computation"]
+    assert sc["mean_accept_length"] == 2.5 and sc["per_category"]["code"] == 2.5
+    assert "hidden_norm" not in al_rows(serving)[0][1]                   # nothing to put beside it
+    assert build_profile(AcceptanceInfo.from_json(doc), method="dflash", target={}, draft={}, conditions={})[
+        "served_computation"] is None
+
+
 # ---------------------------------------------------------------------------------------------- the tiny run
 
 
@@ -142,6 +201,11 @@ def test_every_exported_draft_carries_the_profile(run_dir):
         assert b["conditional_accept_rates"] == pytest.approx([x or 0.0 for x in fp8["per_position"]], abs=1e-5)
         assert b["validation"]["mean_consistency"]["passed"]
     assert p["mean_accept_length"] == pytest.approx(acc["overall"]["fp8"]["acceptance_length"], abs=1e-5)
+    assert list(p["accept_length_by_k"]) == [str(k) for k in range(1, K + 1)]
+    dep = json.loads((arts / "build" / "deployment.json").read_text())
+    k1 = dep["draft_schedule"]["runs"][0][2]
+    assert p["deployed_draft_len"] == k1 and p["deployed_accept_length"] == p["accept_length_by_k"][str(k1)]
+    assert p["mean_accept_length_per_request"] is not None
     c = p["measurement_conditions"]
     assert c["engine"] == "specpipe" and p["measurements"][0]["engine"] == "specpipe"
     assert c["pair"]["target_precision"] == "FP8" and c["pair"]["draft_precision"] in ("bf16", "fp8")
@@ -205,8 +269,9 @@ def test_report_opens_with_the_verdict(run_dir, tmp_path):
     assert "<h2 id='verdict'>Verdict</h2>" in head and "<h2>validate</h2>" not in head
     text = _text(head)
     assert "SHIPPED" in text and "gate(s) passed" in text
-    for d, v in acc["domains"].items():
-        assert re.search(rf"{d} {v['fp8']['acceptance_length']:.4g} ", text), (d, text)
+    for d, v in acc["domains"].items():     # the engines' first layer first where validate measured it, then the gated AL
+        lead = f"{v['fp8_other_norm']['acceptance_length']:.4g} " if v.get("fp8_other_norm") else ""
+        assert re.search(rf"{d} {lead}{v['fp8']['acceptance_length']:.4g} ", text), (d, text)
     assert f"{tune['predicted_speedup_batch1']:.2f}x at batch 1" in text
     assert "H200" in text
     ex = json.loads((arts / "export" / "export.json").read_text())

@@ -49,7 +49,7 @@ from runtime.engine.speculative import SpeculativeEngine
 from runtime.engine.target import TargetRunner, load_target, target_shape
 from runtime.vllm import speculators_format as S
 
-from support import REPO, missing
+from support import REPO, missing, script_argv
 
 CHECK = Path(__file__).with_name("speculators_check.py")
 SPEC_ENV = "SPECPIPE_SPECULATORS_PYTHON"
@@ -399,9 +399,12 @@ def test_export_writes_the_speculators_draft_with_the_tuned_deployment(tiny_run)
     assert all(f.stat().st_mode & 0o444 == 0o444 for f in spec.iterdir())     # readable by a container's user
     script = spec / "serve_vllm.sh"
     subprocess.run(["bash", "-n", str(script)], check=True)
-    argv = shlex.split(script.read_text().splitlines()[-1])
-    assert argv[:4] == ["exec", "vllm", "serve", dep["target_dir"]] and argv[-1] == "$@"
-    assert shlex.join(argv[1:-1]) == s["vllm_serve"] and s["vllm_serve"] in (spec / "README.md").read_text()
+    env = {k: v for k, v in os.environ.items() if k not in ("HOST", "PORT")}
+    argv = script_argv(script, "--extra", **env)
+    assert argv[:3] == ["vllm", "serve", dep["target_dir"]] and argv[-1] == "--extra"
+    assert shlex.join(argv[:-1]) == s["vllm_serve"] and s["vllm_serve"] in (spec / "README.md").read_text()
+    on_all = script_argv(script, **{**env, "HOST": "0.0.0.0", "PORT": "9000"})     # the container form
+    assert on_all[on_all.index("--host") + 1] == "0.0.0.0" and on_all[on_all.index("--port") + 1] == "9000"
     sc = json.loads(argv[argv.index("--speculative-config") + 1])
     # vLLM 0.32 takes a draft length per batch size (runtime/vllm/serve.py): tune's best k per measured batch size
     from runtime.vllm import serve as V

@@ -64,6 +64,21 @@ def test_command_and_readme_carry_the_schedule(tmp_path):
     assert "num_speculative_tokens_per_batch_size" not in const[const.index("--speculative-config") + 1]
 
 
+def test_serve_script_binds_loopback_unless_told_and_the_container_form_binds_all(tmp_path):
+    """serve_vllm.sh takes --host/--port from $HOST/$PORT (default the argv's 127.0.0.1:8000): a server on the loopback
+    inside a container is unreachable through a published port, so the container form passes HOST=0.0.0.0."""
+    from support import script_argv
+
+    argv = ["vllm", "serve", "/t d/$x", "--host", "127.0.0.1", "--port", "8000", "--speculative-config", '{"a": "b c"}']
+    f = tmp_path / "serve_vllm.sh"
+    f.write_text(V.serve_script(argv))
+    env = {k: v for k, v in os.environ.items() if k not in ("HOST", "PORT")}
+    assert script_argv(f, "--max-num-seqs", "4", **env) == [*argv, "--max-num-seqs", "4"]     # quoting kept
+    inside = script_argv(f, **{**env, "HOST": "0.0.0.0", "PORT": "9001"})
+    assert inside == [*argv[:4], "0.0.0.0", "--port", "9001", *argv[7:]]
+    assert "-e HOST=0.0.0.0" in f.read_text()
+
+
 # ---------------------------------------------------------------------------------------------- real vLLM
 
 
@@ -105,8 +120,12 @@ def test_exported_command_parses_in_vllm_and_means_what_we_think(run_dir: Path, 
     i = per_batch.index("--speculative-config") + 1
     bad_key = per_batch[:i] + [per_batch[i].replace("num_speculative_tokens_per_batch_size", "k_per_batch")] + per_batch[i + 1:]
     bad_kv = [*argv[:], "--kv-cache-dtype", "fp8e4m3"]
-    out = _check(py, [argv, per_batch, bad_key, bad_kv], tmp_path)
-    ok, sched, wrong_key, wrong_kv = out
+    from support import script_argv
+
+    container = script_argv(run_dir / "artifacts" / "export" / "speculators" / "serve_vllm.sh", HOST="0.0.0.0")
+    out = _check(py, [argv, per_batch, bad_key, bad_kv, container], tmp_path)
+    ok, sched, wrong_key, wrong_kv, inside = out
+    assert inside["ok"] and inside["host"] == "0.0.0.0", inside          # the container form, as vLLM parses it
     assert ok["ok"], ok
     assert ok["method"] == spec.algorithm and ok["num_speculative_tokens"] == spec.speculative_tokens
     assert ok["host"] == "127.0.0.1" and ok["max_model_len"] == 2048 and ok["cache_dtype"] == "fp8"

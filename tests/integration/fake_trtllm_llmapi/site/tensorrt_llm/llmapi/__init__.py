@@ -1,0 +1,1 @@
+"""FAKE tensorrt_llm.llmapi (see the package docstring)."""

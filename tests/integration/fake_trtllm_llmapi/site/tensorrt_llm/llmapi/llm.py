@@ -1,0 +1,2 @@
+"""FAKE tensorrt_llm.llmapi.llm (see the package docstring)."""
+RequestOutput = None
