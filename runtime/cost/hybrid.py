@@ -14,15 +14,30 @@ if TYPE_CHECKING:
     from runtime.records import AcceptanceInfo
 
 
+def survival_curve(accepted_per_step: list[int]) -> list[float]:
+    """Conditional acceptance per position over ALL steps, from the histogram of accepted counts: c_j = m_j / m_(j-1)
+    with m_j = P(at least j accepted). The hybrid's proposals are ragged (an SA continuation may be shorter than k), so
+    its `per_position` (rates over the steps that drafted position j) overstates what a step yields; this curve gives
+    1 + sum(m_j) = AL, and its first k positions what the same drafts yield at a draft length k."""
+    n = sum(accepted_per_step)
+    out, prev = [], 1.0
+    for j in range(1, len(accepted_per_step)):
+        m = sum(accepted_per_step[j:]) / n if n else 0.0
+        out.append(m / prev if prev > 0 else 0.0)
+        prev = m
+    return out
+
+
 def hybrid_curves(acc: AcceptanceInfo, threshold: str, domains) -> dict[str, list[float]] | None:
-    """Per-domain conditional acceptance of the hybrid at one threshold (None counted as 0), None if a domain lacks it."""
+    """Per-domain conditional acceptance of the hybrid at one threshold over all steps (`survival_curve` of the
+    measured histogram), None if a domain lacks it."""
     doms = ((acc.hybrid or {}).get("by_threshold") or {}).get(threshold, {}).get("domains") or {}
     out = {}
     for d in domains:
-        pp = (doms.get(d) or {}).get("per_position")
-        if not pp:
+        hist = (doms.get(d) or {}).get("accepted_per_step")
+        if not hist or not sum(hist):
             return None
-        out[d] = [0.0 if a is None else float(a) for a in pp]
+        out[d] = survival_curve([int(x) for x in hist])
     return out
 
 
@@ -52,15 +67,16 @@ def choose(dep, acc: AcceptanceInfo, mix: tuple, batch_sizes: list[int], kw: dic
         return {**base, "measured": False, "why": "validate.hybrid did not measure the enhancer (enable it to tune it)"}
     ks = {b: choose_k(dep, curves, weights, b, K, **kw).k for b in batch_sizes}
     trained = _speedups(dep, curves, weights, ks)
-    cand = {}
+    cand, sp1 = {}, {}
     for t in ths:
         hc = hybrid_curves(acc, t, weights)
         sp = _speedups(dep, hc, weights, ks)
+        sp1[t] = sp[batch_sizes[0]]
         cand[t] = {"tokens_per_step_mix": round(mix_expected_tokens(hc, weights, K), 4),
                    "speedup_by_batch": {str(b): round(s, 4) for b, s in sp.items()}}
     b1 = str(batch_sizes[0])
-    best = max(ths, key=lambda t: (cand[t]["speedup_by_batch"][b1], int(t)))
-    pays = cand[best]["speedup_by_batch"][b1] > trained[batch_sizes[0]] + 1e-9
+    best = max(ths, key=lambda t: (sp1[t], int(t)))
+    pays = sp1[best] > trained[batch_sizes[0]] * (1 + 1e-6)
     deploy = problem is None and (pays or want == "on")
     why = (f"threshold {best}: predicted batch-{b1} speedup {cand[best]['speedup_by_batch'][b1]:.3f} vs trained draft "
            f"{trained[batch_sizes[0]]:.3f} on the traffic mix" + ("" if pays else " (does not pay)")

@@ -140,13 +140,35 @@ def _dep():
     return cm.Deployment(target, e3, "eagle3", fp8, bf16, m, context=1024)
 
 
+def _hist(cond: list[float], steps: int = 10000) -> list[int]:
+    """The accepted-count histogram of `steps` steps whose conditional acceptance per position is `cond`."""
+    surv = [1.0]
+    for c in cond:
+        surv.append(surv[-1] * c)
+    return [round(steps * (surv[a] - surv[a + 1])) for a in range(len(cond))] + [round(steps * surv[-1])]
+
+
 def _acc(hybrid_pp: dict[str, dict[str, list[float]]]):
     from runtime.records import AcceptanceInfo
 
     return AcceptanceInfo.from_json({"max_draft_len": 3, "domains": {}, "overall": {}, "gates": {"passed": True},
-                                     "hybrid": {"by_threshold": {t: {"domains": {d: {"per_position": pp}
+                                     "hybrid": {"by_threshold": {t: {"domains": {d: {"accepted_per_step": _hist(pp)}
                                                                                  for d, pp in doms.items()}}
                                                                  for t, doms in hybrid_pp.items()}}})
+
+
+@pytest.mark.fast
+def test_hybrid_curve_counts_every_step_not_only_those_that_drafted_the_position():
+    """A ragged proposal (SA continuation shorter than k) leaves later positions undrafted: the per-position rate over
+    the steps that drafted them can read 1.0 while the step yields fewer tokens. The priced curve is the survival of
+    the accepted-count histogram: 1 + sum of its marginals = AL."""
+    from runtime.cost.hybrid import survival_curve
+
+    hist = [0, 0, 6, 4]            # 10 steps: 6 drafted 2 tokens (both kept), 4 drafted 3 (all kept)
+    c = survival_curve(hist)
+    assert c == pytest.approx([1.0, 1.0, 0.4])
+    marg = [c[0], c[0] * c[1], c[0] * c[1] * c[2]]
+    assert 1 + sum(marg) == pytest.approx(sum((a + 1) * n for a, n in enumerate(hist)) / sum(hist))
 
 
 @pytest.mark.fast
