@@ -60,10 +60,10 @@ class Config(StageSection):
     min_num_tokens: int = Field(8192, ge=1, description="max_num_tokens never below this (chunked-prefill budget)")
     kv_cache_memory_fraction: float = Field(0.9, gt=0, le=1, description="share of memory left after weights for KV")
     efficiency: Efficiency = Field(default_factory=Efficiency)
-    sa_enhancer: Literal["auto", "on", "off"] = Field("auto", description=(
+    sa_enhancer: Literal["auto", "always", "never"] = Field("auto", description=(
         "TensorRT-LLM's suffix-automaton enhancer (sa_config) on the trained draft: auto = at the best threshold "
-        "validate.hybrid measured, where it pays on the traffic mix and the version has it; on = wherever the version "
-        "has it; off = never (runtime/cost/hybrid.py)"))
+        "validate.hybrid measured, where it pays on the traffic mix and the version has it; always = wherever the "
+        "version has it; never (runtime/cost/hybrid.py)"))
 
     @field_validator("trtllm_version", mode="before")
     @classmethod
@@ -151,11 +151,11 @@ def check(cfg) -> list[tuple[str, str]]:
     if cfg.tune.trtllm_version and \
             (p := compat.algorithm_problem(cfg.tune.trtllm_version, algo)) is not None:
         out.append(("tune.trtllm_version", p))
-    if cfg.tune.sa_enhancer == "on":
+    if cfg.tune.sa_enhancer == "always":
         from runtime.trtllm import sa_enhancer
 
         if (p := sa_enhancer.problem(target_version(cfg), algo)) is not None:
-            out.append(("tune.sa_enhancer", f"on: {p}; or set tune.sa_enhancer: auto/off"))
+            out.append(("tune.sa_enhancer", f"always: {p}; or set tune.sa_enhancer: auto or never"))
     b = cfg.build
     if cfg.tune.trtllm_version and b.enabled and b.trtllm_version \
             and compat.normalize_version(cfg.tune.trtllm_version) != compat.normalize_version(b.trtllm_version):

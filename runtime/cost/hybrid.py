@@ -52,7 +52,7 @@ def choose(dep, acc: AcceptanceInfo, mix: tuple, batch_sizes: list[int], kw: dic
     """tuning.json's `sa_enhancer`: every measured threshold priced at the trained draft's chosen k per batch size, the
     best on the batch-1 mix, whether it pays over the trained draft, and whether build deploys it. `mix`: the trained
     draft's (curves, weights, K) as tune prices them; `target`: {"want": auto (where it pays and the version has
-    sa_config) | on (where the version has it) | off, "problem": why the targeted version cannot take it (None: it
+    sa_config) | always (where the version has it) | never, "problem": why the targeted version cannot take it (None: it
     can), "vllm_alternative": what vLLM runs instead}."""
     curves, weights, K = mix
     want, problem = target["want"], target["problem"]
@@ -60,8 +60,8 @@ def choose(dep, acc: AcceptanceInfo, mix: tuple, batch_sizes: list[int], kw: dic
     base = {"want": want, "supported": problem is None, "unsupported_reason": problem,
             "vllm_alternative": target["vllm_alternative"], "draft_cost": "the trained draft's: TensorRT-LLM runs the draft loop "
             "for matched requests too and overrides afterwards", "deploy": False, "threshold": None}
-    if want == "off":
-        return {**base, "measured": bool(hy), "why": "tune.sa_enhancer: off"}
+    if want == "never":
+        return {**base, "measured": bool(hy), "why": "tune.sa_enhancer: never"}
     ths = [t for t in (hy.get("by_threshold") or {}) if hybrid_curves(acc, t, weights)]
     if not ths:
         return {**base, "measured": False, "why": "validate.hybrid did not measure the enhancer (enable it to tune it)"}
@@ -77,7 +77,7 @@ def choose(dep, acc: AcceptanceInfo, mix: tuple, batch_sizes: list[int], kw: dic
     b1 = str(batch_sizes[0])
     best = max(ths, key=lambda t: (sp1[t], int(t)))
     pays = sp1[best] > trained[batch_sizes[0]] * (1 + 1e-6)
-    deploy = problem is None and (pays or want == "on")
+    deploy = problem is None and (pays or want == "always")
     why = (f"threshold {best}: predicted batch-{b1} speedup {cand[best]['speedup_by_batch'][b1]:.3f} vs trained draft "
            f"{trained[batch_sizes[0]]:.3f} on the traffic mix" + ("" if pays else " (does not pay)")
            + ("" if problem is None else f"; not deployable: {problem}"))

@@ -174,7 +174,7 @@ def test_hybrid_curve_counts_every_step_not_only_those_that_drafted_the_position
 @pytest.mark.fast
 def test_tune_chooses_the_threshold_that_pays_on_the_traffic_mix():
     """Two domains, two thresholds: the one whose curves emit more tokens on the weighted mix wins; where no threshold
-    beats the trained draft it does not pay (auto: not deployed; on: deployed anyway); off: never; a version without
+    beats the trained draft it does not pay (auto: not deployed; always: deployed anyway); never: never; a version without
     sa_config: not deployed, with the reason."""
     from runtime.cost import hybrid
 
@@ -190,7 +190,20 @@ def test_tune_chooses_the_threshold_that_pays_on_the_traffic_mix():
     worse = _acc({"4": {"code": [0.4, 0.3, 0.2], "chat": [0.3, 0.2, 0.1]}})
     no = hybrid.choose(dep, worse, (trained, {"code": 1.0, "chat": 1.0}, 3), [1], {}, tgt)
     assert not no["pays"] and not no["deploy"] and "does not pay" in no["why"]
-    assert hybrid.choose(dep, worse, (trained, {"code": 1.0}, 3), [1], {}, {**tgt, "want": "on"})["deploy"]
-    assert not hybrid.choose(dep, acc, (trained, {"code": 1.0}, 3), [1], {}, {**tgt, "want": "off"})["deploy"]
+    assert hybrid.choose(dep, worse, (trained, {"code": 1.0}, 3), [1], {}, {**tgt, "want": "always"})["deploy"]
+    assert not hybrid.choose(dep, acc, (trained, {"code": 1.0}, 3), [1], {}, {**tgt, "want": "never"})["deploy"]
     refused = hybrid.choose(dep, acc, (trained, {"code": 1.0}, 3), [1], {}, {**tgt, "problem": "no sa_config"})
     assert refused["pays"] and not refused["deploy"] and "not deployable: no sa_config" in refused["why"]
+
+
+@pytest.mark.fast
+def test_asking_for_sa_config_on_1_2_is_a_config_error_naming_the_version_that_has_it():
+    """tune.sa_enhancer: always on a 1.2.1 deployment: exit 2, the field named, the reason and the way out."""
+    from conftest import TINY_CONFIG
+
+    r = run_cli("check", str(TINY_CONFIG), "-o", "tune.sa_enhancer=always")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "tune.sa_enhancer" in r.stderr and "1.2.1's Eagle3DecodingConfig has no sa_config" in r.stderr
+    assert "build.trtllm_version: 1.3.0rc27" in r.stderr
+    ok = run_cli("check", str(TINY_CONFIG), "-o", "tune.sa_enhancer=always", "-o", "build.trtllm_version=1.3.0rc27")
+    assert ok.returncode == 0, ok.stderr
