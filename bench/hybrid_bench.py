@@ -32,6 +32,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--extra", action="append", default=[], help="NAME=FILE.jsonl with {'prompt': text} rows")
+    ap.add_argument("--domains", help="comma-separated: only these domains")
     ap.add_argument("--json", type=Path)
     return ap.parse_args(argv)
 
@@ -49,9 +50,10 @@ def domains(a, tok_dir: Path) -> dict[str, list[list[int]]]:
         for spec in a.extra:
             name, path = spec.split("=", 1)
             rows = [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()][:a.prompts]
-            out[name] = [tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True,
-                                                 tokenize=True) for r in rows]
-    return out
+            texts = [tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True,
+                                             tokenize=False) for r in rows]
+            out[name] = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    return {d: ps for d, ps in out.items() if not a.domains or d in a.domains.split(",")}
 
 
 ARMS = ("plain", "trained", "ngram", "hybrid")
