@@ -118,7 +118,8 @@ def sa_config_of(tuning: dict, version: str, algorithm: str, speculation: bool) 
     if not speculation or not t.get("measured"):
         return None, "not written: " + ("no speculation" if not speculation else t.get("why") or "tune did not price it")
     if (p := sa_enhancer.problem(version, algorithm)) is not None:
-        return None, (f"refused: {p}" + (" (tune found it paying: " + t["why"] + ")" if t.get("pays") else "")
+        paying = t.get("why", "").split("; not deployable")[0]
+        return None, (f"refused: {p}" + (f" (tune found it paying: {paying})" if t.get("pays") else "")
                       + "; " + t.get("vllm_alternative", sa_enhancer.vllm_alternative(1)))
     if not t.get("deploy"):
         return None, "not written: " + t.get("why", "")
