@@ -170,6 +170,7 @@ class AcceptanceInfo:
     engines: dict                         # engine name -> its own measurement (vLLM's counters); {} when absent
     ngram: dict | None                    # the n-gram comparison when validate.ngram ran
     raw: dict
+    hybrid: dict | None = None            # the trained draft + SA enhancer (validate.hybrid): thresholds, comparison
 
     @property
     def passed(self) -> bool:
@@ -183,7 +184,8 @@ class AcceptanceInfo:
                    temperature=float(doc.get("temperature") or 0.0), batch_size=doc.get("batch_size"),
                    runtime=doc.get("runtime"), runtime_reason=doc.get("runtime_reason"),
                    eos_token_ids=list(doc.get("eos_token_ids") or []), draft=doc.get("draft") or {},
-                   engines=doc.get("engines") or {}, ngram=doc.get("ngram"), raw=doc)
+                   engines=doc.get("engines") or {}, ngram=doc.get("ngram"), raw=doc,
+                   hybrid=doc.get("hybrid"))
 
 
 # ------------------------------------------------------------------------------------------------ tune

@@ -6,7 +6,9 @@ for the TensorRT-LLM version it targets (`build.trtllm_version`, default the ver
 `runtime/trtllm/compat.py`) and in that version's forms:
 
   deployment/llm_api_options.yaml   speculative_config (the tuned draft length per batch size, the capture layers, the
-                                    acceptance guard), batch/token/sequence limits, chunked prefill, KV, CUDA graphs
+                                    acceptance guard, sa_config where tune chose the suffix-automaton enhancer and the
+                                    version has it, else refused with the reason), batch/token/sequence limits, chunked
+                                    prefill, KV, CUDA graphs
   deployment/draft/                 the EAGLE-3 draft with its layers named as the targeted loader reads them, where that
                                     differs from ModelOpt's (1.2: midlayer.*); train_draft's artifact stays as ModelOpt wrote it
   deployment/[draft/]speculation_profile.json  the draft's measured acceptance (validate's, ModelOpt's proposed schema,
@@ -197,8 +199,7 @@ def run(ctx: StageContext) -> dict:
     ddraft = _deployment_draft(ctx, plan, out)
     spec = _deployment_spec(ctx, plan, ddraft)
     options = _llm_api_options(spec, version)
-    guard_doc, guard_note = T.acceptance_guard(plan.rel, plan.mode, spec.acceptance_window, spec.min_acceptance_rate,
-                                               plan.kmax)
+    guard_doc, guard_note = T.acceptance_guard(plan.rel, plan.mode, spec.acceptance_window, spec.min_acceptance_rate, plan.kmax)
     if guard_note and plan.speculation:
         ctx.log.warning("%s", guard_note)
     checks = _checked(ctx, plan, options, ddraft)
@@ -209,6 +210,7 @@ def run(ctx: StageContext) -> dict:
     runs = _runs(plan, options)
     doc = _deployment_doc(ctx, plan, options, ddraft, (guard_doc, guard_note), bench, checks, loaded)
     doc["ngram"] = _ngram(ctx, plan, options, out) if sec.ngram.enabled else None
+    doc["sa_enhancer"] = {"sa_config": spec.sa_config, "note": spec.sa_note}
     (ctx.out_dir / "deployment.json").write_text(json.dumps(doc, indent=2))
     (out / "README.md").write_text(readme.readme(doc, options))
     if plan.speculation:
@@ -249,8 +251,7 @@ def _write_profile(ctx: StageContext, plan: _Plan, where: Path, doc: dict, k1: i
 
 
 def _plan(ctx: StageContext) -> _Plan:
-    """Read quantize's, train_draft's and tune's artifacts; resolve algorithm, mode, schedule and batch size.
-    Logs a warning when tune found that speculation never pays (the target is then deployed alone)."""
+    """Read quantize's, train_draft's and tune's artifacts; resolve algorithm, mode, schedule and batch size."""
     from runtime.trtllm import draft_schedule
 
     sec: Config = ctx.section
@@ -324,9 +325,11 @@ def _deployment_spec(ctx: StageContext, plan: _Plan, ddraft: _DeployedDraft) -> 
     if sec.cuda_graphs:
         cg = [b for b in plan.tuning.cuda_graph_batch_sizes if b <= mbs] or [1]
     guard = sec.acceptance_guard
+    sa, sa_note = T.sa_config_of(plan.tuning.raw, plan.version, plan.algo, plan.speculation)
+    ctx.log.info("sa_config (suffix-automaton enhancer): %s", sa_note)
     return T.DeploymentSpec(
         version=plan.version, algorithm=plan.algo, draft_dir=str(ddraft.final) if ddraft.dir else "",
-        schedule=plan.schedule, capture_layers=plan.capture_layers,
+        schedule=plan.schedule, capture_layers=plan.capture_layers, sa_config=sa, sa_note=sa_note,
         max_batch_size=mbs, max_num_tokens=int(mnt), max_seq_len=int(msl), cuda_graph_batch_sizes=cg, kv_cache=kv,
         eagle3_one_model=sec.eagle3_mode == "one_model", tensor_parallel_size=ctx.config.hardware.tensor_parallel_size,
         pipeline_parallel_size=sec.pipeline_parallel_size,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -59,6 +60,10 @@ class Config(StageSection):
     min_num_tokens: int = Field(8192, ge=1, description="max_num_tokens never below this (chunked-prefill budget)")
     kv_cache_memory_fraction: float = Field(0.9, gt=0, le=1, description="share of memory left after weights for KV")
     efficiency: Efficiency = Field(default_factory=Efficiency)
+    sa_enhancer: Literal["auto", "always", "never"] = Field("auto", description=(
+        "TensorRT-LLM's suffix-automaton enhancer (sa_config) on the trained draft: auto = at the best threshold "
+        "validate.hybrid measured, where it pays on the traffic mix and the version has it; always = wherever the "
+        "version has it; never (runtime/cost/hybrid.py)"))
 
     @field_validator("trtllm_version", mode="before")
     @classmethod
@@ -146,6 +151,11 @@ def check(cfg) -> list[tuple[str, str]]:
     if cfg.tune.trtllm_version and \
             (p := compat.algorithm_problem(cfg.tune.trtllm_version, algo)) is not None:
         out.append(("tune.trtllm_version", p))
+    if cfg.tune.sa_enhancer == "always":
+        from runtime.trtllm import sa_enhancer
+
+        if (p := sa_enhancer.problem(target_version(cfg), algo)) is not None:
+            out.append(("tune.sa_enhancer", f"always: {p}; or set tune.sa_enhancer: auto or never"))
     b = cfg.build
     if cfg.tune.trtllm_version and b.enabled and b.trtllm_version \
             and compat.normalize_version(cfg.tune.trtllm_version) != compat.normalize_version(b.trtllm_version):
@@ -199,6 +209,7 @@ def run(ctx: StageContext) -> dict:
         **_models_and_acceptance(dep, curves, weights, K, acc.max_draft_len),
         "predicted": table,
         "prediction_check": _prediction_check(ctx, table),
+        "sa_enhancer": _sa_enhancer(ctx, dep, acc, (curves, weights, K), version, draft.algorithm, kw),
     }
     (ctx.out_dir / "tuning.json").write_text(json.dumps(doc, indent=2))
     b1 = table[0]
@@ -208,7 +219,20 @@ def run(ctx: StageContext) -> dict:
         "trtllm_version": version, "mode": mode, "gpu": hw_doc["gpu"], "ridge_rows": round(hw_doc["ridge_rows"], 1),
         f"predicted_speedup_batch{b1['batch']}": round(b1["speedup"], 3),
         "predicted_speedup": {str(r["batch"]): round(r["speedup"], 3) for r in table},
+        "sa_enhancer": {k: doc["sa_enhancer"].get(k) for k in ("deploy", "threshold", "pays", "why")},
     }
+
+
+def _sa_enhancer(ctx: StageContext, dep, acc, mix: tuple, version: str, algorithm: str, kw: dict) -> dict:
+    """Whether build writes sa_config and at which threshold (runtime/cost/hybrid.py), logged."""
+    from runtime.cost import hybrid
+    from runtime.trtllm import sa_enhancer
+
+    out = hybrid.choose(dep, acc, mix, ctx.section.batch_sizes, kw,
+                        {"want": ctx.section.sa_enhancer, "problem": sa_enhancer.problem(version, algorithm),
+                         "vllm_alternative": sa_enhancer.vllm_alternative(mix[2])})
+    ctx.log.info("suffix-automaton enhancer: %s (%s)", "deployed" if out["deploy"] else "not deployed", out["why"])
+    return out
 
 
 def _price(ctx: StageContext, target, draft, draft_cfg, quant, acc):

@@ -84,6 +84,15 @@ class NgramMeasure(Strict):
     k: int | None = Field(None, ge=1, le=16, description="draft tokens per step; default validate.max_draft_len")
 
 
+class HybridMeasure(Strict):
+    """The trained draft with TensorRT-LLM's suffix-automaton enhancer (sa_config), runtime/validate/hybrid.py."""
+
+    enabled: bool = Field(True, description="measure the trained draft + SA enhancer on every domain (reference runtime)")
+    thresholds: list[int] = Field(default_factory=lambda: [2, 4, 8], min_length=1, description=(
+        "SAEnhancerConfig.threshold candidates (min match length for the SA draft to replace the trained one; "
+        "TensorRT-LLM's default 4); one decode of every domain each; tune chooses among them"))
+
+
 class Config(StageSection):
     runtime: Literal["auto", "reference", "tensorrt_llm"] = "auto"
     max_draft_len: int = Field(4, ge=1, le=16, description="draft tokens per step while measuring (DFlash: capped at "
@@ -107,6 +116,7 @@ class Config(StageSection):
         "TensorRT-LLM runs the draft in one-model mode; the gate is on it, the BF16-KV figure is reported beside it"))
     seed: int = 0
     ngram: NgramMeasure = Field(default_factory=NgramMeasure)
+    hybrid: HybridMeasure = Field(default_factory=HybridMeasure)
     gates: Gates = Field(default_factory=Gates)
 
 
@@ -133,6 +143,8 @@ def check(cfg) -> list[tuple[str, str]]:
                          f"{mo} > max_draft_len + 1 = {sec.max_draft_len + 1}: no draft can reach it"))
     if sec.ngram.min_n > sec.ngram.max_n:
         problems.append(("validate.ngram.min_n", f"{sec.ngram.min_n} > validate.ngram.max_n = {sec.ngram.max_n}"))
+    if any(t < 1 for t in sec.hybrid.thresholds):
+        problems.append(("validate.hybrid.thresholds", f"{sec.hybrid.thresholds}: each threshold must be >= 1"))
     if sec.gates.min_retention is not None and not sec.measure_bf16:
         problems.append(("validate.gates.min_retention", "needs validate.measure_bf16: true"))
     return problems
@@ -214,6 +226,7 @@ def _pairs(ctx: StageContext) -> tuple[Path, dict, dict, bool]:
 
 def _metrics(runtime: str, res: dict) -> dict:
     """The stage's metrics from a passed measurement: the gates, the lossless check, acceptance and retention."""
+    from runtime.validate import hybrid as HY
     from runtime.validate import ngram as NG
     from runtime.validate import vllm_arm as V
 
@@ -225,7 +238,7 @@ def _metrics(runtime: str, res: dict) -> dict:
             "acceptance_length": {d: v["fp8"]["acceptance_length"] for d, v in res["domains"].items()},
             "retention": {d: v.get("retention") for d, v in res["domains"].items()},
             "speedup_measured": res.get("tokens_per_s", {}).get("speedup"), "ngram": NG.summary(res),
-            "vllm": V.summary((res.get("engines") or {}).get("vllm") or {})}
+            "hybrid": HY.summary(res), "vllm": V.summary((res.get("engines") or {}).get("vllm") or {})}
 
 
 def _vllm(ctx: StageContext, sec: Config, prompts: dict, deployed: dict, bf16: dict, res: dict) -> dict:
@@ -264,16 +277,18 @@ def draft_kv_cache(sec: Config, target_kv_fp8: bool) -> dict:
 
 def measure_settings(sec: Config, draft_kv_cache: str = "bf16") -> MeasureSettings:
     """What runtime.validate measures with: the section's decoding settings and the lossless gates' parameters."""
+    from runtime.validate import hybrid as HY
     from runtime.validate import ngram as NG
 
-    g, n = sec.gates, sec.ngram
+    g, n, h = sec.gates, sec.ngram, sec.hybrid
     return MeasureSettings(max_draft_len=sec.max_draft_len, max_new_tokens=sec.max_new_tokens, batch_size=sec.batch_size,
                            temperature=sec.temperature, seed=sec.seed, lossless_prompts=sec.lossless_prompts,
                            noise_prefill_chunk=sec.noise_prefill_chunk, measure_bf16=sec.measure_bf16,
                            first_layer_norm=sec.first_layer_norm, measure_other_norm=sec.measure_other_norm,
                            tie_margin=g.tie_margin, max_divergence_ratio=g.max_divergence_ratio,
                            divergence_alpha=g.divergence_alpha, draft_kv_cache=draft_kv_cache,
-                           ngram=NG.NgramSettings(n.min_n, n.max_n, n.k or sec.max_draft_len) if n.enabled else None)
+                           ngram=NG.NgramSettings(n.min_n, n.max_n, n.k or sec.max_draft_len) if n.enabled else None,
+                           hybrid=HY.HybridSettings(tuple(sorted(set(h.thresholds))), sec.max_draft_len) if h.enabled else None)
 
 
 def _choose_runtime(want: str) -> tuple[str, str]:
@@ -349,6 +364,7 @@ def report_failed(metrics: dict) -> str:
 
 def _render(a: dict) -> str:
     from pipeline.report import esc, figure, table
+    from runtime.validate import hybrid as HY
     from runtime.validate import ngram as NG
     from runtime.validate import vllm_arm as V
 
@@ -371,6 +387,8 @@ def _render(a: dict) -> str:
                        + (["AL FP8, draft BF16 KV"] if kv_arm else [])))
     if ng := NG.table_rows(a):
         parts.append("<p>free n-gram (prompt-lookup) drafting on the deployed target, same runtime and prompts:</p>" + table(*ng))
+    if hy := HY.table_rows(a):
+        parts.append("<p>the trained draft with TensorRT-LLM's suffix-automaton enhancer (sa_config):</p>" + table(*hy))
     g = a["gates"]
     parts.append("<p>gates: <span "
                  f"class='{'pass' if g['passed'] else 'fail'}'>{'passed' if g['passed'] else 'FAILED'}</span></p>")

@@ -34,6 +34,8 @@ class DeploymentSpec:
     acceptance_window: int | None = None         # guard: switch speculation off when acceptance collapses
     min_acceptance_rate: float | None = None
     enable_chunked_prefill: bool = False         # written only when True (TensorRT-LLM's default is False)
+    sa_config: dict | None = None                # the suffix-automaton enhancer (runtime/trtllm/sa_enhancer.py)
+    sa_note: str | None = None                   # why it is or is not written
 
     @property
     def release(self) -> compat.Release:
@@ -120,10 +122,30 @@ def llm_api_options(spec: DeploymentSpec) -> dict:
             sc["eagle3_layers_to_capture"] = sorted(set(int(i) for i in spec.capture_layers))
     guard, _ = acceptance_guard(rel, mode, spec.acceptance_window, spec.min_acceptance_rate, sc["max_draft_len"])
     sc.update(guard)
+    if spec.sa_config:
+        sc["sa_config"] = dict(spec.sa_config)
     if spec.algorithm == "eagle3" and mode == "two_model":
         opts["disable_overlap_scheduler"] = True   # two-model EAGLE-3 runs only with it disabled
     opts["speculative_config"] = sc
     return opts
+
+
+def sa_config_of(tuning: dict, version: str, algorithm: str, speculation: bool) -> tuple[dict | None, str]:
+    """(sa_config to write or None, why) from tuning.json's `sa_enhancer` (runtime/cost/hybrid.py) for `version`:
+    written only where tune chose it and the version has the field; refused with the reason (and what vLLM runs
+    instead) where tune found it paying but the version lacks it."""
+    from runtime.trtllm import sa_enhancer
+
+    t = tuning.get("sa_enhancer") or {}
+    if not speculation or not t.get("measured"):
+        return None, "not written: " + ("no speculation" if not speculation else t.get("why") or "tune did not price it")
+    if (p := sa_enhancer.problem(version, algorithm)) is not None:
+        paying = t.get("why", "").split("; not deployable")[0]
+        return None, (f"refused: {p}" + (f" (tune found it paying: {paying})" if t.get("pays") else "")
+                      + "; " + t.get("vllm_alternative", sa_enhancer.vllm_alternative(1)))
+    if not t.get("deploy"):
+        return None, "not written: " + t.get("why", "")
+    return sa_enhancer.sa_config(int(t["threshold"])), "written: " + t.get("why", "")
 
 
 def options_yaml(options: dict, version: str) -> str:

@@ -41,6 +41,8 @@ def allowed_fields(version: str) -> dict[str, set[str]]:
         "decoding_types": set(spec["decoding_types"]),
     }
     aliases = {a for f in spec["classes"]["DecodingBaseConfig"]["fields"].values() for a in f.get("aliases", [])}
+    if "SAEnhancerConfig" in spec["classes"]:
+        out["sa_config"] = _class_fields(spec, "SAEnhancerConfig")
     for dtype, cls in spec["decoding_types"].items():
         if cls in spec["classes"]:
             out[f"speculative:{dtype}"] = _class_fields(spec, cls) | aliases | {"decoding_type"}
@@ -70,4 +72,6 @@ def unknown_keys(options: dict, version: str, *, model_yaml: bool = False) -> li
                 bad.append(f"speculative_config.decoding_type={dtype}")
             else:
                 bad += [f"speculative_config.{t}" for t in v if t not in f[f"speculative:{dtype}"]]
+                if isinstance(v.get("sa_config"), dict) and "sa_config" in f:
+                    bad += [f"speculative_config.sa_config.{t}" for t in v["sa_config"] if t not in f["sa_config"]]
     return bad

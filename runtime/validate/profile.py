@@ -30,7 +30,9 @@ requests), from validate's per-prompt [steps, accepted] rows where recorded (els
 specpipe adds (documented in docs/stages/build_export.md, versioned by `specpipe_profile_version`):
 `measurements`, the list of every measurement of this pair, each with the engine that made it (specpipe's
 reference runtime from validate; entries an engine measured, from acceptance.json's `engines`), its own
-`overall`, `per_category` and `measurement_conditions`; the top level mirrors `measurements[0]`.
+`overall`, `per_category` and `measurement_conditions`; the top level mirrors `measurements[0]`. `sa_enhancer`
+(where validate.hybrid ran): the same pair with TensorRT-LLM's suffix-automaton enhancer, one measurement per
+threshold validate tried (`by_threshold`, per-position figures per domain as above), and the best one on AL.
 """
 from __future__ import annotations
 
@@ -172,6 +174,18 @@ def engine_measurements(acc: AcceptanceInfo, conditions: dict) -> list[dict]:
     return out
 
 
+def hybrid_measurements(acc: AcceptanceInfo, conditions: dict) -> dict | None:
+    """The trained draft + SA enhancer (acceptance.json `hybrid`), one measurement per threshold; None: not measured."""
+    hy = acc.hybrid
+    if not hy or not hy.get("by_threshold"):
+        return None
+    engine = ENGINE_NAMES.get(str(acc.runtime), str(acc.runtime or "specpipe"))
+    K = int(hy.get("k") or acc.max_draft_len)
+    return {"rule": hy.get("rule"), "enable_global_pool": False, "best_threshold": hy.get("best_threshold"),
+            "by_threshold": {t: measurement(engine, m["domains"], m["overall"], K, {**conditions, "sa_threshold": int(t)})
+                             for t, m in hy["by_threshold"].items()}}
+
+
 def build_profile(acc: AcceptanceInfo, *, method: str, target: dict, draft: dict, conditions: dict,
                   deployed_draft_len: int | None = None, block_size: int | None = None) -> dict:
     """The profile of the pair validate measured (acceptance.json `acc`). `conditions`: what every measurement
@@ -207,6 +221,7 @@ def build_profile(acc: AcceptanceInfo, *, method: str, target: dict, draft: dict
         "deployed_accept_length": by_k.get(str(deployed_draft_len)) if deployed_draft_len else None,
         "served_computation": served_computation(acc, meth),
         "measurements": ms,
+        **({"sa_enhancer": sa} if (sa := hybrid_measurements(acc, conditions)) else {}),
     }
 
 

@@ -1,14 +1,15 @@
 """Acceptance of a target + draft pair per evaluation domain on specpipe's reference runtime
 (`runtime.engine.speculative`): each pair loaded from its exported files, speculative decoding of every domain's
 prompts (acceptance length, per-position acceptance), the lossless check and speed on the deployed pair
-(lossless_arms.py), the other EAGLE-3 first-layer norm, n-gram drafting on the deployed target (ngram.py), and the
-acceptance-rule invariant tallied over every run."""
+(lossless_arms.py), the other EAGLE-3 first-layer norm, n-gram drafting on the deployed target (ngram.py), the trained
+draft with the suffix-automaton enhancer (hybrid.py), and the acceptance-rule invariant tallied over every run."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from runtime.errors import RuntimeFailure
 from runtime.validate.decode import Measurement, MeasureSettings, lossless_subset, measure
+from runtime.validate.hybrid import measure_hybrid
 from runtime.validate.lossless_arms import exact_check, lossless_and_speed
 from runtime.validate.ngram import measure_ngram
 
@@ -54,7 +55,8 @@ def run_reference(s: MeasureSettings, pairs: Pairs, prompts: dict, eos, *, load:
     K = s.max_draft_len
     measured = [label for label, _ in labelled if label == "fp8" or s.measure_bf16]
     n_runs = len(measured) * len(prompts) + (len(labelled) * len(prompts) if s.lossless_prompts else 0) \
-        + (len(prompts) if s.draft_kv_cache == "fp8" else 0) + (len(prompts) if s.ngram else 0)
+        + (len(prompts) if s.draft_kv_cache == "fp8" else 0) + (len(prompts) if s.ngram else 0) \
+        + (len(prompts) * len(s.hybrid.thresholds) if s.hybrid else 0)
     with progress(total=n_runs, desc="validate") as bar:
         for label, pair in labelled:
             model, draft = load_measured_pair(s, label, pair, load)
@@ -69,6 +71,8 @@ def run_reference(s: MeasureSettings, pairs: Pairs, prompts: dict, eos, *, load:
                                                               vocab=draft_vocab_ids(draft) if label == "fp8" else None)
             if label == "fp8" and s.ngram:
                 measure_ngram(m, model, s.ngram, prompts, res, bar)
+            if label == "fp8" and s.hybrid:
+                measure_hybrid(m, model, draft, replace(s.hybrid, k=K), prompts, res, bar)
             if label == "fp8":
                 ll, res["tokens_per_s"], res["step_ms"] = lossless_and_speed(
                     m, eng, prompts, bar, draft.algorithm, exact=pairs.same)
