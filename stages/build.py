@@ -9,22 +9,19 @@ for the TensorRT-LLM version it targets (`build.trtllm_version`, default the ver
                                     acceptance guard, sa_config where tune chose the suffix-automaton enhancer and the
                                     version has it, else refused with the reason), batch/token/sequence limits, chunked
                                     prefill, KV, CUDA graphs
-  deployment/draft/                 the EAGLE-3 draft with its layers named as the targeted loader reads them, where that
-                                    differs from ModelOpt's (1.2: midlayer.*); train_draft's artifact stays as ModelOpt wrote it
+  deployment/draft/                 the EAGLE-3 draft with its layers named as the targeted loader reads them (1.2:
+                                    midlayer.*); train_draft's artifact stays as ModelOpt wrote it
   deployment/[draft/]speculation_profile.json  the draft's measured acceptance (validate's, ModelOpt's proposed schema,
                                     docs/stages/build_export.md): in draft/ where build writes the draft, else beside the options
   deployment/serve.sh               trtllm-serve <FP8 target> --backend pytorch --extra_llm_api_options ...
   deployment/bench.sh               trtllm-bench throughput on bench_dataset.jsonl (the eval prompts, repeated to hold
                                     `bench.rounds` x the bench concurrency requests)
-  deployment/README.md              what was built, for which version/container, which batch sizes get which draft length,
-                                    the checks, how to run it
+  deployment/README.md              what was built, for which version/container, draft length by batch, checks, usage
   deployment.json                   the same facts for `export` and `status`
-  deployment/ngram/                 with build.ngram.enabled: n-gram (prompt-lookup) drafting of the target, TensorRT-LLM's
-                                    NGramDecodingConfig options and vLLM's ngram speculative_config (runtime/trtllm/ngram.py)
+  deployment/ngram/                 with build.ngram.enabled: n-gram drafting of the target (runtime/trtllm/ngram.py)
 
-When `tune` found that speculation never pays, the deployment is the target alone (no speculative_config) and the README
-says why. Every key is checked against the version's field list, and the named consistency checks of
-`runtime.trtllm.checks.consistency_checks` must pass (a failed check fails the stage with its message). Where
+When `tune` found that speculation never pays, the deployment is the target alone and the README says why. Every key is
+checked against the version's field list; the named checks of `runtime.trtllm.checks.consistency_checks` must pass. Where
 `tensorrt_llm` imports and a CUDA GPU exists, `LLM(...)` is instantiated from the written options and a short generation
 is run; elsewhere the stage records plainly that the deployment was written, not loaded.
 """

@@ -1,12 +1,11 @@
 """Stage `export`: Triton model repositories for the deployment `build` wrote.
 
   triton/        the production repository for Triton's TensorRT-LLM LLM-API model
-                 (`tensorrt_llm/config.pbtxt` with `max_batch_size` and the decoupled transaction policy,
-                 `tensorrt_llm/1/model.yaml` = the LLM-API options + `triton_config`, the FP8 target and the
-                 draft TensorRT-LLM loads under `tensorrt_llm/1/`), plus `launch.sh` and a README for
-                 `nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3`. The container provides the model code
-                 (`/app/all_models/llmapi/tensorrt_llm/1/{model.py,helpers.py}`); launch.sh assembles a
-                 serving copy of the repository with it, so the mounted directory stays read-only.
+                 (`tensorrt_llm/config.pbtxt` with `max_batch_size` and the decoupled transaction policy, `tensorrt_llm/1/
+                 model.yaml` = the LLM-API options + `triton_config`, the FP8 target and the draft TensorRT-LLM loads under
+                 `tensorrt_llm/1/`), plus `launch.sh` and a README for `nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3`.
+                 The container provides the model code (`/app/all_models/llmapi/tensorrt_llm/1/{model.py,helpers.py}`);
+                 launch.sh assembles a serving copy of the repository with it, so the mounted directory stays read-only.
   triton_cpu/    the same model name and request/response interface, served by a Python-backend model that runs
                  the same FP8 pair through specpipe's speculative runtime (runtime/serving/triton_model/model.py), so
                  `specpipe serve` answers on a CPU with the acceptance statistics TensorRT-LLM would report.
@@ -16,9 +15,8 @@
   export.json    what was exported and checked, and the identity (sha256 of config, tokenizer, weights) of the
                  exported target and drafts that `specpipe monitor` compares with what is served.
 
-Refuses to run when `validate`'s gate failed. Every config.pbtxt is parsed with Triton's model-config protobuf
-(tritonclient 2.51, the version of the server `specpipe serve` runs) and model.yaml is checked against the
-targeted TensorRT-LLM version's field list.
+Refuses to run when `validate`'s gate failed. Every config.pbtxt is parsed with Triton's model-config protobuf (tritonclient
+2.51, the version of the server `specpipe serve` runs); model.yaml is checked against the targeted version's field list.
 """
 from __future__ import annotations
 
