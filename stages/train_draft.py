@@ -192,7 +192,9 @@ class Config(StageSection):
     target_dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description=(
         "the frozen target's weights and forward; bfloat16 under a float32 dtype runs the forward (the target and the "
         "draft's matmuls) under bfloat16 autocast while the draft's master weights, optimizer state and loss stay "
-        "float32 (about 2.6x faster steps on CPU for SmolLM2, docs/stages/train_draft.md); auto: the training dtype"))
+        "float32 (about 2.6x faster steps for SmolLM2 on a CPU with native bf16, far slower on one without: "
+        "docs/stages/train_draft.md); auto: bfloat16 under float32 training only on a CPU that runs bf16 GEMMs natively "
+        "and measurably faster (runtime/engine/precision.py, cached per machine), else the training dtype"))
     torch_compile: bool = False
     shard_target: bool = Field(
         False,
@@ -278,6 +280,38 @@ def _placement_problems(sec: Config, p: str, procs: int) -> list[tuple[str, str]
 # ---------------------------------------------------------------------------------------------- run
 
 
+def resolved(section: Config, device_type) -> dict:
+    """The dtypes training runs in, auto resolved on this machine (`device_type()`: the device the stages will run
+    on, asked only where an auto needs it): they change the draft it commits, so they enter the fingerprint
+    (pipeline/runner.py) and a machine that resolves them otherwise retrains; with both dtypes explicit it is the
+    same on every machine."""
+    from runtime.training.job import JobError, needs_machine, resolve_dtypes
+
+    try:   # the CPU's decision is read from its cache (measured once per machine, ~1 s, where there is none)
+        train_dtype, tgt_dtype = resolve_dtypes(section, device_type() if needs_machine(section) else "cpu")
+    except JobError:
+        return {}   # check() names the field before anything runs
+    return {"train_dtype": train_dtype, "target_dtype": tgt_dtype}
+
+
+def _log_precision(ctx: StageContext, job: dict) -> dict:
+    """Log how the dtypes were chosen (and warn about an explicit bf16 on a CPU where it is slow); returns the
+    CPU's precision record for the metrics (empty on CUDA)."""
+    from runtime.engine.precision import cpu_precision, slow_bf16_warning
+
+    sec: Config = ctx.section
+    if job["device"] != "cpu":
+        return {}
+    p = cpu_precision()
+    ctx.log.info("precision: %s; bf16 %s here -> train_draft.target_dtype %s resolves to %s", p.describe(),
+                 "fast" if p.bf16_fast else "not fast", sec.target_dtype, job["target_dtype"])
+    if "bfloat16" in (sec.target_dtype, sec.dtype) and (msg := slow_bf16_warning(
+            "train_draft.target_dtype" if sec.target_dtype == "bfloat16" else "train_draft.dtype", p)):
+        ctx.log.warning("%s", msg)
+    return {"cpu_bf16_fast": p.bf16_fast, "cpu_native_bf16": p.native_bf16, "cpu_capability": p.capability,
+            "cpu_bf16_over_fp32": p.bf16_over_fp32}
+
+
 def make_job(ctx: StageContext) -> dict:
     """The JSON job the runtime executes (in-process or under torchrun): `runtime.training.job.make_job` on this
     section, target.json, the target's tokenizer and the data artifact."""
@@ -308,6 +342,7 @@ def run(ctx: StageContext) -> dict:
     from runtime.training.records import curve_record, draft_record, stage_metrics
 
     job = make_job(ctx)
+    precision = _log_precision(ctx, job)
     _log_plan(ctx, job)
     result = _train(ctx, job)
     draft_dir = Path(job["export_dir"])
@@ -317,7 +352,8 @@ def run(ctx: StageContext) -> dict:
     (ctx.out_dir / "draft.json").write_text(json.dumps(draft_record(job, cfg, draft_dir, acc, result), indent=2))
     (ctx.out_dir / "curve.json").write_text(json.dumps(curve_record(job, result, acc), indent=2))
     _log_outcome(ctx, result, acc)
-    return stage_metrics(job, result, acc, len(checks))
+    return {**stage_metrics(job, result, acc, len(checks)), "train_dtype": job["train_dtype"],
+            "target_dtype": job["target_dtype"], **precision}
 
 
 def _log_plan(ctx: StageContext, job: dict) -> None:
@@ -393,6 +429,16 @@ def _log_outcome(ctx: StageContext, result: dict, acc: dict) -> None:
                      ", ".join(f"{d} {v['acceptance_length']:.2f}" for d, v in acc["domains"].items()))
 
 
+def _precision_row(m: dict) -> str:
+    if not m.get("target_dtype"):
+        return "not recorded"
+    out = f"training {m['train_dtype']}, target {m['target_dtype']}"
+    if m.get("cpu_capability"):
+        out += (f" (CPU {m['cpu_capability']}, native bf16 {'yes' if m.get('cpu_native_bf16') else 'no'}, "
+                f"bf16 GEMM {m.get('cpu_bf16_over_fp32')}x fp32's time)")
+    return out
+
+
 def report(artifact) -> str:
     import matplotlib.pyplot as plt
 
@@ -419,6 +465,7 @@ def report(artifact) -> str:
             ["final loss", m.get("final_loss")],
             ["final accuracy per position", m.get("final_accuracy")],
             ["ms per step", m.get("step_ms_mean")],
+            ["precision", _precision_row(m)],
             ["acceptance estimator", ESTIMATORS.get(m.get("acceptance_estimator") or "", "none (eval.prompts_per_domain: 0)")],
             [
                 "acceptance length",
