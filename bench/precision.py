@@ -49,64 +49,71 @@ def _job(config: Path, workdir: Path, scratch: Path, target_dtype: str, extra: l
     return td.make_job(ctx)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workdir", type=Path, required=True, help="a workdir with target and data committed")
+    ap.add_argument("--workdir", type=Path, help="a workdir with target and data committed (without: the GEMM only)")
     ap.add_argument("--config", type=Path, default=REPO / "configs" / "smollm2_fp8_eagle3.yaml")
     ap.add_argument("--steps", type=int, default=5, help="steps per dtype (the first is a warm-up)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-slow-s", type=float, default=240.0, help="stop a dtype's steps once they took this long")
     ap.add_argument("-o", dest="overrides", action="append", default=[], help="config overrides, as specpipe's -o")
     ap.add_argument("--json", type=Path, help="also write the figures here")
-    a = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def _interleaved_steps(a, scratch: Path) -> tuple[dict, dict]:
+    """One model per target dtype, their optimizer steps interleaved. Returns ({dtype: [seconds]}, the job's train)."""
+    from runtime.training.dist import start_process
+    from runtime.training.loop import _optimizer_step, setup_training
+    from runtime.training.samples import batch_indices, calibrate_d2t_once, read_training_data
+
+    runs, steps = {}, {}
+    for d in ("float32", "bfloat16"):
+        job = _job(a.config, a.workdir.resolve(), scratch, d, ["train_draft.eval.prompts_per_domain=0", *a.overrides])
+        job["threads"] = a.threads
+        proc = start_process(job, None)
+        data = read_training_data(job, 1)
+        calibrate_d2t_once(job, data.samples, proc)
+        runs[d] = (job, data, proc, setup_training(job, False, scratch / f"ckpt_{d}", proc))
+        steps[d] = []
+    t = next(iter(runs.values()))[0]["train"]
+    for step in range(a.steps):
+        for d, (job, data, proc, run) in runs.items():
+            if sum(steps[d]) > a.max_slow_s:
+                continue
+            batch = data.batch(batch_indices(step, len(data.samples), t["batch_size"], t["seed"]), t["seq_len"], proc.device)
+            t0 = time.perf_counter()
+            _optimizer_step(job, run, batch, proc)
+            steps[d].append(round(time.perf_counter() - t0, 3))
+            print(f"step {step + 1} target {d}: {steps[d][-1]:.2f} s", flush=True)
+    return steps, t
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _args(argv)
 
     import torch
 
     from runtime.engine.precision import cpu_precision, resolve_precision
-    from runtime.training.dist import start_process
-    from runtime.training.loop import _optimizer_step, setup_training
-    from runtime.training.samples import batch_indices, calibrate_d2t_once, read_training_data
 
     p = cpu_precision(refresh=True)
     auto = resolve_precision("auto", "cpu", p)
     print(f"GEMM: {p.describe()}; auto -> {auto}", flush=True)
     torch.set_num_threads(a.threads)
-    res: dict = {"cpu": p.record(), "auto": auto, "threads": a.threads, "torch": torch.__version__, "steps": {}}
-    with tempfile.TemporaryDirectory(prefix="specpipe-precision-") as tmp:
-        scratch = Path(tmp)
-        runs = {}
-        for d in ("float32", "bfloat16"):
-            job = _job(a.config, a.workdir.resolve(), scratch, d, ["train_draft.eval.prompts_per_domain=0", *a.overrides])
-            job["threads"] = a.threads
-            proc = start_process(job, None)
-            data = read_training_data(job, 1)
-            calibrate_d2t_once(job, data.samples, proc)
-            runs[d] = (job, data, proc, setup_training(job, False, scratch / f"ckpt_{d}", proc))
-            res["steps"][d] = []
-        t = next(iter(runs.values()))[0]["train"]
-        total = {d: 0.0 for d in runs}
-        for step in range(a.steps):
-            for d, (job, data, proc, run) in runs.items():
-                if total[d] > a.max_slow_s:
-                    continue
-                idx = batch_indices(step, len(data.samples), t["batch_size"], t["seed"])
-                batch = data.batch(idx, t["seq_len"], proc.device)
-                t0 = time.perf_counter()
-                _optimizer_step(job, run, batch, proc)
-                dt = time.perf_counter() - t0
-                total[d] += dt
-                res["steps"][d].append(round(dt, 3))
-                print(f"step {step + 1} target {d}: {dt:.2f} s", flush=True)
-    med = {d: statistics.median(v[1:] or v) for d, v in res["steps"].items() if v}
-    res["median_s"] = {d: round(v, 3) for d, v in med.items()}
-    res["bf16_over_fp32"] = round(med["bfloat16"] / med["float32"], 3)
-    res["train_min"] = {d: round(v * t["steps"] / 60, 1) for d, v in med.items()}
-    res["auto_median_s"] = res["median_s"][auto]
-    for d, v in med.items():
-        print(f"target_dtype {d}: median {v:.2f} s a step (of {len(res['steps'][d])}) -> {t['steps']} steps "
-              f"~{res['train_min'][d]:.1f} min")
-    print(f"bf16 / fp32 step time: {res['bf16_over_fp32']:.2f}; auto -> {auto}: {med[auto]:.2f} s a step "
-          f"({'the faster' if med[auto] <= min(med.values()) else 'NOT the faster'} of the two)")
+    res: dict = {"cpu": p.record(), "auto": auto, "threads": a.threads, "torch": torch.__version__}
+    if a.workdir is not None:
+        with tempfile.TemporaryDirectory(prefix="specpipe-precision-") as tmp:
+            res["steps"], t = _interleaved_steps(a, Path(tmp))
+        med = {d: statistics.median(v[1:] or v) for d, v in res["steps"].items() if v}
+        res["median_s"] = {d: round(v, 3) for d, v in med.items()}
+        res["bf16_over_fp32"] = round(med["bfloat16"] / med["float32"], 3)
+        res["train_min"] = {d: round(v * t["steps"] / 60, 1) for d, v in med.items()}
+        res["auto_median_s"] = res["median_s"][auto]
+        for d, v in med.items():
+            print(f"target_dtype {d}: median {v:.2f} s a step (of {len(res['steps'][d])}) -> {t['steps']} steps "
+                  f"~{res['train_min'][d]:.1f} min")
+        print(f"bf16 / fp32 step time: {res['bf16_over_fp32']:.2f}; auto -> {auto}: {med[auto]:.2f} s a step "
+              f"({'the faster' if med[auto] <= min(med.values()) else 'NOT the faster'} of the two)")
     if a.json:
         a.json.write_text(json.dumps(res, indent=2))
     return 0

@@ -130,6 +130,18 @@ def check(cfg) -> list[tuple[str, str]]:
 # ---------------------------------------------------------------------------------------------- run
 
 
+def calib_dtype_name(device_type: str) -> str:
+    """The dtype the target is calibrated and compared in: bfloat16 on CUDA; float32 on a CPU, whatever its bf16
+    (the quality figures' exact reference; calibration is a minute of the stage, not worth bf16's rounding)."""
+    return "bfloat16" if device_type == "cuda" else "float32"
+
+
+def resolved(section: Config, device_type) -> dict:
+    """The calibration dtype enters the fingerprint: it changes the committed FP8 scales (a GPU's bf16 calibration
+    and a CPU's float32 one are different artifacts). It depends on the device only, never on the CPU's bf16."""
+    return {"calib_dtype": calib_dtype_name(device_type())}
+
+
 def run(ctx: StageContext) -> dict:
     import torch
 
@@ -140,7 +152,7 @@ def run(ctx: StageContext) -> dict:
     tinfo = target_artifact.read_info(ctx.input("target").path)
     export_dtype = getattr(torch, tinfo.dtype)
     device = ctx.device.torch
-    calib_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    calib_dtype = getattr(torch, calib_dtype_name(device.type))
     calib, heldout = _read_calib_and_heldout(ctx, sec, data, device)
 
     t_all = time.monotonic()

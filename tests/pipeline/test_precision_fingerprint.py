@@ -36,14 +36,18 @@ def _plan(tmp_path, *overrides: str) -> dict:
 def test_auto_resolving_otherwise_changes_train_draft_and_nothing_before_it(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECPIPE_CACHE_DIR", str(tmp_path))
     _store_decision(tmp_path, fast=True)
-    fast = _plan(tmp_path, "train_draft.target_dtype=auto")
+    fast = _plan(tmp_path)           # the tiny configs leave target_dtype at auto
     _store_decision(tmp_path, fast=False)
-    slow = _plan(tmp_path, "train_draft.target_dtype=auto")
+    slow = _plan(tmp_path)
     assert fast["train_draft"].doc["resolved"] == {"train_dtype": "float32", "target_dtype": "bfloat16"}
     assert slow["train_draft"].doc["resolved"] == {"train_dtype": "float32", "target_dtype": "float32"}
     assert fast["train_draft"].fingerprint != slow["train_draft"].fingerprint
     for name in ("target", "data"):          # their artifacts do not depend on the training precision
         assert fast[name].fingerprint == slow[name].fingerprint and "resolved" not in fast[name].doc
+    # quantize calibrates in float32 on any CPU: its own resolution is the same, only its train_draft input moved
+    assert fast["quantize"].doc["resolved"] == slow["quantize"].doc["resolved"] == {"calib_dtype": "float32"}
+    assert {k: v for k, v in fast["quantize"].doc.items() if k != "inputs"} == \
+        {k: v for k, v in slow["quantize"].doc.items() if k != "inputs"}
     reason = runner.stale_reason(fast["train_draft"].doc, slow["train_draft"].doc)
     assert reason == "resolved on this machine differently: train_draft.target_dtype bfloat16 -> float32"
 
@@ -53,7 +57,7 @@ def test_explicit_dtypes_fingerprint_the_same_on_every_machine(tmp_path, monkeyp
     fps = []
     for fast in (True, False):
         _store_decision(tmp_path, fast)
-        plan = _plan(tmp_path)      # the tiny configs pin target_dtype: float32
+        plan = _plan(tmp_path, "train_draft.target_dtype=float32")
         assert plan["train_draft"].doc["resolved"] == {"train_dtype": "float32", "target_dtype": "float32"}
         fps.append({n: p.fingerprint for n, p in plan.items()})
     assert fps[0] == fps[1]
@@ -71,3 +75,17 @@ def test_a_plan_reads_the_cached_decision_without_importing_torch(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["bfloat16", "False"]
+
+
+def test_the_device_decides_quantize_calibration_and_training_dtype(tmp_path, monkeypatch):
+    """On CUDA training runs in bf16 and quantize calibrates in bf16: both fingerprints differ from a CPU's."""
+    monkeypatch.setenv("SPECPIPE_CACHE_DIR", str(tmp_path))
+    _store_decision(tmp_path, fast=False)
+    cpu = _plan(tmp_path)
+    assert cpu["train_draft"].doc["resolved"] == {"train_dtype": "float32", "target_dtype": "float32"}
+    monkeypatch.setattr(runner, "plan_device_type", lambda run_cfg: "cuda")
+    gpu = _plan(tmp_path)
+    assert gpu["train_draft"].doc["resolved"] == {"train_dtype": "bfloat16", "target_dtype": "bfloat16"}
+    assert gpu["quantize"].doc["resolved"] == {"calib_dtype": "bfloat16"}
+    assert gpu["data"].fingerprint == cpu["data"].fingerprint
+    assert gpu["train_draft"].fingerprint != cpu["train_draft"].fingerprint
