@@ -46,6 +46,8 @@ from pipeline.errors import StageError
 from pipeline.stage import StageContext, StageSection, Strict
 from runtime.errors import RuntimeFailure
 from runtime.quant.ptq import RECIPES, QuantRun, align_with_deployment, disable_quantizers, kv_unit_scales, quantize_model
+from runtime.quant.ptq import calib_dtype as calib_dtype_name
+from runtime.quant.ptq import calibration_resolved as resolved  # noqa: F401  (the hook: calib dtype -> fingerprint)
 
 NAME = "quantize"
 CONSUMES: tuple[str, ...] = ("target", "data", "train_draft")
@@ -130,18 +132,6 @@ def check(cfg) -> list[tuple[str, str]]:
 # ---------------------------------------------------------------------------------------------- run
 
 
-def calib_dtype_name(device_type: str) -> str:
-    """The dtype the target is calibrated and compared in: bfloat16 on CUDA; float32 on a CPU, whatever its bf16
-    (the quality figures' exact reference; calibration is a minute of the stage, not worth bf16's rounding)."""
-    return "bfloat16" if device_type == "cuda" else "float32"
-
-
-def resolved(section: Config, device_type) -> dict:
-    """The calibration dtype enters the fingerprint: it changes the committed FP8 scales (a GPU's bf16 calibration
-    and a CPU's float32 one are different artifacts). It depends on the device only, never on the CPU's bf16."""
-    return {"calib_dtype": calib_dtype_name(device_type())}
-
-
 def run(ctx: StageContext) -> dict:
     import torch
 
@@ -152,7 +142,7 @@ def run(ctx: StageContext) -> dict:
     tinfo = target_artifact.read_info(ctx.input("target").path)
     export_dtype = getattr(torch, tinfo.dtype)
     device = ctx.device.torch
-    calib_dtype = getattr(torch, calib_dtype_name(device.type))
+    calib_dtype = getattr(torch, calib_dtype_name(device.type))   # the fingerprint holds it (`resolved`)
     calib, heldout = _read_calib_and_heldout(ctx, sec, data, device)
 
     t_all = time.monotonic()

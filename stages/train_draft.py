@@ -281,35 +281,11 @@ def _placement_problems(sec: Config, p: str, procs: int) -> list[tuple[str, str]
 
 
 def resolved(section: Config, device_type) -> dict:
-    """The dtypes training runs in, auto resolved on this machine (`device_type()`: the device the stages will run
-    on, asked only where an auto needs it): they change the draft it commits, so they enter the fingerprint
-    (pipeline/runner.py) and a machine that resolves them otherwise retrains; with both dtypes explicit it is the
-    same on every machine."""
-    from runtime.training.job import JobError, needs_machine, resolve_dtypes
+    """The dtypes training runs in, auto resolved on this machine: they change the draft, so they enter the
+    fingerprint (a machine that resolves them otherwise retrains); runtime/training/precision.py."""
+    from runtime.training.precision import resolved_dtypes
 
-    try:   # the CPU's decision is read from its cache (measured once per machine, ~1 s, where there is none)
-        train_dtype, tgt_dtype = resolve_dtypes(section, device_type() if needs_machine(section) else "cpu")
-    except JobError:
-        return {}   # check() names the field before anything runs
-    return {"train_dtype": train_dtype, "target_dtype": tgt_dtype}
-
-
-def _log_precision(ctx: StageContext, job: dict) -> dict:
-    """Log how the dtypes were chosen (and warn about an explicit bf16 on a CPU where it is slow); returns the
-    CPU's precision record for the metrics (empty on CUDA)."""
-    from runtime.engine.precision import cpu_precision, slow_bf16_warning
-
-    sec: Config = ctx.section
-    if job["device"] != "cpu":
-        return {}
-    p = cpu_precision()
-    ctx.log.info("precision: %s; bf16 %s here -> train_draft.target_dtype %s resolves to %s", p.describe(),
-                 "fast" if p.bf16_fast else "not fast", sec.target_dtype, job["target_dtype"])
-    if "bfloat16" in (sec.target_dtype, sec.dtype) and (msg := slow_bf16_warning(
-            "train_draft.target_dtype" if sec.target_dtype == "bfloat16" else "train_draft.dtype", p)):
-        ctx.log.warning("%s", msg)
-    return {"cpu_bf16_fast": p.bf16_fast, "cpu_native_bf16": p.native_bf16, "cpu_capability": p.capability,
-            "cpu_bf16_over_fp32": p.bf16_over_fp32}
+    return resolved_dtypes(section, device_type)
 
 
 def make_job(ctx: StageContext) -> dict:
@@ -339,11 +315,12 @@ def make_job(ctx: StageContext) -> dict:
 
 def run(ctx: StageContext) -> dict:
     from runtime.training.export import complete_export
+    from runtime.training.precision import log_precision, plan_line
     from runtime.training.records import curve_record, draft_record, stage_metrics
 
     job = make_job(ctx)
-    precision = _log_precision(ctx, job)
-    _log_plan(ctx, job)
+    precision = log_precision(ctx.log, job, ctx.section.dtype, ctx.section.target_dtype)
+    ctx.log.info("%s", plan_line(job, ctx.section.launcher.kind))
     result = _train(ctx, job)
     draft_dir = Path(job["export_dir"])
     cfg = complete_export(draft_dir, Path(job["target_dir"]))
@@ -354,24 +331,6 @@ def run(ctx: StageContext) -> dict:
     _log_outcome(ctx, result, acc)
     return {**stage_metrics(job, result, acc, len(checks)), "train_dtype": job["train_dtype"],
             "target_dtype": job["target_dtype"], **precision}
-
-
-def _log_plan(ctx: StageContext, job: dict) -> None:
-    a = job["algorithm"]
-    ctx.log.info(
-        "%s draft, %d layer(s), %s mode, %d steps of batch %d x %d tokens on %s (%s), launcher %s%s",
-        a["name"],
-        a["draft_layers"],
-        job["mode"],
-        job["train"]["steps"],
-        job["train"]["batch_size"],
-        job["train"]["seq_len"],
-        job["device"],
-        job["train_dtype"]
-        + (f", target {job['target_dtype']} under autocast" if job["target_dtype"] != job["train_dtype"] else ""),
-        ctx.section.launcher.kind,
-        " with the target's layers sharded (FSDP)" if job["fsdp"] else "",
-    )
 
 
 def _train(ctx: StageContext, job: dict) -> dict:
@@ -429,21 +388,12 @@ def _log_outcome(ctx: StageContext, result: dict, acc: dict) -> None:
                      ", ".join(f"{d} {v['acceptance_length']:.2f}" for d, v in acc["domains"].items()))
 
 
-def _precision_row(m: dict) -> str:
-    if not m.get("target_dtype"):
-        return "not recorded"
-    out = f"training {m['train_dtype']}, target {m['target_dtype']}"
-    if m.get("cpu_capability"):
-        out += (f" (CPU {m['cpu_capability']}, native bf16 {'yes' if m.get('cpu_native_bf16') else 'no'}, "
-                f"bf16 GEMM {m.get('cpu_bf16_over_fp32')}x fp32's time)")
-    return out
-
-
 def report(artifact) -> str:
     import matplotlib.pyplot as plt
 
     from pipeline.report import figure, table
     from runtime.training.acceptance import ESTIMATORS
+    from runtime.training.precision import precision_row
     from runtime.training.records import eval_report
 
     m = artifact.metrics
@@ -465,7 +415,7 @@ def report(artifact) -> str:
             ["final loss", m.get("final_loss")],
             ["final accuracy per position", m.get("final_accuracy")],
             ["ms per step", m.get("step_ms_mean")],
-            ["precision", _precision_row(m)],
+            ["precision", precision_row(m)],
             ["acceptance estimator", ESTIMATORS.get(m.get("acceptance_estimator") or "", "none (eval.prompts_per_domain: 0)")],
             [
                 "acceptance length",

@@ -10,17 +10,10 @@ COMPUTE_MODES = ("fp32", "bf16", "auto")
 
 
 def native_bf16_gemm(device="cpu") -> bool:
-    """Whether bf16 GEMMs run natively here (detected, not assumed): on CPU, oneDNN with AMX-BF16 or AVX512-BF16
-    dot-product instructions (without them oneDNN emulates bf16 and fp32 is faster); on CUDA, bf16 support."""
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
-    if dev.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return False
-    cpu = torch.cpu
-    isa = (getattr(cpu, "_is_amx_tile_supported", lambda: False)()
-           or getattr(cpu, "_is_avx512_bf16_supported", lambda: False)())
-    return bool(isa and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    """Whether bf16 GEMMs run natively here (the capability check, `runtime.engine.precision.native_bf16`)."""
+    from runtime.engine.precision import native_bf16
+
+    return native_bf16(device)
 
 
 def resolve_compute(compute: str, device="cpu") -> str:

@@ -3,7 +3,7 @@
 A bf16 GEMM is fast on a CPU with AMX-BF16 or AVX512-BF16 (oneDNN's native kernels: ~2-3x fp32's rate) and slow
 everywhere else (emulated: 2x slower with AVX-512 but no bf16 dot products, 7-40x slower on AVX2; docs/benchmarks.md
 "Precision by machine"). `cpu_precision()` decides once per machine, by the capability check
-(`runtime.engine.compute.native_bf16_gemm`) AND a short measured GEMM, fp32 and bf16 side by side on one thread
+(`native_bf16`) AND a short measured GEMM, fp32 and bf16 side by side on one thread
 (`SHAPE`: SmolLM2-135M's MLP GEMM at 4 x 320 training tokens), and caches the decision in
 `~/.cache/specpipe/precision.json` (`$SPECPIPE_CACHE_DIR` moves it) under a key of what decides it: the CPU's model
 name and flags, the torch version, and the environment variables that cap the ISA torch and oneDNN use. Reading a
@@ -142,6 +142,22 @@ def measure_gemm(reps: int = 5) -> tuple[float, float]:
         torch.set_num_threads(threads)
 
 
+def native_bf16(device="cpu") -> bool:
+    """Whether bf16 GEMMs run natively here (detected, not assumed): on CPU, oneDNN with AMX-BF16 or AVX512-BF16
+    dot-product instructions (without them oneDNN emulates bf16 and fp32 is faster); on CUDA, bf16 support."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    if dev.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    cpu = torch.cpu
+    isa = (getattr(cpu, "_is_amx_tile_supported", lambda: False)()
+           or getattr(cpu, "_is_avx512_bf16_supported", lambda: False)())
+    return bool(isa and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def cpu_precision(*, refresh: bool = False) -> CpuPrecision:
     """This CPU's decision: from the cache when it holds one for `machine_key()`, else measured (~1 s) and cached."""
     key = machine_key()
@@ -155,9 +171,7 @@ def cpu_precision(*, refresh: bool = False) -> CpuPrecision:
                 pass
     import torch
 
-    from runtime.engine.compute import native_bf16_gemm
-
-    native = native_bf16_gemm("cpu")
+    native = native_bf16("cpu")
     fp32_ms, bf16_ms = measure_gemm()
     p = CpuPrecision(bf16_fast=bool(native and bf16_ms <= MARGIN * fp32_ms), native_bf16=bool(native),
                      capability=str(torch.backends.cpu.get_cpu_capability()), fp32_ms=round(fp32_ms, 3),
