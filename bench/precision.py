@@ -42,6 +42,7 @@ def _job(config: Path, workdir: Path, scratch: Path, target_dtype: str, extra: l
     st = Store(workdir)
     out = scratch / f"out_{target_dtype}"
     out.mkdir(parents=True, exist_ok=True)
+    (scratch / "job").mkdir(exist_ok=True)
     ctx = StageContext(name="train_draft", config=cfg, section=cfg.train_draft, out_dir=out,
                        scratch_dir=scratch / "job", inputs={k: st.artifact(k) for k in ("target", "data")},
                        workdir=workdir, fingerprint="0" * 16, log=logging.getLogger("bench.precision"),
@@ -57,6 +58,7 @@ def _args(argv):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-slow-s", type=float, default=240.0, help="stop a dtype's steps once they took this long")
     ap.add_argument("-o", dest="overrides", action="append", default=[], help="config overrides, as specpipe's -o")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="target dtypes to step, comma-separated")
     ap.add_argument("--json", type=Path, help="also write the figures here")
     return ap.parse_args(argv)
 
@@ -68,7 +70,7 @@ def _interleaved_steps(a, scratch: Path) -> tuple[dict, dict]:
     from runtime.training.samples import batch_indices, calibrate_d2t_once, read_training_data
 
     runs, steps = {}, {}
-    for d in ("float32", "bfloat16"):
+    for d in a.dtypes.split(","):
         job = _job(a.config, a.workdir.resolve(), scratch, d, ["train_draft.eval.prompts_per_domain=0", *a.overrides])
         job["threads"] = a.threads
         proc = start_process(job, None)
@@ -106,14 +108,15 @@ def main(argv: list[str] | None = None) -> int:
             res["steps"], t = _interleaved_steps(a, Path(tmp))
         med = {d: statistics.median(v[1:] or v) for d, v in res["steps"].items() if v}
         res["median_s"] = {d: round(v, 3) for d, v in med.items()}
-        res["bf16_over_fp32"] = round(med["bfloat16"] / med["float32"], 3)
+        res["bf16_over_fp32"] = round(med["bfloat16"] / med["float32"], 3) if len(med) == 2 else None
         res["train_min"] = {d: round(v * t["steps"] / 60, 1) for d, v in med.items()}
-        res["auto_median_s"] = res["median_s"][auto]
+        res["auto_median_s"] = res["median_s"].get(auto)
         for d, v in med.items():
             print(f"target_dtype {d}: median {v:.2f} s a step (of {len(res['steps'][d])}) -> {t['steps']} steps "
                   f"~{res['train_min'][d]:.1f} min")
-        print(f"bf16 / fp32 step time: {res['bf16_over_fp32']:.2f}; auto -> {auto}: {med[auto]:.2f} s a step "
-              f"({'the faster' if med[auto] <= min(med.values()) else 'NOT the faster'} of the two)")
+        if len(med) == 2:
+            print(f"bf16 / fp32 step time: {res['bf16_over_fp32']:.2f}; auto -> {auto}: {med[auto]:.2f} s a step "
+                  f"({'the faster' if med[auto] <= min(med.values()) else 'NOT the faster'} of the two)")
     if a.json:
         a.json.write_text(json.dumps(res, indent=2))
     return 0
