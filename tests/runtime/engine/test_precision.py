@@ -115,3 +115,19 @@ def test_vllm_on_a_slow_bf16_cpu_is_asked_for_float32(cache, tmp_path):
     assert "--dtype" not in argv("cuda")
     store(cache, decided(True))
     assert "--dtype" not in argv("cpu")                          # vLLM's own choice: the checkpoint's bf16
+
+
+@pytest.mark.skipif(not X86, reason="the ISA caps are x86 oneDNN/ATen settings")
+def test_the_measurement_overrules_the_capability_check(tmp_path):
+    """oneDNN capped at AVX512_CORE on a CPU with AVX512-BF16: the capability check still says native bf16 (the CPU's
+    flags), but bf16 GEMMs are emulated and slower; `auto` follows the measurement (float32). Compute mode auto too."""
+    code = ("import json; from runtime.engine.precision import cpu_precision; from runtime.engine.compute import "
+            "resolve_compute; p = cpu_precision(); "
+            "print(json.dumps([p.native_bf16, p.bf16_fast, p.bf16_ms / p.fp32_ms, resolve_compute('auto')]))")
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX512_CORE", "SPECPIPE_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(REPO)}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    native, fast, ratio, compute = json.loads(r.stdout.strip().splitlines()[-1])
+    if not native:
+        pytest.skip("this CPU has no native bf16: the case needs one (AVX512-BF16 or AMX)")
+    assert ratio > 1.0 and (fast, compute) == (False, "fp32"), (ratio, fast, compute)
