@@ -37,6 +37,7 @@ class StageSpec:
     check: Callable | None
     report: Callable | None
     fingerprint_extra: Callable | None
+    resolved: Callable | None = None   # what the section resolves to on this machine (auto dtypes), fingerprinted
 
 
 @lru_cache(maxsize=1)
@@ -59,6 +60,7 @@ def stages() -> tuple[StageSpec, ...]:
             packages=tuple(m.PACKAGES), version=str(m.VERSION), code=code,
             required=bool(getattr(m, "REQUIRED", False)), check=getattr(m, "check", None),
             report=getattr(m, "report", None), fingerprint_extra=getattr(m, "fingerprint_extra", None),
+            resolved=getattr(m, "resolved", None),
         ))
     return tuple(out)
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from pipeline import codehash, registry
 from pipeline.config import section_dict
-from pipeline.device import ResolvedDevice, resolve_device
+from pipeline.device import ResolvedDevice, plan_device_type, resolve_device
 from pipeline.errors import StageError, UsageError
 from pipeline.stage import StageContext
 from pipeline.store import Store, atomic_write_text, fault_point
@@ -50,6 +50,9 @@ def package_version(name: str) -> str | None:
 
 
 def fingerprint_inputs(spec: registry.StageSpec, cfg, upstream: dict[str, str]) -> dict:
+    """What a stage's fingerprint hashes: its section (less EXECUTION_ONLY), code, inputs, packages, external files,
+    and what the section resolves to on this machine (`resolved`: auto dtypes, only in the stages whose artifact
+    they change)."""
     params = section_dict(cfg, spec.name)
     params.pop("enabled", None)
     # Where and how a stage executes (e.g. a rendezvous host, this node's rank) does not change what it
@@ -72,6 +75,8 @@ def fingerprint_inputs(spec: registry.StageSpec, cfg, upstream: dict[str, str]) 
     }
     if spec.fingerprint_extra is not None:
         doc["external"] = spec.fingerprint_extra(getattr(cfg, spec.name))
+    if spec.resolved is not None:
+        doc["resolved"] = spec.resolved(getattr(cfg, spec.name), lambda: plan_device_type(cfg.run))
     # A measured hardware profile (`hardware.profile`) is an input of the stages that use `hardware`: its
     # content, not only its path, decides their output.
     prof = cfg.hardware.profile if "hardware" in spec.uses else None
@@ -115,6 +120,11 @@ def stale_reason(old_doc: dict | None, new_doc: dict) -> str:
             f"{k} {old_doc.get('packages', {}).get(k)} -> {new_doc['packages'][k]}" for k in p))
     if old_doc.get("hardware_profile") != new_doc.get("hardware_profile"):
         reasons.append("hardware.profile content changed")
+    if old_doc.get("resolved", {}) != new_doc.get("resolved", {}):
+        old_r, new_r = old_doc.get("resolved") or {}, new_doc.get("resolved") or {}
+        reasons.append("resolved on this machine differently: " + ", ".join(
+            f"{new_doc['stage']}.{k} {old_r.get(k, '<absent>')} -> {new_r.get(k, '<absent>')}"
+            for k in _diff_paths(old_r, new_r, "")))
     if old_doc.get("external") != new_doc.get("external"):
         reasons.append("external input changed: " + ", ".join(_diff_paths(old_doc.get("external"), new_doc.get("external"), "")) )
     return "; ".join(reasons) or "fingerprint changed"

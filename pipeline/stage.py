@@ -21,6 +21,10 @@ and optionally (every hook the pipeline reads; `pipeline.registry` picks them up
     def check(cfg) -> list[tuple[str, str]]   # cross-section checks before anything runs: (dotted path, message)
     def fingerprint_extra(section) -> dict | None   # local inputs the section points at (a model directory, a
                                    # JSONL file): their sizes and mtimes enter the fingerprint
+    def resolved(section, device_type) -> dict   # what the section resolves to on this machine where that changes
+                                   # the artifact (train_draft: its auto dtypes, bf16 only where the CPU runs it
+                                   # natively fast); `device_type()` the device the stages will run on. It enters
+                                   # the fingerprint: a machine that resolves it otherwise reruns the stage
     def report(artifact: Artifact) -> str     # an HTML fragment for `specpipe report`
     def report_failed(metrics: dict) -> str   # the fragment for a failed run's metrics (`StageError.metrics`);
                                    # used only by a stage that also has `report`

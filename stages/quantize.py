@@ -46,6 +46,8 @@ from pipeline.errors import StageError
 from pipeline.stage import StageContext, StageSection, Strict
 from runtime.errors import RuntimeFailure
 from runtime.quant.ptq import RECIPES, QuantRun, align_with_deployment, disable_quantizers, kv_unit_scales, quantize_model
+from runtime.quant.ptq import calib_dtype as calib_dtype_name
+from runtime.quant.ptq import calibration_resolved as resolved  # noqa: F401  (the hook: calib dtype -> fingerprint)
 
 NAME = "quantize"
 CONSUMES: tuple[str, ...] = ("target", "data", "train_draft")
@@ -140,7 +142,7 @@ def run(ctx: StageContext) -> dict:
     tinfo = target_artifact.read_info(ctx.input("target").path)
     export_dtype = getattr(torch, tinfo.dtype)
     device = ctx.device.torch
-    calib_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    calib_dtype = getattr(torch, calib_dtype_name(device.type))   # the fingerprint holds it (`resolved`)
     calib, heldout = _read_calib_and_heldout(ctx, sec, data, device)
 
     t_all = time.monotonic()

@@ -192,7 +192,9 @@ class Config(StageSection):
     target_dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description=(
         "the frozen target's weights and forward; bfloat16 under a float32 dtype runs the forward (the target and the "
         "draft's matmuls) under bfloat16 autocast while the draft's master weights, optimizer state and loss stay "
-        "float32 (about 2.6x faster steps on CPU for SmolLM2, docs/stages/train_draft.md); auto: the training dtype"))
+        "float32 (about 2.6x faster steps for SmolLM2 on a CPU with native bf16, far slower on one without: "
+        "docs/stages/train_draft.md); auto: bfloat16 under float32 training only on a CPU that runs bf16 GEMMs natively "
+        "and measurably faster (runtime/engine/precision.py, cached per machine), else the training dtype"))
     torch_compile: bool = False
     shard_target: bool = Field(
         False,
@@ -278,6 +280,14 @@ def _placement_problems(sec: Config, p: str, procs: int) -> list[tuple[str, str]
 # ---------------------------------------------------------------------------------------------- run
 
 
+def resolved(section: Config, device_type) -> dict:
+    """The dtypes training runs in, auto resolved on this machine: they change the draft, so they enter the
+    fingerprint (a machine that resolves them otherwise retrains); runtime/training/precision.py."""
+    from runtime.training.precision import resolved_dtypes
+
+    return resolved_dtypes(section, device_type)
+
+
 def make_job(ctx: StageContext) -> dict:
     """The JSON job the runtime executes (in-process or under torchrun): `runtime.training.job.make_job` on this
     section, target.json, the target's tokenizer and the data artifact."""
@@ -305,10 +315,12 @@ def make_job(ctx: StageContext) -> dict:
 
 def run(ctx: StageContext) -> dict:
     from runtime.training.export import complete_export
+    from runtime.training.precision import log_precision, plan_line
     from runtime.training.records import curve_record, draft_record, stage_metrics
 
     job = make_job(ctx)
-    _log_plan(ctx, job)
+    precision = log_precision(ctx.log, job, ctx.section.dtype, ctx.section.target_dtype)
+    ctx.log.info("%s", plan_line(job, ctx.section.launcher.kind))
     result = _train(ctx, job)
     draft_dir = Path(job["export_dir"])
     cfg = complete_export(draft_dir, Path(job["target_dir"]))
@@ -317,25 +329,8 @@ def run(ctx: StageContext) -> dict:
     (ctx.out_dir / "draft.json").write_text(json.dumps(draft_record(job, cfg, draft_dir, acc, result), indent=2))
     (ctx.out_dir / "curve.json").write_text(json.dumps(curve_record(job, result, acc), indent=2))
     _log_outcome(ctx, result, acc)
-    return stage_metrics(job, result, acc, len(checks))
-
-
-def _log_plan(ctx: StageContext, job: dict) -> None:
-    a = job["algorithm"]
-    ctx.log.info(
-        "%s draft, %d layer(s), %s mode, %d steps of batch %d x %d tokens on %s (%s), launcher %s%s",
-        a["name"],
-        a["draft_layers"],
-        job["mode"],
-        job["train"]["steps"],
-        job["train"]["batch_size"],
-        job["train"]["seq_len"],
-        job["device"],
-        job["train_dtype"]
-        + (f", target {job['target_dtype']} under autocast" if job["target_dtype"] != job["train_dtype"] else ""),
-        ctx.section.launcher.kind,
-        " with the target's layers sharded (FSDP)" if job["fsdp"] else "",
-    )
+    return {**stage_metrics(job, result, acc, len(checks)), "train_dtype": job["train_dtype"],
+            "target_dtype": job["target_dtype"], **precision}
 
 
 def _train(ctx: StageContext, job: dict) -> dict:
@@ -398,6 +393,7 @@ def report(artifact) -> str:
 
     from pipeline.report import figure, table
     from runtime.training.acceptance import ESTIMATORS
+    from runtime.training.precision import precision_row
     from runtime.training.records import eval_report
 
     m = artifact.metrics
@@ -419,6 +415,7 @@ def report(artifact) -> str:
             ["final loss", m.get("final_loss")],
             ["final accuracy per position", m.get("final_accuracy")],
             ["ms per step", m.get("step_ms_mean")],
+            ["precision", precision_row(m)],
             ["acceptance estimator", ESTIMATORS.get(m.get("acceptance_estimator") or "", "none (eval.prompts_per_domain: 0)")],
             [
                 "acceptance length",

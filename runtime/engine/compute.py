@@ -1,6 +1,8 @@
 """The runtime's compute modes: `fp32` (exact), `bf16` (bf16 GEMMs, float32 elsewhere) and `auto` (`bf16` only
-where this machine runs bf16 GEMMs natively, detected)."""
+where this machine runs bf16 GEMMs natively and measurably faster: `runtime.engine.precision.cpu_precision`)."""
 from __future__ import annotations
+
+import logging
 
 import torch
 
@@ -8,28 +10,31 @@ COMPUTE_MODES = ("fp32", "bf16", "auto")
 
 
 def native_bf16_gemm(device="cpu") -> bool:
-    """Whether bf16 GEMMs run natively here (detected, not assumed): on CPU, oneDNN with AMX-BF16 or AVX512-BF16
-    dot-product instructions (without them oneDNN emulates bf16 and fp32 is faster); on CUDA, bf16 support."""
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
-    if dev.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return False
-    cpu = torch.cpu
-    isa = (getattr(cpu, "_is_amx_tile_supported", lambda: False)()
-           or getattr(cpu, "_is_avx512_bf16_supported", lambda: False)())
-    return bool(isa and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    """Whether bf16 GEMMs run natively here (the capability check, `runtime.engine.precision.native_bf16`)."""
+    from runtime.engine.precision import native_bf16
+
+    return native_bf16(device)
 
 
 def resolve_compute(compute: str, device="cpu") -> str:
     """`fp32` | `bf16` from a requested mode. `fp32`: the exact mode, every GEMM in the loaded parameters' dtype
     (float32 as the loaders give it). `bf16`: GEMMs take bf16 weights and bf16-rounded activations (float32
     accumulation), everything else (residual stream, norms, RoPE, attention, KV cache) stays float32. `auto`:
-    `bf16` on a CPU with native bf16 GEMMs (`native_bf16_gemm`), `fp32` otherwise (and on CUDA, where the exact
+    `bf16` on a CPU with native bf16 GEMMs (`native_bf16_gemm`) that also measured faster than fp32 there
+    (`runtime.engine.precision.cpu_precision`, cached per machine), `fp32` otherwise (and on CUDA, where the exact
     mode is what `validate` compares against)."""
     if compute not in COMPUTE_MODES:
         raise ValueError(f"compute must be one of {COMPUTE_MODES}, not {compute!r}")
     if compute == "auto":
         dev = torch.device(device)
-        return "bf16" if dev.type == "cpu" and native_bf16_gemm(dev) else "fp32"
+        if dev.type != "cpu" or not native_bf16_gemm(dev):
+            return "fp32"
+        from runtime.engine.precision import cpu_precision
+
+        return "bf16" if cpu_precision().bf16_fast else "fp32"
+    if compute == "bf16" and torch.device(device).type == "cpu":
+        from runtime.engine.precision import cpu_precision, slow_bf16_warning
+
+        if msg := slow_bf16_warning("compute mode bf16", cpu_precision()):
+            logging.getLogger("specpipe").warning("%s", msg.replace("set it to auto (float32", "use compute auto (fp32"))
     return compute

@@ -37,6 +37,19 @@ class QuantRun:
 CPU_RUN = QuantRun()     # the default: on the CPU, float32, no progress bars, silent
 
 
+def calib_dtype(device_type: str) -> str:
+    """The dtype the target is calibrated and compared in: bfloat16 on CUDA; float32 on a CPU, whatever its bf16
+    (the quality figures' exact reference; calibration is a small part of the stage, not worth bf16's rounding)."""
+    return "bfloat16" if device_type == "cuda" else "float32"
+
+
+def calibration_resolved(section, device_type) -> dict:
+    """The quantize stage's `resolved` hook: the calibration dtype changes the committed FP8 scales (a GPU's bf16
+    calibration and a CPU's float32 one are different artifacts), so it enters the fingerprint. It depends on the
+    device only, never on the CPU's bf16."""
+    return {"calib_dtype": calib_dtype(device_type())}
+
+
 def place_model(model, device):
     """On `device`, or spread over all visible GPUs when it does not fit one (a 70B target); RuntimeFailure when
     it fits none."""

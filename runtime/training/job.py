@@ -97,15 +97,30 @@ def make_job(sec, *, algo: dict, target: TargetInfo, dirs: JobDirs, train_sample
     }
 
 
-def resolve_dtypes(sec, device: str) -> tuple[str, str]:
-    """(training dtype, target dtype) with auto resolved; JobError for a target above the training precision."""
+def resolve_dtypes(sec, device: str, precision=None) -> tuple[str, str]:
+    """(training dtype, target dtype) with auto resolved; JobError for a target above the training precision.
+    dtype auto: bfloat16 on CUDA, float32 on CPU (the draft's master weights). target_dtype auto: the training dtype,
+    except under float32 training on a CPU, where it is bfloat16 only where this CPU runs bf16 GEMMs natively and
+    measurably faster (`runtime.engine.precision`; `precision`: a `CpuPrecision` already at hand)."""
+    from runtime.engine.precision import cpu_precision, resolve_precision
+
     train_dtype = sec.dtype if sec.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
-    tgt_dtype = sec.target_dtype if sec.target_dtype != "auto" else train_dtype
+    if sec.target_dtype != "auto":
+        tgt_dtype = sec.target_dtype
+    elif train_dtype == "float32" and device == "cpu":
+        tgt_dtype = resolve_precision("auto", "cpu", precision or cpu_precision())
+    else:
+        tgt_dtype = train_dtype
     if (train_dtype, tgt_dtype) == ("bfloat16", "float32"):
         raise JobError(f"train_draft.target_dtype: float32 under a bfloat16 training dtype ({sec.dtype} on {device}) "
                        "would run the target above the draft's own precision; set target_dtype: bfloat16 or auto, "
                        "or dtype: float32")
     return train_dtype, tgt_dtype
+
+
+def needs_machine(sec) -> bool:
+    """Whether the section's dtypes depend on the machine (an auto among them)."""
+    return "auto" in (sec.dtype, sec.target_dtype)
 
 
 def rope_scaling(sec, target_positions: int, serving: int) -> dict:

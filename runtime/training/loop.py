@@ -161,5 +161,5 @@ def _record_step(job: dict, run: Run, step: int, stats, dt: float, proc: Process
     if (step + 1) % t["log_every"] == 0 or step + 1 == t["steps"] or step == run.step0:
         run.curve.append({"step": step + 1, "loss": round(loss_v, 4), "accuracy": acc_v,
                           "lr": round(run.sched.get_last_lr()[0], 8), "step_s": round(dt, 4)})
-    proc.emit0({"event": "step", "step": step + 1, "loss": round(loss_v, 4), "accuracy": acc_v})
+    proc.emit0({"event": "step", "step": step + 1, "loss": round(loss_v, 4), "accuracy": acc_v, "step_s": round(dt, 4)})
 

@@ -27,10 +27,14 @@ class Bars:
     """Turns runtime progress events into the stage's progress bars (`progress(total=, desc=)`, a context manager
     as `StageContext.progress`) and log lines."""
 
+    ESTIMATE_AFTER = 6   # steps of this run timed before the estimate (the first is a warm-up)
+
     def __init__(self, progress, log):
         self.progress = progress
         self.log = log
         self.bar = None
+        self.step_s: list[float] = []
+        self.total = self.start = 0
 
     def _open(self, total: int, done: int, desc: str) -> None:
         self.close()
@@ -53,10 +57,13 @@ class Bars:
         elif kind == "resume":
             self.log.info("resuming training from the checkpoint at step %d", ev["step"])
         elif kind == "train_start":
+            self.total, self.start, self.step_s = ev["total"], ev["done"], []
             self._open(ev["total"], ev["done"], f"train draft ({ev.get('world_size', 1)} proc)")
-        elif kind == "step" and self.bar:
-            acc = "/".join(f"{a:.2f}" for a in ev.get("accuracy", []))
-            self.bar.update(1, loss=f"{ev['loss']:.3f}", acc=acc)
+        elif kind == "step":
+            if self.bar:
+                acc = "/".join(f"{a:.2f}" for a in ev.get("accuracy", []))
+                self.bar.update(1, loss=f"{ev['loss']:.3f}", acc=acc)
+            self._estimate(ev)
         elif kind == "eval_point":
             self.log.info("held-out AL at step %d: mean %.3f (%s; %.1f s), best %.3f at step %d", ev["step"], ev["mean"],
                           ", ".join(f"{d} {v:.2f}" for d, v in ev["al"].items()), ev["seconds"], ev["best_mean"],
@@ -73,3 +80,17 @@ class Bars:
             self.log.debug("checkpoint at step %d", ev["step"])
         elif kind == "error":
             self.log.error("%s", ev["message"])
+
+    def _estimate(self, ev: dict) -> None:
+        """Once, after ESTIMATE_AFTER steps of this run: the time the remaining steps take at this machine's measured
+        rate (the median step after the first), logged (eval points and export come on top)."""
+        if "step_s" not in ev or len(self.step_s) >= self.ESTIMATE_AFTER:
+            return
+        self.step_s.append(float(ev["step_s"]))
+        if len(self.step_s) < self.ESTIMATE_AFTER:
+            return
+        timed = sorted(self.step_s[1:])
+        rate = timed[len(timed) // 2]
+        left = max(0, self.total - ev["step"])
+        self.log.info("measured %.2f s a step on this machine (median of steps %d-%d): the remaining %d steps take "
+                      "~%.1f min (eval points and export on top)", rate, self.start + 2, ev["step"], left, rate * left / 60)

@@ -179,12 +179,16 @@ def run_arm(install: E.VllmInstall, s: ArmSettings, *, target: Path, draft_spec:
                                                     num_speculative_tokens=s.draft_len, max_model_len=mml),
                                log_path=log_dir / "vllm_speculative.log", **common),
                   prompts, s, counters=True, log=log)
+    if log and spec.get("dtype"):
+        log.info("vLLM on CPU asked for --dtype %s: bf16 GEMMs are not fast on this CPU (runtime/engine/precision.py)",
+                 spec["dtype"])
     t1 = time.monotonic()
     plain = _serve(E.VllmServer(install, E.ServeArgs(str(target), max_model_len=mml),
                                 log_path=log_dir / "vllm_plain.log", **common),
                    prompts, s, counters=False, log=log)
     t2 = time.monotonic()
     out = {"ran": True, "version": install.version, "device": install.device, "method": method,
+           "dtype": spec.get("dtype") or "vLLM's choice (the checkpoint's)",
            "draft_len": s.draft_len, "max_model_len": mml, "concurrency": [1, s.batch],
            "argv_speculative": spec["argv"], "seconds": {"speculative_server": round(t1 - t0, 1),
                                                          "plain_server": round(t2 - t1, 1)}}
@@ -195,7 +199,7 @@ def run_arm(install: E.VllmInstall, s: ArmSettings, *, target: Path, draft_spec:
 
 def _serve(srv: E.VllmServer, prompts: dict, s: ArmSettings, *, counters: bool, log) -> dict:
     """Start `srv`, run every domain at concurrency 1 and `s.batch`, stop it; outputs (and counter deltas)."""
-    res: dict = {"argv": srv.argv, "domains": {}}
+    res: dict = {"argv": srv.argv, "dtype": srv.dtype, "domains": {}}
     try:
         with srv:
             for d, ps in prompts.items():

