@@ -101,13 +101,14 @@ def resolve_dtypes(sec, device: str, precision=None) -> tuple[str, str]:
     """(training dtype, target dtype) with auto resolved; JobError for a target above the training precision.
     dtype auto: bfloat16 on CUDA, float32 on CPU (the draft's master weights). target_dtype auto: the training dtype,
     except under float32 training on a CPU, where it is bfloat16 only where this CPU runs bf16 GEMMs natively and
-    measurably faster (`runtime.engine.precision`; `precision`: a `CpuPrecision` already at hand)."""
+    measurably faster (`runtime.engine.precision`; `precision`: a `CpuPrecision` already at hand), and only in the
+    path that runs a bf16 target under a float32 draft (`_bf16_target_path`)."""
     from runtime.engine.precision import cpu_precision, resolve_precision
 
     train_dtype = sec.dtype if sec.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
     if sec.target_dtype != "auto":
         tgt_dtype = sec.target_dtype
-    elif train_dtype == "float32" and device == "cpu":
+    elif train_dtype == "float32" and device == "cpu" and _bf16_target_path(sec):
         tgt_dtype = resolve_precision("auto", "cpu", precision or cpu_precision())
     else:
         tgt_dtype = train_dtype
@@ -116,6 +117,13 @@ def resolve_dtypes(sec, device: str, precision=None) -> tuple[str, str]:
                        "would run the target above the draft's own precision; set target_dtype: bfloat16 or auto, "
                        "or dtype: float32")
     return train_dtype, tgt_dtype
+
+
+def _bf16_target_path(sec) -> bool:
+    """Online training in one process with the runtime estimator: the path where a bf16 target under a float32 draft
+    runs (the offline dump, torchrun's DDP/FSDP workers and ModelOpt's estimator meet float32 draft weights with the
+    bf16 target's features in one matmul: "expected m1 and m2 to have the same dtype"), so auto stays float32 elsewhere."""
+    return sec.mode == "online" and sec.launcher.kind == "none" and sec.eval.estimator == "runtime"
 
 
 def needs_machine(sec) -> bool:

@@ -305,4 +305,5 @@ def test_report_says_refused_and_why(run_dir, tmp_path):
     measured = next(s for s in status_json(wd)["stages"] if s["name"] == "validate")["failed_metrics"]
     assert "the pair validate refused" in text
     for d, v in measured["domains"].items():                            # the refused pair's AL, not the old artifact's
-        assert re.search(rf"{d} {v['fp8']['acceptance_length']:.4g} ", text), (d, text)
+        # the engines' first-layer figure leads where validate measured it, the gated one beside it
+        assert re.search(rf"{d} (?:[\d.]+ |not measured )?{v['fp8']['acceptance_length']:.4g} ", text), (d, text)
