@@ -197,9 +197,9 @@ def run(ctx: StageContext) -> dict:
         draft=res.get("draft") or {}, draft_kv_cache=draft_kv, lossless=res.get("lossless"),
         tokens_per_s=res.get("tokens_per_s"), step_ms=res.get("step_ms"), fp8_info=res.get("fp8_info"),
         trtllm_version=res.get("trtllm_version"), engines=res["engines"], ngram=res.get("ngram"), hybrid=res.get("hybrid"))
-    res = acc.to_json()
+    doc = acc.to_json()
     table = gate_table(acc.gates.rows)
-    text = json.dumps(res, indent=2)
+    text = json.dumps(doc, indent=2)
     (ctx.scratch_dir / validate_artifact.INFO).write_text(text)
     ctx.log.info("gates:\n%s", table)
     if not acc.passed:
@@ -209,9 +209,9 @@ def run(ctx: StageContext) -> dict:
                          "train a better draft / keep the draft BF16 / quantize with calibration data of the domain; "
                          "a failed lossless row is a defect of the decoding engine or of the deployed checkpoints, "
                          "see docs/stages/validate.md)",
-                         metrics=res)
+                         metrics=doc)
     (ctx.out_dir / validate_artifact.INFO).write_text(text)
-    return _metrics(runtime, res)
+    return _metrics(runtime, doc)
 
 
 def _pairs(ctx: StageContext) -> tuple[Path, dict, dict, bool]:

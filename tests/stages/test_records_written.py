@@ -11,7 +11,7 @@ import pytest
 
 pytestmark = pytest.mark.fast
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 NOT_RECORDS = {    # file name -> why it is written without a record (no other stage reads it)
     "stats.json": "data's statistics, read by its own report only",
@@ -27,15 +27,20 @@ def _is_to_json(node: ast.AST) -> bool:
     return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "to_json"
 
 
-def _bound_to_records(fn: ast.AST) -> set[str]:
-    """Names a function assigns only from `<record>.to_json()`."""
-    bound: dict[str, bool] = {}
+def _is_dumps(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "dumps"
+            and bool(node.args))
+
+
+def _assignments(fn: ast.AST) -> dict[str, list[ast.AST]]:
+    """name -> every value a function assigns to it."""
+    out: dict[str, list[ast.AST]] = {}
     for node in ast.walk(fn):
         if isinstance(node, ast.Assign):
             for t in node.targets:
                 if isinstance(t, ast.Name):
-                    bound[t.id] = bound.get(t.id, True) and _is_to_json(node.value)
-    return {n for n, ok in bound.items() if ok}
+                    out.setdefault(t.id, []).append(node.value)
+    return out
 
 
 def _file_names(node: ast.AST) -> set[str]:
@@ -47,16 +52,16 @@ def dict_writes(path: Path, root: Path = REPO) -> list[str]:
     tree = ast.parse(path.read_text())
     out = []
     for fn in [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]:
-        records = _bound_to_records(fn)
+        assigned = _assignments(fn)
         for call in ast.walk(fn):
             if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "write_text"
-                    and call.args and isinstance(call.args[0], ast.Call)):
+                    and call.args):
                 continue
-            dumps = call.args[0]
-            if not (isinstance(dumps.func, ast.Attribute) and dumps.func.attr == "dumps" and dumps.args):
-                continue
-            doc = dumps.args[0]
-            if _is_to_json(doc) or (isinstance(doc, ast.Name) and doc.id in records):
+            text = call.args[0]      # json.dumps(...), or a name bound to it (`text = json.dumps(doc)`)
+            dumps = [text] if _is_dumps(text) else [v for v in assigned.get(getattr(text, "id", ""), []) if _is_dumps(v)]
+            docs = [d.args[0] for d in dumps]
+            if all(_is_to_json(d) or (isinstance(d, ast.Name) and assigned.get(d.id)
+                                      and all(_is_to_json(v) for v in assigned[d.id])) for d in docs):
                 continue
             if _file_names(call.func.value) & set(NOT_RECORDS):
                 continue
@@ -80,5 +85,8 @@ def test_the_rule_sees_a_dict_literal_and_a_name_bound_to_one(tmp_path):
                  "    good = info.to_json()\n"
                  "    (ctx.out_dir / 'c.json').write_text(json.dumps(good))\n"
                  "    (ctx.out_dir / 'd.json').write_text(json.dumps(info.to_json(), indent=2))\n"
-                 "    (ctx.out_dir / 'stats.json').write_text(json.dumps({'n': 1}))\n")
-    assert dict_writes(f, tmp_path) == ["probe.py:4", "probe.py:6"]
+                 "    (ctx.out_dir / 'stats.json').write_text(json.dumps({'n': 1}))\n"
+                 "    text = json.dumps(doc)\n"
+                 "    (ctx.out_dir / 'e.json').write_text(text)\n"
+                 "    (ctx.out_dir / 'README.md').write_text('not JSON')\n")
+    assert dict_writes(f, tmp_path) == ["probe.py:4", "probe.py:6", "probe.py:12"]
