@@ -91,7 +91,8 @@ class GateRow:
                    extra={k: v for k, v in doc.items() if k not in known})
 
     def failure(self) -> str:
-        return f"{self.domain} {self.metric} {self.measured} < {self.required}"
+        """The row in words (`export` refuses with the failed ones)."""
+        return f"{self.domain} {self.metric}: measured {self.measured}, required {self.required}"
 
 
 @dataclass(frozen=True)
@@ -115,8 +116,9 @@ class Gates:
     def from_json(cls, doc) -> Gates:
         if not isinstance(doc, dict):
             return cls(passed=False, detail=doc)
+        rest = {k: v for k, v in doc.items() if k not in ("passed", "rows")}     # an older shape: kept as the detail
         return cls(passed=doc.get("passed") is True, rows=tuple(GateRow.from_json(r) for r in doc.get("rows") or []),
-                   detail=doc.get("detail"))
+                   detail=doc.get("detail", rest or None))
 
 
 @dataclass(frozen=True)

@@ -102,6 +102,9 @@ def test_acceptance_reads_the_older_name_of_the_measured_draft_length():
     assert acc.measured_draft_len == 4
     out = acc.to_json()
     assert out["measured_draft_len"] == 4 and "max_draft_len" not in out
+    old = Gates.from_json({"passed": False, "code": {"measured": 1.4, "required": 2.0}})   # gates without rows
+    assert not old.passed and old.rows == () and old.detail == {"code": {"measured": 1.4, "required": 2.0}}
+    assert Gates.from_json(json.loads(json.dumps(old.to_json()))) == old
 
 
 def test_nested_acceptance_types_read_what_consumers_use():
