@@ -14,13 +14,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import yaml
 from pydantic import Field, ValidationError, field_validator
 
 from pipeline.errors import ConfigError
-from pipeline.stage import Strict
+from pipeline.sections import Strict
 
 
 class RunConfig(Strict):
@@ -74,6 +74,19 @@ class VllmConfig(Strict):
     @classmethod
     def _bool_words(cls, v):
         return {True: "true", False: "false"}.get(v, v) if isinstance(v, bool) else v
+
+
+class PipelineConfig(Protocol):
+    """The whole validated config as a stage reads it (`StageContext.config`): the shared sections, typed here, and
+    one section per stage (`cfg.<stage>`, an instance of that stage module's `Config`). The class itself is declared
+    in stages/config.py (`PipelineConfig`, checked against the registry by `root_model`), above pipeline/ in the
+    layers: this protocol is what pipeline/ can name of it."""
+
+    run: RunConfig
+    hardware: HardwareConfig
+    vllm: VllmConfig
+
+    def __getattr__(self, section: str) -> Any: ...   # a stage's section: stages/config.py declares its type
 
 
 def root_model():

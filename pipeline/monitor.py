@@ -46,6 +46,7 @@ from pathlib import Path
 
 from pipeline.artifacts import build as build_artifact
 from pipeline.artifacts import data as data_artifact
+from pipeline.artifacts import export as export_artifact
 from pipeline.artifacts import validate as validate_artifact
 from pipeline.errors import StageError, UsageError
 from pipeline.monitor_baseline import check_prompt_format, read_baseline
@@ -212,12 +213,14 @@ def read_run(workdir: Path, draft_len: int | None = None, prompts_per_probe: int
             except StageError as e:
                 raise UsageError(f"{workdir}: {e}") from None
         else:
-            draft_len = acc.max_draft_len
+            draft_len = acc.measured_draft_len
     model, fmt, ident = "tensorrt_llm", None, None
-    ex = arts / "export" / "export.json"
-    if ex.exists():
-        doc = json.loads(ex.read_text())
-        model, fmt, ident = doc.get("model_name", model), doc.get("prompt_format"), doc.get("served_identity")
+    if (arts / "export" / export_artifact.INFO).exists():
+        try:
+            ex = export_artifact.read_export(arts / "export")
+        except StageError as e:
+            raise UsageError(f"{workdir}: {e}") from None
+        model, fmt, ident = ex.model_name, ex.prompt_format or None, ex.served_identity
         check_prompt_format(arts, fmt)
     return Run(Path(workdir), acc.raw, prompts, draft_len, acc.max_new_tokens, acc.temperature, model, digest, per,
                overall, source, fmt,

@@ -3,12 +3,12 @@ acceptance.json) and the prompt format clients are told to use, read from a run'
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 from pipeline.artifacts import data as data_artifact
+from pipeline.artifacts import export as export_artifact
 from pipeline.artifacts import validate as validate_artifact
-from pipeline.errors import UsageError
+from pipeline.errors import StageError, UsageError
 
 
 def check_prompt_format(arts: Path, fmt: dict | None) -> None:
@@ -32,8 +32,12 @@ def read_baseline(arts: Path, acc: validate_artifact.AcceptanceInfo) -> tuple[di
     speculation profile when export wrote one, else validate's acceptance.json (the FP8 pair)."""
     from runtime.validate import profile as P
 
-    ex = arts / "export" / "export.json"
-    files = ((json.loads(ex.read_text()).get("speculation_profile") or {}).get("files") or []) if ex.exists() else []
+    files = []
+    if (arts / "export" / export_artifact.INFO).exists():
+        try:
+            files = (export_artifact.read_export(arts / "export").speculation_profile or {}).get("files") or []
+        except StageError as e:
+            raise UsageError(str(e)) from None
     if files:
         f = arts / "export" / files[0]
         try:
@@ -41,7 +45,7 @@ def read_baseline(arts: Path, acc: validate_artifact.AcceptanceInfo) -> tuple[di
         except P.ProfileError as e:
             raise UsageError(f"{e} (rerun `specpipe build <config> --force export` to rewrite it)") from None
         return per, overall, f"{f.relative_to(arts.parent)} ({engine})", hashlib.sha256(f.read_bytes()).hexdigest()[:16]
-    per = {d: v["fp8"]["per_position"] for d, v in acc.domains.items()}
-    overall = acc.overall["fp8"]["per_position"]
+    per = {d: v.fp8.per_position for d, v in acc.domains.items() if v.fp8 is not None}
+    overall = acc.overall.fp8.per_position if acc.overall.fp8 is not None else None
     acc_f = arts / "validate" / validate_artifact.INFO
     return per, overall, str(acc_f.relative_to(arts.parent)), hashlib.sha256(acc_f.read_bytes()).hexdigest()[:16]

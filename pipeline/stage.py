@@ -57,23 +57,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict
+from pipeline.sections import StageSection, Strict  # noqa: F401 - the stage modules' bases, imported from here
 
 if TYPE_CHECKING:
+    from pipeline.config import PipelineConfig
     from pipeline.device import ResolvedDevice
     from pipeline.progress import Progress
-
-
-class Strict(BaseModel):
-    """Base for every config model: unknown keys are errors, values are validated on assignment."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
-
-
-class StageSection(Strict):
-    """Base for a stage's config section. Every stage can be switched off."""
-
-    enabled: bool = True
 
 
 @dataclass
@@ -99,7 +88,7 @@ class Artifact:
 @dataclass
 class StageContext:
     name: str
-    config: Any                    # the whole validated config (pipeline.config.PipelineConfig)
+    config: PipelineConfig         # the whole validated config (stages/config.py's root class)
     section: Any                   # this stage's own section (an instance of the module's Config)
     out_dir: Path                  # write here only
     scratch_dir: Path              # resumable work (checkpoints); survives a crash, removed after commit

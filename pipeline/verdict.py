@@ -10,6 +10,7 @@ from __future__ import annotations
 import html
 import json
 
+from pipeline.artifacts import export as export_artifact
 from pipeline.artifacts import tune as tune_artifact
 from pipeline.artifacts import validate as validate_artifact
 from pipeline.errors import StageError
@@ -132,7 +133,7 @@ def render(store: Store, doc: dict, table) -> str:
         and "domains" in val["failed_metrics"]
     if refused_pair:     # what the failed build measured, not the artifact committed before it
         acc = {**val["failed_metrics"], "gates": (val["failed_metrics"].get("gates") or {"passed": False})}
-    export = _read(store, "export", "export.json")
+    export = _record(store, "export", export_artifact.read_export)
     tuning = _record(store, "tune", tune_artifact.read_tuning)
     state, why = outcome(doc, acc)
     cls = {"shipped": "pass", "refused": "fail"}.get(state, "muted")

@@ -3,11 +3,14 @@
 the record a stage read (`tuning.deployment(target, draft, ...)`, `build_profile(acceptance, ...)`) instead of the
 document as a dict, and every default is decided once, in `from_json`.
 
-The readers that open the files, check the fields the contract requires and raise StageError naming the file and the
-stage to rerun are pipeline/artifacts/<stage>.py; `raw` keeps the whole document for the report, which renders it."""
+Each record writes itself (`to_json`, the document its stage commits) and reads itself back (`from_json`), so a
+schema is spelled once; the records of validate and of the deployment stages are runtime/records_validate.py and
+runtime/records_deploy.py. The readers that open the files, check the fields the contract requires and raise
+StageError naming the file and the stage to rerun are pipeline/artifacts/<stage>.py; `raw` keeps the document as read
+for the report, which renders it (not part of the record's value: `==` ignores it)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 # ------------------------------------------------------------------------------------------------ data
@@ -21,6 +24,13 @@ class EvalPrompt:
     prompt: str                 # already rendered with the chat template when the source was a conversation
     prompt_ids: list[int]
     reference: str | None = None
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, doc: dict) -> EvalPrompt:
+        return cls(id=str(doc["id"]), prompt=doc["prompt"], prompt_ids=list(doc["prompt_ids"]), reference=doc.get("reference"))
 
 
 # ------------------------------------------------------------------------------------------------ target
@@ -38,35 +48,70 @@ def stop_ids(info: dict) -> list[int]:
 
 @dataclass(frozen=True)
 class TargetInfo:
-    """target.json: the model's shapes (what the cost model prices) and its stop ids."""
+    """target.json: the model's shapes (what the cost model prices), its stop ids and where they came from."""
 
     architecture: str
     num_layers: int
     hidden_size: int
     vocab_size: int
-    num_attention_heads: int | None
-    num_key_value_heads: int | None       # = num_attention_heads where target.json does not say
-    intermediate_size: int | None
-    head_dim: int | None                  # None: hidden_size // num_attention_heads
-    dtype: str                            # the checkpoint's torch dtype; bfloat16 where target.json does not say
-    eos_token_id: int | None              # target.json's eos_token_id (the first of a list); None when absent
-    stop_ids: tuple[int, ...]             # every id that ends a generation (`stop_ids`)
-    max_position_embeddings: int | None
-    mask_token_id: int | None
-    raw: dict
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None   # = num_attention_heads where target.json does not say
+    intermediate_size: int | None = None
+    head_dim: int | None = None           # None: hidden_size // num_attention_heads
+    dtype: str = "bfloat16"               # the checkpoint's torch dtype; bfloat16 where target.json does not say
+    eos_token_ids: tuple[int, ...] = ()   # every id that ends a generation, the end of turn first (`stop_ids`)
+    max_position_embeddings: int | None = None
+    mask_token_id: int | None = None
+    mask_token: str | None = None
+    source: str | None = None             # bootstrap:tiny, a local path or a hub id
+    model_type: str | None = None
+    tokenizer_size: int | None = None
+    end_of_turn: dict | None = None       # {"id", "token"} of the chat template's end of turn, or None
+    eos_sources: dict = field(default_factory=dict)     # the ids each source declared
+    eos_rejected: list = field(default_factory=list)    # {"id", "token", "source", "why"}
+    pad_token_id: int | None = None
+    has_chat_template: bool | None = None
+    num_parameters: int | None = None
+    raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The first stop id (target.json's `eos_token_id`, kept for older readers); None when there is none."""
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """Every id that ends a generation, each once, sorted (a set of stop ids)."""
+        return tuple(sorted(set(self.eos_token_ids)))
+
+    def to_json(self) -> dict:
+        return {"source": self.source, "architecture": self.architecture, "model_type": self.model_type,
+                "num_layers": self.num_layers, "hidden_size": self.hidden_size,
+                "intermediate_size": self.intermediate_size, "num_attention_heads": self.num_attention_heads,
+                "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+                "vocab_size": self.vocab_size, "max_position_embeddings": self.max_position_embeddings,
+                "tokenizer_size": self.tokenizer_size, "mask_token": self.mask_token,
+                "mask_token_id": self.mask_token_id, "eos_token_id": self.eos_token_id,
+                "eos_token_ids": list(self.eos_token_ids), "end_of_turn": self.end_of_turn,
+                "eos_sources": self.eos_sources, "eos_rejected": self.eos_rejected, "pad_token_id": self.pad_token_id,
+                "has_chat_template": self.has_chat_template, "num_parameters": self.num_parameters, "dtype": self.dtype}
 
     @classmethod
     def from_json(cls, doc: dict) -> TargetInfo:
-        eos = doc.get("eos_token_id")
-        eos = eos[0] if isinstance(eos, list) and eos else eos          # some HF configs write a list
         heads = doc.get("num_attention_heads")
+        ids = doc.get("eos_token_ids") or doc.get("eos_token_id")       # an older target.json: eos_token_id alone
+        ids = [] if ids is None else [ids] if isinstance(ids, int) else [int(i) for i in ids if i is not None]
         return cls(architecture=str(doc["architecture"]), num_layers=int(doc["num_layers"]),
                    hidden_size=int(doc["hidden_size"]), vocab_size=int(doc["vocab_size"]),
                    num_attention_heads=heads, num_key_value_heads=doc.get("num_key_value_heads") or heads,
                    intermediate_size=doc.get("intermediate_size"), head_dim=doc.get("head_dim"),
-                   dtype=doc.get("dtype") or "bfloat16", eos_token_id=eos if isinstance(eos, int) else None,
-                   stop_ids=tuple(stop_ids(doc)), max_position_embeddings=doc.get("max_position_embeddings"),
-                   mask_token_id=doc.get("mask_token_id"), raw=doc)
+                   dtype=doc.get("dtype") or "bfloat16", eos_token_ids=tuple(ids),
+                   max_position_embeddings=doc.get("max_position_embeddings"), mask_token_id=doc.get("mask_token_id"),
+                   mask_token=doc.get("mask_token"), source=doc.get("source"), model_type=doc.get("model_type"),
+                   tokenizer_size=doc.get("tokenizer_size"), end_of_turn=doc.get("end_of_turn"),
+                   eos_sources=doc.get("eos_sources") or {}, eos_rejected=list(doc.get("eos_rejected") or []),
+                   pad_token_id=doc.get("pad_token_id"), has_chat_template=doc.get("has_chat_template"),
+                   num_parameters=doc.get("num_parameters"), raw=doc)
 
 
 # ------------------------------------------------------------------------------------------------ train_draft
@@ -77,14 +122,38 @@ class DraftInfo:
     """draft.json. `algorithm` is required (no reader guesses it)."""
 
     algorithm: str                        # eagle3 | dflash, lower case
-    num_layers: int | None
-    block_size: int | None                # DFlash's block; None for EAGLE-3
-    capture_layers: list[int] | None      # the target layers training captured (EAGLE-3 aux_layer_ids, DFlash
+    num_layers: int | None = None
+    block_size: int | None = None         # DFlash's block; None for EAGLE-3
+    capture_layers: list[int] | None = None   # the target layers training captured (EAGLE-3 aux_layer_ids, DFlash
                                           # target_layer_ids); None when draft.json does not say
-    draft_vocab_size: int | None          # EAGLE-3's reduced vocabulary (d2t); None for DFlash or when not said
-    vocab_size: int | None                # the target's vocabulary, as draft.json records it
-    max_position_embeddings: int | None
-    raw: dict
+    draft_vocab_size: int | None = None   # EAGLE-3's reduced vocabulary (d2t); None for DFlash or when not said
+    vocab_size: int | None = None         # the target's vocabulary, as draft.json records it
+    max_position_embeddings: int | None = None
+    has_d2t: bool | None = None
+    mask_token_id: int | None = None
+    trained_draft_len: int | None = None  # what training unrolled (EAGLE-3 ttt steps, DFlash block_size - 1)
+    objective: str | None = None          # EAGLE-3 kl | lk_hybrid | nla, DFlash dpace | decay
+    rope_scaling: dict | None = None
+    serving_context: dict | None = None
+    mode: str | None = None               # online | offline training
+    acceptance_length: float | None = None   # training's held-out estimate, at `eval_draft_len`
+    eval_draft_len: int | None = None
+    acceptance_estimator: str | None = None  # runtime | modelopt | None
+    exported_step: int | None = None
+    export_reason: str | None = None
+    draft_vocab: dict | None = None       # the reduced vocabulary's statistics
+    raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def to_json(self) -> dict:
+        layers_key = "aux_layer_ids" if self.algorithm == "eagle3" else "target_layer_ids"
+        return {"algorithm": self.algorithm, "num_layers": self.num_layers, layers_key: self.capture_layers,
+                "vocab_size": self.vocab_size, "draft_vocab_size": self.draft_vocab_size, "has_d2t": self.has_d2t,
+                "block_size": self.block_size, "mask_token_id": self.mask_token_id,
+                "trained_draft_len": self.trained_draft_len, "max_position_embeddings": self.max_position_embeddings,
+                "objective": self.objective, "rope_scaling": self.rope_scaling, "serving_context": self.serving_context,
+                "mode": self.mode, "acceptance_length": self.acceptance_length, "eval_draft_len": self.eval_draft_len,
+                "acceptance_estimator": self.acceptance_estimator, "exported_step": self.exported_step,
+                "export_reason": self.export_reason, "draft_vocab": self.draft_vocab}
 
     @classmethod
     def from_json(cls, doc: dict) -> DraftInfo:
@@ -93,7 +162,13 @@ class DraftInfo:
         return cls(algorithm=algo, num_layers=doc.get("num_layers"), block_size=doc.get("block_size"),
                    capture_layers=list(layers) if layers is not None else None,
                    draft_vocab_size=doc.get("draft_vocab_size"), vocab_size=doc.get("vocab_size"),
-                   max_position_embeddings=doc.get("max_position_embeddings"), raw=doc)
+                   max_position_embeddings=doc.get("max_position_embeddings"), has_d2t=doc.get("has_d2t"),
+                   mask_token_id=doc.get("mask_token_id"), trained_draft_len=doc.get("trained_draft_len"),
+                   objective=doc.get("objective"), rope_scaling=doc.get("rope_scaling"),
+                   serving_context=doc.get("serving_context"), mode=doc.get("mode"),
+                   acceptance_length=doc.get("acceptance_length"), eval_draft_len=doc.get("eval_draft_len"),
+                   acceptance_estimator=doc.get("acceptance_estimator"), exported_step=doc.get("exported_step"),
+                   export_reason=doc.get("export_reason"), draft_vocab=doc.get("draft_vocab"), raw=doc)
 
 
 @dataclass(frozen=True)
@@ -121,10 +196,16 @@ class QuantizeInfo:
     format: str                   # the shipped recipe: fp8 | fp8_per_channel_per_token
     quant_algo: str | None        # hf_quant_config.json's: FP8 | FP8_PER_CHANNEL_PER_TOKEN
     kv_cache: str                 # fp8 | none
-    target_rel: str               # relative to the artifacts directory
-    draft_rel: str
+    target_rel: str               # relative to the artifacts directory (quantize.json `target_dir`)
+    draft_rel: str                # (quantize.json `draft_dir`)
     draft_format: str             # fp8 | bf16: the precision of the draft to deploy
-    raw: dict
+    exclude_modules: list | None = None   # hf_quant_config.json's: everything kept in high precision
+    auto_excluded: list = field(default_factory=list)   # layers the search kept in BF16
+    recipes_tried: list[str] = field(default_factory=list)
+    calib_samples: int | None = None
+    calib_seq_len: int | None = None
+    checks: list = field(default_factory=list)   # the named export checks of the shipped checkpoint
+    raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def draft_is_fp8(self) -> bool:
@@ -140,120 +221,17 @@ class QuantizeInfo:
     def draft_dir(self, artifacts: Path) -> Path:
         return (Path(artifacts) / self.draft_rel).resolve()
 
+    def to_json(self) -> dict:
+        return {"format": self.format, "quant_algo": self.quant_algo, "kv_cache": self.kv_cache,
+                "target_dir": self.target_rel, "draft_dir": self.draft_rel, "draft_format": self.draft_format,
+                "exclude_modules": self.exclude_modules, "auto_excluded": self.auto_excluded,
+                "recipes_tried": self.recipes_tried, "calib_samples": self.calib_samples,
+                "calib_seq_len": self.calib_seq_len, "checks": self.checks}
+
     @classmethod
     def from_json(cls, q: dict) -> QuantizeInfo:
         return cls(format=q["format"], quant_algo=q.get("quant_algo"), kv_cache=q["kv_cache"],
-                   target_rel=q["target_dir"], draft_rel=q["draft_dir"], draft_format=q["draft_format"], raw=q)
-
-
-# ------------------------------------------------------------------------------------------------ validate
-
-
-@dataclass(frozen=True)
-class AcceptanceInfo:
-    """acceptance.json. Consumers read different parts (tune the per-position curves, export the gates and the
-    speculation profile, monitor the baseline, build the n-gram comparison); the per-domain statistics stay the
-    nested entries validate wrote (runtime/engine/stats.py's shape)."""
-
-    max_draft_len: int                    # the draft length validate measured at
-    domains: dict                         # domain -> {"fp8": {...}, "bf16": {...}, "retention": ...}
-    overall: dict
-    gates: dict                           # {"passed": bool, "rows": [...]}
-    pairs: dict                           # {"fp8": {"target_dir", "draft_dir"}, "bf16": ...} relative to the artifacts
-    max_new_tokens: int                   # 48 where acceptance.json does not say
-    temperature: float                    # 0.0 (greedy) where acceptance.json does not say
-    batch_size: int | None
-    runtime: str | None                   # which runtime measured (reference | trtllm | vllm ...)
-    runtime_reason: str | None
-    eos_token_ids: list[int]              # the stop ids validate decoded with (target.json's); [] when absent
-    draft: dict                           # what validate found in the draft (first_layer_norm, ...); {} when absent
-    engines: dict                         # engine name -> its own measurement (vLLM's counters); {} when absent
-    ngram: dict | None                    # the n-gram comparison when validate.ngram ran
-    raw: dict
-    hybrid: dict | None = None            # the trained draft + SA enhancer (validate.hybrid): thresholds, comparison
-
-    @property
-    def passed(self) -> bool:
-        return self.gates.get("passed") is True
-
-    @classmethod
-    def from_json(cls, doc: dict) -> AcceptanceInfo:
-        return cls(max_draft_len=int(doc["max_draft_len"]), domains=dict(doc["domains"] or {}), overall=doc["overall"],
-                   gates=doc["gates"] if isinstance(doc["gates"], dict) else {"passed": False, "detail": doc["gates"]},
-                   pairs=doc.get("pairs") or {}, max_new_tokens=int(doc.get("max_new_tokens") or 48),
-                   temperature=float(doc.get("temperature") or 0.0), batch_size=doc.get("batch_size"),
-                   runtime=doc.get("runtime"), runtime_reason=doc.get("runtime_reason"),
-                   eos_token_ids=list(doc.get("eos_token_ids") or []), draft=doc.get("draft") or {},
-                   engines=doc.get("engines") or {}, ngram=doc.get("ngram"), raw=doc,
-                   hybrid=doc.get("hybrid"))
-
-
-# ------------------------------------------------------------------------------------------------ tune
-
-
-@dataclass(frozen=True)
-class TuningInfo:
-    """tuning.json: the draft-length schedule the deployment runs, its limits, the predicted table."""
-
-    deployment: dict                      # trtllm_version, mode, algorithm, the schedule policy and its note
-    draft_schedule: dict                  # DraftSchedule.to_json
-    max_batch_size: int                   # 64 where tuning.json holds none
-    max_num_tokens: int | None
-    cuda_graph_batch_sizes: list[int]     # [1, 2, 4, 8] where tuning.json holds none
-    predicted: list                       # the per-batch table; [] where tuning.json has none
-    raw: dict
-
-    @property
-    def note(self) -> str:
-        return self.deployment.get("note") or "see tuning.json"
-
-    @classmethod
-    def from_json(cls, doc: dict) -> TuningInfo:
-        acc = doc.get("acceptance")
-        if isinstance(acc, dict) and "K" in acc:     # written before the glossary's renames: `report` of an old workdir
-            doc = {**doc, "acceptance": {("draft_len" if k == "K" else "measured_draft_len" if k == "source_max_draft_len"
-                                          else k): v for k, v in acc.items()}}
-        return cls(deployment=dict(doc["deployment"] or {}), draft_schedule=doc["draft_schedule"],
-                   max_batch_size=int(doc["max_batch_size"] or 64),
-                   max_num_tokens=doc.get("max_num_tokens"),
-                   cuda_graph_batch_sizes=[int(b) for b in doc.get("cuda_graph_batch_sizes") or [1, 2, 4, 8]],
-                   predicted=list(doc.get("predicted") or []), raw=doc)
-
-
-# ------------------------------------------------------------------------------------------------ build
-
-
-@dataclass(frozen=True)
-class DeploymentInfo:
-    """deployment.json: what build deployed (the LLM-API options file, the draft TensorRT-LLM loads, the schedule)."""
-
-    trtllm_version: str
-    serving_image: str
-    algorithm: str | None                 # eagle3 | dflash; None where deployment.json does not say
-    mode: str | None
-    speculation: bool                     # whether a draft is deployed (True where deployment.json does not say)
-    decoding_type: str | None
-    target_dir: str                       # absolute, as build resolved them
-    draft_dir: str | None                 # the draft as train_draft/quantize wrote it; None without speculation
-    trtllm_draft_dir: str | None          # the draft TensorRT-LLM loads (renamed layers); else `draft_dir`
-    options_file: str                     # relative to the artifact
-    draft_schedule: dict                  # DraftSchedule.to_json
-    max_draft_len: int | None
-    max_seq_len: int | None
-    raw: dict
-
-    @classmethod
-    def from_json(cls, doc: dict) -> DeploymentInfo:
-        return cls(trtllm_version=doc["trtllm_version"], serving_image=doc["serving_image"],
-                   algorithm=doc.get("algorithm"), mode=doc.get("mode"), speculation=bool(doc.get("speculation", True)),
-                   decoding_type=doc.get("decoding_type"), target_dir=doc["target_dir"], draft_dir=doc["draft_dir"],
-                   trtllm_draft_dir=doc.get("trtllm_draft_dir") or doc["draft_dir"], options_file=doc["options_file"],
-                   draft_schedule=doc["draft_schedule"], max_draft_len=doc.get("max_draft_len"),
-                   max_seq_len=doc.get("max_seq_len"), raw=doc)
-
-    def schedule(self):
-        """The draft length per batch size the deployment runs, as the one schedule type
-        (`runtime.algorithms.schedule.DraftSchedule`; `k_at(batch)`)."""
-        from runtime.algorithms.schedule import DraftSchedule
-
-        return DraftSchedule.from_json(self.draft_schedule)
+                   target_rel=q["target_dir"], draft_rel=q["draft_dir"], draft_format=q["draft_format"],
+                   exclude_modules=q.get("exclude_modules"), auto_excluded=list(q.get("auto_excluded") or []),
+                   recipes_tried=list(q.get("recipes_tried") or []), calib_samples=q.get("calib_samples"),
+                   calib_seq_len=q.get("calib_seq_len"), checks=list(q.get("checks") or []), raw=q)

@@ -28,7 +28,7 @@ is run; elsewhere the stage records plainly that the deployment was written, not
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -42,6 +42,7 @@ from pipeline.artifacts import tune as tune_artifact
 from pipeline.errors import StageError
 from pipeline.stage import Artifact, StageContext, StageSection, Strict
 from runtime.algorithms.schedule import DraftSchedule
+from runtime.records_deploy import CheckRow, DeploymentInfo
 from runtime.trtllm import compat, config_checks
 
 if TYPE_CHECKING:
@@ -205,10 +206,11 @@ def run(ctx: StageContext) -> dict:
               else {"loaded": False, "reason": "build.load: never"})
     ctx.log.info("load: %s", "loaded" if loaded["loaded"] else loaded["reason"])
     runs = _runs(plan, options)
-    doc = _deployment_doc(ctx, plan, options, ddraft, (guard_doc, guard_note), bench, checks, loaded)
-    doc["ngram"] = _ngram(ctx, plan, options, out) if sec.ngram.enabled else None
-    doc["sa_enhancer"] = {"sa_config": spec.sa_config, "note": spec.sa_note}
-    (ctx.out_dir / "deployment.json").write_text(json.dumps(doc, indent=2))
+    info = replace(_deployment_doc(ctx, plan, options, ddraft, (guard_doc, guard_note), bench, checks, loaded),
+                   ngram=_ngram(ctx, plan, options, out) if sec.ngram.enabled else None,
+                   sa_enhancer={"sa_config": spec.sa_config, "note": spec.sa_note})
+    doc = info.to_json()
+    (ctx.out_dir / build_artifact.INFO).write_text(json.dumps(doc, indent=2))
     (out / "README.md").write_text(readme.readme(doc, options))
     if plan.speculation:
         _write_profile(ctx, plan, out / "draft" if ddraft.renamed else out, doc, runs.k_at(1))
@@ -229,7 +231,7 @@ def _ngram(ctx: StageContext, plan: _Plan, options: dict, out: Path) -> dict:
     acc = validate_artifact.read_acceptance(ctx.input("validate").path)
     try:
         return N.deploy(out / "ngram", options, plan.version, plan.target_dir, ctx.section.ngram.model_dump(), acc,
-                        acc.max_draft_len or plan.kmax or 4, ctx.log)
+                        acc.measured_draft_len or plan.kmax or 4, ctx.log)
     except ValueError as e:
         raise StageError(f"build.ngram: {e}") from None
 
@@ -395,31 +397,28 @@ def _runs(plan: _Plan, options: dict) -> DraftSchedule:
 
 
 def _deployment_doc(ctx: StageContext, plan: _Plan, options: dict, ddraft: _DeployedDraft,
-                    guard: tuple[dict, str | None], bench: _Bench, checks: list[Check], loaded: dict) -> dict:
-    """deployment.json: what was written, for `export`, `status` and the README."""
+                    guard: tuple[dict, str | None], bench: _Bench, checks: list[Check], loaded: dict) -> DeploymentInfo:
+    """deployment.json's record: what was written, for `export`, `status` and the README."""
     sc = options.get("speculative_config") or {}
-    runs = _runs(plan, options)
     guard_doc, guard_note = guard
-    return {
-        "trtllm_version": plan.version, "serving_image": compat.serving_image_for(plan.version), "backend": "pytorch",
-        "algorithm": plan.algo, "mode": plan.mode, "speculation": plan.speculation,
-        "decoding_type": sc.get("decoding_type"), "target_dir": str(plan.target_dir),
+    return DeploymentInfo(
+        trtllm_version=plan.version, serving_image=compat.serving_image_for(plan.version), backend="pytorch",
+        algorithm=plan.algo, mode=plan.mode, speculation=plan.speculation, decoding_type=sc.get("decoding_type"),
+        target_dir=str(plan.target_dir),
         # draft_dir: the draft as train_draft/quantize wrote it (specpipe's runtime reads it); trtllm_draft_dir: the
         # one TensorRT-LLM loads (layer names of the targeted version)
-        "draft_dir": str(plan.draft_src) if plan.speculation else None,
-        "trtllm_draft_dir": str(ddraft.final) if ddraft.dir else None,
-        "draft_weight_names": ({"renamed": ddraft.renamed, "from": "layers.<i>.*", "to": "midlayer.*",
-                                "dir": "deployment/draft"} if ddraft.renamed else None),
-        "eagle3_layers_to_capture": sc.get("eagle3_layers_to_capture"),
-        "max_draft_len": plan.kmax, "max_batch_size": plan.mbs, "max_num_tokens": options["max_num_tokens"],
-        "max_seq_len": options["max_seq_len"], "enable_chunked_prefill": bool(options.get("enable_chunked_prefill")),
-        "draft_schedule": runs.to_json(plan.mbs), "schedule_note": plan.tuning.deployment.get("note"),
-        "acceptance_guard": guard_doc or None, "acceptance_guard_note": guard_note,
-        "options_file": "deployment/llm_api_options.yaml", "bench_prompts": bench.prompts, "bench_requests": bench.requests,
-        "bench_concurrency": bench.concurrency, "bench_model_name": bench.model_name, "load": loaded,
-        "checks": [{"name": c.name, "ok": c.ok, "message": c.message} for c in checks],
-        "workdir": str(Path(ctx.workdir).resolve()),
-    }
+        draft_dir=str(plan.draft_src) if plan.speculation else None,
+        trtllm_draft_dir=str(ddraft.final) if ddraft.dir else None,
+        draft_weight_names=({"renamed": ddraft.renamed, "from": "layers.<i>.*", "to": "midlayer.*",
+                             "dir": "deployment/draft"} if ddraft.renamed else None),
+        eagle3_layers_to_capture=sc.get("eagle3_layers_to_capture"),
+        max_draft_len=plan.kmax, max_batch_size=plan.mbs, max_num_tokens=options["max_num_tokens"],
+        max_seq_len=options["max_seq_len"], enable_chunked_prefill=bool(options.get("enable_chunked_prefill")),
+        draft_schedule=_runs(plan, options), schedule_note=plan.tuning.deployment.get("note"),
+        acceptance_guard=guard_doc or None, acceptance_guard_note=guard_note,
+        options_file="deployment/llm_api_options.yaml", bench=asdict(bench), load=loaded,
+        checks=tuple(CheckRow(c.name, c.ok, c.message) for c in checks),
+        workdir=str(Path(ctx.workdir).resolve()))
 
 
 # ---------------------------------------------------------------------------------------------- report

@@ -32,12 +32,14 @@ from pydantic import Field
 from pipeline import monitor_alerts
 from pipeline.artifacts import build as build_artifact
 from pipeline.artifacts import data as data_artifact
+from pipeline.artifacts import export as export_artifact
 from pipeline.artifacts import tune as tune_artifact
 from pipeline.artifacts import validate as validate_artifact
 from pipeline.errors import StageError
 from pipeline.monitor_diagnosis import served_identity
 from pipeline.stage import Artifact, StageContext, StageSection
 from runtime.quant import hf_quant_config
+from runtime.records_deploy import ExportInfo
 
 NAME = "export"
 CONSUMES: tuple[str, ...] = ("data", "train_draft", "quantize", "validate", "build", "tune")   # tune: vLLM's per-batch k
@@ -85,11 +87,8 @@ def run(ctx: StageContext) -> dict:
     fmt = _production_repository(ctx, dep, options, io, image, speculation)
     if sec.cpu_repository:
         _cpu_repository(ctx, dep, acc, io, speculation)
-
-    vllm = None
-    if sec.speculators and speculation:
-        vllm = _speculators(ctx, dep, options)
-    elif sec.speculators:
+    vllm = _speculators(ctx, dep, options) if sec.speculators and speculation else None
+    if sec.speculators and not speculation:
         ctx.log.info("speculators/: not written, the deployment runs the target alone (tune found no draft length that pays)")
 
     profile = _speculation_profile(ctx, acc, dep, vllm) if speculation else None
@@ -101,13 +100,13 @@ def run(ctx: StageContext) -> dict:
     served = served_identity(dep.target_dir, {"target_bf16": bf16 if (bf16 / "config.json").is_file() else None, **drafts})
     parsed = check_pbtxt([p for p in ctx.out_dir.rglob("config.pbtxt")])
     ctx.log.info("config.pbtxt: %s", ", ".join(f"{Path(k).relative_to(ctx.out_dir)} {v}" for k, v in parsed.items()))
-    doc = {"model_name": sec.model_name, "trtllm_version": version, "triton_image": image,
-           "serving_image": dep.serving_image, "decoupled": sec.decoupled, "container_path": sec.container_path,
-           "speculation": speculation, "prompt_format": {**fmt, "file": "triton/prompt_format.json"},
-           "cpu_repository": "triton_cpu" if sec.cpu_repository else None,
-           "config_pbtxt": {str(Path(k).relative_to(ctx.out_dir)): v for k, v in parsed.items()}, "speculators": vllm,
-           "speculation_profile": profile, "monitoring": monitoring, "served_identity": served}
-    (ctx.out_dir / "export.json").write_text(json.dumps(doc, indent=2))
+    info = ExportInfo(model_name=sec.model_name, trtllm_version=version, triton_image=image, serving_image=dep.serving_image,
+                      decoupled=sec.decoupled, container_path=sec.container_path, speculation=speculation,
+                      prompt_format={**fmt, "file": "triton/prompt_format.json"},
+                      cpu_repository="triton_cpu" if sec.cpu_repository else None,
+                      config_pbtxt={str(Path(k).relative_to(ctx.out_dir)): v for k, v in parsed.items()}, speculators=vllm,
+                      speculation_profile=profile, monitoring=monitoring, served_identity=served)
+    (ctx.out_dir / export_artifact.INFO).write_text(json.dumps(info.to_json(), indent=2))
     publish_tree(ctx.out_dir)      # world-readable: a non-root container user reads the repositories
     if image is None:
         ctx.log.warning("no Triton image ships TensorRT-LLM %s: serve the production repository from a custom image "
@@ -125,7 +124,7 @@ def _speculation_profile(ctx: StageContext, acc: validate_artifact.AcceptanceInf
 
     sec: Config = ctx.section
     doc = validate_artifact.speculation_profile(ctx.input("validate"), ctx.input("quantize"), ctx.input("train_draft"),
-                                                algorithm=dep.algorithm, draft_schedule=dep.draft_schedule,
+                                                algorithm=dep.algorithm, draft_schedule=dep.schedule_json(),
                                                 deployed_draft_len=dep.schedule().k_at(1))
     dirs = [ctx.out_dir / "triton" / sec.model_name / "1" / "draft"]
     if sec.cpu_repository:
@@ -235,11 +234,10 @@ def _cpu_repository(ctx: StageContext, dep: build_artifact.DeploymentInfo, acc: 
     if speculation:   # specpipe's runtime reads the draft as train_draft/quantize wrote it
         _place(Path(dep.draft_dir), cdir / "draft", sec.weights)
     (cdir / "model.py").write_text(resources.files("runtime.serving").joinpath("triton_model", "model.py").read_text())
-    runs = dep.draft_schedule.get("runs") or [[1, 1, 0]]
     (cdir / "specpipe_model.json").write_text(json.dumps({
         "target": "target_fp8", "draft": "draft" if speculation else None, "algorithm": dep.algorithm,
-        "draft_len": runs[0][2],         # the CPU model batches continuously with one k: batch 1's
-        "draft_schedule": dep.draft_schedule,   # per batch size, as the TensorRT-LLM deployment runs it
+        "draft_len": dep.schedule().k_at(1),         # the CPU model batches continuously with one k: batch 1's
+        "draft_schedule": dep.schedule_json(),   # per batch size, as the TensorRT-LLM deployment runs it
         "eos_token_ids": acc.eos_token_ids or None,     # the stop ids validate decoded with (target.json)
         "compute": sec.cpu_compute,                    # runtime.engine.compute.resolve_compute on the serving machine
         "trtllm_version": dep.trtllm_version, "specpipe_src": str(Path(runtime.__file__).resolve().parents[1])},
@@ -257,7 +255,7 @@ def _speculators(ctx: StageContext, dep: build_artifact.DeploymentInfo, options:
     final = Path(ctx.workdir).resolve() / "artifacts" / NAME / "speculators"     # where it lives once committed
     try:
         spec = S.write_speculators_draft(src, ctx.out_dir / "speculators", target_dir=dep.target_dir,
-                                         speculative_tokens=int(dep.max_draft_len),
+                                         speculative_tokens=int(dep.max_draft_len or 0),
                                          verifier_name_or_path=_verifier_name(ctx, dep))
     except S.SpeculatorsFormatError as e:
         raise StageError(f"the draft cannot be written in the speculators format for vLLM: {e} "
@@ -309,9 +307,9 @@ def fingerprint_extra(section: Config) -> dict | None:
 def _require_gate(acc: validate_artifact.AcceptanceInfo) -> None:
     if acc.passed:
         return
-    detail = {k: v for k, v in acc.gates.items() if k != "passed"}
+    failed = "; ".join(r.failure() for r in acc.gates.rows if not r.passed) or json.dumps(acc.gates.detail, default=str)
     raise StageError("validate's acceptance gate did not pass, so there is nothing to export: "
-                     f"{json.dumps(detail, default=str)[:800]}. Retrain or retune the draft, or relax the gate in "
+                     f"{failed[:800]}. Retrain or retune the draft, or relax the gate in "
                      "the validate section if the measured acceptance is acceptable.")
 
 

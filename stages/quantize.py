@@ -235,15 +235,15 @@ def _log_quality(ctx: StageContext, recipe: str, quality: dict) -> None:
 def _write_quantize_json(ctx: StageContext, sec: Config, chosen: dict, tried: list[dict], out_target: Path,
                          draft_rel: str, *, n_calib: int) -> None:
     from runtime.quant.checks import read_hf_quant_config
+    from runtime.records import QuantizeInfo
 
     hq = read_hf_quant_config(out_target)
-    (ctx.out_dir / "quantize.json").write_text(json.dumps({
-        "format": chosen["recipe"], "quant_algo": hq.get("quant_algo"), "kv_cache": sec.kv_cache,
-        "target_dir": "quantize/target_fp8", "draft_dir": draft_rel,
-        "draft_format": sec.draft if sec.draft == "fp8" else "bf16", "exclude_modules": hq.get("exclude_modules"),
-        "auto_excluded": chosen["auto_excluded"], "recipes_tried": [c["recipe"] for c in tried],
-        "calib_samples": n_calib, "calib_seq_len": sec.calib_seq_len, "checks": chosen["checks"],
-    }, indent=2))
+    info = QuantizeInfo(format=chosen["recipe"], quant_algo=hq.get("quant_algo"), kv_cache=sec.kv_cache,
+                        target_rel="quantize/target_fp8", draft_rel=draft_rel,
+                        draft_format=sec.draft if sec.draft == "fp8" else "bf16", exclude_modules=hq.get("exclude_modules"),
+                        auto_excluded=chosen["auto_excluded"], recipes_tried=[c["recipe"] for c in tried],
+                        calib_samples=n_calib, calib_seq_len=sec.calib_seq_len, checks=chosen["checks"])
+    (ctx.out_dir / quantize_artifact.INFO).write_text(json.dumps(info.to_json(), indent=2))
 
 
 def _stage_metrics(sec: Config, quality: dict, chosen: dict, tried: list[dict], draft_rel: str, draft_metrics: dict, *,

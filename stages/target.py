@@ -31,6 +31,7 @@ from pipeline.errors import StageError
 from pipeline.stage import StageContext, StageSection, Strict
 from pipeline.store import fault_point
 from runtime.errors import RuntimeFailure
+from runtime.records import TargetInfo
 
 NAME = "target"
 CONSUMES: tuple[str, ...] = ()
@@ -113,13 +114,12 @@ def run(ctx: StageContext) -> dict:
     else:
         metrics = _resolve_model(ctx, sec, model_dir)
         source = sec.model
-    summary = _check_and_summarize(model_dir, sec, source, ctx.log)
-    (ctx.out_dir / "target.json").write_text(json.dumps(summary, indent=2))
+    info = _check_and_summarize(model_dir, sec, source, ctx.log)
+    (ctx.out_dir / target_artifact.INFO).write_text(json.dumps(info.to_json(), indent=2))
     ctx.log.info("target: %s, %d layers, hidden %d, vocab %d, %.2fM params",
-                 summary["architecture"], summary["num_layers"], summary["hidden_size"], summary["vocab_size"],
-                 summary["num_parameters"] / 1e6)
-    return {**metrics, "num_parameters": summary["num_parameters"], "num_layers": summary["num_layers"],
-            "hidden_size": summary["hidden_size"], "vocab_size": summary["vocab_size"], "source": source}
+                 info.architecture, info.num_layers, info.hidden_size, info.vocab_size, info.num_parameters / 1e6)
+    return {**metrics, "num_parameters": info.num_parameters, "num_layers": info.num_layers,
+            "hidden_size": info.hidden_size, "vocab_size": info.vocab_size, "source": source}
 
 
 def _stop_ids(model_dir: Path, tok, log) -> dict:
@@ -147,7 +147,7 @@ def _stop_ids(model_dir: Path, tok, log) -> dict:
     return res
 
 
-def _check_and_summarize(model_dir: Path, sec: Config, source: str, log) -> dict:
+def _check_and_summarize(model_dir: Path, sec: Config, source: str, log) -> TargetInfo:
     from safetensors import safe_open
     from transformers import AutoConfig, AutoTokenizer
 
@@ -160,31 +160,17 @@ def _check_and_summarize(model_dir: Path, sec: Config, source: str, log) -> dict
                 n_params += math.prod(sf.get_slice(k).get_shape())
     text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     stops = _stop_ids(model_dir, tok, log)
-    return {
-        "source": source,
-        "architecture": (cfg.architectures or [cfg.model_type])[0],
-        "model_type": cfg.model_type,
-        "num_layers": text_cfg.num_hidden_layers,
-        "hidden_size": text_cfg.hidden_size,
-        "intermediate_size": getattr(text_cfg, "intermediate_size", None),
-        "num_attention_heads": text_cfg.num_attention_heads,
-        "num_key_value_heads": getattr(text_cfg, "num_key_value_heads", text_cfg.num_attention_heads),
-        "head_dim": getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads,
-        "vocab_size": text_cfg.vocab_size,
-        "max_position_embeddings": getattr(text_cfg, "max_position_embeddings", None),
-        "tokenizer_size": len(tok),
-        "mask_token": tok.mask_token,
-        "mask_token_id": tok.mask_token_id,
-        "eos_token_id": stops["eos_token_ids"][0],
-        "eos_token_ids": stops["eos_token_ids"],
-        "end_of_turn": stops["end_of_turn"],
-        "eos_sources": stops["sources"],
-        "eos_rejected": stops["rejected"],
-        "pad_token_id": tok.pad_token_id,
-        "has_chat_template": bool(getattr(tok, "chat_template", None)),
-        "num_parameters": n_params,
-        "dtype": sec.dtype,
-    }
+    return TargetInfo(
+        source=source, architecture=(cfg.architectures or [cfg.model_type])[0], model_type=cfg.model_type,
+        num_layers=text_cfg.num_hidden_layers, hidden_size=text_cfg.hidden_size,
+        intermediate_size=getattr(text_cfg, "intermediate_size", None), num_attention_heads=text_cfg.num_attention_heads,
+        num_key_value_heads=getattr(text_cfg, "num_key_value_heads", text_cfg.num_attention_heads),
+        head_dim=getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads,
+        vocab_size=text_cfg.vocab_size, max_position_embeddings=getattr(text_cfg, "max_position_embeddings", None),
+        tokenizer_size=len(tok), mask_token=tok.mask_token, mask_token_id=tok.mask_token_id,
+        eos_token_ids=tuple(stops["eos_token_ids"]), end_of_turn=stops["end_of_turn"], eos_sources=stops["sources"],
+        eos_rejected=stops["rejected"], pad_token_id=tok.pad_token_id,
+        has_chat_template=bool(getattr(tok, "chat_template", None)), num_parameters=n_params, dtype=sec.dtype)
 
 
 # ---------------------------------------------------------------------------------------------- local / hub

@@ -326,7 +326,8 @@ def run(ctx: StageContext) -> dict:
     cfg = complete_export(draft_dir, Path(job["target_dir"]))
     checks = _check_export(ctx, job, draft_dir)
     acc = result.get("acceptance") or {}
-    (ctx.out_dir / "draft.json").write_text(json.dumps(draft_record(job, cfg, draft_dir, acc, result), indent=2))
+    info = draft_record(job, cfg, draft_dir, acc, result)
+    (ctx.out_dir / train_draft_artifact.INFO).write_text(json.dumps(info.to_json(), indent=2))
     (ctx.out_dir / "curve.json").write_text(json.dumps(curve_record(job, result, acc), indent=2))
     _log_outcome(ctx, result, acc)
     return {**stage_metrics(job, result, acc, len(checks)), "train_dtype": job["train_dtype"],

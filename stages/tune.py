@@ -30,6 +30,7 @@ from pipeline.artifacts import validate as validate_artifact
 from pipeline.errors import StageError
 from pipeline.stage import StageContext, StageSection, Strict
 from runtime.errors import RuntimeFailure
+from runtime.records_deploy import TuningInfo
 
 NAME = "tune"
 CONSUMES: tuple[str, ...] = ("target", "train_draft", "quantize", "validate")
@@ -195,23 +196,14 @@ def run(ctx: StageContext) -> dict:
     _mark_deployed(ctx, table, schedule, policy)
     kmax, num_tokens, graphs = _limits(ctx, schedule, max_batch, policy)
 
-    doc = {
-        "deployment": {"trtllm_version": version, "mode": mode, "algorithm": draft.algorithm, **policy},
-        "speculation": kmax > 0,
-        "max_draft_len": kmax,
-        "draft_schedule": schedule.to_json(max_batch),
-        "max_batch_size": max_batch,
-        "max_num_tokens": num_tokens,
-        "cuda_graph_batch_sizes": graphs,
-        "context_length": sec.context_length,
-        "kv_capacity_sequences": capacity,
-        "hardware": hw_doc,
-        **_models_and_acceptance(dep, curves, weights, K, acc.max_draft_len),
-        "predicted": table,
-        "prediction_check": _prediction_check(ctx, table),
-        "sa_enhancer": _sa_enhancer(ctx, dep, acc, (curves, weights, K), version, draft.algorithm, kw),
-    }
-    (ctx.out_dir / "tuning.json").write_text(json.dumps(doc, indent=2))
+    info = TuningInfo(
+        deployment={"trtllm_version": version, "mode": mode, "algorithm": draft.algorithm, **policy},
+        draft_schedule=schedule, max_batch_size=max_batch, speculation=kmax > 0, max_draft_len=kmax,
+        max_num_tokens=num_tokens, cuda_graph_batch_sizes=graphs, context_length=sec.context_length,
+        kv_capacity_sequences=capacity, hardware=hw_doc, **_models_and_acceptance(dep, curves, weights, K, acc),
+        predicted=table, prediction_check=_prediction_check(ctx, table),
+        sa_enhancer=_sa_enhancer(ctx, dep, acc, (curves, weights, K), version, draft.algorithm, kw))
+    (ctx.out_dir / tune_artifact.INFO).write_text(json.dumps(info.to_json(), indent=2))
     b1 = table[0]
     return {
         "speculation": kmax > 0, "max_draft_len": kmax, "draft_schedule": schedule.describe(max_batch),
@@ -219,7 +211,7 @@ def run(ctx: StageContext) -> dict:
         "trtllm_version": version, "mode": mode, "gpu": hw_doc["gpu"], "ridge_rows": round(hw_doc["ridge_rows"], 1),
         f"predicted_speedup_batch{b1['batch']}": round(b1["speedup"], 3),
         "predicted_speedup": {str(r["batch"]): round(r["speedup"], 3) for r in table},
-        "sa_enhancer": {k: doc["sa_enhancer"].get(k) for k in ("deploy", "threshold", "pays", "why")},
+        "sa_enhancer": {k: info.sa_enhancer.get(k) for k in ("deploy", "threshold", "pays", "why")},
     }
 
 
@@ -324,7 +316,7 @@ def _prediction_check(ctx: StageContext, table: list[dict]) -> dict:
     return band
 
 
-def _models_and_acceptance(dep, curves, weights, K: int, measured_draft_len: int) -> dict:
+def _models_and_acceptance(dep, curves, weights, K: int, acc) -> dict:
     """tuning.json's `models` (shapes and precisions the cost model priced) and `acceptance` (the curves it used)."""
     from runtime.cost import tuning
 
@@ -333,7 +325,7 @@ def _models_and_acceptance(dep, curves, weights, K: int, measured_draft_len: int
                    "algorithm": dep.algorithm, "target_precision": vars(dep.target_prec),
                    "draft_precision": vars(dep.draft_prec)},
         "acceptance": {"per_position": {d: c[:K] for d, c in curves.items()}, "weights": weights, "draft_len": K,
-                       "measured_draft_len": measured_draft_len},
+                       "measured_draft_len": acc.measured_draft_len},
     }
 
 

@@ -44,8 +44,9 @@ from pipeline.artifacts import train_draft as train_draft_artifact
 from pipeline.artifacts import validate as validate_artifact
 from pipeline.errors import StageError
 from pipeline.stage import StageContext, StageSection, Strict
+from runtime.records_validate import AcceptanceInfo, DomainAcceptance
 from runtime.validate.decode import MeasureSettings
-from runtime.validate.gates import gate_table, lossless_rows, lossless_summary, lossless_tables
+from runtime.validate.gates import evaluate_gates, gate_table, lossless_summary, lossless_tables
 from runtime.validate.trtllm import run_trtllm, trtllm_available
 
 NAME = "validate"
@@ -184,28 +185,33 @@ def run(ctx: StageContext) -> dict:
             d["bf16"] = d["fp8"]
         res["overall"]["bf16"] = res["overall"]["fp8"]
     _add_retention(res)
-    res.update({"runtime": runtime, "runtime_reason": why, "max_draft_len": res.pop("draft_len"),
-                "requested_max_draft_len": sec.max_draft_len, "temperature": sec.temperature,
-                "max_new_tokens": sec.max_new_tokens, "batch_size": sec.batch_size, "eos_token_ids": eos,
-                "pairs": {"fp8": {k: str(Path(v).relative_to(arts)) for k, v in deployed.items()},
-                          "bf16": {k: str(Path(v).relative_to(arts)) for k, v in bf16.items()}},
-                "same_pair": same, "draft_kv_cache": draft_kv})
-    res["engines"] = {"vllm": _vllm(ctx, sec, prompts, deployed, bf16, res)}
-    res["gates"] = evaluate_gates(res, sec.gates)
-    table = gate_table(res["gates"]["rows"])
-    text = json.dumps(res, indent=2)
-    (ctx.scratch_dir / "acceptance.json").write_text(text)
+    measured = res.pop("draft_len")
+    res["engines"] = {"vllm": _vllm(ctx, sec, prompts, deployed, bf16, res, measured)}
+    acc = AcceptanceInfo(
+        measured_draft_len=measured, domains={d: DomainAcceptance.from_json(v) for d, v in res["domains"].items()},
+        overall=DomainAcceptance.from_json(res["overall"]), gates=evaluate_gates(res, sec.gates),
+        pairs={"fp8": {k: str(Path(v).relative_to(arts)) for k, v in deployed.items()},
+               "bf16": {k: str(Path(v).relative_to(arts)) for k, v in bf16.items()}},
+        max_new_tokens=sec.max_new_tokens, temperature=sec.temperature, batch_size=sec.batch_size, runtime=runtime,
+        runtime_reason=why, requested_max_draft_len=sec.max_draft_len, eos_token_ids=eos, same_pair=same,
+        draft=res.get("draft") or {}, draft_kv_cache=draft_kv, lossless=res.get("lossless"),
+        tokens_per_s=res.get("tokens_per_s"), step_ms=res.get("step_ms"), fp8_info=res.get("fp8_info"),
+        trtllm_version=res.get("trtllm_version"), engines=res["engines"], ngram=res.get("ngram"), hybrid=res.get("hybrid"))
+    doc = acc.to_json()
+    table = gate_table(acc.gates.rows)
+    text = json.dumps(doc, indent=2)
+    (ctx.scratch_dir / validate_artifact.INFO).write_text(text)
     ctx.log.info("gates:\n%s", table)
-    if not res["gates"]["passed"]:
+    if not acc.passed:
         # failed_metrics (status --json, report) keep the whole measurement, table included
         raise StageError("validate: acceptance gate failed; the pair is not deployed.\n" + table +
                          f"\n(full measurements: {ctx.scratch_dir / 'acceptance.json'}; lower validate.gates or "
                          "train a better draft / keep the draft BF16 / quantize with calibration data of the domain; "
                          "a failed lossless row is a defect of the decoding engine or of the deployed checkpoints, "
                          "see docs/stages/validate.md)",
-                         metrics=res)
-    (ctx.out_dir / "acceptance.json").write_text(text)
-    return _metrics(runtime, res)
+                         metrics=doc)
+    (ctx.out_dir / validate_artifact.INFO).write_text(text)
+    return _metrics(runtime, doc)
 
 
 def _pairs(ctx: StageContext) -> tuple[Path, dict, dict, bool]:
@@ -230,7 +236,7 @@ def _metrics(runtime: str, res: dict) -> dict:
     from runtime.validate import ngram as NG
     from runtime.validate import vllm_arm as V
 
-    return {"runtime": runtime, "max_draft_len": res["max_draft_len"], "gates_passed": True,
+    return {"runtime": runtime, "measured_draft_len": res["measured_draft_len"], "gates_passed": True,
             "lossless": res["lossless"].get("passed"),
             "lossless_check": lossless_summary(res["lossless"]),
             "overall_acceptance_length": res["overall"]["fp8"]["acceptance_length"],
@@ -241,14 +247,14 @@ def _metrics(runtime: str, res: dict) -> dict:
             "hybrid": HY.summary(res), "vllm": V.summary((res.get("engines") or {}).get("vllm") or {})}
 
 
-def _vllm(ctx: StageContext, sec: Config, prompts: dict, deployed: dict, bf16: dict, res: dict) -> dict:
+def _vllm(ctx: StageContext, sec: Config, prompts: dict, deployed: dict, bf16: dict, res: dict, k: int) -> dict:
     """The pair measured in vLLM too (runtime/validate/vllm_arm.py), as the `vllm` section asks: where vLLM is
     missing or cannot run the pair, a plain skip with the reason, or (on_unavailable: fail) a failed stage."""
     from runtime.validate import vllm_arm as V
 
     vc = ctx.config.vllm
     s = V.ArmSettings(python=vc.python, kv_cache_gib=vc.kv_cache_gib, ready_timeout=vc.ready_timeout_s,
-                      tolerance=vc.tolerance, draft_len=res["max_draft_len"], max_new_tokens=sec.max_new_tokens,
+                      tolerance=vc.tolerance, draft_len=k, max_new_tokens=sec.max_new_tokens,
                       batch=sec.batch_size, try_fp8=vc.try_fp8, first_layer_norm=sec.first_layer_norm,
                       enabled=vc.enabled, on_unavailable=vc.on_unavailable)
     try:
@@ -326,30 +332,6 @@ def _add_retention(res: dict) -> None:
             d["retention"] = round(d["fp8"]["acceptance_length"] / d["bf16"]["acceptance_length"], 4)
 
 
-def evaluate_gates(res: dict, g: Gates) -> dict:
-    rows = []
-    per = g.min_acceptance_length
-    for d, v in res["domains"].items():
-        req = per.get(d) if isinstance(per, dict) else per
-        if req is not None:
-            m = v["fp8"]["acceptance_length"]
-            rows.append({"domain": d, "metric": "acceptance_length", "measured": m, "required": req, "passed": m >= req})
-        if g.min_retention is not None and v.get("retention") is not None:
-            rows.append({"domain": d, "metric": "retention", "measured": v["retention"], "required": g.min_retention,
-                         "passed": v["retention"] >= g.min_retention})
-    if g.min_overall_acceptance_length is not None:
-        m = res["overall"]["fp8"]["acceptance_length"]
-        rows.append({"domain": "overall", "metric": "acceptance_length", "measured": m,
-                     "required": g.min_overall_acceptance_length, "passed": m >= g.min_overall_acceptance_length})
-    if g.min_retention is not None and res["overall"].get("retention") is not None:
-        rows.append({"domain": "overall", "metric": "retention", "measured": res["overall"]["retention"],
-                     "required": g.min_retention, "passed": res["overall"]["retention"] >= g.min_retention})
-    if g.require_lossless:
-        rows += lossless_rows(res.get("lossless") or {})
-    rows += ((res.get("engines") or {}).get("vllm") or {}).get("gate_rows", [])
-    return {"passed": all(r["passed"] for r in rows), "rows": rows}
-
-
 # ---------------------------------------------------------------------------------------------- report
 
 
@@ -369,7 +351,7 @@ def _render(a: dict) -> str:
     from runtime.validate import vllm_arm as V
 
     parts = [f"<p>runtime <b>{esc(a['runtime'])}</b> ({esc(a.get('runtime_reason', ''))}); "
-             f"draft length {a['max_draft_len']}, temperature {a['temperature']}, "
+             f"draft length {a.get('measured_draft_len', a.get('max_draft_len'))}, temperature {a['temperature']}, "
              f"{a['max_new_tokens']} new tokens per prompt, batch {a['batch_size']}; deployed pair "
              f"<code>{esc(a['pairs']['fp8']['target_dir'])}</code> + <code>{esc(a['pairs']['fp8']['draft_dir'])}</code></p>"]
     rows = []

@@ -4,11 +4,12 @@ through these, so a file's parsing and its row rules live in one place; the prod
 same module where the contract has more than one reader.
 
 Each reader takes the artifact's directory (`Artifact.path`, or `<workdir>/artifacts/<stage>`) and returns a frozen
-record of runtime/records.py (`TargetInfo`, `DraftInfo`, `QuantizeInfo`, `AcceptanceInfo`, `TuningInfo`,
-`DeploymentInfo`, `EvalPrompt`): the fields readers use, typed, with their defaults decided in the record's
-`from_json`, and `.raw`, the whole document; runtime/ functions take the record. The reader raises `StageError`
-naming the file, the missing field and the stage to rerun when the contract is broken. No heavy imports at module
-level."""
+record (runtime/records.py `TargetInfo`, `DraftInfo`, `QuantizeInfo`, `EvalPrompt`; runtime/records_validate.py
+`AcceptanceInfo`; runtime/records_deploy.py `TuningInfo`, `DeploymentInfo`, `ExportInfo`): every field the stage
+writes, typed, with the defaults decided in the record's `from_json`, and `.raw`, the document as read; runtime/
+functions take the record. The stage writes the same record (`to_json`), so a schema is spelled once. The reader
+raises `StageError` naming the file, the missing field and the stage to rerun when the contract is broken. No heavy
+imports at module level."""
 from __future__ import annotations
 
 import json
@@ -30,3 +31,14 @@ def read_json(art: Path, name: str, required: tuple[str, ...] = ()) -> dict:
         raise StageError(f"{f} lacks {missing}, which its artifact contract promises (docs/architecture.md); "
                          f"rerun `specpipe build CONFIG --force {stage}`")
     return doc
+
+
+def read_record(art: Path, name: str, record, required: tuple[str, ...] = ()):
+    """`record.from_json` of an artifact's JSON file; StageError naming the file, what is wrong and the stage to
+    rerun when the document breaks the contract (a missing field, a value of the wrong shape)."""
+    doc = read_json(art, name, required)
+    try:
+        return record.from_json(doc)
+    except (KeyError, TypeError, ValueError) as e:
+        raise StageError(f"{Path(art) / name}: not a {name} of the artifact contract ({type(e).__name__}: {e}); "
+                         f"rerun `specpipe build CONFIG --force {Path(art).name}`") from None

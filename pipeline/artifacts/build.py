@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.artifacts import read_json
+from pipeline.artifacts import read_record
 from pipeline.errors import StageError
-from runtime.records import DeploymentInfo
+from runtime.records_deploy import DeploymentInfo
 
 INFO = "deployment.json"
 REQUIRED = ("trtllm_version", "target_dir", "draft_dir", "options_file", "serving_image", "draft_schedule")
@@ -14,7 +14,7 @@ REQUIRED = ("trtllm_version", "target_dir", "draft_dir", "options_file", "servin
 
 def read_deployment(art: Path) -> DeploymentInfo:
     """deployment.json; StageError naming the file and the missing field (rerun build) when the contract is broken."""
-    return DeploymentInfo.from_json(read_json(art, INFO, REQUIRED))
+    return read_record(art, INFO, DeploymentInfo, REQUIRED)
 
 
 def read_options(art: Path, deployment: DeploymentInfo) -> dict:

@@ -5,7 +5,6 @@ at least 2 tokens and at least one token to train on (the data stage writes noth
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
 from pathlib import Path
 
 from pipeline.errors import StageError
@@ -54,7 +53,7 @@ def read_eval(art: Path, *, domains=None, per_domain: int | None = None) -> dict
         if domains is not None and domain not in domains:
             continue
         try:
-            prompts = [EvalPrompt(**r) for r in read_eval_lines(f)]
+            prompts = [EvalPrompt.from_json(r) for r in read_eval_lines(f)]
         except RuntimeFailure as e:
             raise StageError(str(e)) from None
         if not prompts:
@@ -69,5 +68,5 @@ def write_eval(out_dir: Path, domain: str, prompts: list[EvalPrompt]) -> Path:
     f = d / f"{domain}.jsonl"
     with open(f, "w") as fh:
         for p in prompts:
-            fh.write(json.dumps(asdict(p)) + "\n")
+            fh.write(json.dumps(p.to_json()) + "\n")
     return f

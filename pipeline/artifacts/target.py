@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.artifacts import read_json
+from pipeline.artifacts import read_record
 from runtime.records import TargetInfo
 
 MODEL_DIR = "model"
@@ -17,4 +17,4 @@ def model_dir(art: Path) -> Path:
 
 def read_info(art: Path) -> TargetInfo:
     """target.json; StageError naming the file and the missing field (rerun target) when the contract is broken."""
-    return TargetInfo.from_json(read_json(art, INFO, REQUIRED))
+    return read_record(art, INFO, TargetInfo, REQUIRED)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pipeline.artifacts import read_json
+from pipeline.artifacts import read_record
 from pipeline.errors import StageError
 from runtime.records import DraftConfig, DraftInfo
 
@@ -19,7 +19,7 @@ def draft_dir(art: Path) -> Path:
 
 def read_info(art: Path) -> DraftInfo:
     """draft.json; StageError naming the file and the missing field (rerun train_draft) when the contract is broken."""
-    return DraftInfo.from_json(read_json(art, INFO, REQUIRED))
+    return read_record(art, INFO, DraftInfo, REQUIRED)
 
 
 def read_config(directory: Path) -> DraftConfig:

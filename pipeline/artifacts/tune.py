@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.artifacts import read_json
-from runtime.records import TuningInfo
+from pipeline.artifacts import read_record
+from runtime.records_deploy import TuningInfo
 
 INFO = "tuning.json"
 REQUIRED = ("deployment", "draft_schedule", "max_batch_size")
@@ -12,4 +12,4 @@ REQUIRED = ("deployment", "draft_schedule", "max_batch_size")
 
 def read_tuning(art: Path) -> TuningInfo:
     """tuning.json; StageError naming the file and the missing field (rerun tune) when the contract is broken."""
-    return TuningInfo.from_json(read_json(art, INFO, REQUIRED))
+    return read_record(art, INFO, TuningInfo, REQUIRED)

@@ -7,7 +7,8 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.errors import UsageError
+from pipeline.artifacts import export as export_artifact
+from pipeline.errors import StageError, UsageError
 
 
 @dataclass
@@ -26,7 +27,10 @@ def _export_doc(wd: Path) -> dict:
     ex = wd / "artifacts" / "export" / "export.json"
     if not (wd / "artifacts" / "export" / "manifest.json").exists() or not ex.exists():
         raise UsageError(f"{wd}: no committed export; run `specpipe build <config>` first")
-    doc = json.loads(ex.read_text()).get("speculators")
+    try:
+        doc = export_artifact.read_export(wd / "artifacts" / "export").speculators
+    except StageError as e:
+        raise UsageError(f"{wd}: {e}") from None
     if not doc or not (wd / "artifacts" / "export" / "speculators" / "config.json").exists():
         raise UsageError(f"{wd}: the export has no speculators/ draft for vLLM (export.speculators: true, and a "
                          "deployment that speculates, write it)")

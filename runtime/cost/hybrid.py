@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from runtime.cost.draft_length import choose_k, mix_expected_tokens
 
 if TYPE_CHECKING:
-    from runtime.records import AcceptanceInfo
+    from runtime.records_validate import AcceptanceInfo
 
 
 def survival_curve(accepted_per_step: list[int]) -> list[float]:

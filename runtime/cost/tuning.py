@@ -17,7 +17,8 @@ from runtime.cost import costmodel as cm
 from runtime.errors import RuntimeFailure
 
 if TYPE_CHECKING:
-    from runtime.records import AcceptanceInfo, DraftInfo, QuantizeInfo, TargetInfo
+    from runtime.records import DraftInfo, QuantizeInfo, TargetInfo
+    from runtime.records_validate import AcceptanceInfo
 
 # ------------------------------------------------------------------------------------------ deployment
 
@@ -123,13 +124,13 @@ def acceptance_curves(acc: AcceptanceInfo, draft: DraftInfo, *, domain_weights: 
     domains = acc.domains
     curves: dict[str, list[float]] = {}
     for d, v in domains.items():
-        fp8 = (v or {}).get("fp8") or {}
-        pp = fp8.get("per_position")
+        fp8 = v.fp8
+        pp = fp8.per_position if fp8 is not None else None
         if not pp:
-            al, K = fp8.get("acceptance_length"), acc.max_draft_len
+            al, K = (fp8.acceptance_length if fp8 is not None else None), acc.measured_draft_len
             if not isinstance(al, (int, float)) or not K:
                 raise RuntimeFailure(f"acceptance.json: domain '{d}' has neither fp8.per_position nor an acceptance_length "
-                                     "with max_draft_len; rerun validate")
+                                     "with measured_draft_len; rerun validate")
             a = flat_acceptance(float(al), int(K))
             pp = [a] * int(K)
             if log:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from runtime.records import DraftInfo
 from runtime.training.export import tensor_names
 from runtime.training.job import capture_layer_ids
 
@@ -25,24 +26,22 @@ def result_record(job: dict, curve: list, step_times: list, step0: int, world: i
     return result
 
 
-def draft_record(job: dict, cfg: dict, draft_dir: Path, acc: dict, result: dict) -> dict:
-    """draft.json: the exported draft (`cfg` its config.json), the acceptance estimate `acc`, which step was
+def draft_record(job: dict, cfg: dict, draft_dir: Path, acc: dict, result: dict) -> DraftInfo:
+    """draft.json's record: the exported draft (`cfg` its config.json), the acceptance estimate `acc`, which step was
     exported and why, and the reduced vocabulary's statistics (`result`: the worker's result.json)."""
     a = job["algorithm"]
     ev = result.get("evals") or {}
-    return {
-        "algorithm": a["name"], "num_layers": a["draft_layers"],
-        ("aux_layer_ids" if a["name"] == "eagle3" else "target_layer_ids"): capture_layer_ids(job),
-        "vocab_size": job["target"]["vocab_size"], "draft_vocab_size": cfg.get("draft_vocab_size", job["target"]["vocab_size"]),
-        "has_d2t": "d2t" in tensor_names(draft_dir), "block_size": a.get("block_size"), "mask_token_id": a.get("mask_token_id"),
-        "trained_draft_len": a["trained_draft_len"], "max_position_embeddings": cfg.get("max_position_embeddings"),
-        "objective": a.get("loss", "kl") if a["name"] == "eagle3" else a.get("loss_objective"),
-        "rope_scaling": cfg.get("rope_scaling"), "serving_context": job["serving_context"], "mode": job["mode"],
-        "acceptance_length": acc.get("acceptance_length"), "eval_draft_len": acc.get("draft_len"),
-        "acceptance_estimator": acc.get("estimator"),
-        "exported_step": ev.get("exported_step", job["train"]["steps"]), "export_reason": ev.get("export_reason"),
-        "draft_vocab": result.get("d2t"),
-    }
+    return DraftInfo(
+        algorithm=a["name"], num_layers=a["draft_layers"], capture_layers=capture_layer_ids(job),
+        vocab_size=job["target"]["vocab_size"], draft_vocab_size=cfg.get("draft_vocab_size", job["target"]["vocab_size"]),
+        has_d2t="d2t" in tensor_names(draft_dir), block_size=a.get("block_size"), mask_token_id=a.get("mask_token_id"),
+        trained_draft_len=a["trained_draft_len"], max_position_embeddings=cfg.get("max_position_embeddings"),
+        objective=a.get("loss", "kl") if a["name"] == "eagle3" else a.get("loss_objective"),
+        rope_scaling=cfg.get("rope_scaling"), serving_context=job["serving_context"], mode=job["mode"],
+        acceptance_length=acc.get("acceptance_length"), eval_draft_len=acc.get("draft_len"),
+        acceptance_estimator=acc.get("estimator"),
+        exported_step=ev.get("exported_step", job["train"]["steps"]), export_reason=ev.get("export_reason"),
+        draft_vocab=result.get("d2t"))
 
 
 def curve_record(job: dict, result: dict, acc: dict) -> dict:

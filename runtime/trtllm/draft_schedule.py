@@ -11,7 +11,7 @@ from runtime.algorithms.schedule import DraftSchedule
 from runtime.trtllm import compat
 
 if TYPE_CHECKING:
-    from runtime.records import TuningInfo
+    from runtime.records_deploy import TuningInfo
 
 
 class UnsupportedSchedule(ValueError):
@@ -111,7 +111,4 @@ def tuned_schedule(tuning: TuningInfo, version: str, mode: str):
                          f"deploys {version} {mode}: which draft lengths the deployment can run differs, so tune must "
                          "run again (its fingerprint includes the build section: `specpipe build` reruns it; with "
                          "tune.trtllm_version set, remove it)")
-    try:
-        return DraftSchedule.from_json(tuning.draft_schedule)
-    except ValueError as e:
-        raise ValueError(f"tuning.json draft_schedule: {e}; rerun tune") from None
+    return tuning.draft_schedule

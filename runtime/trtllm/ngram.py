@@ -18,7 +18,7 @@ from runtime.algorithms import ngram
 from runtime.trtllm.schema import unknown_keys
 
 if TYPE_CHECKING:
-    from runtime.records import AcceptanceInfo
+    from runtime.records_validate import AcceptanceInfo
 
 
 def ngram_speculative_config(k: int, max_n: int) -> dict:

@@ -1,6 +1,35 @@
-"""validate's gate rows and table, and the lossless check in a few numbers (stage metrics): pure functions over
-the measurement dictionaries of runtime/validate (moved from stages/validate.py, unchanged)."""
+"""validate's gates (acceptance.json `gates`, as runtime/records_validate.py's `Gates` of `GateRow`s) and their table,
+and the lossless check in a few numbers (stage metrics): pure functions over the measurement dictionaries of
+runtime/validate."""
 from __future__ import annotations
+
+from runtime.records_validate import GateRow, Gates
+
+
+def evaluate_gates(res: dict, g) -> Gates:
+    """The gate rows of a measurement `res` (acceptance.json's domains, overall, lossless, engines) against `g` (the
+    `validate.gates` section: min_acceptance_length (one value or per domain), min_overall_acceptance_length,
+    min_retention, require_lossless)."""
+    rows = []
+    per = g.min_acceptance_length
+    for d, v in res["domains"].items():
+        req = per.get(d) if isinstance(per, dict) else per
+        if req is not None:
+            m = v["fp8"]["acceptance_length"]
+            rows.append(GateRow(d, "acceptance_length", m, req, m >= req))
+        if g.min_retention is not None and v.get("retention") is not None:
+            rows.append(GateRow(d, "retention", v["retention"], g.min_retention, v["retention"] >= g.min_retention))
+    if g.min_overall_acceptance_length is not None:
+        m = res["overall"]["fp8"]["acceptance_length"]
+        rows.append(GateRow("overall", "acceptance_length", m, g.min_overall_acceptance_length,
+                            m >= g.min_overall_acceptance_length))
+    if g.min_retention is not None and res["overall"].get("retention") is not None:
+        r = res["overall"]["retention"]
+        rows.append(GateRow("overall", "retention", r, g.min_retention, r >= g.min_retention))
+    if g.require_lossless:
+        rows += [GateRow.from_json(r) for r in lossless_rows(res.get("lossless") or {})]
+    rows += [GateRow.from_json(r) for r in ((res.get("engines") or {}).get("vllm") or {}).get("gate_rows", [])]
+    return Gates.of(rows)
 
 
 def lossless_summary(ll: dict) -> dict:
@@ -48,18 +77,18 @@ def lossless_rows(ll: dict) -> list[dict]:
     return rows
 
 
-def gate_table(rows: list[dict]) -> str:
+def gate_table(rows: tuple[GateRow, ...] | list[GateRow]) -> str:
     if not rows:
         return "  (no gates configured)"
     fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)  # noqa: E731
-    wm = max([10] + [len(fmt(r["measured"])) for r in rows])
-    wq = max([10] + [len(fmt(r["required"])) for r in rows])
-    wd = max([12] + [len(r["domain"]) for r in rows])
+    wm = max([10] + [len(fmt(r.measured)) for r in rows])
+    wq = max([10] + [len(fmt(r.required)) for r in rows])
+    wd = max([12] + [len(r.domain) for r in rows])
     head = f"  {'domain':<{wd}} {'metric':<18} {'measured':>{wm}}  {'required':>{wq}}  result"
     lines = [head, "  " + "-" * (len(head) - 2)]
     for r in rows:
-        lines.append(f"  {r['domain']:<{wd}} {r['metric']:<18} {fmt(r['measured']):>{wm}}  {fmt(r['required']):>{wq}}  "
-                     f"{'pass' if r['passed'] else 'FAIL'}")
+        lines.append(f"  {r.domain:<{wd}} {r.metric:<18} {fmt(r.measured):>{wm}}  {fmt(r.required):>{wq}}  "
+                     f"{'pass' if r.passed else 'FAIL'}")
     return "\n".join(lines)
 
 

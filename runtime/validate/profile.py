@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from runtime.records import AcceptanceInfo
+    from runtime.records_validate import AcceptanceInfo
 
 SCHEMA_VERSION = "1.0"            # ModelOpt's speculation_profile schema version
 SPECPIPE_PROFILE_VERSION = 2      # specpipe's extension fields (measurements, histogram_source, deployed_draft_len;
@@ -149,15 +149,15 @@ def measurement(engine: str, domains: dict[str, dict], overall: dict, K: int, co
 def validate_measurement(acc: AcceptanceInfo, conditions: dict) -> dict:
     """validate's measurement of the deployed (FP8) pair, from acceptance.json (the overall per-prompt rows are the
     domains' together)."""
-    domains = {d: {**((v or {}).get("fp8") or {})} for d, v in acc.domains.items()}
+    domains = {d: v.entry("fp8") for d, v in acc.domains.items()}
     engine = ENGINE_NAMES.get(str(acc.runtime), str(acc.runtime or "specpipe"))
     cond = {**conditions, "runtime_reason": acc.runtime_reason,
             "sampling": {"temperature": acc.temperature, "max_new_tokens": acc.max_new_tokens,
                          "batch_size": acc.batch_size}}
-    overall = dict((acc.overall or {}).get("fp8") or {})
+    overall = acc.overall.entry("fp8")
     if "per_prompt" not in overall and domains and all(e.get("per_prompt") for e in domains.values()):
         overall["per_prompt"] = [r for e in domains.values() for r in e["per_prompt"]]
-    return measurement(engine, domains, overall, acc.max_draft_len, cond)
+    return measurement(engine, domains, overall, acc.measured_draft_len, cond)
 
 
 def engine_measurements(acc: AcceptanceInfo, conditions: dict) -> list[dict]:
@@ -168,7 +168,7 @@ def engine_measurements(acc: AcceptanceInfo, conditions: dict) -> list[dict]:
     for name, e in sorted(acc.engines.items()):
         if not isinstance(e, dict):
             continue
-        K = int(e.get("draft_len") or acc.max_draft_len)
+        K = int(e.get("draft_len") or acc.measured_draft_len)
         cond = {**conditions, "engine_version": e.get("version"), **(e.get("conditions") or {})}
         out.append(measurement(str(name), e.get("domains") or {}, e.get("overall") or {}, K, cond))
     return out
@@ -180,7 +180,7 @@ def hybrid_measurements(acc: AcceptanceInfo, conditions: dict) -> dict | None:
     if not hy or not hy.get("by_threshold"):
         return None
     engine = ENGINE_NAMES.get(str(acc.runtime), str(acc.runtime or "specpipe"))
-    K = int(hy.get("k") or acc.max_draft_len)
+    K = int(hy.get("k") or acc.measured_draft_len)
     return {"rule": hy.get("rule"), "enable_global_pool": False, "best_threshold": hy.get("best_threshold"),
             "by_threshold": {t: measurement(engine, m["domains"], m["overall"], K, {**conditions, "sa_threshold": int(t)})
                              for t, m in hy["by_threshold"].items()}}
@@ -235,12 +235,12 @@ def served_computation(acc: AcceptanceInfo, meth: str | None) -> dict | None:
         return None
     norm = (acc.draft or {}).get("first_layer_norm") or "modelopt"
     key = "fp8" if norm == "serving" else "fp8_other_norm"
-    per = {d: ((v or {}).get(key) or {}).get("acceptance_length") for d, v in acc.domains.items()}
-    main = {d: ((v or {}).get("fp8") or {}).get("acceptance_length") for d, v in acc.domains.items()}
+    per = {d: v.entry(key).get("acceptance_length") for d, v in acc.domains.items()}
+    main = {d: v.entry("fp8").get("acceptance_length") for d, v in acc.domains.items()}
     measured = any(x is not None for x in per.values())
     return {"first_layer_norm": "serving", "computation": "hidden_norm(h), as TensorRT-LLM, vLLM and SGLang compute it",
             "measured": measured, "per_category": per if measured else None,
-            "mean_accept_length": ((acc.overall or {}).get("fp8") or {}).get("acceptance_length") if norm == "serving" else None,
+            "mean_accept_length": acc.overall.entry("fp8").get("acceptance_length") if norm == "serving" else None,
             "source": ("validate's measurement (validate.first_layer_norm: serving)" if norm == "serving" else
                        "validate's fp8_other_norm arm" if measured else "not measured (validate.measure_other_norm: false)"),
             "validate_first_layer_norm": norm,

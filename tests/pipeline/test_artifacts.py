@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pipeline.artifacts import build, data, quantize, target, train_draft, tune, validate
+from pipeline.artifacts import build, data, export, quantize, target, train_draft, tune, validate
 from pipeline.errors import StageError
 
 pytestmark = pytest.mark.fast
@@ -68,14 +68,16 @@ def test_stop_ids_prefer_the_list():
 
 # one document per record, as its stage writes it (the fields the readers use)
 _TARGET = {"architecture": "LlamaForCausalLM", "num_layers": 4, "hidden_size": 64, "vocab_size": 512,
-           "eos_token_id": 2, "eos_token_ids": [9, 2], "max_position_embeddings": 512}
+           "eos_token_id": 9, "eos_token_ids": [9, 2], "max_position_embeddings": 512}
 _DRAFT = {"algorithm": "EAGLE3", "num_layers": 1, "aux_layer_ids": [1, 2], "block_size": None}
 _TUNING = {"deployment": {"trtllm_version": "1.2.1", "mode": "one_model", "note": "n"},
            "draft_schedule": {"runs": [[1, 16, 3]]}, "max_batch_size": 16}
 _DEPLOYMENT = {"trtllm_version": "1.2.1", "serving_image": "img", "target_dir": "/t", "draft_dir": "/d",
                "options_file": "deployment/llm_api_options.yaml", "draft_schedule": {"runs": [[1, 8, 3], [9, 16, 1]]}}
-_ACCEPTANCE = {"max_draft_len": 4, "domains": {"code": {"fp8": {"per_position": [0.5]}}},
+_ACCEPTANCE = {"measured_draft_len": 4, "domains": {"code": {"fp8": {"per_position": [0.5]}}},
                "overall": {"fp8": {"per_position": [0.5]}}, "gates": {"passed": True, "rows": []}}
+_EXPORT = {"model_name": "m", "trtllm_version": "1.2.1", "serving_image": "img",
+           "served_identity": {"target": {"config": "ab"}}}
 
 RECORDS = [   # (stage, file, reader, document, the fields its contract requires)
     ("target", "target.json", target.read_info, _TARGET, ("architecture", "num_layers", "hidden_size", "vocab_size")),
@@ -83,7 +85,9 @@ RECORDS = [   # (stage, file, reader, document, the fields its contract requires
     ("tune", "tuning.json", tune.read_tuning, _TUNING, ("deployment", "draft_schedule", "max_batch_size")),
     ("build", "deployment.json", build.read_deployment, _DEPLOYMENT,
      ("trtllm_version", "serving_image", "target_dir", "draft_dir", "options_file", "draft_schedule")),
-    ("validate", "acceptance.json", validate.read_acceptance, _ACCEPTANCE, ("max_draft_len", "domains", "overall", "gates")),
+    ("validate", "acceptance.json", validate.read_acceptance, _ACCEPTANCE,
+     ("measured_draft_len", "domains", "overall", "gates")),
+    ("export", "export.json", export.read_export, _EXPORT, ("model_name", "trtllm_version", "serving_image")),
 ]
 MISSING = [(stage, f, reader, doc, field) for stage, f, reader, doc, req in RECORDS for field in req]
 
@@ -121,7 +125,7 @@ def test_records_decide_their_defaults_once(tmp_path):
         (tmp_path / stage).mkdir()
         (tmp_path / stage / name).write_text(json.dumps(doc))
     t = target.read_info(tmp_path / "target")
-    assert (t.dtype, t.stop_ids, t.eos_token_id, t.mask_token_id) == ("bfloat16", (2, 9), 2, None)
+    assert (t.dtype, t.stop_ids, t.eos_token_id, t.mask_token_id) == ("bfloat16", (2, 9), 9, None)
     assert (t.num_attention_heads, t.num_key_value_heads, t.head_dim) == (None, None, None)
     (tmp_path / "target" / "target.json").write_text(json.dumps({**_TARGET, "num_attention_heads": 8}))
     t = target.read_info(tmp_path / "target")                  # no num_key_value_heads: multi-head attention
@@ -139,14 +143,21 @@ def test_records_decide_their_defaults_once(tmp_path):
     assert (tu.max_num_tokens, tu.cuda_graph_batch_sizes, tu.predicted, tu.note) == (None, [1, 2, 4, 8], [], "n")
     legacy = {**_TUNING, "acceptance": {"K": 3, "source_max_draft_len": 4, "weights": {"c": 1.0}}}
     (tmp_path / "tune" / "tuning.json").write_text(json.dumps(legacy))   # a tuning.json from before the glossary renames
-    assert tune.read_tuning(tmp_path / "tune").raw["acceptance"] == {"draft_len": 3, "measured_draft_len": 4,
-                                                                     "weights": {"c": 1.0}}
+    assert tune.read_tuning(tmp_path / "tune").acceptance == {"draft_len": 3, "measured_draft_len": 4,
+                                                              "weights": {"c": 1.0}}
     dep = build.read_deployment(tmp_path / "build")
     assert dep.trtllm_draft_dir == "/d" and dep.speculation and dep.algorithm is None
     assert [dep.schedule().k_at(b) for b in (1, 8, 9, 16)] == [3, 3, 1, 1]
     acc = validate.read_acceptance(tmp_path / "validate")
     assert (acc.passed, acc.max_new_tokens, acc.temperature, acc.eos_token_ids, acc.pairs) == (True, 48, 0.0, [], {})
     assert (acc.engines, acc.ngram, acc.runtime, acc.batch_size) == ({}, None, None, None)
+    assert acc.domains["code"].fp8.per_position == [0.5] and acc.overall.bf16 is None
+    old = {**{k: v for k, v in _ACCEPTANCE.items() if k != "measured_draft_len"}, "max_draft_len": 5}
+    (tmp_path / "validate" / "acceptance.json").write_text(json.dumps(old))      # before the rename
+    assert validate.read_acceptance(tmp_path / "validate").measured_draft_len == 5
+    ex = export.read_export(tmp_path / "export")
+    assert (ex.served_identity, ex.speculators, ex.prompt_format, ex.triton_image) == (_EXPORT["served_identity"], None, {},
+                                                                                       None)
 
 
 def test_deployment_options_and_the_draft_config_name_their_file(tmp_path):

@@ -213,7 +213,7 @@ def test_runtime_estimate_is_what_validate_measures(eagle, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     val = json.loads((wd / "artifacts" / "validate" / "acceptance.json").read_text())
     est = json.loads((_art(wd) / "curve.json").read_text())["acceptance"]
-    assert est["estimator"] == "runtime" and est["draft_len"] == val["max_draft_len"] == 3
+    assert est["estimator"] == "runtime" and est["draft_len"] == val["measured_draft_len"] == 3
     assert set(est["domains"]) == set(val["domains"]) == {"code", "prose"}
     for d, e in est["domains"].items():
         b = val["domains"][d]["bf16"]

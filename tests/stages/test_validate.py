@@ -98,7 +98,7 @@ def test_acceptance_json_per_domain(measured):
     assert a["runtime"] == "reference" and a["runtime_reason"].startswith("auto:")
     assert a["pairs"]["fp8"] == {"target_dir": "quantize/target_fp8", "draft_dir": "train_draft/draft"}
     assert a["pairs"]["bf16"] == {"target_dir": "target/model", "draft_dir": "train_draft/draft"}
-    assert set(a["domains"]) == {"code", "prose"} and a["max_draft_len"] == 4
+    assert set(a["domains"]) == {"code", "prose"} and a["measured_draft_len"] == 4
     for d in a["domains"].values():
         for label in ("fp8", "bf16"):
             s = d[label]
@@ -278,7 +278,7 @@ def test_impossible_gate_blocks_later_stages(tiny_run, tmp_path):
     fm = st["validate"]["failed_metrics"]
     assert fm["gates"]["passed"] is False and any(r["required"] == 1.5 and not r["passed"] for r in fm["gates"]["rows"])
     kept = json.loads((wd2 / "artifacts" / "validate" / "acceptance.json").read_text())   # the earlier, passing run
-    assert kept == a and kept["max_draft_len"] != 8                                          # nothing committed now
+    assert kept == a and kept["measured_draft_len"] != 8                                          # nothing committed now
     after = registry.names()[registry.names().index("validate") + 1:]
     assert all(st[n]["last_build"] == "blocked" for n in after)
 
@@ -293,18 +293,18 @@ def test_lossless_gate_rows():
     g = V.Gates(require_lossless=True)
     tie = {**base, "lossless": {"exact": {"passed": True, "identical": False, "differ": 0, "numerical_ties": 1,
                                           "tie_margin": 1e-3}, "invariant": inv_ok, "statistical": stat}}
-    rows = {r["metric"]: r for r in V.evaluate_gates(tie, g)["rows"]}
-    assert rows["lossless_exact"]["passed"] and rows["lossless_exact"]["measured"] == "1 fp32 ties"
-    assert rows["acceptance_rule"]["measured"] == "0 of 40 rows" and rows["divergence_rate"]["passed"]
-    assert "0.0200 vs 0.0400" in rows["divergence_rate"]["measured"]
+    rows = {r.metric: r for r in V.evaluate_gates(tie, g).rows}
+    assert rows["lossless_exact"].passed and rows["lossless_exact"].measured == "1 fp32 ties"
+    assert rows["acceptance_rule"].measured == "0 of 40 rows" and rows["divergence_rate"].passed
+    assert "0.0200 vs 0.0400" in rows["divergence_rate"].measured
     bad_inv = {"passed": False, "pairs": {"fp8": {"violations": 3, "rows_checked": 40}}}
     for ll in ({**tie["lossless"], "exact": {**tie["lossless"]["exact"], "passed": False, "differ": 2}},
                {**tie["lossless"], "invariant": bad_inv},
                {**tie["lossless"], "statistical": {**stat, "passed": False, "p_value": 1e-4}}):
         res = V.evaluate_gates({**base, "lossless": ll}, g)
-        assert not res["passed"] and sum(not r["passed"] for r in res["rows"]) == 1
-        assert "FAIL" in V.gate_table(res["rows"])
-    assert V.evaluate_gates({**base, "lossless": {"invariant": bad_inv}}, V.Gates(require_lossless=False))["passed"]
+        assert not res.passed and sum(not r.passed for r in res.rows) == 1
+        assert "FAIL" in V.gate_table(res.rows)
+    assert V.evaluate_gates({**base, "lossless": {"invariant": bad_inv}}, V.Gates(require_lossless=False)).passed
 
 
 # ---------------------------------------------------------------------------------------------- broken engines

@@ -114,7 +114,7 @@ def test_validate_gates_on_the_fp8_kv_draft_and_reports_both(run_dir, tmp_path):
     for d in [*a["domains"].values(), a["overall"]]:
         other = d["fp8_other_draft_kv"]
         assert other["draft_kv_cache"] == "bf16" and other["acceptance_length"] >= 1.0
-        assert len(other["per_position"]) == a["max_draft_len"]
+        assert len(other["per_position"]) == a["measured_draft_len"]
     # the gate row and the stage metrics are the FP8-KV figure
     rows = [r for r in a["gates"]["rows"] if r["metric"] == "acceptance_length"]
     assert rows and all(r["measured"] == a["domains"][r["domain"]]["fp8"]["acceptance_length"] for r in rows)

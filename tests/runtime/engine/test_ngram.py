@@ -158,7 +158,7 @@ def test_validate_measures_ngram_per_domain_beside_the_trained_draft(run_dir):
 
     acc = json.loads((artifact_dir(run_dir, "validate") / "acceptance.json").read_text())
     ng = acc["ngram"]
-    assert (ng["min_n"], ng["max_n"], ng["k"]) == (1, 4, acc["max_draft_len"])
+    assert (ng["min_n"], ng["max_n"], ng["k"]) == (1, 4, acc["measured_draft_len"])
     assert set(ng["comparison"]) == set(acc["domains"]) | {"overall"}
     for d, v in acc["domains"].items():
         n, t = v["ngram"], v["fp8"]

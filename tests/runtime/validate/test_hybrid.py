@@ -26,14 +26,14 @@ def test_validate_measures_the_hybrid_per_domain_and_threshold(run_dir):
     adds) consistent with the ALs; the invariant covered those runs; metrics and report carry it."""
     acc = json.loads((artifact_dir(run_dir, "validate") / "acceptance.json").read_text())
     hy = acc["hybrid"]
-    assert hy["thresholds"] == [2, 4, 8] and hy["enable_global_pool"] is False and hy["k"] == acc["max_draft_len"]
+    assert hy["thresholds"] == [2, 4, 8] and hy["enable_global_pool"] is False and hy["k"] == acc["measured_draft_len"]
     assert set(hy["by_threshold"]) == {"2", "4", "8"}
     best = hy["best_threshold"]
     assert hy["by_threshold"][str(best)]["overall"]["acceptance_length"] == \
         max(v["overall"]["acceptance_length"] for v in hy["by_threshold"].values())
     for d, v in acc["domains"].items():
         h, t = v["hybrid"], v["fp8"]
-        assert h["threshold"] == best and h["prompts"] == t["prompts"] and len(h["per_position"]) == acc["max_draft_len"]
+        assert h["threshold"] == best and h["prompts"] == t["prompts"] and len(h["per_position"]) == acc["measured_draft_len"]
         assert h["sa_accepted"] <= h["sa_drafted"] and h["sa_steps"] <= h["lookups"] <= h["steps"]
         assert h["sa_drafted"] + h["trained_drafted"] == h["drafted"]
         assert h["sa_accepted"] + h["trained_accepted"] == h["accepted"]
@@ -64,7 +64,7 @@ def test_speculation_profile_carries_the_hybrids_per_position_figures(run_dir):
             v = acc["hybrid"]["by_threshold"][t]["domains"][d]
             assert b["reported_mean_accept_length"] == v["acceptance_length"]
             assert b["mean_accept_length"] == pytest.approx(v["acceptance_length"], abs=1e-3)
-            assert len(b["conditional_accept_rates"]) == acc["max_draft_len"]
+            assert len(b["conditional_accept_rates"]) == acc["measured_draft_len"]
 
 
 @pytest.mark.fast
@@ -149,7 +149,7 @@ def _hist(cond: list[float], steps: int = 10000) -> list[int]:
 
 
 def _acc(hybrid_pp: dict[str, dict[str, list[float]]]):
-    from runtime.records import AcceptanceInfo
+    from runtime.records_validate import AcceptanceInfo
 
     return AcceptanceInfo.from_json({"max_draft_len": 3, "domains": {}, "overall": {}, "gates": {"passed": True},
                                      "hybrid": {"by_threshold": {t: {"domains": {d: {"accepted_per_step": _hist(pp)}

@@ -86,7 +86,7 @@ def test_run_stats_record_the_accepted_count_histogram():
 def test_engine_measured_entries_become_measurements():
     """The hook for engine-measured acceptance: acceptance.json `engines` -> one measurement per engine, after
     validate's (which stays the top level)."""
-    from runtime.records import AcceptanceInfo
+    from runtime.records_validate import AcceptanceInfo
     from runtime.validate.profile import build_profile
 
     st = {"acceptance_length": 2.5, "steps": 4, "accepted_per_step": [1, 1, 1, 1], "per_position": [0.75, 2 / 3, 0.5]}
@@ -110,7 +110,7 @@ def test_profile_states_the_al_at_every_k_and_the_deployed_one():
     """accept_length_by_k at every k <= K from the measured chain (ModelOpt keeps only K's entry), the deployed draft
     length's AL beside ModelOpt's fields, ModelOpt's per-request mean (AcceptanceRate Average_AL: each request's tokens
     per step, averaged over requests) and DFlash's block_size / max_supported_k."""
-    from runtime.records import AcceptanceInfo
+    from runtime.records_validate import AcceptanceInfo
     from runtime.validate.profile import build_profile
 
     hist = [184, 182, 159, 475]                     # PR #2247's example: marginal [0.816, 0.634, 0.475], AL 2.925
@@ -138,7 +138,7 @@ def test_profile_and_verdict_lead_with_the_first_layer_the_engines_compute():
     and SGLang compute hidden_norm(h) (validate's `serving`, measured as fp8_other_norm): the profile's
     served_computation and the report's verdict table give that figure first, the gated one beside it."""
     from pipeline.verdict import al_rows
-    from runtime.records import AcceptanceInfo
+    from runtime.records_validate import AcceptanceInfo
     from runtime.validate.profile import build_profile
 
     st = {"acceptance_length": 2.5, "steps": 4, "accepted_per_step": [1, 1, 1, 1]}
@@ -189,7 +189,7 @@ def test_every_exported_draft_carries_the_profile(run_dir):
     acc = json.loads((arts / "validate" / "acceptance.json").read_text())
     assert MODELOPT_KEYS <= set(p) and p["schema_version"] == "1.0" and p["measured"] is True
     assert p["method"] == "eagle3" and p["accept_length_model"] == "chain_analytic"
-    K = acc["max_draft_len"]
+    K = acc["measured_draft_len"]
     assert p["num_speculative_tokens"] == K and len(p["conditional_accept_rates"]) == K
     assert set(p["per_category"]) == set(acc["domains"])
     for d, v in acc["domains"].items():
