@@ -17,6 +17,9 @@ and optionally (every hook the pipeline reads; `pipeline.registry` picks them up
                                    # "hardware", a `hardware.profile` file's content enters it too
     EXECUTION_ONLY: tuple[str, ...]  # dotted fields of its own section that say where it runs, not what it
                                    # produces (a rendezvous host, a node rank): kept out of its fingerprint
+    EXECUTION_ONLY_CODE: dict[str, str]  # {dotted runtime module: why} that says how it runs, not what it
+                                   # produces (data: the vLLM server it may start): its code fingerprint does not
+                                   # follow those imports (pipeline/codehash.py; a test checks each is reached)
     REQUIRED: bool                 # its config section must be given (it has required fields; `target`)
     def check(cfg) -> list[tuple[str, str]]   # cross-section checks before anything runs: (dotted path, message)
     def fingerprint_extra(section) -> dict | None   # local inputs the section points at (a model directory, a
@@ -28,6 +31,8 @@ and optionally (every hook the pipeline reads; `pipeline.registry` picks them up
     def report(artifact: Artifact) -> str     # an HTML fragment for `specpipe report`
     def report_failed(metrics: dict) -> str   # the fragment for a failed run's metrics (`StageError.metrics`);
                                    # used only by a stage that also has `report`
+                                   # imports inside these two (and under TYPE_CHECKING) stay out of the
+                                   # code fingerprint: report-only code never reruns a stage
 
 Config reads across sections: a stage reads `ctx.config.<section>` only for its own section, `run` (never
 fingerprinted), a section in USES, or the section of a stage it consumes (directly or not: that stage's
