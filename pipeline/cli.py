@@ -145,7 +145,7 @@ def plan(config, workdir, overrides, only, from_, force, keep, as_json):
     for i in items:
         click.echo(f"{i.name:12s} {i.action:9s} {i.reason}")
         for c in i.code_changes[:8]:    # which file changed, and the import chain by which the stage reaches it
-            click.echo(f"{'':22s} {c['file']}: " + (" -> ".join(c["via"]) if c["via"] else "no longer imported"))
+            click.echo(f"{'':22s} {c['file']}: " + (" -> ".join(c["via"]) if c["via"] else "no longer reached"))
         if len(i.code_changes) > 8:
             click.echo(f"{'':22s} (+{len(i.code_changes) - 8} more files: --json lists them)")
 

@@ -10,7 +10,8 @@ A file's digest is the sha256 of its code, not of its bytes: the canonical form 
 comments, formatting or docstrings, the same on Python 3.10 to 3.13. A comment, a reflowed line or a reworded
 docstring never reruns a stage; any change Python would execute does. (Docstrings are left out because nothing in
 runtime/ reads `__doc__`; a module that ever did would need its docstring back in.) Artifacts committed before this
-scheme (digests of the bytes) read as "code changed" once: `--keep` accepts them (pipeline/keep.py).
+scheme (digests of the bytes) read as "code changed" once, `plan` counting apart the files whose bytes are those
+recorded (pipeline/plan.py): `--keep` accepts them (pipeline/keep.py).
 
 Only `runtime/` and `pipeline/artifacts/` are followed: they decide what a stage produces. The rest of `pipeline/`
 (logging, reports, the runner itself) does not, and following it would re-run a two-hour training for an edit of

@@ -82,6 +82,28 @@ def _diff_paths(old, new, prefix: str) -> list[str]:
     return [] if old == new else [prefix]
 
 
+def _same_bytes(old: object, files: list[str], new: dict[str, str]) -> set[str]:
+    """Of `files`, those whose recorded digest is the sha256 of their present bytes: an artifact committed when
+    digests were of the bytes (before pipeline/codehash.py hashed the AST); only their digest was recomputed."""
+    return {f for f in files if isinstance(old, dict) and f in new and old.get(f) == _bytes16(f)}
+
+
+def _code_reason(old: object, new: dict[str, str]) -> str:
+    """"code changed: <files>", the files only re-digested (same bytes) counted apart."""
+    files = codehash.changed_files(old, new)
+    same = _same_bytes(old, files, new)
+    real = [f for f in files if f not in same]
+    out = "code changed" + (": " + ", ".join(real[:4]) + (f" (+{len(real) - 4} more)" if len(real) > 4 else "") if real else "")
+    return out + (f"{'; ' if real else ': '}{len(same)} file(s) of the same bytes, digest now of the AST" if same else "")
+
+
+def _bytes16(rel: str) -> str | None:
+    try:
+        return codehash.byte_digest(codehash.REPO / rel)
+    except OSError:
+        return None
+
+
 def stale_reason(old_doc: dict | None, new_doc: dict) -> str:
     """Why a committed artifact with `old_doc` does not match `new_doc`; cheapest, most useful first."""
     if old_doc is None:
@@ -96,9 +118,7 @@ def stale_reason(old_doc: dict | None, new_doc: dict) -> str:
     if old_doc.get("version") != new_doc["version"]:
         reasons.append(f"code changed: VERSION {old_doc.get('version')} -> {new_doc['version']}")
     elif old_doc.get("code") != new_doc["code"]:
-        files = codehash.changed_files(old_doc.get("code"), new_doc["code"])
-        reasons.append("code changed" + (": " + ", ".join(files[:4]) + (f" (+{len(files) - 4} more)" if len(files) > 4 else "")
-                                         if files else ""))
+        reasons.append(_code_reason(old_doc.get("code"), new_doc["code"]))
     if p := [k for k in new_doc["packages"] if old_doc.get("packages", {}).get(k) != new_doc["packages"][k]]:
         reasons.append("packages changed: " + ", ".join(
             f"{k} {old_doc.get('packages', {}).get(k)} -> {new_doc['packages'][k]}" for k in p))
@@ -133,7 +153,9 @@ class PlanItem:
 def code_changes(spec: registry.StageSpec, old_doc: dict | None, new_doc: dict) -> list[dict]:
     """Each code file that differs, with the shortest import chain from the stage module to it (empty `via`: the
     file is no longer reached)."""
-    files = codehash.changed_files((old_doc or {}).get("code"), new_doc["code"])
+    old = (old_doc or {}).get("code")
+    files = codehash.changed_files(old, new_doc["code"])
+    files = [f for f in files if f not in _same_bytes(old, files, new_doc["code"])]
     if not files:
         return []
     chains = codehash.chains(spec.file, exclude=spec.execution_only_code)

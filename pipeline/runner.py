@@ -239,7 +239,7 @@ def build(cfg, store: Store, *, argv: list[str], config_path: str, only=None, fr
             elif item.action == "run":
                 log.info("[%s] run: %s", item.name, item.reason)
                 for c in item.code_changes[:8]:
-                    log.info("[%s]   %s via %s", item.name, c["file"], " -> ".join(c["via"]) or "(no longer imported)")
+                    log.info("[%s]   %s via %s", item.name, c["file"], " -> ".join(c["via"]) or "(no longer reached)")
                 o = run_stage(item, cfg, store, argv, device)
                 if o.action == "failed":
                     failed = True

@@ -51,14 +51,14 @@ def _edit(code: Path, rel: str, line: str) -> None:
 
 def test_an_edit_of_the_vllm_export_reruns_only_the_stages_that_read_it(copies):
     """main 17f2668: a comment appended to runtime/vllm/speculators_format.py reran data and every stage after it.
-    Now a comment reruns nothing, and a code edit reruns validate and export only, each naming the file and chain."""
+    Now a comment reruns nothing, and a code edit reruns validate (and what reads it), naming the file and chain."""
     code, work = copies
     assert {s: i["action"] for s, i in _plan(code, work).items()} == dict.fromkeys(_plan(code, work), "skip")
     _edit(code, "runtime/vllm/speculators_format.py", "\n# a comment: no code\n")
     assert {i["action"] for i in _plan(code, work).values()} == {"skip"}
     _edit(code, "runtime/vllm/speculators_format.py", "\n_TOUCHED = 1\n")
     plan = _plan(code, work)
-    assert {s for s, i in plan.items() if i["action"] == "run"} == {"validate", "export"}
+    assert {s for s, i in plan.items() if i["action"] == "run"} == {"validate", "tune", "build", "export"}
     for s in ("target", "data", "train_draft", "quantize"):
         assert plan[s]["action"] == "skip", plan[s]
     (ch,) = [c for c in plan["validate"]["code_changes"] if c["file"] == "runtime/vllm/speculators_format.py"]
