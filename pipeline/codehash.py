@@ -320,6 +320,20 @@ def byte_digest(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
 
 
+def same_bytes(old: object, files: list[str], new: dict[str, str], root: Path = REPO) -> set[str]:
+    """Of `files`, those whose digest in `old` is the sha256 of their present bytes: recorded when digests were of
+    the bytes (before the AST), so only their digest was recomputed, not their code."""
+    out = set()
+    for f in files:
+        if isinstance(old, dict) and f in new and isinstance(old.get(f), str):
+            try:
+                if old[f] == byte_digest(root / f):
+                    out.add(f)
+            except OSError:
+                pass
+    return out
+
+
 def changed_files(old: object, new: dict[str, str]) -> list[str]:
     """Files whose digest differs between two `code_digests` results (added and removed files included); empty when
     `old` is not such a dict (an artifact committed before code was recorded per file)."""

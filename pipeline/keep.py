@@ -104,6 +104,8 @@ def check_readable(stage: str, art: Path) -> None:
 
 def record(old_doc: dict, new_doc: dict, fingerprint: str, argv: list[str]) -> dict:
     """The manifest's entry for one keep."""
+    files = codehash.changed_files(old_doc.get("code"), new_doc.get("code") or {})
+    same = codehash.same_bytes(old_doc.get("code"), files, new_doc.get("code") or {})
     try:
         user = getpass.getuser()
     except (KeyError, OSError):
@@ -111,7 +113,8 @@ def record(old_doc: dict, new_doc: dict, fingerprint: str, argv: list[str]) -> d
     return {
         "fingerprint": fingerprint,
         "fingerprint_inputs": new_doc,
-        "code_changed": codehash.changed_files(old_doc.get("code"), new_doc.get("code") or {}),
+        "code_changed": [f for f in files if f not in same],
+        "redigested": len(same),        # files of the same bytes whose digest is now of the AST (codehash.py)
         "at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "by": f"{user}@{socket.gethostname()}",
         "command": shlex.join(argv),
@@ -122,4 +125,6 @@ def describe(entry: dict) -> str:
     """One line for status and the report: when, by whom, which code changed."""
     files = entry.get("code_changed") or []
     shown = ", ".join(files[:4]) + (f" (+{len(files) - 4} more)" if len(files) > 4 else "")
+    if entry.get("redigested"):
+        shown += f"{'; ' if shown else ''}{entry['redigested']} file(s) only re-digested (now of the AST)"
     return f"kept across a code change at {entry.get('at')} by {entry.get('by')}: {shown or 'code'}"

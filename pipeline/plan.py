@@ -82,26 +82,13 @@ def _diff_paths(old, new, prefix: str) -> list[str]:
     return [] if old == new else [prefix]
 
 
-def _same_bytes(old: object, files: list[str], new: dict[str, str]) -> set[str]:
-    """Of `files`, those whose recorded digest is the sha256 of their present bytes: an artifact committed when
-    digests were of the bytes (before pipeline/codehash.py hashed the AST); only their digest was recomputed."""
-    return {f for f in files if isinstance(old, dict) and f in new and old.get(f) == _bytes16(f)}
-
-
 def _code_reason(old: object, new: dict[str, str]) -> str:
     """"code changed: <files>", the files only re-digested (same bytes) counted apart."""
     files = codehash.changed_files(old, new)
-    same = _same_bytes(old, files, new)
+    same = codehash.same_bytes(old, files, new)
     real = [f for f in files if f not in same]
     out = "code changed" + (": " + ", ".join(real[:4]) + (f" (+{len(real) - 4} more)" if len(real) > 4 else "") if real else "")
     return out + (f"{'; ' if real else ': '}{len(same)} file(s) of the same bytes, digest now of the AST" if same else "")
-
-
-def _bytes16(rel: str) -> str | None:
-    try:
-        return codehash.byte_digest(codehash.REPO / rel)
-    except OSError:
-        return None
 
 
 def stale_reason(old_doc: dict | None, new_doc: dict) -> str:
@@ -155,7 +142,7 @@ def code_changes(spec: registry.StageSpec, old_doc: dict | None, new_doc: dict) 
     file is no longer reached)."""
     old = (old_doc or {}).get("code")
     files = codehash.changed_files(old, new_doc["code"])
-    files = [f for f in files if f not in _same_bytes(old, files, new_doc["code"])]
+    files = [f for f in files if f not in codehash.same_bytes(old, files, new_doc["code"])]
     if not files:
         return []
     chains = codehash.chains(spec.file, exclude=spec.execution_only_code)

@@ -4,9 +4,9 @@ A stage module is plain Python with these module-level names (checked by `pipeli
 
     NAME: str                      # "quantize"; also the name of its config section
     CONSUMES: tuple[str, ...]      # stages whose committed artifacts it reads, e.g. ("target", "data")
-    VERSION: str                   # bump when the artifact's meaning changes (the code counts too: the stage
-                                   # module and every runtime/ and pipeline/artifacts/ file it imports,
-                                   # pipeline/codehash.py)
+    VERSION: str                   # bump when the artifact's meaning or format changes (`--keep` then refuses
+                                   # to carry an old artifact; the code counts too: the stage module and every
+                                   # runtime/ and pipeline/artifacts/ file it imports, pipeline/codehash.py)
     PACKAGES: tuple[str, ...]      # distributions whose versions enter the fingerprint
     Config: type[StageSection]     # pydantic model of its config section (extra="forbid")
     def run(ctx: StageContext) -> dict:   # writes only into ctx.out_dir, returns JSON-able metrics

@@ -20,10 +20,9 @@ CODE = ("pipeline", "stages", "runtime", "configs")
 
 
 @pytest.fixture
-def copies(tiny_run, tmp_path) -> tuple[Path, Path]:
-    """(a copy of the code, a copy of the tiny run's workdir, every stage committed)."""
-    wd, build = tiny_run
-    assert build.returncode == 0, build.stderr[-3000:]
+def copies(run_dir, tmp_path) -> tuple[Path, Path]:
+    """(a copy of the code, a copy of the tiny run's workdir (conftest.run_dir), every stage committed)."""
+    wd = run_dir
     code = tmp_path / "code"
     for d in CODE:
         shutil.copytree(REPO / d, code / d, ignore=shutil.ignore_patterns("__pycache__"))
