@@ -239,7 +239,7 @@ def _check_inputs(plan: list[PlanItem], store: Store) -> None:
             if m is None or m["fingerprint"] != d.fingerprint:
                 hint = (f"; or, if its committed artifact should stay (only its code changed), keep it: --keep {dep}"
                         if d.only_code else "")
+                state = d.reason[len("not selected ("):-1] if d.reason.startswith("not selected (") else d.reason
                 raise UsageError(
-                    f"stage '{p.name}' needs '{dep}' up to date, but it is "
-                    f"{d.reason.replace('not selected ', '', 1).strip('()')}; "
+                    f"stage '{p.name}' needs '{dep}' up to date, but it is {state}; "
                     f"run `specpipe build` without --only/--from, or with --from {dep}{hint}")
