@@ -68,6 +68,8 @@ def _fail(e: SpecpipeError | RuntimeFailure) -> None:
 config_arg = click.argument("config", type=click.Path(dir_okay=False))
 override_opt = click.option("-o", "--override", "overrides", multiple=True, metavar="SECTION.FIELD=VALUE",
                             help="override a config field (repeatable), validated like the file")
+keep_opt = click.option("--keep", multiple=True, metavar="STAGE", help="accept this stage's committed artifact across a "
+                        "code change (only its code differs; recorded in its provenance; repeatable)")
 workdir_opt = click.option("--workdir", type=click.Path(file_okay=False), default=None,
                            help="where artifacts live (default: runs/<config file stem>)")
 
@@ -85,7 +87,8 @@ def cli() -> None:
 @click.option("--only", default=None, metavar="STAGE", help="run this stage only (its inputs must be up to date)")
 @click.option("--from", "from_", default=None, metavar="STAGE", help="run from this stage on")
 @click.option("--force", multiple=True, metavar="STAGE|all", help="rerun this stage even if up to date (repeatable)")
-def build(config, workdir, overrides, only, from_, force):
+@keep_opt
+def build(config, workdir, overrides, only, from_, force, keep):
     """Run every stage that is not up to date, in order."""
     from pipeline import runner
     from pipeline.commands import stop_signals
@@ -97,7 +100,7 @@ def build(config, workdir, overrides, only, from_, force):
         _setup_logging(cfg.run.log_level)
         store = Store(Path(workdir) if workdir else _default_workdir(config))
         outcomes = runner.build(cfg, store, argv=["specpipe", *sys.argv[1:]], config_path=config,
-                                only=only, from_=from_, force=tuple(force))
+                                only=only, from_=from_, force=tuple(force), keep_=tuple(keep))
     except SpecpipeError as e:
         _fail(e)
         return
@@ -121,8 +124,9 @@ def build(config, workdir, overrides, only, from_, force):
 @click.option("--only", default=None, metavar="STAGE")
 @click.option("--from", "from_", default=None, metavar="STAGE")
 @click.option("--force", multiple=True, metavar="STAGE|all")
+@keep_opt
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
-def plan(config, workdir, overrides, only, from_, force, as_json):
+def plan(config, workdir, overrides, only, from_, force, keep, as_json):
     """Show what `build` would run and why, without running anything."""
     from pipeline import runner
     from pipeline.store import Store
@@ -130,16 +134,20 @@ def plan(config, workdir, overrides, only, from_, force, as_json):
     try:
         cfg = _load(config, overrides)
         store = Store(Path(workdir) if workdir else _default_workdir(config))
-        items = runner.make_plan(cfg, store, only=only, from_=from_, force=tuple(force))
+        items = runner.make_plan(cfg, store, only=only, from_=from_, force=tuple(force), keep_=tuple(keep))
     except SpecpipeError as e:
         _fail(e)
         return
     if as_json:
-        click.echo(json.dumps([{"stage": i.name, "action": i.action, "reason": i.reason,
-                                "fingerprint": i.fingerprint} for i in items], indent=2))
+        click.echo(json.dumps([{"stage": i.name, "action": i.action, "reason": i.reason, "fingerprint": i.fingerprint,
+                                "code_changes": i.code_changes} for i in items], indent=2))
         return
     for i in items:
         click.echo(f"{i.name:12s} {i.action:9s} {i.reason}")
+        for c in i.code_changes[:8]:    # which file changed, and the import chain by which the stage reaches it
+            click.echo(f"{'':22s} {c['file']}: " + (" -> ".join(c["via"]) if c["via"] else "no longer reached"))
+        if len(i.code_changes) > 8:
+            click.echo(f"{'':22s} (+{len(i.code_changes) - 8} more files: --json lists them)")
 
 
 @cli.command()

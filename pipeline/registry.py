@@ -38,6 +38,11 @@ class StageSpec:
     report: Callable | None
     fingerprint_extra: Callable | None
     resolved: Callable | None = None   # what the section resolves to on this machine (auto dtypes), fingerprinted
+    execution_only_code: tuple[str, ...] = ()   # dotted modules its code fingerprint does not follow (codehash.py)
+
+    @property
+    def file(self) -> Path:
+        return Path(self.module.__file__).resolve()
 
 
 @lru_cache(maxsize=1)
@@ -54,13 +59,14 @@ def stages() -> tuple[StageSpec, ...]:
             if dep not in seen:
                 raise RuntimeError(f"{modname} consumes '{dep}', which is not registered before it")
         seen.add(m.NAME)
-        code = codehash.code_digests(Path(m.__file__).resolve(), reads=reads)
+        exclude = tuple(sorted(getattr(m, "EXECUTION_ONLY_CODE", {})))
+        code = codehash.code_digests(Path(m.__file__).resolve(), reads=reads, exclude=exclude)
         out.append(StageSpec(
             name=m.NAME, module=m, consumes=tuple(m.CONSUMES), uses=tuple(getattr(m, "USES", ())),
             packages=tuple(m.PACKAGES), version=str(m.VERSION), code=code,
             required=bool(getattr(m, "REQUIRED", False)), check=getattr(m, "check", None),
             report=getattr(m, "report", None), fingerprint_extra=getattr(m, "fingerprint_extra", None),
-            resolved=getattr(m, "resolved", None),
+            resolved=getattr(m, "resolved", None), execution_only_code=exclude,
         ))
     return tuple(out)
 

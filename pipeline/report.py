@@ -14,7 +14,7 @@ import json
 from datetime import datetime, timezone
 from pathlib import Path
 
-from pipeline import registry, runner, verdict
+from pipeline import keep, registry, runner, verdict
 from pipeline.store import Store, atomic_write_text
 
 esc = html.escape
@@ -70,7 +70,8 @@ def write_report(store: Store, out: Path | None = None) -> Path:
              "<h2>Stages</h2>"]
     rows = []
     for st in doc["stages"]:
-        rows.append([st["name"], f"<span class='{st['state'].replace(' ', '-')}'>{esc(st['state'])}</span>",
+        state = st["state"] + (" (kept)" if st.get("kept") else "")
+        rows.append([st["name"], f"<span class='{st['state'].replace(' ', '-')}'>{esc(state)}</span>",
                      esc(st.get("last_reason") or ""), (st["fingerprint"] or "")[:12],
                      f"{st['wall_time_s']:.1f}s" if st["wall_time_s"] is not None else "",
                      f"{st['peak_rss_mb']:.0f} MB" if st["peak_rss_mb"] is not None else "",
@@ -107,6 +108,8 @@ def write_report(store: Store, out: Path | None = None) -> Path:
         parts.append(f"<p class='muted'>command <code>{esc(str(prov.get('command')))}</code> · git "
                      f"{esc(str(prov.get('git_commit')))} · "
                      f"{esc(str(prov.get('started')))}</p>")
+        for k in art.manifest.get("kept", []):      # --keep: the artifact is older than the code (pipeline/keep.py)
+            parts.append(f"<p class='fail'>{esc(keep.describe(k))} (command <code>{esc(str(k.get('command')))}</code>)</p>")
     parts.append("</body></html>")
     path = out or store.root / "report.html"
     atomic_write_text(Path(path), "\n".join(parts))

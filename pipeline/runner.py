@@ -1,8 +1,8 @@
-"""Stage runner: fingerprints, plan (what runs and why), execution with atomic commit and provenance."""
+"""Stage runner: execution of the plan (pipeline/plan.py: fingerprints, what runs and why) with atomic commit,
+provenance, the keeps `--keep` asks for (pipeline/keep.py), and `status`."""
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -13,184 +13,23 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
-from functools import cache, lru_cache
-from importlib import metadata
+from functools import lru_cache
 from pathlib import Path
 
-from pipeline import codehash, registry
+from pipeline import keep, registry
 from pipeline.config import section_dict
-from pipeline.device import ResolvedDevice, plan_device_type, resolve_device
-from pipeline.errors import StageError, UsageError
+from pipeline.device import ResolvedDevice, resolve_device
+from pipeline.errors import StageError
+
+# the plan's names, used here and read as runner.<name> by callers that predate pipeline/plan.py
+from pipeline.plan import PlanItem, fingerprint, fingerprint_inputs, make_plan, package_version, stale_reason  # noqa: F401
 from pipeline.stage import StageContext
 from pipeline.store import Store, atomic_write_text, fault_point
 from runtime.errors import RuntimeFailure
 
 log = logging.getLogger("specpipe")
-
-
-# ------------------------------------------------------------------ fingerprints
-
-
-@cache
-def package_version(name: str) -> str | None:
-    """`importlib.metadata.version(name)`, read from the `Version:` header without parsing the whole METADATA file
-    (a package's README often follows it: ~0.4 ms a package, on every plan)."""
-    try:
-        dist = metadata.distribution(name)
-    except metadata.PackageNotFoundError:
-        return None
-    for line in (dist.read_text("METADATA") or dist.read_text("PKG-INFO") or "").splitlines():
-        if not line:        # the headers end at the first empty line
-            break
-        if line.startswith("Version:"):
-            return line[len("Version:"):].strip()
-    return dist.version
-
-
-def fingerprint_inputs(spec: registry.StageSpec, cfg, upstream: dict[str, str]) -> dict:
-    """What a stage's fingerprint hashes: its section (less EXECUTION_ONLY), code, inputs, packages, external files,
-    and what the section resolves to on this machine (`resolved`: auto dtypes, only in the stages whose artifact
-    they change)."""
-    params = section_dict(cfg, spec.name)
-    params.pop("enabled", None)
-    # Where and how a stage executes (e.g. a rendezvous host, this node's rank) does not change what it
-    # produces: a stage lists such dotted paths in EXECUTION_ONLY and they stay out of its fingerprint.
-    for dotted in getattr(spec.module, "EXECUTION_ONLY", ()):
-        *parents, leaf = dotted.split(".")
-        node = params
-        for p in parents:
-            node = node.get(p, {}) if isinstance(node, dict) else {}
-        if isinstance(node, dict):
-            node.pop(leaf, None)
-    doc = {
-        "stage": spec.name,
-        "version": spec.version,
-        "code": spec.code,
-        "params": params,
-        "uses": {u: section_dict(cfg, u) for u in spec.uses},
-        "inputs": {d: upstream[d] for d in spec.consumes},
-        "packages": {p: package_version(p) for p in spec.packages},
-    }
-    if spec.fingerprint_extra is not None:
-        doc["external"] = spec.fingerprint_extra(getattr(cfg, spec.name))
-    if spec.resolved is not None:
-        doc["resolved"] = spec.resolved(getattr(cfg, spec.name), lambda: plan_device_type(cfg.run))
-    # A measured hardware profile (`hardware.profile`) is an input of the stages that use `hardware`: its
-    # content, not only its path, decides their output.
-    prof = cfg.hardware.profile if "hardware" in spec.uses else None
-    if prof is not None and Path(prof).is_file():
-        doc["hardware_profile"] = hashlib.sha256(Path(prof).read_bytes()).hexdigest()
-    return doc
-
-
-def fingerprint(doc: dict) -> str:
-    return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":"), default=str).encode()).hexdigest()
-
-
-def _diff_paths(old, new, prefix: str) -> list[str]:
-    if isinstance(old, dict) and isinstance(new, dict):
-        out = []
-        for k in sorted(set(old) | set(new), key=str):
-            out += _diff_paths(old.get(k, "<absent>"), new.get(k, "<absent>"), f"{prefix}.{k}" if prefix else str(k))
-        return out
-    return [] if old == new else [prefix]
-
-
-def stale_reason(old_doc: dict | None, new_doc: dict) -> str:
-    """Why a committed artifact with `old_doc` does not match `new_doc`; cheapest, most useful first."""
-    if old_doc is None:
-        return "no artifact"
-    reasons = []
-    if p := _diff_paths(old_doc.get("params", {}), new_doc["params"], new_doc["stage"]):
-        reasons.append("params changed: " + ", ".join(p))
-    if p := _diff_paths(old_doc.get("uses", {}), new_doc["uses"], ""):
-        reasons.append("params changed: " + ", ".join(p))
-    if changed := [d for d in new_doc["inputs"] if old_doc.get("inputs", {}).get(d) != new_doc["inputs"][d]]:
-        reasons.append("input changed: " + ", ".join(changed))
-    if old_doc.get("version") != new_doc["version"]:
-        reasons.append(f"code changed: VERSION {old_doc.get('version')} -> {new_doc['version']}")
-    elif old_doc.get("code") != new_doc["code"]:
-        files = codehash.changed_files(old_doc.get("code"), new_doc["code"])
-        reasons.append("code changed" + (": " + ", ".join(files[:4]) + (f" (+{len(files) - 4} more)" if len(files) > 4 else "")
-                                         if files else ""))
-    if p := [k for k in new_doc["packages"] if old_doc.get("packages", {}).get(k) != new_doc["packages"][k]]:
-        reasons.append("packages changed: " + ", ".join(
-            f"{k} {old_doc.get('packages', {}).get(k)} -> {new_doc['packages'][k]}" for k in p))
-    if old_doc.get("hardware_profile") != new_doc.get("hardware_profile"):
-        reasons.append("hardware.profile content changed")
-    if old_doc.get("resolved", {}) != new_doc.get("resolved", {}):
-        old_r, new_r = old_doc.get("resolved") or {}, new_doc.get("resolved") or {}
-        reasons.append("resolved on this machine differently: " + ", ".join(
-            f"{new_doc['stage']}.{k} {old_r.get(k, '<absent>')} -> {new_r.get(k, '<absent>')}"
-            for k in _diff_paths(old_r, new_r, "")))
-    if old_doc.get("external") != new_doc.get("external"):
-        reasons.append("external input changed: " + ", ".join(_diff_paths(old_doc.get("external"), new_doc.get("external"), "")) )
-    return "; ".join(reasons) or "fingerprint changed"
-
-
-# ------------------------------------------------------------------ plan
-
-
-@dataclass
-class PlanItem:
-    name: str
-    action: str            # run | skip | disabled | excluded
-    reason: str
-    fingerprint: str
-    doc: dict = field(repr=False, default_factory=dict)
-
-
-def make_plan(cfg, store: Store, only: str | None = None, from_: str | None = None,
-              force: tuple[str, ...] = ()) -> list[PlanItem]:
-    names = registry.names()
-    for opt, val in (("--only", only), ("--from", from_)):
-        if val is not None and val not in names:
-            raise UsageError(f"{opt} {val}: unknown stage; stages are: {', '.join(names)}")
-    for f in force:
-        if f != "all" and f not in names:
-            raise UsageError(f"--force {f}: unknown stage; use 'all' or one of: {', '.join(names)}")
-    forced = set(names) if "all" in force else set(force)
-
-    upstream: dict[str, str] = {}
-    plan: list[PlanItem] = []
-    start = names.index(from_) if from_ else 0
-    for i, spec in enumerate(registry.stages()):
-        doc = fingerprint_inputs(spec, cfg, upstream)
-        fp = fingerprint(doc)
-        upstream[spec.name] = fp
-        if not getattr(cfg, spec.name).enabled:
-            plan.append(PlanItem(spec.name, "disabled", "disabled in config", fp, doc))
-            continue
-        m = store.manifest(spec.name)
-        current = m is not None and m["fingerprint"] == fp
-        excluded = (only is not None and spec.name != only) or i < start
-        if excluded:
-            state = "up to date" if current else ("not committed" if m is None else "stale")
-            plan.append(PlanItem(spec.name, "excluded", f"not selected ({state})", fp, doc))
-        elif spec.name in forced:
-            plan.append(PlanItem(spec.name, "run", "forced", fp, doc))
-        elif current:
-            plan.append(PlanItem(spec.name, "skip", "up to date", fp, doc))
-        else:
-            plan.append(PlanItem(spec.name, "run", stale_reason(m.get("fingerprint_inputs") if m else None, doc), fp, doc))
-
-    # A stage that runs needs each input committed with the fingerprint it was planned with.
-    by_name = {p.name: p for p in plan}
-    for p in plan:
-        if p.action != "run":
-            continue
-        for dep in registry.get(p.name).consumes:
-            d = by_name[dep]
-            if d.action in ("run", "skip"):
-                continue
-            m = store.manifest(dep)
-            if m is None or m["fingerprint"] != d.fingerprint:
-                raise UsageError(
-                    f"stage '{p.name}' needs '{dep}' up to date, but it is {d.reason.replace('not selected ', '').strip('()')}; "
-                    f"run `specpipe build` without --only/--from, or with --from {dep}")
-    return plan
 
 
 # ------------------------------------------------------------------ provenance helpers
@@ -366,14 +205,25 @@ def run_stage(item: PlanItem, cfg, store: Store, argv: list[str], device: Resolv
         fh.close()
 
 
-def build(cfg, store: Store, *, argv: list[str], config_path: str, only=None, from_=None, force=()) -> list[Outcome]:
+def _record_keep(item: PlanItem, store: Store, argv: list[str]) -> Outcome:
+    """Write a `--keep` into the artifact's manifest (the keep, its code changes, when, who, the command), logged."""
+    entry = keep.record(item.keep_from or {}, item.doc, item.planned, argv)
+    store.record_keep(item.name, entry)
+    log.warning("[%s] %s", item.name, keep.describe(entry))
+    return Outcome(item.name, "kept", item.reason, item.fingerprint)
+
+
+def build(cfg, store: Store, *, argv: list[str], config_path: str, only=None, from_=None, force=(),
+          keep_=()) -> list[Outcome]:
     """Run the plan under the workdir lock. Returns one Outcome per stage, stopping at the first failure."""
     store.lock()
     try:
         removed = store.clean_tmp()
         if removed:
             log.info("removed leftovers of an interrupted run: %s", ", ".join(removed))
-        plan = make_plan(cfg, store, only=only, from_=from_, force=force)
+        plan = make_plan(cfg, store, only=only, from_=from_, force=force, keep_=tuple(keep_))
+        # the keeps first, before any stage runs: a later failure leaves them recorded
+        kept = {i.name: _record_keep(i, store, argv) for i in plan if i.action == "keep"}
         # run.device, resolved once before any stage runs (a bad value: ConfigError, exit 2); a build with nothing
         # to run does not resolve it (auto would import torch)
         device = resolve_device(cfg.run) if any(i.action == "run" for i in plan) else None
@@ -382,11 +232,14 @@ def build(cfg, store: Store, *, argv: list[str], config_path: str, only=None, fr
         outcomes: list[Outcome] = []
         failed = False
         for item in plan:
-            if failed:
+            if item.action == "keep":
+                outcomes.append(kept[item.name])
+            elif failed:
                 outcomes.append(Outcome(item.name, "blocked", "an earlier stage failed", item.fingerprint))
-                continue
-            if item.action == "run":
+            elif item.action == "run":
                 log.info("[%s] run: %s", item.name, item.reason)
+                for c in item.code_changes[:8]:
+                    log.info("[%s]   %s via %s", item.name, c["file"], " -> ".join(c["via"]) or "(no longer reached)")
                 o = run_stage(item, cfg, store, argv, device)
                 if o.action == "failed":
                     failed = True
@@ -437,6 +290,7 @@ def status(store: Store) -> dict:
             "last_reason": lb.get("reason"),
             "error": lb.get("error"),
             "failed_metrics": lb.get("failed_metrics"),
+            "kept": m.get("kept", []) if m else [],     # --keep: accepted across code changes (pipeline/keep.py)
         }
         out["stages"].append(entry)
     return out

@@ -4,9 +4,9 @@ A stage module is plain Python with these module-level names (checked by `pipeli
 
     NAME: str                      # "quantize"; also the name of its config section
     CONSUMES: tuple[str, ...]      # stages whose committed artifacts it reads, e.g. ("target", "data")
-    VERSION: str                   # bump when the artifact's meaning changes (the code counts too: the stage
-                                   # module and every runtime/ and pipeline/artifacts/ file it imports,
-                                   # pipeline/codehash.py)
+    VERSION: str                   # bump when the artifact's meaning or format changes (`--keep` then refuses
+                                   # to carry an old artifact; the code counts too: the stage module and every
+                                   # runtime/ and pipeline/artifacts/ file it imports, pipeline/codehash.py)
     PACKAGES: tuple[str, ...]      # distributions whose versions enter the fingerprint
     Config: type[StageSection]     # pydantic model of its config section (extra="forbid")
     def run(ctx: StageContext) -> dict:   # writes only into ctx.out_dir, returns JSON-able metrics
@@ -17,6 +17,9 @@ and optionally (every hook the pipeline reads; `pipeline.registry` picks them up
                                    # "hardware", a `hardware.profile` file's content enters it too
     EXECUTION_ONLY: tuple[str, ...]  # dotted fields of its own section that say where it runs, not what it
                                    # produces (a rendezvous host, a node rank): kept out of its fingerprint
+    EXECUTION_ONLY_CODE: dict[str, str]  # {dotted runtime module: why} that says how it runs, not what it
+                                   # produces (data: the vLLM server it may start): its code fingerprint does not
+                                   # follow those imports (pipeline/codehash.py; a test checks each is reached)
     REQUIRED: bool                 # its config section must be given (it has required fields; `target`)
     def check(cfg) -> list[tuple[str, str]]   # cross-section checks before anything runs: (dotted path, message)
     def fingerprint_extra(section) -> dict | None   # local inputs the section points at (a model directory, a
@@ -28,6 +31,8 @@ and optionally (every hook the pipeline reads; `pipeline.registry` picks them up
     def report(artifact: Artifact) -> str     # an HTML fragment for `specpipe report`
     def report_failed(metrics: dict) -> str   # the fragment for a failed run's metrics (`StageError.metrics`);
                                    # used only by a stage that also has `report`
+                                   # imports inside these two (and under TYPE_CHECKING) stay out of the
+                                   # code fingerprint: report-only code never reruns a stage
 
 Config reads across sections: a stage reads `ctx.config.<section>` only for its own section, `run` (never
 fingerprinted), a section in USES, or the section of a stage it consumes (directly or not: that stage's

@@ -150,6 +150,15 @@ class Store:
                 shutil.rmtree(other, ignore_errors=True)
         return d
 
+    def record_keep(self, stage: str, entry: dict) -> None:
+        """Append a keep (pipeline/keep.py) to a committed artifact's manifest, atomically: the files and their
+        digests are untouched."""
+        m = self.manifest(stage)
+        if m is None:
+            raise RuntimeError(f"record_keep: {stage} has no committed artifact")
+        m["kept"] = [*m.get("kept", []), entry]
+        atomic_write_text(self.artifacts / stage / MANIFEST, json.dumps(m, indent=2, sort_keys=True, default=str))
+
     def commit(self, stage: str, tmp_dir: Path, manifest: dict) -> Artifact:
         """Move tmp_dir into place and write its manifest last. Crash-safe at every step:
         an artifact dir without a manifest is never trusted, and the previous artifact is only

@@ -348,7 +348,7 @@ def _llm_api_options(spec: DeploymentSpec, version: str) -> dict:
 
 def _checked(ctx: StageContext, plan: _Plan, options: dict, ddraft: _DeployedDraft) -> list[Check]:
     """Run the named consistency checks, log each; a failed one fails the stage with its message."""
-    from runtime.trtllm import hf_config
+    from runtime import hf_config
     from runtime.trtllm.checks import Expected, consistency_checks
 
     tcfg = plan.tcfg

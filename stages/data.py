@@ -18,8 +18,7 @@ stop ids (`target.json["eos_token_ids"]`), and resumes from the answers journale
 interruption. Artifact: see docs/architecture.md (data); what each check proves: docs/stages/data.md.
 
 This module is the stage's contract and orchestration; how samples are read (runtime/data/sources.py), rendered and
-masked (runtime/data/render.py), regenerated (runtime/data/regenerate.py) and split (runtime/data/splits.py) lives
-in runtime/data/.
+masked (runtime/data/render.py), regenerated (regenerate.py) and split (splits.py) lives in runtime/data/.
 """
 from __future__ import annotations
 
@@ -46,6 +45,7 @@ PACKAGES = ("transformers", "tokenizers", "datasets", "torch")
 # how and where a server engine is reached, not what it answers: a change keeps the answers journaled so far
 EXECUTION_ONLY = tuple(f"regenerate.{k}" for k in ("endpoint", "api_key_env", "headers", "tls_verify", "ca_bundle", "concurrency",
                                                    "timeout_s", "max_attempts", "backoff_s", "max_failed_fraction"))
+EXECUTION_ONLY_CODE = {"runtime.vllm.engine": "the vLLM server started to regenerate answers: how, not what (as `vllm`)"}
 
 Format = Literal["auto", "messages", "prompt", "text"]
 

@@ -301,7 +301,7 @@ def fingerprint_extra(section: Config) -> dict | None:
     from pipeline import codehash
 
     model = Path(str(resources.files("runtime.serving").joinpath("triton_model", "model.py"))).resolve()
-    return codehash.code_digests(model)
+    return {**codehash.code_digests(model), "model.py as copied (bytes)": codehash.byte_digest(model)}
 
 
 def _require_gate(acc: validate_artifact.AcceptanceInfo) -> None:

@@ -5,7 +5,8 @@ import sys
 
 from pipeline.commands.table import render, use_color
 
-ACTION_STYLES = {"ran": "green", "skip": "dim", "failed": "red", "blocked": "yellow", "disabled": "dim", "excluded": "dim"}
+ACTION_STYLES = {"ran": "green", "kept": "yellow", "skip": "dim",
+                 "failed": "red", "blocked": "yellow", "disabled": "dim", "excluded": "dim"}
 
 
 def print_outcomes(outcomes, store, stream=None) -> None:

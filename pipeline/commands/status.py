@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 from pipeline.commands.table import render, use_color
+from pipeline.keep import describe
 
 
 def collect(wd: Path, verify: bool) -> dict:
@@ -25,11 +26,15 @@ def print_table(doc: dict, wd: Path) -> None:
     rows = []
     for st in doc["stages"]:
         metrics = ", ".join(f"{k}={_short(v)}" for k, v in list(st["metrics"].items())[:4] if not isinstance(v, (dict, list)))
-        rows.append([st["name"], st["state"], (st["fingerprint"] or "")[:12],
+        state = st["state"] + (" (kept)" if st.get("kept") else "")
+        rows.append([st["name"], state, (st["fingerprint"] or "")[:12],
                      f"{st['wall_time_s']:.1f}s" if st["wall_time_s"] is not None else "",
                      f"{st['peak_rss_mb']:.0f} MB" if st["peak_rss_mb"] is not None else "", metrics])
     sys.stdout.write(render(f"specpipe status: {wd}", ["stage", "state", "fingerprint", "wall", "peak RSS", "key metrics"],
                             rows, width=180, wrap=5, color=use_color(sys.stdout)))
+    for st in doc["stages"]:        # --keep (pipeline/keep.py): an artifact accepted across code changes
+        for k in st.get("kept") or []:
+            sys.stdout.write(f"{st['name']}: {describe(k)}\n")
 
 
 def _short(v) -> str:

@@ -142,10 +142,10 @@ def _auto_declines(inst: E.VllmInstall, model_dir: Path | None, new_tokens: int 
         return (f"at most {new_tokens} new tokens, fewer than the {AUTO_MIN_NEW_TOKENS} a vLLM start pays for, "
                 f"the runtime (vLLM {inst.version} is installed)")
     if inst.device == "cpu" and model_dir is not None and (model_dir / "config.json").is_file():
-        from runtime.validate.vllm_arm import CPU_HEAD_SIZES, head_dim
+        from runtime.engine_support import VLLM_CPU_HEAD_SIZES, head_dim
 
         hd = head_dim(model_dir)
-        if hd not in CPU_HEAD_SIZES:
+        if hd not in VLLM_CPU_HEAD_SIZES:
             return f"vLLM's CPU attention has no kernel for the target's head_dim {hd} (cpu_attn.py, v0.32.0), the runtime"
     return None
 

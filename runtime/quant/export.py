@@ -26,7 +26,7 @@ def export_target(model, out_dir: Path, source_dir: Path, dtype) -> None:
     cfg = json.loads((out_dir / "config.json").read_text())
     cfg["dtype"] = str(dtype).replace("torch.", "")
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
-    from runtime.trtllm.hf_config import normalize_file  # RoPE in the form TensorRT-LLM 1.2 and 1.3 read
+    from runtime.hf_config import normalize_file  # RoPE in the form TensorRT-LLM 1.2 and 1.3 read
     normalize_file(out_dir / "config.json")
     copy_tokenizer(source_dir, out_dir)
     publish_tree(out_dir)

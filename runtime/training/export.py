@@ -35,8 +35,8 @@ def complete_export(draft_dir: Path, model_dir: Path) -> dict:
     reads, runtime/text/tokenizer_files.py), its config.json's RoPE in the form TensorRT-LLM 1.2 and 1.3 read, every
     file world-readable. Returns that config."""
     from runtime.files import publish_tree
+    from runtime.hf_config import normalize_file
     from runtime.text.tokenizer_files import TOKENIZER_FILES, portable_tokenizer
-    from runtime.trtllm.hf_config import normalize_file
 
     for name in TOKENIZER_FILES:
         if (model_dir / name).exists():

@@ -7,11 +7,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from runtime import hf_config
 from runtime.algorithms import dflash, eagle3
 from runtime.algorithms.export import read_export
 from runtime.algorithms.schedule import DraftSchedule
 from runtime.quant import hf_quant_config
-from runtime.trtllm import compat, draft_schedule, hf_config
+from runtime.trtllm import compat, draft_schedule
 from runtime.trtllm.draft_weights import safetensors_dtypes, safetensors_tensors
 from runtime.trtllm.schema import unknown_keys
 

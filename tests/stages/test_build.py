@@ -24,8 +24,9 @@ import yaml
 from pipeline.device import ResolvedDevice
 from pipeline.errors import StageError
 from pipeline.stage import Artifact, StageContext
+from runtime import hf_config
 from runtime.algorithms.schedule import DraftSchedule
-from runtime.trtllm import checks, compat, draft_schedule, draft_weights, hf_config, load, schema
+from runtime.trtllm import checks, compat, draft_schedule, draft_weights, load, schema
 from runtime.trtllm import options as T
 from stages import build
 

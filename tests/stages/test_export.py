@@ -18,7 +18,8 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
 from pipeline.errors import StageError
-from runtime.trtllm import draft_weights, hf_config, schema
+from runtime import hf_config
+from runtime.trtllm import draft_weights, schema
 from stages import build, export
 
 from support.synthetic import Upstream, gate, run_stage, write_checkpoints

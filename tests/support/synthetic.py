@@ -11,8 +11,8 @@ import numpy as np
 
 from pipeline.device import ResolvedDevice
 from pipeline.stage import Artifact, StageContext
+from runtime import hf_config
 from runtime.algorithms.schedule import DraftSchedule
-from runtime.trtllm import hf_config
 
 from support import real_config
 
