@@ -90,7 +90,9 @@ def _check_contract(stage: str, art: Path) -> None:
     elif stage == "build":
         from pipeline.artifacts import build
         build.read_deployment(art)
-    # export: no reader (its only consumer is `specpipe monitor`); its VERSION decides
+    elif stage == "export":
+        from pipeline.artifacts import export
+        export.read_export(art)
 
 
 def check_readable(stage: str, art: Path) -> None:
