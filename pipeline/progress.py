@@ -41,6 +41,12 @@ class Progress:
         elif exc[0] is None:
             self._log_line(final=True)
 
+    def set_total(self, total: int) -> None:
+        """A new total once known better (a training budget's resolved step count)."""
+        self.total = total
+        if self._bar is not None:
+            self._bar.update(self._task, total=total)
+
     def __iter__(self):
         assert self.iterable is not None
         for item in self.iterable:

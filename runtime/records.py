@@ -142,6 +142,7 @@ class DraftInfo:
     exported_step: int | None = None
     export_reason: str | None = None
     draft_vocab: dict | None = None       # the reduced vocabulary's statistics
+    budget: dict | None = None            # train_draft.max_minutes: the steps resolved on this machine (training/budget.py)
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     def to_json(self) -> dict:
@@ -153,7 +154,7 @@ class DraftInfo:
                 "objective": self.objective, "rope_scaling": self.rope_scaling, "serving_context": self.serving_context,
                 "mode": self.mode, "acceptance_length": self.acceptance_length, "eval_draft_len": self.eval_draft_len,
                 "acceptance_estimator": self.acceptance_estimator, "exported_step": self.exported_step,
-                "export_reason": self.export_reason, "draft_vocab": self.draft_vocab}
+                "export_reason": self.export_reason, "draft_vocab": self.draft_vocab, "budget": self.budget}
 
     @classmethod
     def from_json(cls, doc: dict) -> DraftInfo:
@@ -168,7 +169,8 @@ class DraftInfo:
                    serving_context=doc.get("serving_context"), mode=doc.get("mode"),
                    acceptance_length=doc.get("acceptance_length"), eval_draft_len=doc.get("eval_draft_len"),
                    acceptance_estimator=doc.get("acceptance_estimator"), exported_step=doc.get("exported_step"),
-                   export_reason=doc.get("export_reason"), draft_vocab=doc.get("draft_vocab"), raw=doc)
+                   export_reason=doc.get("export_reason"), draft_vocab=doc.get("draft_vocab"),
+                   budget=doc.get("budget"), raw=doc)
 
 
 @dataclass(frozen=True)

@@ -180,6 +180,7 @@ class Config(StageSection):
     grad_clip: float | None = Field(1.0, gt=0)
     steps: int | None = Field(600, ge=1, description="optimizer steps (or set epochs)")
     epochs: float | None = Field(None, gt=0, description="passes over the training set; overrides steps")
+    max_minutes: float | None = Field(None, gt=0, description="budget of training-step minutes (runtime/training/budget.py)")
     batch_size: int = Field(4, ge=1, description="global batch (split over all processes)")
     seq_len: int = Field(256, ge=8, description="tokens per sample (longer samples are truncated, shorter padded)")
     max_samples: int | None = Field(None, ge=1, description="use the first N training samples")
@@ -394,6 +395,7 @@ def report(artifact) -> str:
 
     from pipeline.report import figure, table
     from runtime.training.acceptance import ESTIMATORS
+    from runtime.training.budget import steps_row
     from runtime.training.precision import precision_row
     from runtime.training.records import eval_report
 
@@ -404,7 +406,7 @@ def report(artifact) -> str:
         [
             ["algorithm", m.get("algorithm")],
             ["mode", m.get("mode")],
-            ["steps", m.get("steps")],
+            ["steps", steps_row(m)],
             ["processes", m.get("world_size")],
             [
                 "target layers per process (FSDP)",

@@ -17,7 +17,8 @@ the same work), greedy; batch B = the domain's prompts in groups of B. Arms, tim
   spec/<mode>  speculative decoding of the deployed pair in the runtime, k = draft length
   hf/bf16      `model.generate` of the BF16 checkpoint loaded in bfloat16 (its dtype), greedy, KV cache
   hf/fp32      the same in float32
-for each runtime compute mode <mode> (`fp32` exact, default; `bf16` where the CPU has native bf16 GEMMs).
+for each runtime compute mode <mode> (`fp32` exact, default; `bf16` where the runtime's `auto` takes it, as the stages
+do: native bf16 GEMMs AND measured faster than fp32 on this machine, `runtime.engine.precision.cpu_precision`).
 
 Limit (anchors.md): S = AL x T(1) / (T(k+1) + k x T_draft), AL from the speculative arm of the same domain and
 batch, T(m) a target forward of m tokens per row at batch B and the domains' mean context, k x T_draft the
@@ -75,7 +76,7 @@ def parse_args(argv):
     ap.add_argument("--domains", help="comma-separated subset of the eval domains")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--draft-len", type=int)
-    ap.add_argument("--compute", help="runtime compute modes (default: fp32, and bf16 with native bf16 GEMMs)")
+    ap.add_argument("--compute", help="runtime compute modes (default: fp32, and bf16 where compute auto takes it)")
     ap.add_argument("--no-hf-fp32", action="store_true", help="skip the float32 HF generate arm")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
@@ -90,7 +91,8 @@ def setup(a) -> dict:
 
     from pipeline.artifacts import quantize, train_draft
     from pipeline.errors import StageError
-    from runtime.engine.compute import native_bf16_gemm
+    from runtime.engine.compute import default_modes, native_bf16_gemm, resolve_compute
+    from runtime.engine.precision import cpu_precision
 
     arts = a.workdir / "artifacts"
     try:
@@ -100,7 +102,7 @@ def setup(a) -> dict:
                          "run `specpipe build <config>` through quantize") from None
     env = {"target_dir": q.target_dir(arts), "draft_dir": q.draft_dir(arts), "bf16_dir": arts / "target" / "model",
            "k": a.draft_len or deployed_draft_len(arts) or 4,
-           "modes": a.compute.split(",") if a.compute else ["fp32"] + (["bf16"] if native_bf16_gemm() else []),
+           "modes": a.compute.split(",") if a.compute else default_modes(),
            "batches": [int(b) for b in a.batch.split(",")],
            "prompts": read_prompts(arts / "data", a.prompts, a.domains.split(",") if a.domains else None)}
     meta = {"workdir": str(a.workdir), "target_dir": str(env["target_dir"]), "draft_dir": str(env["draft_dir"]),
@@ -108,7 +110,8 @@ def setup(a) -> dict:
             "threads": a.threads, "rounds": a.rounds, "uptime_before": uptime(),
             "prompts_per_domain": {d: len(p) for d, p in env["prompts"].items()},
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "torch": torch.__version__,
-            "native_bf16_gemm": native_bf16_gemm()}
+            "native_bf16_gemm": native_bf16_gemm(), "compute_auto": resolve_compute("auto"),
+            "precision": cpu_precision().record()}
     if (arts / "train_draft" / train_draft.INFO).exists():
         d = train_draft.read_info(arts / "train_draft")
         meta["train_draft"] = {"algorithm": d.algorithm, "acceptance_length": d.raw.get("acceptance_length")}

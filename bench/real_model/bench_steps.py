@@ -7,7 +7,8 @@ of them alike; medians and the spread over rounds are reported).
 
 Targets: the BF16 checkpoint (default: the prepared SmolLM2, `$SPECPIPE_REAL_DIR`) and, with --fp8-target, a
 ModelOpt FP8 export of it. Runners: `fp32` and `bf16` (`runtime.engine.target.TargetRunner(compute=...)`; bf16 only
-where `runtime.engine.compute.native_bf16_gemm()` says this CPU has native bf16 GEMMs, unless --force-bf16) and, with
+where the runtime's `auto` takes it, as the stages do: native bf16 GEMMs AND measured faster than fp32 on this machine,
+`runtime.engine.precision.cpu_precision`, cached per machine; unless --force-bf16) and, with
 --baseline-rev, the runtime as it was at that git revision (its whole runtime/ tree, imported as `_base_runtime`;
 pipeline/ and the model loading are today's code).
 
@@ -278,23 +279,27 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--inner", type=int, default=3)
-    ap.add_argument("--force-bf16", action="store_true", help="time the bf16 mode even without native bf16 GEMMs")
+    ap.add_argument("--force-bf16", action="store_true", help="time the bf16 mode even where auto leaves it out")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
 
     import torch
 
-    from runtime.engine.compute import native_bf16_gemm
+    from runtime.engine.compute import default_modes, native_bf16_gemm, resolve_compute
+    from runtime.engine.precision import cpu_precision
     from runtime.engine.target import TargetRunner, load_target
 
+    auto = resolve_compute("auto")   # the stages' decision: bf16 only where native and measured faster here
+    print(f"precision: {cpu_precision().describe()}; compute auto -> {auto}", flush=True)
     torch.set_num_threads(a.threads)
-    modes = ["fp32"] + (["bf16"] if native_bf16_gemm() or a.force_bf16 else [])
+    modes = default_modes(a.force_bf16)
     base = load_baseline(a.baseline_rev) if a.baseline_rev else None
     bw = stream_bandwidth()
     k = a.draft_len
     points = [(1, int(m)) for m in a.rows.split(",")] + ([(4, 1), (4, k + 1)] if a.batch4 else [])
     meta = {"threads": a.threads, "context": a.context, "draft_len": k, "modes": modes, "baseline_rev": a.baseline_rev,
-            "native_bf16_gemm": native_bf16_gemm(), "stream_GBps": bw / 1e9, "torch": torch.__version__,
+            "native_bf16_gemm": native_bf16_gemm(), "compute_auto": auto, "precision": cpu_precision().record(),
+            "stream_GBps": bw / 1e9, "torch": torch.__version__,
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "load_before": os.getloadavg(),
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     print(json.dumps(meta), flush=True)

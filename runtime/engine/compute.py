@@ -16,6 +16,12 @@ def native_bf16_gemm(device="cpu") -> bool:
     return native_bf16(device)
 
 
+def default_modes(force_bf16: bool = False) -> list[str]:
+    """The compute modes a benchmark times by default (bench/real_model/bench_steps.py, bench_e2e.py): `fp32`, and `bf16`
+    where `auto` takes it on this CPU, the stages' decision (not the capability check alone), or where forced."""
+    return ["fp32"] + (["bf16"] if force_bf16 or resolve_compute("auto") == "bf16" else [])
+
+
 def resolve_compute(compute: str, device="cpu") -> str:
     """`fp32` | `bf16` from a requested mode. `fp32`: the exact mode, every GEMM in the loaded parameters' dtype
     (float32 as the loaders give it). `bf16`: GEMMs take bf16 weights and bf16-rounded activations (float32

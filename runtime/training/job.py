@@ -168,6 +168,7 @@ def train_options(sec, steps: int) -> dict:
         "min_lr_ratio": sec.min_lr_ratio,
         "grad_clip": sec.grad_clip,
         "steps": steps,
+        "max_minutes": sec.max_minutes,   # a budget for the steps (runtime.training.budget)
         "batch_size": sec.batch_size,
         "seq_len": sec.seq_len,
         "seed": sec.seed,

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from runtime.training.budget import Budget
 from runtime.training.checkpoint import load_checkpoint, save_checkpoint
 from runtime.training.dist import Process, barrier, dist_group
 from runtime.training.evals import Evals, eval_point
@@ -59,6 +60,7 @@ class Run:
     curve: list
     step_times: list
     evals: Evals
+    budget: Budget | None = None   # train_draft.max_minutes (runtime.training.budget)
 
 
 def _optimizer(params: list, t: dict):
@@ -92,14 +94,16 @@ def setup_training(job: dict, offline: bool, scratch: Path, proc: Process) -> Ru
         ddp = DistributedDataParallel(model, device_ids=[proc.local_rank] if job["device"] == "cuda" else None,
                                       find_unused_parameters=job["algorithm"]["name"] == "dflash")
     evals = Evals.from_job(job, state.get("evals") if state else None)
-    return Run(model, ddp, params, opt, sched, fsdp, step0, curve, step_times, evals)
+    budget = Budget.from_job(job, state.get("budget") if state else None)
+    return Run(model, ddp, params, opt, sched, fsdp, step0, curve, step_times, evals, budget)
 
 
 def train_steps(job: dict, run: Run, data: Data, scratch: Path, proc: Process,
                  should_stop: Callable[[int], bool] | None) -> int | None:
     """The steps from `run.step0` on, with the curve, progress, eval points and periodic checkpoints (one at each eval
     point too). Returns the step after which `should_stop` ended training early (an interruption, not an early
-    stop: `run.evals.early_stop` says that), None when training ended."""
+    stop: `run.evals.early_stop` says that), None when training ended. Under a budget (`run.budget`) the job's step
+    count may be lowered as training goes (runtime.training.budget)."""
     import torch
 
     t = job["train"]
@@ -121,11 +125,14 @@ def train_steps(job: dict, run: Run, data: Data, scratch: Path, proc: Process,
         if step + 1 != t["steps"] and (at_eval or (step + 1) % t["checkpoint_every"] == 0):
             if rank == 0:
                 save_checkpoint(scratch, run.model, run.opt, run.sched, step + 1, run.curve,
-                                {"step_times": run.step_times, "evals": run.evals.state()}, new_best=new_best)
+                                {"step_times": run.step_times, "evals": run.evals.state(),
+                                 **(run.budget.state() if run.budget else {})}, new_best=new_best)
                 proc.emit0({"event": "checkpoint", "step": step + 1})
             barrier()
             if should_stop and should_stop(step + 1):
                 return step + 1
+        if step + 1 >= t["steps"]:   # the last step, or a budget's count reached (runtime.training.budget)
+            break
     return None
 
 
@@ -154,9 +161,12 @@ def _optimizer_step(job: dict, run: Run, batch: dict, proc: Process):
 
 
 def _record_step(job: dict, run: Run, step: int, stats, dt: float, proc: Process) -> None:
-    """The step's time, a curve point (every log_every steps, the first and the last), the `step` event."""
+    """The step's time, the budget's decision (which may make this step the last), a curve point (every log_every
+    steps, the first and the last), the `step` event."""
     t = job["train"]
     run.step_times.append(round(dt, 4))
+    if run.budget:
+        run.budget.after_step(job, step + 1, run.step_times, proc)
     loss_v, acc_v = float(stats[0]), [round(float(a), 4) for a in stats[1:]]
     if (step + 1) % t["log_every"] == 0 or step + 1 == t["steps"] or step == run.step0:
         run.curve.append({"step": step + 1, "loss": round(loss_v, 4), "accuracy": acc_v,

@@ -50,6 +50,8 @@ def plan_line(job: dict, launcher: str) -> str:
     a, t = job["algorithm"], job["train"]
     dtypes = job["train_dtype"] + (f", target {job['target_dtype']} under autocast"
                                    if job["target_dtype"] != job["train_dtype"] else "")
-    return (f"{a['name']} draft, {a['draft_layers']} layer(s), {job['mode']} mode, {t['steps']} steps of batch "
+    steps = f"{t['steps']} steps" + (f" (fewer where they take over max_minutes {t['max_minutes']:g})"
+                                      if t.get("max_minutes") else "")
+    return (f"{a['name']} draft, {a['draft_layers']} layer(s), {job['mode']} mode, {steps} of batch "
             f"{t['batch_size']} x {t['seq_len']} tokens on {job['device']} ({dtypes}), launcher {launcher}"
             + (" with the target's layers sharded (FSDP)" if job["fsdp"] else ""))

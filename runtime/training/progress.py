@@ -68,6 +68,12 @@ class Bars:
             self.log.info("held-out AL at step %d: mean %.3f (%s; %.1f s), best %.3f at step %d", ev["step"], ev["mean"],
                           ", ".join(f"{d} {v:.2f}" for d, v in ev["al"].items()), ev["seconds"], ev["best_mean"],
                           ev["best_step"])
+        elif kind == "budget":
+            self._budget(ev)
+        elif kind == "budget_stop":
+            self.log.warning("train_draft.max_minutes: the steps took %.1f min, the %g-minute budget, by step %d (the "
+                             "resolved %s steps did not fit: the machine slowed): stopping here and exporting this step",
+                             ev["spent_s"] / 60, ev["max_minutes"], ev["step"], ev["resolved_steps"])
         elif kind == "early_stop":
             self.log.info("%s", ev["reason"])
         elif kind == "export_choice":
@@ -80,6 +86,16 @@ class Bars:
             self.log.debug("checkpoint at step %d", ev["step"])
         elif kind == "error":
             self.log.error("%s", ev["message"])
+
+    def _budget(self, ev: dict) -> None:
+        """train_draft.max_minutes resolved: the step count that fits this machine's measured rate."""
+        n, conf = ev["steps"], ev["configured_steps"]
+        self.log.info("train_draft.max_minutes %g: measured %.2f s a step here, %.1f min spent: %s", ev["max_minutes"],
+                      ev["rate_s"], ev["spent_s"] / 60, f"all {conf} configured steps fit" if n >= conf else
+                      f"training {n} of the {conf} configured steps (the learning-rate schedule ends at {n})")
+        self.total = n
+        if self.bar is not None and hasattr(self.bar, "set_total"):
+            self.bar.set_total(n)
 
     def _estimate(self, ev: dict) -> None:
         """Once, after ESTIMATE_AFTER steps of this run: the time the remaining steps take at this machine's measured

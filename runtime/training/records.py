@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from runtime.records import DraftInfo
+from runtime.training.budget import budget_metrics
 from runtime.training.export import tensor_names
 from runtime.training.job import capture_layer_ids
 
@@ -21,6 +22,8 @@ def result_record(job: dict, curve: list, step_times: list, step0: int, world: i
         "train_seconds": round(sum(step_times), 2), "eval_seconds": round(eval_s, 2),
         "curve": curve, "acceptance": acc, "d2t": job.get("d2t_stats"), **dump_info,
     }
+    if job["train"].get("budget"):   # train_draft.max_minutes: the steps resolved on this machine (runtime.training.budget)
+        result["budget"] = job["train"]["budget"]
     if job.get("_fsdp"):
         result["fsdp"] = job["_fsdp"]
     return result
@@ -40,14 +43,14 @@ def draft_record(job: dict, cfg: dict, draft_dir: Path, acc: dict, result: dict)
         rope_scaling=cfg.get("rope_scaling"), serving_context=job["serving_context"], mode=job["mode"],
         acceptance_length=acc.get("acceptance_length"), eval_draft_len=acc.get("draft_len"),
         acceptance_estimator=acc.get("estimator"),
-        exported_step=ev.get("exported_step", job["train"]["steps"]), export_reason=ev.get("export_reason"),
-        draft_vocab=result.get("d2t"))
+        exported_step=ev.get("exported_step", result.get("steps", job["train"]["steps"])),
+        export_reason=ev.get("export_reason"), budget=result.get("budget"), draft_vocab=result.get("d2t"))
 
 
 def curve_record(job: dict, result: dict, acc: dict) -> dict:
     """curve.json: the worker's curve points and the acceptance estimate."""
     a = job["algorithm"]
-    return {"algorithm": a["name"], "steps": job["train"]["steps"], "log_every": job["train"]["log_every"],
+    return {"algorithm": a["name"], "steps": result.get("steps", job["train"]["steps"]), "log_every": job["train"]["log_every"],
             "accuracy_positions": a["ttt_steps"] if a["name"] == "eagle3" else 1,
             "accuracy_note": "EAGLE-3: one accuracy per training-time-test step (draft position); DFlash: ModelOpt "
                              "reports the mean over the block's drafted positions",
@@ -62,7 +65,8 @@ def stage_metrics(job: dict, result: dict, acc: dict, n_checks: int) -> dict:
     return {
         "algorithm": job["algorithm"]["name"],
         "mode": job["mode"],
-        "steps": job["train"]["steps"],
+        "steps": result.get("steps", job["train"]["steps"]),   # under a budget: the steps done (torchrun's workers resolve)
+        **budget_metrics(result),
         "world_size": result["world_size"],
         "resumed_from_step": result["resumed_from_step"],
         "final_loss": result["final_loss"],

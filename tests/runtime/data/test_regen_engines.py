@@ -67,6 +67,35 @@ def test_choose_engine_explains_its_choice_and_refuses_what_cannot_run(tmp_path)
     assert S.cut_at_stop([5, 2, 7, 2], [2]) == [5, 2] and S.cut_at_stop([5, 6], [2]) == [5, 6]
 
 
+def _decided(tmp_path, monkeypatch, fast: bool) -> None:
+    """This machine's precision decision recorded in a fresh cache: bf16 fast or not (runtime/engine/precision.py)."""
+    import dataclasses
+
+    from runtime.engine import precision as P
+
+    monkeypatch.setenv("SPECPIPE_CACHE_DIR", str(tmp_path))
+    p = P.CpuPrecision(bf16_fast=fast, native_bf16=fast, capability="AVX512" if fast else "AVX2", fp32_ms=40.0,
+                       bf16_ms=16.0 if fast else 300.0, cpu="test CPU", key=P.machine_key(), measured="2026-12-07T00:00:00Z")
+    (tmp_path / "precision.json").write_text(json.dumps({P.machine_key(): {k: v for k, v in dataclasses.asdict(p).items()
+                                                                            if k != "source"}}))
+
+
+@pytest.mark.fast
+def test_vllm_regenerates_a_bf16_target_in_float32_where_bf16_is_slow(tmp_path, monkeypatch):
+    """The dtype a started vLLM gets: on a CPU without fast bf16 a bf16 (or unstated) target is served in float32, as
+    validate's vLLM arm asks; where bf16 is fast, and on a GPU, the target's own; the argv carries it."""
+    _decided(tmp_path, monkeypatch, fast=False)
+    dtype, why = R.vllm_dtype(INST, "bfloat16")
+    assert dtype == "float32" and "bf16 GEMMs are not fast on this CPU" in why
+    assert R.vllm_dtype(INST, None)[0] == "float32" and R.vllm_dtype(INST, "float32")[0] == "float32"
+    assert R.vllm_dtype(E.VllmInstall("/venv/bin/python", "0.32.0", "cuda"), "bfloat16")[0] == "bfloat16"
+    srv = E.VllmServer(INST, E.ServeArgs("m", dtype=dtype), log_path=tmp_path / "v.log")
+    assert srv.argv[srv.argv.index("--dtype") + 1] == "float32"
+    _decided(tmp_path, monkeypatch, fast=True)
+    assert R.vllm_dtype(INST, "bfloat16") == ("bfloat16", "the target's dtype")
+    assert R.vllm_dtype(INST, None) == (None, "vLLM's choice (the checkpoint's)")
+
+
 @pytest.mark.fast
 def test_config_check_names_the_field_and_exits_2():
     from conftest import TINY_CONFIG, run_cli
@@ -122,6 +151,7 @@ def smol(real_model, tmp_path_factory):
 def test_vllm_regeneration_matches_the_runtime_and_resumes_without_a_server(smol):
     gens, st, work = smol["gens"], smol["stats"], smol["work"]
     assert st["engine"] == "vllm" and st["generated_prompts"] == N_PROMPTS and st["retokenized"] == 0
+    assert st["engine_dtype"] == "float32" and st["engine_dtype_why"] == "the target's dtype"   # recorded in stats
     assert st["new_tokens_per_s"] > 0 and st["load_seconds"] > 0
     for g in gens:
         assert 0 < len(g) <= NEW and 2 not in g[:-1]                  # cut after the first <|im_end|>

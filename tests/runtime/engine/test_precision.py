@@ -101,6 +101,18 @@ def test_runtime_compute_auto_and_the_explicit_bf16_warning(cache, caplog):
     assert resolve_compute("auto") == ("bf16" if native_bf16_gemm() else "fp32")
 
 
+def test_the_benches_time_bf16_where_the_stages_take_it(cache):
+    """bench/real_model/bench_steps.py and bench_e2e.py time the modes `default_modes` gives: bf16 only where the
+    measured decision takes it (a CPU whose capability check says native bf16 but whose bf16 measured slower: fp32
+    alone), or where forced."""
+    from runtime.engine.compute import default_modes, native_bf16_gemm
+
+    store(cache, decided(False))
+    assert default_modes() == ["fp32"] and default_modes(force_bf16=True) == ["fp32", "bf16"]
+    store(cache, decided(True))
+    assert default_modes() == (["fp32", "bf16"] if native_bf16_gemm() else ["fp32"])
+
+
 def test_vllm_on_a_slow_bf16_cpu_is_asked_for_float32(cache, tmp_path):
     from runtime.vllm.engine import ServeArgs, VllmInstall, VllmServer
 
