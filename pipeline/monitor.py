@@ -252,6 +252,33 @@ def probe(url: str, model: str, prompt: str, *, max_tokens: int, temperature: fl
     return out
 
 
+PERF_OUTPUTS = ("total_draft_tokens", "total_accepted_draft_tokens")
+
+
+def perf_counts(out: dict, url: str) -> tuple[int, int]:
+    """(draft tokens proposed, draft tokens accepted) of one LLM-API response. TensorRT-LLM's LLM-API Triton model
+    sends these outputs with text_output's dtype whatever its config.pbtxt declares (triton_backend/all_models/llmapi/
+    tensorrt_llm/1/model.py@044a90d209e380c95e23e8ae42f3583fa05ada78 `_create_response`:
+    `np.asarray([spec_dec_metrics.total_draft_tokens], dtype=self.output_dtype)`), so Triton's /generate gives JSON
+    strings ("12"); numbers and one-element lists are read as well. Anything else raises ProbeError naming the output."""
+    vals = []
+    for name in PERF_OUTPUTS:
+        v = out.get(name)
+        if isinstance(v, list) and len(v) == 1:
+            v = v[0]
+        try:
+            f = float(v.decode() if isinstance(v, bytes) else v)
+        except (TypeError, ValueError, UnicodeDecodeError):
+            f = float("nan")
+        if not (f >= 0 and f.is_integer()):
+            raise ProbeError(f"{url}: output {name} = {v!r} is not a count of tokens (the LLM-API model's "
+                             "sampling_param_return_perf_metrics outputs)")
+        vals.append(int(f))
+    if vals[1] > vals[0]:
+        raise ProbeError(f"{url}: total_accepted_draft_tokens {vals[1]} > total_draft_tokens {vals[0]}")
+    return vals[0], vals[1]
+
+
 # ---------------------------------------------------------------------------------------------- the monitor
 
 
@@ -404,8 +431,9 @@ class Monitor:
             for p in prompts:
                 r = probe(self.url, self.run.model_name, text_input_for(p, self.run.prompt_format),
                           max_tokens=self.run.max_new_tokens, temperature=self.run.temperature, timeout=self.timeout)
-                drafted += int(r["total_draft_tokens"])
-                accepted += int(r["total_accepted_draft_tokens"])
+                n_drafted, n_accepted = perf_counts(r, self.url)
+                drafted += n_drafted
+                accepted += n_accepted
                 produced += bool(r.get("text_output"))
             out[d] = (None, None) if (drafted == 0 and produced) else (drafted / K, accepted)
         return out

@@ -165,9 +165,23 @@ def read_counters(metrics_url: str, model: str) -> dict[str, dict[str, float]]:
             series = rest.rsplit("}", 1)[0]
             out.setdefault(series, {v: 0.0 for v in names.values()})[names[name]] = float(line.rsplit(" ", 1)[1])
     if not out:
+        if f'model="{model}"' in text and "nv_inference_" in text:
+            raise ProbeError(TRITON_LLMAPI_NO_COUNTERS.format(url=metrics_url, model=model))
         raise ProbeError(f"{metrics_url}: no specpipe_* counters for model '{model}' (passive mode needs the CPU "
                          "model's metrics; a TensorRT-LLM endpoint: use active probes)")
     return out
+
+
+# A Triton server whose model has Triton's own nv_inference_* series but no speculative counters: TensorRT-LLM's
+# LLM-API Triton model (triton_backend/all_models/llmapi/tensorrt_llm/1/model.py@044a90d209e380c95e23e8ae42f3583fa05ada78)
+# creates no pb_utils.MetricFamily; its speculative statistics are per-request output tensors that go to the client
+# that asked for them (sampling_param_return_perf_metrics), so no scrape can see the traffic's acceptance.
+TRITON_LLMAPI_NO_COUNTERS = (
+    "{url}: Triton serves model '{model}' without speculative counters (TensorRT-LLM's LLM-API Triton model publishes "
+    "none to /metrics: its acceptance figures are per-request outputs for the client that asks, "
+    "sampling_param_return_perf_metrics). The canary (--url) works on it; the traffic signal (--traffic, --passive) "
+    "needs counters: serve the same export with trtllm-serve (--engine trtllm) or specpipe's CPU model, or run the "
+    "canary alone (an alarm's diagnosis then says which signal is missing)")
 
 
 def get_text(url: str, timeout: float) -> str:
