@@ -489,3 +489,41 @@ def test_cli_usage_errors(tmp_path):
     r = run_cli("monitor", "--workdir", str(tmp_path), "--url", "http://127.0.0.1:1", "--served-target",
                 str(tmp_path / "missing"))
     assert r.returncode == 2 and "--served-target" in r.stderr and "not a directory" in r.stderr
+
+
+# ---------------------------------------------------------------------------------------------- LLM-API outputs, faults
+
+
+def test_perf_counts_read_the_llmapi_outputs_as_triton_sends_them():
+    """The LLM-API Triton model sends the counts with text_output's dtype (model.py@044a90d209e380c95e23e8ae42f3583fa05ada78
+    `_create_response`), so /generate carries strings; numbers and one-element lists are read too; anything else is a
+    ProbeError naming the output."""
+    from pipeline.monitor import perf_counts
+    from pipeline.monitor_metrics import ProbeError
+
+    assert perf_counts({"total_draft_tokens": "12", "total_accepted_draft_tokens": "9"}, "u") == (12, 9)
+    assert perf_counts({"total_draft_tokens": 12, "total_accepted_draft_tokens": [b"9"]}, "u") == (12, 9)
+    for bad, name in (({"total_draft_tokens": "N/A", "total_accepted_draft_tokens": "1"}, "total_draft_tokens"),
+                      ({"total_draft_tokens": "4", "total_accepted_draft_tokens": "1.5"}, "total_accepted_draft_tokens"),
+                      ({"total_draft_tokens": "4"}, "total_accepted_draft_tokens"),
+                      ({"total_draft_tokens": "4", "total_accepted_draft_tokens": "5"}, "> total_draft_tokens")):
+        with pytest.raises(ProbeError, match=name):
+            perf_counts(bad, "u")
+
+
+def test_the_draft_decay_fault_is_off_unless_named_and_corrupts_after_n():
+    import torch
+
+    from runtime.serving.faults import DRAFT_DECAY, DraftDecay, FaultSpecError
+
+    assert DraftDecay.from_env({}) is None
+    f = DraftDecay.from_env({DRAFT_DECAY: "2:0.5:7"})
+    assert (f.after, f.scale, f.seed) == (2, 0.5, 7)
+    for bad in ("x", "2", "-1:0.5", "2:0", "2:0.5:1:2"):
+        with pytest.raises(FaultSpecError, match="N:SCALE"):
+            DraftDecay.from_env({DRAFT_DECAY: bad})
+    m = torch.nn.Linear(8, 8)
+    m.__dict__["_specpipe_plans"] = {"fp32": "fused"}
+    w0 = m.weight.detach().clone()
+    assert not f.request_finished(m) and not f.request_finished(m) and torch.equal(m.weight, w0)
+    assert f.request_finished(m) and not torch.equal(m.weight, w0) and "_specpipe_plans" not in m.__dict__
