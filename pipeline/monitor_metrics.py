@@ -45,6 +45,34 @@ def _url(u: str) -> str:
     u = u.rstrip("/")
     return u if u.startswith(("http://", "https://")) else f"http://{u}"
 
+
+PERF_OUTPUTS = ("total_draft_tokens", "total_accepted_draft_tokens")
+
+
+def perf_counts(out: dict, url: str) -> tuple[int, int]:
+    """(draft tokens proposed, draft tokens accepted) of one LLM-API response. TensorRT-LLM's LLM-API Triton model
+    sends these outputs with text_output's dtype whatever its config.pbtxt declares (triton_backend/all_models/llmapi/
+    tensorrt_llm/1/model.py@044a90d209e380c95e23e8ae42f3583fa05ada78 `_create_response`:
+    `np.asarray([spec_dec_metrics.total_draft_tokens], dtype=self.output_dtype)`), so Triton's /generate gives JSON
+    strings ("12"); numbers and one-element lists are read as well. Anything else raises ProbeError naming the output."""
+    vals = []
+    for name in PERF_OUTPUTS:
+        v = out.get(name)
+        if isinstance(v, list) and len(v) == 1:
+            v = v[0]
+        try:
+            f = float(v.decode() if isinstance(v, bytes) else v)
+        except (TypeError, ValueError, UnicodeDecodeError):
+            f = float("nan")
+        if not (f >= 0 and f.is_integer()):
+            raise ProbeError(f"{url}: output {name} = {v!r} is not a count of tokens (the LLM-API model's "
+                             "sampling_param_return_perf_metrics outputs)")
+        vals.append(int(f))
+    if vals[1] > vals[0]:
+        raise ProbeError(f"{url}: total_accepted_draft_tokens {vals[1]} > total_draft_tokens {vals[0]}")
+    return vals[0], vals[1]
+
+
 _LINE = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\S+)?\s*$')
 _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
