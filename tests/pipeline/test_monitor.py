@@ -244,3 +244,33 @@ def test_engine_state_decay_is_diagnosed_and_a_fresh_instance_is_fine(run_dir, t
         assert len(als) == len(base) and all(abs(a - b) < 0.1 * b for a, b in zip(als, base.values(), strict=True))
     finally:
         fresh.stop()
+
+
+def test_traffic_on_a_triton_model_without_speculative_counters_says_what_is_possible(tmp_path):
+    """A real Triton server whose model publishes no speculative counters, as TensorRT-LLM's LLM-API model
+    (model.py@044a90d209e380c95e23e8ae42f3583fa05ada78 creates no pb_utils.MetricFamily): here the FAKE LLM-API model of
+    tests/integration/fake_trtllm_llmapi (TensorRT-LLM cannot run here). Reading the traffic counters stops with a
+    message that says so and names the ways out, not the generic 'no specpipe_* counters'."""
+    from pipeline.monitor_metrics import ProbeError, read_counters
+    from runtime.serving import triton_server
+
+    fake = Path(__file__).parents[1] / "integration" / "fake_trtllm_llmapi"
+    model = tmp_path / "repo" / "tensorrt_llm"
+    (model / "1").mkdir(parents=True)
+    shutil.copy2(fake / "model.py", model / "1" / "model.py")
+    (model / "1" / "model.yaml").write_text("model: /nowhere\ntriton_config: {max_batch_size: 0, decoupled: true}\n")
+    (model / "config.pbtxt").write_text(
+        'name: "tensorrt_llm"\nbackend: "python"\nmax_batch_size: 0\nmodel_transaction_policy { decoupled: true }\n'
+        'input [ { name: "text_input" data_type: TYPE_STRING dims: [ -1 ] } ]\n'
+        'output [ { name: "text_output" data_type: TYPE_STRING dims: [ -1 ] } ]\n'
+        'instance_group [ { count: 1 kind: KIND_CPU } ]\n')
+    srv = triton_server.start(model.parent, ready_timeout=120)
+    try:
+        with pytest.raises(ProbeError) as e:
+            read_counters(srv.metrics_url, "tensorrt_llm")
+        msg = str(e.value)
+        assert "without speculative counters" in msg and "--engine trtllm" in msg and "canary" in msg, msg
+        with pytest.raises(ProbeError, match="no specpipe_\\* counters for model 'other'"):
+            read_counters(srv.metrics_url, "other")                # a model Triton does not serve: the generic error
+    finally:
+        srv.stop()
