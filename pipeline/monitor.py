@@ -51,7 +51,7 @@ from pipeline.artifacts import validate as validate_artifact
 from pipeline.errors import StageError, UsageError
 from pipeline.monitor_baseline import check_prompt_format, read_baseline
 from pipeline.monitor_diagnosis import TRAFFIC
-from pipeline.monitor_metrics import ProbeError, _url  # noqa: F401 - ProbeError, _url: this module's API too
+from pipeline.monitor_metrics import ProbeError, _url, perf_counts  # noqa: F401 - this module's API too
 
 # ---------------------------------------------------------------------------------------------- baseline
 
@@ -255,6 +255,7 @@ def probe(url: str, model: str, prompt: str, *, max_tokens: int, temperature: fl
     return out
 
 
+
 # ---------------------------------------------------------------------------------------------- the monitor
 
 
@@ -407,8 +408,9 @@ class Monitor:
             for p in prompts:
                 r = probe(self.url, self.run.model_name, text_input_for(p, self.run.prompt_format),
                           max_tokens=self.run.max_new_tokens, temperature=self.run.temperature, timeout=self.timeout)
-                drafted += int(r["total_draft_tokens"])
-                accepted += int(r["total_accepted_draft_tokens"])
+                n_drafted, n_accepted = perf_counts(r, self.url)
+                drafted += n_drafted
+                accepted += n_accepted
                 produced += bool(r.get("text_output"))
             out[d] = (None, None) if (drafted == 0 and produced) else (drafted / K, accepted)
         return out

@@ -45,6 +45,34 @@ def _url(u: str) -> str:
     u = u.rstrip("/")
     return u if u.startswith(("http://", "https://")) else f"http://{u}"
 
+
+PERF_OUTPUTS = ("total_draft_tokens", "total_accepted_draft_tokens")
+
+
+def perf_counts(out: dict, url: str) -> tuple[int, int]:
+    """(draft tokens proposed, draft tokens accepted) of one LLM-API response. TensorRT-LLM's LLM-API Triton model
+    sends these outputs with text_output's dtype whatever its config.pbtxt declares (triton_backend/all_models/llmapi/
+    tensorrt_llm/1/model.py@044a90d209e380c95e23e8ae42f3583fa05ada78 `_create_response`:
+    `np.asarray([spec_dec_metrics.total_draft_tokens], dtype=self.output_dtype)`), so Triton's /generate gives JSON
+    strings ("12"); numbers and one-element lists are read as well. Anything else raises ProbeError naming the output."""
+    vals = []
+    for name in PERF_OUTPUTS:
+        v = out.get(name)
+        if isinstance(v, list) and len(v) == 1:
+            v = v[0]
+        try:
+            f = float(v.decode() if isinstance(v, bytes) else v)
+        except (TypeError, ValueError, UnicodeDecodeError):
+            f = float("nan")
+        if not (f >= 0 and f.is_integer()):
+            raise ProbeError(f"{url}: output {name} = {v!r} is not a count of tokens (the LLM-API model's "
+                             "sampling_param_return_perf_metrics outputs)")
+        vals.append(int(f))
+    if vals[1] > vals[0]:
+        raise ProbeError(f"{url}: total_accepted_draft_tokens {vals[1]} > total_draft_tokens {vals[0]}")
+    return vals[0], vals[1]
+
+
 _LINE = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\S+)?\s*$')
 _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
@@ -165,9 +193,23 @@ def read_counters(metrics_url: str, model: str) -> dict[str, dict[str, float]]:
             series = rest.rsplit("}", 1)[0]
             out.setdefault(series, {v: 0.0 for v in names.values()})[names[name]] = float(line.rsplit(" ", 1)[1])
     if not out:
+        if f'model="{model}"' in text and "nv_inference_" in text:
+            raise ProbeError(TRITON_LLMAPI_NO_COUNTERS.format(url=metrics_url, model=model))
         raise ProbeError(f"{metrics_url}: no specpipe_* counters for model '{model}' (passive mode needs the CPU "
                          "model's metrics; a TensorRT-LLM endpoint: use active probes)")
     return out
+
+
+# A Triton server whose model has Triton's own nv_inference_* series but no speculative counters: TensorRT-LLM's
+# LLM-API Triton model (triton_backend/all_models/llmapi/tensorrt_llm/1/model.py@044a90d209e380c95e23e8ae42f3583fa05ada78)
+# creates no pb_utils.MetricFamily; its speculative statistics are per-request output tensors that go to the client
+# that asked for them (sampling_param_return_perf_metrics), so no scrape can see the traffic's acceptance.
+TRITON_LLMAPI_NO_COUNTERS = (
+    "{url}: Triton serves model '{model}' without speculative counters (TensorRT-LLM's LLM-API Triton model publishes "
+    "none to /metrics: its acceptance figures are per-request outputs for the client that asks, "
+    "sampling_param_return_perf_metrics). The canary (--url) works on it; the traffic signal (--traffic, --passive) "
+    "needs counters: serve the same export with trtllm-serve (--engine trtllm) or specpipe's CPU model, or run the "
+    "canary alone (an alarm's diagnosis then says which signal is missing)")
 
 
 def get_text(url: str, timeout: float) -> str:

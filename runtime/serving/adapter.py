@@ -48,6 +48,7 @@ class ServingEngine:
         else:
             model, draft = load_target(str(target_dir), device=device), None
         self.engine = SpeculativeEngine(model, draft, compute=compute)
+        self.draft_model = draft       # the draft module the drafter runs (runtime/serving/faults.py perturbs it)
         self.draft_len = draft_len if draft is not None else 0
         # the pipeline's stop ids (target.json via validate: the end of turn, checked against the chat template) when
         # the repository carries them; else what the checkpoint's tokenizer and generation_config.json say

@@ -87,8 +87,8 @@ def _backend_dir(inst: TritonInstall, where: Path) -> Path:
     return where / "backends"
 
 
-def _env(inst: TritonInstall) -> dict[str, str]:
-    env = dict(os.environ)
+def _env(inst: TritonInstall, extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {**os.environ, **(extra or {})}
     libdir = sysconfig.get_config_var("LIBDIR") or ""
     # The stub must load the same libpython as this interpreter, and find this venv's python3 (numpy < 2).
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(inst.libs), libdir, env.get("LD_LIBRARY_PATH", "")) if p)
@@ -261,9 +261,10 @@ class ModelLoad:
 
 def start(repositories: list[Path] | Path, *, models: list[str] | None = None, ports: Ports = Ports(),
           work_dir: Path | None = None, ready_timeout: float = 60.0, log_verbose: int = 0,
-          load: ModelLoad = ModelLoad()) -> TritonServer:
+          load: ModelLoad = ModelLoad(), env: dict[str, str] | None = None) -> TritonServer:
     """Start tritonserver on `repositories`, wait until it is ready, load `models` (default: every model found)
-    as `load` says.
+    as `load` says. `env`: variables added to the server's environment (its models' stubs inherit it; e.g. a test
+    fault of runtime/serving/faults.py).
 
     The caller owns the returned server and must `stop()` it (or use it as a context manager). Raises
     TritonServerError (after stopping the server) when startup or a model load fails.
@@ -281,7 +282,7 @@ def start(repositories: list[Path] | Path, *, models: list[str] | None = None, p
     last_error: TritonServerError | None = None
     for _ in range(attempts):
         picked = [ports.http or free_port(), ports.grpc or free_port(), ports.metrics or free_port()]
-        srv = _launch(inst, repos, backends, wd, picked, log_verbose)
+        srv = _launch(inst, repos, backends, wd, picked, log_verbose, env)
         try:
             srv.wait_ready(ready_timeout)
         except TritonServerError as e:
@@ -317,7 +318,7 @@ def _repositories(repositories: list[Path] | Path) -> list[Path]:
 
 
 def _launch(inst: TritonInstall, repos: list[Path], backends: Path, wd: Path, ports: list[int],
-            log_verbose: int) -> TritonServer:
+            log_verbose: int, env: dict[str, str] | None = None) -> TritonServer:
     """Spawn tritonserver (its own session, output to its log in `wd`) on the (http, grpc, metrics) `ports`."""
     srv = TritonServer(repositories=repos, http_port=ports[0], grpc_port=ports[1], metrics_port=ports[2],
                        work_dir=wd, log_path=wd / f"tritonserver-{ports[0]}.log",
@@ -332,7 +333,7 @@ def _launch(inst: TritonInstall, repos: list[Path], backends: Path, wd: Path, po
            "--exit-timeout-secs=5", f"--log-verbose={log_verbose}",
            f"--backend-config=python,shm-region-prefix-name={srv.shm_prefix}"]
     with open(srv.log_path, "wb") as log:
-        srv.process = subprocess.Popen(cmd, env=_env(inst), stdout=log, stderr=subprocess.STDOUT,
+        srv.process = subprocess.Popen(cmd, env=_env(inst, env), stdout=log, stderr=subprocess.STDOUT,
                                        stdin=subprocess.DEVNULL, start_new_session=True)
     return srv
 

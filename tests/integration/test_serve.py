@@ -24,6 +24,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pipeline.monitor import perf_counts
+
 from conftest import REPO, artifact_dir
 from support.serve import cli_server, http_generate
 
@@ -190,11 +192,19 @@ def test_acceptance_outputs_agree_with_the_runtime(server, reference, prompts):
         status, body = http_generate(server, {"text_input": p, "sampling_param_max_tokens": MAX_TOKENS,
                                               "sampling_param_return_perf_metrics": True, "return_finish_reason": True})
         assert status == 200, body
-        assert body["total_draft_tokens"] == want.total_draft_tokens == want.steps * want.draft_len > 0
-        assert body["total_accepted_draft_tokens"] == want.total_accepted_draft_tokens
-        assert body["acceptance_rate"] == pytest.approx(want.total_accepted_draft_tokens / want.total_draft_tokens, abs=1e-6)
+        # sent as the LLM-API model sends them: text_output's dtype, so /generate gives strings (model.py@044a90d2
+        # `_create_response`: np.asarray([...], dtype=self.output_dtype)); specpipe monitor reads them (perf_counts)
+        perf = ("acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens", "arrival_time_ns",
+                "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns")
+        assert all(isinstance(body[k], str) for k in perf), {k: body[k] for k in perf}
+        assert body["total_draft_tokens"] == str(want.total_draft_tokens)
+        assert want.total_draft_tokens == want.steps * want.draft_len > 0
+        assert body["total_accepted_draft_tokens"] == str(want.total_accepted_draft_tokens)
+        assert perf_counts(body, "test") == (want.total_draft_tokens, want.total_accepted_draft_tokens)
+        assert float(body["acceptance_rate"]) == pytest.approx(want.total_accepted_draft_tokens / want.total_draft_tokens,
+                                                               abs=1e-6)
         assert body["finish_reason"] in ("length", "stop")
-        assert body["arrival_time_ns"] <= body["first_token_time_ns"] <= body["last_token_time_ns"]
+        assert int(body["arrival_time_ns"]) <= int(body["first_token_time_ns"]) <= int(body["last_token_time_ns"])
         # without the flag, like the LLM-API model, only the text comes back
         _, plain = http_generate(server, {"text_input": p, "sampling_param_max_tokens": MAX_TOKENS})
         assert "acceptance_rate" not in plain
@@ -330,10 +340,10 @@ def test_a_request_joins_the_running_batch_at_the_next_step(server, reference, p
         assert status == 200 and short["text_output"] == want, short
         assert got["long"][0] == 200, got["long"]
         long_ = got["long"][1]
-        if short["arrival_time_ns"] < long_["last_token_time_ns"]:
+        if int(short["arrival_time_ns"]) < int(long_["last_token_time_ns"]):
             break
         print(f"try {attempt + 1}: the short request reached the server "
-              f"{(short['arrival_time_ns'] - long_['last_token_time_ns']) / 1e9:.2f} s after the long one finished")
+              f"{(int(short['arrival_time_ns']) - int(long_['last_token_time_ns'])) / 1e9:.2f} s after the long one finished")
     else:
         pytest.fail("in 3 tries the short request never reached the server while the long one was decoding")
     assert metric(metrics(server), "specpipe_requests_joined_running_batch_total") - \
@@ -450,8 +460,9 @@ def test_prometheus_counters_match_the_responses(server, reference, prompts):
         status, body = http_generate(server, {"text_input": p, "sampling_param_max_tokens": MAX_TOKENS,
                                               "sampling_param_return_perf_metrics": True})
         assert status == 200
-        tot["draft"] += body["total_draft_tokens"]
-        tot["acc"] += body["total_accepted_draft_tokens"]
+        drafted, accepted = perf_counts(body, "test")
+        tot["draft"] += drafted
+        tot["acc"] += accepted
     m1 = metrics(server)
     d = lambda name: metric(m1, name) - metric(m0, name)  # noqa: E731
     assert d("specpipe_draft_tokens_total") == tot["draft"] > 0

@@ -190,3 +190,87 @@ def test_monitor_errors_are_clear(run_dir, tmp_path):
     dead = f"http://127.0.0.1:{__import__('runtime.serving.triton_server', fromlist=['free_port']).free_port()}"
     r = monitor(run_dir, "--url", dead, "--once", "--state", str(tmp_path / "s.json"), "--prom-file", str(tmp_path / "p"))
     assert r.returncode == 1 and "probe failed" in r.stderr and "no answer" in r.stderr
+
+
+@pytest.mark.slow
+def test_engine_state_decay_is_diagnosed_and_a_fresh_instance_is_fine(run_dir, tmp_path):
+    """A served engine whose acceptance decays with unchanged files: the real CPU Triton server on a copy of the export,
+    with the TEST FAULT of runtime/serving/faults.py (after FAULT_AFTER completed requests every further one corrupts
+    the draft's weights in memory). Round 1 (its canary: the fault's first FAULT_AFTER requests) is quiet; live traffic
+    then decays the engine; round 2, the first after the decay, alarms and diagnoses engine state (canary and traffic
+    down, the served files still the exported ones: restart first). A fresh instance of the same export (the restart)
+    is probed afterwards: no alarm, the validated AL."""
+    from pipeline import monitor as M
+    from runtime.serving import triton_server
+    from runtime.serving.faults import DRAFT_DECAY
+    from runtime.serving.prompt_format import text_input_for
+
+    per_probe = 2
+    run = M.read_run(run_dir, prompts_per_probe=per_probe)
+    fault_after = per_probe * len(run.prompts)          # round 1's canary requests are served clean
+    repo = tmp_path / "repo"
+    shutil.copytree(run_dir / "artifacts" / "export" / "triton_cpu", repo)
+    model = repo / "tensorrt_llm" / "1"
+    state, prom = tmp_path / "state.json", tmp_path / "monitor.prom"
+    srv = triton_server.start(repo, ready_timeout=120, env={DRAFT_DECAY: f"{fault_after}:1.0:3"})
+    try:
+        assert DRAFT_DECAY in srv.log_tail(60)                  # the model says the fault is on
+        url = f"http://{srv.http_url}"
+        common = ["--url", url, "--traffic", "--metrics-url", srv.metrics_url, "--served-draft", str(model / "draft"),
+                  "--served-target", str(model / "target_fp8"), "--prompts-per-probe", str(per_probe),
+                  "--state", str(state), "--prom-file", str(prom), "--once"]
+        r = monitor(run_dir, *common)
+        assert r.returncode == 0 and "DRIFT ALARM" not in r.stdout and "diagnosis" not in r.stdout
+        for i in range(4):                                     # live traffic (not the canary's prompts) decays it
+            M.probe(url, run.model_name, text_input_for(f"traffic request {i}: def add(a, b):", run.prompt_format),
+                    max_tokens=run.max_new_tokens, temperature=0.0, timeout=120)
+        r = monitor(run_dir, *common)
+        assert r.returncode == 1 and "DRIFT ALARM" in r.stdout, "no alarm in the first round after the decay"
+        assert "| diagnosis: engine state (" in r.stdout and "served files unchanged" in r.stdout
+        assert "action: restart the engine first" in r.stdout
+        assert re.search(r"\[traffic\] AL [\d.]+ over", r.stdout)
+        st = json.loads(state.read_text())
+        assert st["diagnosis"]["cause"] == "engine_state" and st["served_changed"] == []
+        assert re.search(r'specpipe_monitor_diagnosis{cause="engine_state",[^}]*} 1', prom.read_text())
+    finally:
+        srv.stop()
+    fresh = triton_server.start(repo, ready_timeout=120)       # the restart: the same files, a fresh instance
+    try:
+        r = monitor(run_dir, "--url", f"http://{fresh.http_url}", "--prompts-per-probe", str(per_probe), "--once",
+                    "--state", str(tmp_path / "fresh.json"), "--prom-file", str(tmp_path / "fresh.prom"))
+        assert r.returncode == 0 and "DRIFT ALARM" not in r.stdout
+        als = [float(a) for a in re.findall(r"\] AL ([\d.]+) over", r.stdout)]
+        base = {d: t["al0"] for d, t in json.loads((tmp_path / "fresh.json").read_text())["tests"].items()}
+        assert len(als) == len(base) and all(abs(a - b) < 0.1 * b for a, b in zip(als, base.values(), strict=True))
+    finally:
+        fresh.stop()
+
+
+def test_traffic_on_a_triton_model_without_speculative_counters_says_what_is_possible(tmp_path):
+    """A real Triton server whose model publishes no speculative counters, as TensorRT-LLM's LLM-API model
+    (model.py@044a90d209e380c95e23e8ae42f3583fa05ada78 creates no pb_utils.MetricFamily): here the FAKE LLM-API model of
+    tests/integration/fake_trtllm_llmapi (TensorRT-LLM cannot run here). Reading the traffic counters stops with a
+    message that says so and names the ways out, not the generic 'no specpipe_* counters'."""
+    from pipeline.monitor_metrics import ProbeError, read_counters
+    from runtime.serving import triton_server
+
+    fake = Path(__file__).parents[1] / "integration" / "fake_trtllm_llmapi"
+    model = tmp_path / "repo" / "tensorrt_llm"
+    (model / "1").mkdir(parents=True)
+    shutil.copy2(fake / "model.py", model / "1" / "model.py")
+    (model / "1" / "model.yaml").write_text("model: /nowhere\ntriton_config: {max_batch_size: 0, decoupled: true}\n")
+    (model / "config.pbtxt").write_text(
+        'name: "tensorrt_llm"\nbackend: "python"\nmax_batch_size: 0\nmodel_transaction_policy { decoupled: true }\n'
+        'input [ { name: "text_input" data_type: TYPE_STRING dims: [ -1 ] } ]\n'
+        'output [ { name: "text_output" data_type: TYPE_STRING dims: [ -1 ] } ]\n'
+        'instance_group [ { count: 1 kind: KIND_CPU } ]\n')
+    srv = triton_server.start(model.parent, ready_timeout=120)
+    try:
+        with pytest.raises(ProbeError) as e:
+            read_counters(srv.metrics_url, "tensorrt_llm")
+        msg = str(e.value)
+        assert "without speculative counters" in msg and "--engine trtllm" in msg and "canary" in msg, msg
+        with pytest.raises(ProbeError, match="no specpipe_\\* counters for model 'other'"):
+            read_counters(srv.metrics_url, "other")                # a model Triton does not serve: the generic error
+    finally:
+        srv.stop()

@@ -279,6 +279,66 @@ def test_no_alarm_over_1000_rounds_of_the_validated_pair(tmp_path):
     assert alarms == 0 and verdicts == 0
 
 
+def test_no_alarm_over_1000_rounds_at_the_measured_variance(tmp_path):
+    """The canary's rounds as measured on a served pair (monitor_metrics/measured_canary_rounds.json: the tiny pair behind
+    the real CPU Triton server, temperature 1.0, 100 rounds; bench/monitor_variance.py), resampled: 1,000 rounds through
+    the real Monitor (CUSUM per domain, traffic, diagnosis, state file), each domain's observation one measured round
+    drawn at random, the traffic the two domains of another measured round together. The baseline is the pair as if
+    validated at that temperature: per domain a constant-p chain whose mean is the measured mean (the per-round spread
+    is what was measured, not modelled). No alarm, no verdict. The measured dispersion (the per-round variance over the
+    chain's, times the steps) is below the test's assumed 2, so the design is conservative for this pair."""
+    from pipeline.monitor import TRAFFIC, Design, Endpoint, Monitor, Run, make_test, scaled_for_mean
+
+    doc = json.loads(text("measured_canary_rounds.json"))
+    rounds, K = doc["rounds"], doc["draft_len"]
+    domains = sorted(rounds[0])
+    assert len(rounds) == 100 and all(0.5 < s["dispersion"] < 2.0 for s in doc["summary"].values())
+
+    def chain(obs):
+        return scaled_for_mean([1.0] * K, sum(o["accepted"] for o in obs) / sum(o["steps"] for o in obs))
+
+    per = {d: chain([r[d] for r in rounds]) for d in domains}
+    overall = chain([r[d] for r in rounds for d in domains])
+    run = Run(tmp_path, {}, {d: ["p"] for d in domains}, K, doc["max_new_tokens"], doc["temperature"], "tensorrt_llm",
+              "measured", per, overall)
+    rng = np.random.default_rng(41)
+    cum = [0.0, 0.0]
+
+    class Measured(Monitor):
+        def _observe_active(self):
+            return {d: (r[d]["steps"], r[d]["accepted"]) for d, r in ((d, rounds[rng.integers(len(rounds))])
+                                                                      for d in domains)}
+
+        def read_series(self):
+            r = rounds[rng.integers(len(rounds))]
+            cum[0] += sum(r[d]["steps"] for d in domains)
+            cum[1] += sum(r[d]["accepted"] for d in domains)
+            return {"s": {"steps": cum[0], "accepted": cum[1]}}
+
+    mon = Measured(run, Design(draft_len=K), Endpoint("http://127.0.0.1:1", metrics_url="http://127.0.0.1:1/m",
+                                                      traffic=True),
+                   state_path=tmp_path / "s.json", prom_path=tmp_path / "m.prom", echo=lambda *a: None)
+    assert TRAFFIC in mon.tests
+    alarms = verdicts = 0
+    top = 0.0
+    for _ in range(1000):
+        alarms += len(mon.step())
+        verdicts += mon.verdict is not None
+        top = max(top, *(t.S for t in mon.tests.values()))
+    print(f"1000 rounds at the measured variance: {alarms} alarms, {verdicts} verdicts; largest CUSUM {top:.2f} "
+          f"(threshold {mon.design.threshold:.2f}); baselines "
+          + ", ".join(f"{d} AL {t.al0:.3f}" for d, t in mon.tests.items()))
+    assert alarms == 0 and verdicts == 0
+    # the same measured rounds against the pair's temperature-0 baseline (validated AL 5.0, alarm boundary 4.5) alarm
+    # within 20 rounds (round 10 in order): sampling at temperature 1 accepts less (AL 4.43), which is why the canary
+    # probes at validate's temperature, and the test can fail
+    greedy = make_test("code", [1.0] * K, Design(draft_len=K))
+    assert greedy.al0 == doc["validated_al"]["code"] == 5.0
+    first = next((i for i, x in enumerate(rounds, 1) if greedy.update(x["code"]["steps"], x["code"]["accepted"]) is not None
+                  and greedy.alarm), None)
+    assert first is not None and first <= 20, first
+
+
 def _first_verdict(mon, rounds=30):
     for r in range(1, rounds + 1):
         if mon.step():
@@ -429,3 +489,41 @@ def test_cli_usage_errors(tmp_path):
     r = run_cli("monitor", "--workdir", str(tmp_path), "--url", "http://127.0.0.1:1", "--served-target",
                 str(tmp_path / "missing"))
     assert r.returncode == 2 and "--served-target" in r.stderr and "not a directory" in r.stderr
+
+
+# ---------------------------------------------------------------------------------------------- LLM-API outputs, faults
+
+
+def test_perf_counts_read_the_llmapi_outputs_as_triton_sends_them():
+    """The LLM-API Triton model sends the counts with text_output's dtype (model.py@044a90d209e380c95e23e8ae42f3583fa05ada78
+    `_create_response`), so /generate carries strings; numbers and one-element lists are read too; anything else is a
+    ProbeError naming the output."""
+    from pipeline.monitor import perf_counts
+    from pipeline.monitor_metrics import ProbeError
+
+    assert perf_counts({"total_draft_tokens": "12", "total_accepted_draft_tokens": "9"}, "u") == (12, 9)
+    assert perf_counts({"total_draft_tokens": 12, "total_accepted_draft_tokens": [b"9"]}, "u") == (12, 9)
+    for bad, name in (({"total_draft_tokens": "N/A", "total_accepted_draft_tokens": "1"}, "total_draft_tokens"),
+                      ({"total_draft_tokens": "4", "total_accepted_draft_tokens": "1.5"}, "total_accepted_draft_tokens"),
+                      ({"total_draft_tokens": "4"}, "total_accepted_draft_tokens"),
+                      ({"total_draft_tokens": "4", "total_accepted_draft_tokens": "5"}, "> total_draft_tokens")):
+        with pytest.raises(ProbeError, match=name):
+            perf_counts(bad, "u")
+
+
+def test_the_draft_decay_fault_is_off_unless_named_and_corrupts_after_n():
+    import torch
+
+    from runtime.serving.faults import DRAFT_DECAY, DraftDecay, FaultSpecError
+
+    assert DraftDecay.from_env({}) is None
+    f = DraftDecay.from_env({DRAFT_DECAY: "2:0.5:7"})
+    assert (f.after, f.scale, f.seed) == (2, 0.5, 7)
+    for bad in ("x", "2", "-1:0.5", "2:0", "2:0.5:1:2"):
+        with pytest.raises(FaultSpecError, match="N:SCALE"):
+            DraftDecay.from_env({DRAFT_DECAY: bad})
+    m = torch.nn.Linear(8, 8)
+    m.__dict__["_specpipe_plans"] = {"fp32": "fused"}
+    w0 = m.weight.detach().clone()
+    assert not f.request_finished(m) and not f.request_finished(m) and torch.equal(m.weight, w0)
+    assert f.request_finished(m) and not torch.equal(m.weight, w0) and "_specpipe_plans" not in m.__dict__

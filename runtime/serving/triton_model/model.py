@@ -11,7 +11,9 @@ response interface of TensorRT-LLM's LLM-API Triton model (triton_backend/all_mo
 - outputs: `text_output` (the generated text; cumulative in each streamed response, as the LLM API's
   `CompletionOutput.text`), `finish_reason` / `stop_reason` when asked, and with
   `sampling_param_return_perf_metrics: true` the speculative-decoding metrics `acceptance_rate`,
-  `total_accepted_draft_tokens`, `total_draft_tokens` plus the request timestamps;
+  `total_accepted_draft_tokens`, `total_draft_tokens` plus the request timestamps, sent as the LLM-API model sends
+  them: with text_output's dtype (BYTES, the numbers as text: "12", "0.75"), not the FP32/INT32 config.pbtxt
+  declares (Triton 2.51 passes them as sent; `_response`);
 - with streaming each decoding step (1 + accepted draft tokens) is one response, the last one carries the
   final flag and the metrics.
 
@@ -39,6 +41,9 @@ Prometheus metrics on Triton's metrics port (Python-backend custom metrics, labe
 
 What the CPU runtime cannot do is refused with a message rather than ignored: top-k filtering, penalties,
 best_of > 1, cumulative log-probs, KV-cache block metrics.
+
+A TEST FAULT (runtime/serving/faults.py, off unless `SPECPIPE_TEST_FAULT_DRAFT_DECAY` is set in the server's
+environment) corrupts the draft's weights in memory after N requests, for the monitor's engine-state test.
 
 `specpipe_model.json` next to this file names the checkpoints (relative to this directory) and the draft length.
 """
@@ -138,11 +143,18 @@ class TritonPythonModel:
             sys.path.insert(0, src)
         from runtime.serving.adapter import ServingEngine
         from runtime.serving.batching import Scheduler
+        from runtime.serving.faults import DraftDecay
 
         self.inputs = sorted(i["name"] for i in self.model_config.get("input", []))
         params = {k: v.get("string_value") for k, v in (self.model_config.get("parameters") or {}).items()}
         conf = {k: int(params.get(k) or spec.get(k) or d) for k, d in DEFAULTS.items()}
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(self.model_config)
+        # The perf-metric outputs go out as the LLM-API model sends them: numpy arrays of text_output's dtype (TYPE_STRING
+        # -> object), whatever config.pbtxt declares for them (model.py@044a90d209e380c95e23e8ae42f3583fa05ada78
+        # `_create_response`: `np.asarray([spec_dec_metrics.total_draft_tokens], dtype=self.output_dtype)`); the Python
+        # backend serialises each value with str(), so clients get BYTES "12", "0.75" (JSON strings on /generate).
+        self.output_dtype = pb_utils.triton_string_to_numpy(
+            pb_utils.get_output_config_by_name(self.model_config, "text_output")["data_type"])
         draft_len = int(params["specpipe_draft_len"]) if params.get("specpipe_draft_len") else int(spec["draft_len"])
         compute = params.get("specpipe_compute") or spec.get("compute") or "fp32"
         self.engine = ServingEngine(here / spec["target"], here / spec["draft"] if spec.get("draft") and draft_len else None,
@@ -169,6 +181,9 @@ class TritonPythonModel:
         self._gauges["max_batch"].set(conf["specpipe_max_batch"])
         self._gauges["max_queue"].set(conf["specpipe_max_queue"])
         self._gauges["draft_len"].set(self.engine.draft_len)
+        self.fault = DraftDecay.from_env()      # a test fault, off unless the environment names it
+        if self.fault is not None:
+            pb_utils.Logger.log_warn(f"[specpipe] {self.fault.describe()}")
         self.scheduler = Scheduler(self.engine, max_batch=conf["specpipe_max_batch"], max_queue=conf["specpipe_max_queue"],
                                    cancel_check_s=conf["specpipe_cancel_check_ms"] / 1000.0, metrics=self._metric,
                                    log=pb_utils.Logger.log_error)
@@ -245,6 +260,8 @@ class TritonPythonModel:
                 self._send(sender, self._error(job), final=True)
             else:
                 self._send(sender, self._final(job, want), final=True)
+                if self.fault is not None:         # the scheduler's thread, between decoding steps
+                    self.fault.request_finished(self.engine.draft_model)
 
         job = Job(self.engine, req, on_text=on_text if streaming else None, on_done=on_done,
                   is_cancelled=sender.is_cancelled,
@@ -303,8 +320,7 @@ class TritonPythonModel:
         except Exception as e:  # noqa: BLE001 - a client that went away cannot be answered
             pb_utils.Logger.log_warn(f"[specpipe] could not send a response: {e}")
 
-    @staticmethod
-    def _response(text, out, want):
+    def _response(self, text, out, want):
         t = [pb_utils.Tensor("text_output", np.asarray([text.encode("utf-8")], dtype=np.object_))]
         if out is not None:
             if want["finish"]:
@@ -312,14 +328,12 @@ class TritonPythonModel:
             if want["stop"]:
                 t.append(pb_utils.Tensor("stop_reason", np.asarray([str(out.stop_reason)], dtype=np.object_)))
             if want["perf"]:
-                t += [pb_utils.Tensor("acceptance_rate", np.asarray([out.acceptance_rate], dtype=np.float32)),
-                      pb_utils.Tensor("total_accepted_draft_tokens", np.asarray([out.total_accepted_draft_tokens],
-                                                                                dtype=np.int32)),
-                      pb_utils.Tensor("total_draft_tokens", np.asarray([out.total_draft_tokens], dtype=np.int32)),
-                      pb_utils.Tensor("arrival_time_ns", np.asarray([out.arrival_time_ns], dtype=np.int64)),
-                      pb_utils.Tensor("first_scheduled_time_ns", np.asarray([out.first_scheduled_time_ns], dtype=np.int64)),
-                      pb_utils.Tensor("first_token_time_ns", np.asarray([out.first_token_time_ns], dtype=np.int64)),
-                      pb_utils.Tensor("last_token_time_ns", np.asarray([out.last_token_time_ns], dtype=np.int64))]
+                t += [pb_utils.Tensor(name, np.asarray([value], dtype=self.output_dtype)) for name, value in (
+                    ("acceptance_rate", out.acceptance_rate),
+                    ("total_accepted_draft_tokens", out.total_accepted_draft_tokens),
+                    ("total_draft_tokens", out.total_draft_tokens),
+                    ("arrival_time_ns", out.arrival_time_ns), ("first_scheduled_time_ns", out.first_scheduled_time_ns),
+                    ("first_token_time_ns", out.first_token_time_ns), ("last_token_time_ns", out.last_token_time_ns))]
         return pb_utils.InferenceResponse(output_tensors=t)
 
     def finalize(self):
