@@ -33,7 +33,8 @@ RECORDS = [
               vocab_size=512, max_position_embeddings=512, has_d2t=True, mask_token_id=5, trained_draft_len=3,
               objective="kl", rope_scaling={"type": "linear", "factor": 2.0}, serving_context={"max_seq_len": 512},
               mode="online", acceptance_length=2.1, eval_draft_len=3, acceptance_estimator="runtime", exported_step=40,
-              export_reason="best held-out AL", draft_vocab={"token_coverage": 0.99}),
+              export_reason="best held-out AL", draft_vocab={"token_coverage": 0.99},
+              budget={"max_minutes": 36, "steps": 423}),
     DraftInfo(algorithm="dflash", capture_layers=[0, 3], block_size=8),     # the other capture-layer key
     QuantizeInfo(format="fp8", quant_algo="FP8", kv_cache="fp8", target_rel="quantize/target_fp8",
                  draft_rel="train_draft/draft", draft_format="bf16", exclude_modules=["lm_head"],
