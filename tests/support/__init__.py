@@ -11,6 +11,7 @@ import pytest
 TESTS = Path(__file__).resolve().parent.parent
 REPO = TESTS.parent
 TINY_CONFIG = REPO / "configs" / "tiny_fp8_eagle3.yaml"
+SUPPORT = TESTS / "support"   # helper scripts a test runs (side environments) and fakes
 DATA = TESTS / "data"   # upstream extractions the tests compare against (each folder's README names its source)
 
 

@@ -189,7 +189,7 @@ def _killed_client_resumes(srv, smol, work: Path):
     work.mkdir()
     (work / "plan.json").write_text(json.dumps([smol["prompts"], smol["keys"]]))
     journal = work / "answers.jsonl"
-    repo = Path(__file__).resolve().parents[3]
+    from support import REPO as repo
     proc = subprocess.Popen([sys.executable, "-c", KILLED.format(new=NEW), str(work / "plan.json"), srv.url, str(work)],
                             env={**os.environ, "PYTHONPATH": str(repo)})
     deadline = time.monotonic() + 120
