@@ -32,6 +32,16 @@ def real_config(*overrides: str, config: Path = TINY_CONFIG, **sections):
     return load_config(config, list(overrides)).model_copy(update=sections)
 
 
+def shipped_config_validates(path: Path) -> None:
+    """A shipped config loads, and opens with a comment saying what it is and the command that runs it."""
+    from pipeline.config import load_config
+
+    text = path.read_text()
+    load_config(path)
+    assert text.startswith("#"), f"{path.name} must open with a comment saying what it is and how to run it"
+    assert "specpipe build configs/" in text.split("\n\n")[0], f"{path.name}: opening comment must give the command"
+
+
 def script_argv(script: Path, *args: str, **env: str) -> list[str]:
     """The argv a generated `exec ...` shell script would run, expanded by bash itself with `env` set (its `exec` line
     made to print the words instead of running them): what the script does with $HOST, quoting and "$@"."""
