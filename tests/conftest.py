@@ -127,3 +127,20 @@ def stage_context(name: str, section, *, inputs: dict, out_dir: Path, scratch_di
     return StageContext(name=name, config=cfg, section=section, out_dir=out_dir, scratch_dir=scratch_dir, inputs=inputs,
                         workdir=workdir, fingerprint="x", log=logging.getLogger(f"specpipe.test.{name}"),
                         device=resolve_device(cfg.run))
+
+
+@pytest.fixture(scope="session")
+def vllm_tiny_run(tmp_path_factory) -> Path:
+    """The tiny run at test size with the heads vLLM's CPU attention takes and validate's vLLM arm on
+    (support/vllm_env.py VLLM_TINY), built once for the session: the vLLM engine and serving tests read it, none
+    changes its artifacts (`specpipe monitor` writes only under <workdir>/monitor/). SPECPIPE_VLLM_TEST_RUN=<workdir>
+    reuses one. Without the vLLM environment: a failure under CI, a skip elsewhere."""
+    from support.vllm_env import VLLM_TINY, vllm_install
+
+    vllm_install()
+    if os.environ.get("SPECPIPE_VLLM_TEST_RUN"):
+        return Path(os.environ["SPECPIPE_VLLM_TEST_RUN"])
+    wd = tmp_path_factory.mktemp("vllm_tiny") / "run"
+    r = run_cli("build", str(TINY_CONFIG), "--workdir", str(wd), *tiny_overrides(), *VLLM_TINY)
+    assert r.returncode == 0, f"tiny build with vLLM failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return wd
