@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, SPECPIPE, TINY_CONFIG, run_cli, status_json, tiny_overrides
+from conftest import REPO, SPECPIPE, TINY_CONFIG, artifact_dir, run_cli, status_json, tiny_overrides
 from support.stage_runs import assert_al_is_the_counts
 
 pytestmark = pytest.mark.slow
@@ -35,13 +35,13 @@ def _o(*items: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def inputs(tmp_path_factory) -> Path:
-    """A workdir with committed tiny `target` and `data` artifacts."""
-    wd = tmp_path_factory.mktemp("td_inputs") / "run"
+def inputs(run_dir) -> Path:
+    """A workdir with committed tiny `target` and `data` artifacts: the session's tiny run (conftest `run_dir`), whose
+    target and data sections are this module's (tiny_overrides), so the `--only train_draft` builds below find them up
+    to date; read only (tests copy it with `_workdir`). It was a build of its own, the same two stages again."""
     for stage in ("target", "data"):
-        r = run_cli("build", str(TINY_CONFIG), "--workdir", str(wd), "--only", stage, *tiny_overrides("target", "data"))
-        assert r.returncode == 0, r.stderr[-3000:]
-    return wd
+        artifact_dir(run_dir, stage)
+    return run_dir
 
 
 def _workdir(inputs: Path, tmp_path: Path) -> Path:
