@@ -42,6 +42,14 @@ def shipped_config_validates(path: Path) -> None:
     assert "specpipe build configs/" in text.split("\n\n")[0], f"{path.name}: opening comment must give the command"
 
 
+def triton_model_config(p: Path):
+    """A Triton config.pbtxt parsed with Triton's own ModelConfig message (tritonclient's model_config_pb2)."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    return text_format.Parse(p.read_text(), model_config_pb2.ModelConfig())
+
+
 def script_argv(script: Path, *args: str, **env: str) -> list[str]:
     """The argv a generated `exec ...` shell script would run, expanded by bash itself with `env` set (its `exec` line
     made to print the words instead of running them): what the script does with $HOST, quoting and "$@"."""
