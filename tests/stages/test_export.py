@@ -29,7 +29,8 @@ def exported(tmp_path_factory):
     ck = write_checkpoints(root)
     gate(root, True)
     run_stage(root, build, build.Config())
-    # the synthetic draft has no real shapes to write in the speculators format: tests/runtime/vllm/test_speculators.py covers it
+    # the synthetic draft has no real shapes to write in the speculators format:
+    # tests/runtime/vllm/test_speculators.py covers it
     return root, run_stage(root, export, export.Config(speculators=False)), ck
 
 
