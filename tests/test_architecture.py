@@ -12,9 +12,10 @@ import pytest
 
 from pipeline import registry
 
+from support import REPO
+
 pytestmark = pytest.mark.fast
 
-REPO = Path(__file__).resolve().parent.parent
 
 
 def imported_modules(path: Path) -> set[str]:

@@ -133,8 +133,8 @@ def test_the_served_real_pair_answers_like_the_runtime_in_process(real_run):
 def test_the_real_pair_runs_in_vllm_and_agrees_with_validate(real_run):
     """validate measured the SmolLM2 smoke pair in real vLLM too (the `vllm` section's default `auto`): the BF16
     target with the reduced-vocabulary EAGLE-3 draft (the FP8 target's absence said), AL per domain within the
-    agreement tolerance, speculative output within vLLM's noise floor (tests/runtime/vllm/test_vllm_engine.py has the facts
-    read from vLLM v0.32.0). Under CI the vLLM environment is required; elsewhere its absence skips."""
+    agreement tolerance, speculative output within vLLM's noise floor (tests/runtime/vllm/test_vllm_engine.py has
+    the facts read from vLLM v0.32.0). Under CI the vLLM environment is required; elsewhere its absence skips."""
 
     wd, r = real_run
     assert r.returncode == 0, r.stderr[-3000:]

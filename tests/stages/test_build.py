@@ -11,7 +11,6 @@ ModelOpt 0.47 exports them).
 from __future__ import annotations
 
 import json
-import logging
 import os
 import subprocess
 import sys
@@ -21,33 +20,21 @@ import numpy as np
 import pytest
 import yaml
 
-from pipeline.device import ResolvedDevice
 from pipeline.errors import StageError
-from pipeline.stage import Artifact, StageContext
 from runtime import hf_config
 from runtime.algorithms.schedule import DraftSchedule
 from runtime.trtllm import checks, compat, draft_schedule, draft_weights, load, schema
 from runtime.trtllm import options as T
 from stages import build
 
-from support import DATA, real_config
-from support.synthetic import H, Upstream, write_checkpoints
+from support import DATA, REPO, real_config
+from support.synthetic import H, Upstream, needs_prepared_inputs, serves_up_to_max_seq_len, shipped_build, write_checkpoints
+from support.synthetic import build_context as make_ctx
 
 REF_SCHEMAS = DATA / "trtllm_reference"   # upstream extractions, see its README
 
 
 # ------------------------------------------------------------------------------------------ fixtures
-
-
-def make_ctx(root: Path, section: build.Config, tp: int = 1) -> StageContext:
-    arts = root / "artifacts"
-    out = root / ".tmp" / "build"
-    out.mkdir(parents=True)
-    inputs = {n: Artifact(n, arts / n, {"fingerprint": n, "metrics": {}}) for n in build.CONSUMES}
-    cfg = real_config(f"hardware.tensor_parallel_size={tp}", build=section)
-    return StageContext(name="build", config=cfg, section=section, out_dir=out, scratch_dir=root / "scratch",
-                        inputs=inputs, workdir=root, fingerprint="x", log=logging.getLogger("test.build"),
-                        device=ResolvedDevice("cpu", "cpu"))
 
 
 def run_build(root: Path, **section) -> tuple[dict, dict, Path]:
@@ -508,40 +495,6 @@ def test_version_as_yaml_writes_it():
 # ------------------------------------------------------------------------------------------ RoPE in config.json
 
 
-def test_rope_is_written_in_the_form_each_version_reads(real_model):
-    """SmolLM2's config.json (transformers 5.14.1) states theta 1e5 only in `rope_parameters`. TensorRT-LLM 1.2 pins
-    transformers 4.57.1 (requirements.txt stored 000867d9) and RopeParams.from_config reads config.rope_theta
-    (default 10000) and config.rope_scaling through RotaryScalingType.from_string, which rejects 'default'
-    (attention_backend/interface.py, functional.py: compat.SOURCES rope_1_2); transformers 5 reads rope_parameters."""
-    from transformers import AutoConfig
-
-    raw = json.loads((real_model["model_dir"] / "config.json").read_text())
-    assert "rope_theta" not in raw and raw["rope_parameters"]["rope_theta"] == 1e5
-    assert "no top-level rope_theta" in " ".join(hf_config.problems(raw, "legacy"))
-    assert hf_config.problems(raw, "rope_parameters", expected_theta=1e5) == []
-    norm = hf_config.normalize(raw)
-    assert norm["rope_theta"] == 1e5 and norm["rope_scaling"] is None
-    assert norm["rope_parameters"] == {"rope_type": "default", "rope_theta": 1e5}
-    assert hf_config.problems(norm, "legacy", expected_theta=1e5) == hf_config.problems(norm, "rope_parameters",
-                                                                                        expected_theta=1e5) == []
-    # the transformers 4.57 reading (an attribute per key, defaults for the rest) gets 1e5 and no scaling
-    assert norm.get("rope_theta", 10000.0) == 1e5 and norm.get("rope_scaling") is None
-    d = Path(os.environ.get("TMPDIR", "/tmp")) / f"rope-{os.getpid()}"
-    d.mkdir(exist_ok=True)
-    (d / "config.json").write_text(json.dumps(norm))
-    assert AutoConfig.from_pretrained(d).rope_parameters["rope_theta"] == 1e5   # transformers 5 too
-    # ModelOpt's EAGLE-3 export form (default-type rope_scaling) is what 1.2 cannot read; normalized it can
-    mo = {"rope_theta": 1e4, "rope_scaling": {"rope_type": "default", "rope_theta": 1e4}}
-    assert "RotaryScalingType rejects" in " ".join(hf_config.problems(mo, "legacy"))
-    assert hf_config.problems(hf_config.normalize(mo), "legacy") == []
-    # scaled RoPE keeps its scaling in both forms; contradictory forms are an error, not a guess
-    y = hf_config.normalize({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e5, "factor": 4.0,
-                                                 "original_max_position_embeddings": 8192}})
-    assert y["rope_scaling"] == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192}
-    with pytest.raises(hf_config.RopeError, match="different RoPE thetas"):
-        hf_config.normalize({"rope_theta": 1e4, "rope_parameters": {"rope_type": "default", "rope_theta": 1e5}})
-
-
 def test_build_checks_rope_against_the_source_model(tmp_path):
     """A target config.json as transformers 5 writes it (rope_parameters only) fails the 1.2.1 build; the same
     passes 1.3.0rc27 (transformers 5 reads it); a theta that is not the source model's fails both."""
@@ -577,48 +530,21 @@ def test_prompt_admission_is_tensorrt_llms_check_arguments():
     assert not ok and "131071 tokens" in msg and "build.chunked_prefill: auto" in msg
 
 
-def _shipped_build(tmp_path: Path, cfg_file: Path, positions: int, **over):
-    """Run the build stage with `cfg_file`'s build section on synthetic checkpoints covering `positions` tokens, tune's
-    max_num_tokens computed from its tune section as tune computes it."""
-    from pipeline.config import load_config
-    from runtime.cost import tuning
-
-    cfg = load_config(cfg_file, [])
-    algo = cfg.train_draft.algorithm.kind
-    version = cfg.build.trtllm_version
-    mnt = tuning.max_num_tokens(16, 4, cfg.tune.min_num_tokens)
-    write_checkpoints(tmp_path, Upstream(algorithm=algo, version=version, positions=positions, max_num_tokens=mnt,
-                                         mode=cfg.build.eagle3_mode if algo == "eagle3" else "one_model"))
-    section = cfg.build.model_copy(update={"load": "never", **over})
-    ctx = make_ctx(tmp_path, section)
-    build.run(ctx)
-    dep = ctx.out_dir / "deployment"
-    return yaml.safe_load((dep / "llm_api_options.yaml").read_text()), json.loads((ctx.out_dir / "deployment.json").read_text())
-
-
 @pytest.mark.fast
-@pytest.mark.parametrize("cfg_file", sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml")),
+@pytest.mark.parametrize("cfg_file", [p for p in sorted((REPO / "configs").glob("*.yaml")) if not needs_prepared_inputs(p)],
                          ids=lambda p: p.stem)
 def test_every_shipped_config_serves_prompts_up_to_its_max_seq_len(tmp_path, cfg_file):
-    """ModelOpt copies the target's max_position_embeddings into the draft, so max_seq_len is the model's context
-    (131,072 for Llama-3.x) while tune's max_num_tokens stays near 8,192: every prompt up to max_seq_len - 1 must
-    pass TensorRT-LLM's admission rule, which the options without enable_chunked_prefill would fail."""
-    opts, doc = _shipped_build(tmp_path, cfg_file, 131072)
-    assert opts["max_seq_len"] == 131072 and opts["max_num_tokens"] < 131071
-    assert checks.prompt_rejection(opts, opts["max_seq_len"] - 1) is None
-    assert opts["enable_chunked_prefill"] is True and doc["enable_chunked_prefill"] is True
-    assert schema.unknown_keys(opts, doc["trtllm_version"]) == []
-    assert {c["name"]: c["ok"] for c in doc["checks"]}["long_prompts"] is True
-    without = {k: v for k, v in opts.items() if k != "enable_chunked_prefill"}    # what ab12171 wrote
-    assert "should not exceed max_num_tokens" in checks.prompt_rejection(without, opts["max_seq_len"] - 1)
+    """The configs that load without the real model's prepared inputs (the others: test_build_real.py); what is
+    checked: support.synthetic.serves_up_to_max_seq_len."""
+    serves_up_to_max_seq_len(tmp_path, cfg_file)
 
 
 def test_chunked_prefill_off_is_a_deliberate_cap_and_a_contradiction_fails(tmp_path):
-    cfg_file = Path(__file__).resolve().parents[2] / "configs" / "llama70b_fp8_eagle3.yaml"
-    opts, doc = _shipped_build(tmp_path / "off", cfg_file, 131072, chunked_prefill="off")
+    cfg_file = REPO / "configs" / "llama70b_fp8_eagle3.yaml"
+    opts, doc = shipped_build(tmp_path / "off", cfg_file, 131072, chunked_prefill="off")
     assert "enable_chunked_prefill" not in opts and opts["max_seq_len"] == opts["max_num_tokens"]
     assert checks.prompt_rejection(opts, opts["max_seq_len"] - 1) is None
-    short, _ = _shipped_build(tmp_path / "short", cfg_file, 2048)       # a short context needs no chunking
+    short, _ = shipped_build(tmp_path / "short", cfg_file, 2048)       # a short context needs no chunking
     assert "enable_chunked_prefill" not in short and short["max_seq_len"] == 2048
     with pytest.raises(StageError, match="long_prompts: a prompt of 32767 tokens"):
-        _shipped_build(tmp_path / "bad", cfg_file, 131072, chunked_prefill="off", max_seq_len=32768)
+        shipped_build(tmp_path / "bad", cfg_file, 131072, chunked_prefill="off", max_seq_len=32768)

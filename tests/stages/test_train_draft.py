@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REAL_CONFIG, REPO, SPECPIPE, TINY_CONFIG, run_cli, status_json, tiny_overrides
+from conftest import REPO, SPECPIPE, TINY_CONFIG, artifact_dir, run_cli, status_json, tiny_overrides
+from support.stage_runs import assert_al_is_the_counts
 
 pytestmark = pytest.mark.slow
 DFLASH_CONFIG = REPO / "configs" / "tiny_fp8_dflash.yaml"   # same target/data sections as TINY_CONFIG
@@ -34,13 +35,13 @@ def _o(*items: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def inputs(tmp_path_factory) -> Path:
-    """A workdir with committed tiny `target` and `data` artifacts."""
-    wd = tmp_path_factory.mktemp("td_inputs") / "run"
+def inputs(run_dir) -> Path:
+    """A workdir with committed tiny `target` and `data` artifacts: the session's tiny run (conftest `run_dir`), whose
+    target and data sections are this module's (tiny_overrides), so the `--only train_draft` builds below find them up
+    to date; read only (tests copy it with `_workdir`). It was a build of its own, the same two stages again."""
     for stage in ("target", "data"):
-        r = run_cli("build", str(TINY_CONFIG), "--workdir", str(wd), "--only", stage, *tiny_overrides("target", "data"))
-        assert r.returncode == 0, r.stderr[-3000:]
-    return wd
+        artifact_dir(run_dir, stage)
+    return run_dir
 
 
 def _workdir(inputs: Path, tmp_path: Path) -> Path:
@@ -78,17 +79,6 @@ def dflash(inputs, tmp_path_factory) -> Path:
 
 def _art(wd: Path) -> Path:
     return wd / "artifacts" / "train_draft"
-
-
-def assert_al_is_the_counts(acc: dict) -> None:
-    """The runtime estimate's AL is (steps + accepted) / steps of its own counts, overall and per domain (not just
-    inside the definitional [1, 1 + k]); accepted tokens never exceed drafted ones."""
-    doms = acc["domains"].values()
-    steps, accepted = sum(d["steps"] for d in doms), sum(d["accepted"] for d in doms)
-    assert steps > 0 and acc["acceptance_length"] == pytest.approx((steps + accepted) / steps, abs=1e-6)
-    for d in doms:
-        assert 0 <= d["accepted"] <= d["drafted"] and d["acceptance_length"] == pytest.approx(
-            (d["steps"] + d["accepted"]) / d["steps"], abs=1e-6)
 
 
 # ------------------------------------------------------------------------------------------- EAGLE-3
@@ -966,262 +956,3 @@ def test_a_node_that_never_joins_ends_at_the_launcher_timeout(inputs, tmp_path):
     assert r.returncode != 0 and time.monotonic() - t0 < 180
     assert "ran past train_draft.launcher.timeout_s=10" in r.stderr, r.stderr[-3000:]
     assert not (_art(wd) / "manifest.json").exists()
-
-
-# ------------------------------------------------------------------------------------------- shipped configs' budgets
-
-
-# The hub targets of the shipped configs cannot be downloaded here: their published config.json facts, read from
-# huggingface.co/<model id>/blob/main/config.json (num_hidden_layers, hidden_size, vocab_size, tie_word_embeddings),
-# and the parameter count of each model card. SmolLM2 is the prepared model's own config.json
-# (bench/real_model/prepare.py writes it).
-HUB_TARGETS = {
-    "meta-llama/Llama-3.3-70B-Instruct": {
-        "num_layers": 80,
-        "hidden_size": 8192,
-        "vocab_size": 128256,
-        "tied": False,
-        "params": 70.55e9,
-    },
-    "meta-llama/Llama-3.1-8B-Instruct": {
-        "num_layers": 32,
-        "hidden_size": 4096,
-        "vocab_size": 128256,
-        "tied": False,
-        "params": 8.03e9,
-    },
-    "Qwen/Qwen3-8B": {"num_layers": 36, "hidden_size": 4096, "vocab_size": 151936, "tied": False, "params": 8.19e9},
-    "bench/real_model/prepared/model/SmolLM2-135M-Instruct": {
-        "num_layers": 30,
-        "hidden_size": 576,
-        "vocab_size": 49152,
-        "tied": True,
-        "params": 134.5e6,
-    },
-}
-# Mean tokens per training sample, per dataset: an assumption (not measured here). UltraChat 200k's multi-turn
-# conversations: ~1,000 tokens under the Llama-3 / Qwen3 tokenizers (issue 12's figure). Sources not listed here are
-# counted at their upper bound, min(data.max_length, train_draft.seq_len) tokens per sample.
-MEAN_TOKENS = {"HuggingFaceH4/ultrachat_200k": 1000}
-
-
-def _target_shape(cfg) -> dict:
-    if cfg.target.bootstrap == "tiny":
-        t = cfg.target.tiny
-        return {"num_layers": t.num_layers, "hidden_size": t.hidden_size, "vocab_size": t.vocab_size, "tied": False}
-    return HUB_TARGETS[cfg.target.model]
-
-
-def _tokens_per_sample(cfg) -> float:
-    bound = min(cfg.data.max_length, cfg.train_draft.seq_len)
-    means = [MEAN_TOKENS.get(getattr(s, "name", None), bound) for s in cfg.data.sources]
-    return min(bound, max(means))
-
-
-@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
-def test_shipped_config_runs_within_its_own_budgets(path):
-    """Each shipped config, against the stage's own estimates on its target's shape: the capture layers and
-    draft options fit the target (the stage's run-time shape checks), an EAGLE-3 draft captures 3 layers, and an
-    offline config's hidden-state dump (`estimate_dump_bytes`, what the preflight compares) fits its
-    `offline.max_dump_gb`, which an offline shipped config must state."""
-    from pipeline.config import load_config
-    from runtime.algorithms.eagle3 import default_aux_layer_ids
-    from runtime.training.algorithm import shape_problems
-    from runtime.training.offline import estimate_dump_bytes
-
-    cfg = load_config(path)
-    sec = cfg.train_draft
-    shape = _target_shape(cfg)
-    probs = shape_problems(sec.algorithm, shape["num_layers"], shape["vocab_size"], "num_layers", "vocab_size")
-    assert not probs, probs
-    a = sec.algorithm
-    layers = (a.aux_layer_ids or default_aux_layer_ids(shape["num_layers"])) if a.kind == "eagle3" else \
-        (a.target_layer_ids or list(range(a.draft_layers)))
-    if a.kind == "eagle3":
-        assert len(set(layers)) == 3 and max(layers) < shape["num_layers"], layers
-    if sec.mode == "offline":
-        n = min(cfg.data.max_samples, sec.max_samples or cfg.data.max_samples)
-        itemsize = 4 if sec.dtype == "float32" else 2
-        need = estimate_dump_bytes(n, _tokens_per_sample(cfg), len(layers), shape["hidden_size"], itemsize)
-        budget = sec.offline.max_dump_gb
-        assert budget is not None, f"{path.name}: offline without train_draft.offline.max_dump_gb (needs ~{need / 2**40:.1f} TiB)"
-        assert need <= budget * 2**30, (f"{path.name}: the offline dump needs ~{need / 2**30:,.0f} GiB "
-                                        f"({n} samples x {_tokens_per_sample(cfg):.0f} tokens), over max_dump_gb={budget}")
-    if cfg.run.device == "cuda":
-        # the frozen target's bf16 weights per training process: whole, or with launcher.fsdp 1/N of the decoder
-        # layers plus the embeddings and lm_head every process keeps; at most half a GPU (the rest: the draft, its
-        # optimizer state and the activations of batch_size / processes x seq_len tokens)
-        from pipeline.hardware import GPUS
-
-        procs = sec.launcher.nproc_per_node * sec.launcher.nnodes if sec.launcher.kind == "torchrun" else 1
-        outside = (1 if shape["tied"] else 2) * shape["vocab_size"] * shape["hidden_size"]
-        per_proc = 2 * ((shape["params"] - outside) / procs + outside if sec.launcher.fsdp else shape["params"])
-        gpu = GPUS[cfg.hardware.gpu]
-        assert per_proc <= 0.5 * gpu.memory_gb * 1e9, (f"{path.name}: each process holds ~{per_proc / 1e9:.0f} GB of target "
-                                                      f"weights on a {gpu.memory_gb:.0f} GB {gpu.name}")
-
-
-# ------------------------------------------------------------------------------------------- the real model: tied embeddings
-
-# SmolLM2-135M-Instruct ties lm_head to embed_tokens: its checkpoint has no lm_head.weight. A few steps each.
-REAL_SMALL = ["train_draft.steps=2", "train_draft.batch_size=2", "train_draft.seq_len=64", "train_draft.warmup_steps=1",
-              "train_draft.checkpoint_every=100", "train_draft.log_every=1", "train_draft.eval.prompts_per_domain=2",
-              "train_draft.eval.osl=8", "train_draft.max_samples=16"]
-
-
-@pytest.fixture(scope="module")
-def real_inputs(real_model, tmp_path_factory) -> Path:
-    """Committed `target` (the stage, on SmolLM2) and a small `data` artifact written here per the contract in
-    docs/architecture.md (first user/assistant turns of the prepared ShareGPT chats, assistant tokens as loss;
-    humaneval and gsm8k prompts), since this branch's data stage does not mask SmolLM2's stock template yet."""
-    from datasets import Dataset
-    from transformers import AutoTokenizer
-
-    from pipeline.store import Store
-
-    wd = tmp_path_factory.mktemp("td_real") / "run"
-    r = run_cli("build", str(REAL_CONFIG), "--workdir", str(wd), "--only", "target")
-    assert r.returncode == 0, r.stderr[-3000:]
-    tok = AutoTokenizer.from_pretrained(wd / "artifacts" / "target" / "model")
-    rows = {"input_ids": [], "loss_mask": [], "domain": [], "source": []}
-    for i, line in enumerate((real_model["data_dir"] / "sharegpt_chats.jsonl").read_text().splitlines()):
-        msgs = json.loads(line)["messages"][:2]
-        if len(rows["input_ids"]) == 24:
-            break
-        if [m["role"] for m in msgs] != ["user", "assistant"]:
-            continue
-        head = tok.apply_chat_template(msgs[:1], add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-        full = tok.apply_chat_template(msgs, tokenize=True, return_dict=True)["input_ids"]
-        assert full[: len(head)] == head
-        rows["input_ids"].append(full[:128])
-        rows["loss_mask"].append(([0] * len(head) + [1] * (len(full) - len(head)))[:128])
-        rows["domain"].append("chat")
-        rows["source"].append(f"sharegpt_chats.jsonl:{i}")
-    tmp = wd / "data.tmp"
-    (tmp / "eval").mkdir(parents=True)
-    for split in ("train", "heldout", "calib"):
-        Dataset.from_dict(rows).to_parquet(str(tmp / f"{split}.parquet"))
-    for dom in ("humaneval", "gsm8k"):
-        lines = []
-        for line in (real_model["data_dir"] / f"{dom}.jsonl").read_text().splitlines()[:2]:
-            user = next(m["content"] for m in json.loads(line)["messages"] if m["role"] == "user")
-            ids = tok.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True, tokenize=True,
-                                          return_dict=True)["input_ids"][-96:]
-            lines.append(
-                json.dumps({"id": f"{dom}-{len(lines)}", "prompt": tok.decode(ids), "prompt_ids": ids, "reference": None})
-            )
-        (tmp / "eval" / f"{dom}.jsonl").write_text("\n".join(lines) + "\n")
-    (tmp / "stats.json").write_text("{}")
-    Store(wd).commit(
-        "data", tmp, {"stage": "data", "fingerprint": "f" * 64, "metrics": {"train_samples": len(rows["input_ids"])}}
-    )
-    return wd
-
-
-def _real_ctx(inputs: Path, tmp_path: Path, *overrides: str):
-    import logging
-
-    from pipeline.config import load_config
-    from pipeline.device import resolve_device
-    from pipeline.stage import StageContext
-    from pipeline.store import Store
-
-    wd = tmp_path / "run"
-    (wd / "artifacts").mkdir(parents=True)
-    for stage in ("target", "data"):
-        shutil.copytree(inputs / "artifacts" / stage, wd / "artifacts" / stage)
-    cfg = load_config(REAL_CONFIG, [*REAL_SMALL, "run.device=cpu", *overrides])
-    st = Store(wd)
-    (wd / "out").mkdir()
-    return StageContext(
-        name="train_draft",
-        config=cfg,
-        section=cfg.train_draft,
-        out_dir=wd / "out",
-        scratch_dir=st.scratch_dir("train_draft", "0" * 16),
-        inputs={k: st.artifact(k) for k in ("target", "data")},
-        workdir=wd,
-        fingerprint="0" * 16,
-        log=logging.getLogger("test_train_draft"),
-        device=resolve_device(cfg.run),
-    )
-
-
-def _real_tensor(model_dir: Path, name: str):
-    from safetensors import safe_open
-
-    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
-        return f.get_tensor(name)
-
-
-def test_real_model_tied_embeddings_full_vocabulary(real_inputs, tmp_path, monkeypatch):
-    """Full draft vocabulary on the tied target: the draft has no lm_head of its own, ModelOpt's export copies the
-    target's, which is its embedding (the checkpoint stores no lm_head.weight); the export loads in the runtime,
-    captures SmolLM2's default 3 layers [1, 14, 26], and the runtime estimate runs on it."""
-    import stages.train_draft as td
-
-    monkeypatch.chdir(REPO)
-    ctx = _real_ctx(real_inputs, tmp_path, "train_draft.algorithm.draft_vocab_size=null")
-    m = td.run(ctx)
-    draft = ctx.out_dir / "draft"
-    model_dir = real_inputs / "artifacts" / "target" / "model"
-    embed = _real_tensor(model_dir, "model.embed_tokens.weight")
-    lm = _real_tensor(draft, "lm_head.weight")
-    assert lm.shape == (49152, 576) and lm.dtype == embed.dtype and bool((lm == embed).all())
-    d = json.loads((ctx.out_dir / "draft.json").read_text())
-    assert d["aux_layer_ids"] == [1, 14, 26] and d["has_d2t"] is False and d["draft_vocab_size"] == 49152
-    assert all(c["passed"] for c in json.loads((ctx.out_dir / "checks.json").read_text()))
-    assert m["acceptance_estimator"] == "runtime"
-    acc = json.loads((ctx.out_dir / "curve.json").read_text())["acceptance"]
-    assert m["acceptance_length"] == acc["acceptance_length"] and 1.0 <= m["acceptance_length"] <= 4.0
-    assert_al_is_the_counts(acc)
-    assert set(m["acceptance_by_domain"]) == {"humaneval", "gsm8k"}
-
-
-def test_real_model_offline_with_tied_embeddings(real_inputs, tmp_path, monkeypatch):
-    """Offline on the tied target, reduced vocabulary: ModelOpt's 0-layer base (`load_vlm_or_llm(...,
-    use_offline_training=True)`) keeps the tied lm_head, so the base logits it computes from a dumped record are the
-    target's own; the draft is exported from the offline model (no reload for the runtime estimate) and passes
-    its checks with a valid d2t."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    import stages.train_draft as td
-    from runtime.training.model import build_model
-
-    monkeypatch.chdir(REPO)
-    # target_dtype auto (float32): the logits below are compared with the float32 target's at 1e-4
-    ctx = _real_ctx(
-        real_inputs, tmp_path, "train_draft.mode=offline", "train_draft.max_samples=4", "train_draft.target_dtype=auto"
-    )
-    m = td.run(ctx)
-    assert m["mode"] == "offline" and m["dump_bytes"] > 0 and m["acceptance_estimator"] == "runtime"
-    assert all(c["passed"] for c in json.loads((ctx.out_dir / "checks.json").read_text()))
-    assert _real_tensor(ctx.out_dir / "draft", "lm_head.weight").shape == (8192, 576)
-    rec = torch.load(sorted(ctx.scratch_dir.glob("hidden/*.pt"))[0], weights_only=True)
-    job = json.loads(json.dumps(td.make_job(ctx)))
-    offline = build_model(job, True, torch.device("cpu"))
-    target = AutoModelForCausalLM.from_pretrained(real_inputs / "artifacts" / "target" / "model", dtype=torch.float32).eval()
-    with torch.no_grad():
-        want = target(input_ids=rec["input_ids"][None]).logits[0]
-        got = offline._base_model_lm_head(rec["hidden_states"].float())
-    assert offline._base_model_lm_head.weight.data_ptr() == offline.get_input_embeddings().weight.data_ptr()
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
-
-
-def test_real_model_fsdp_skeleton_ties_lm_head(real_inputs):
-    """launcher.fsdp reads the tensors outside the decoder layers from the safetensors: SmolLM2's has no
-    lm_head.weight, and the skeleton ties it to the embedding read from the checkpoint (not left on the meta device,
-    not refused as missing)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from runtime.training.fsdp import load_target_skeleton
-
-    model_dir = real_inputs / "artifacts" / "target" / "model"
-    sk = load_target_skeleton({"target_dir": str(model_dir), "trust_remote_code": False}, torch.device("cpu"), torch.float32)
-    assert sk.lm_head.weight is sk.get_input_embeddings().weight and not sk.lm_head.weight.is_meta
-    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    for n, p in sk.named_parameters():
-        if ".layers." not in n:
-            assert torch.equal(p, ref.get_parameter(n)), n

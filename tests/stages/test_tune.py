@@ -460,17 +460,23 @@ def test_profile_content_enters_the_fingerprint(tmp_path):
     assert runner.stale_reason(before, after) == "hardware.profile content changed"
 
 
-def test_a_dflash_config_targets_a_version_that_serves_it():
+@pytest.mark.parametrize("name", ["tiny_fp8_dflash", "llama8b_fp8_dflash"])
+def test_a_dflash_config_targets_a_version_that_serves_it(name):
     """build.trtllm_version always has a value: the shipped DFlash configs name 1.3, and a DFlash config left at the
-    default (1.2) is a config error before tune runs."""
-    from pipeline.config import load_config
+    default (1.2) is a config error before tune runs. (The DFlash configs that load without prepared inputs; the
+    real-model one, configs/smollm2_fp8_dflash.yaml, is read as written below and loaded where its inputs are:
+    tests/stages/test_build.py's shipped configs.)"""
+    from pipeline.config import load_config, read_yaml
     from pipeline.errors import ConfigError
 
     assert tune.target_version(real_config()) == compat.DEFAULT_TRTLLM_VERSION
-    v = tune.target_version(real_config(config=REPO / "configs" / "smollm2_fp8_dflash.yaml"))
+    v = tune.target_version(real_config(config=REPO / "configs" / f"{name}.yaml"))
     assert compat.algorithm_problem(v, "dflash") is None and compat.release(v).schedule_semantics == "upper_bound"
     with pytest.raises(ConfigError, match="build.trtllm_version"):
-        load_config(REPO / "configs" / "smollm2_fp8_dflash.yaml", ["build.trtllm_version=1.2.1"])
+        load_config(REPO / "configs" / f"{name}.yaml", ["build.trtllm_version=1.2.1"])
+    smol, _ = read_yaml(REPO / "configs" / "smollm2_fp8_dflash.yaml")
+    assert smol["train_draft"]["algorithm"]["kind"] == "dflash"
+    assert compat.algorithm_problem(compat.normalize_version(smol["build"]["trtllm_version"]), "dflash") is None
 
 
 def test_draft_precision_comes_from_quantize_json(tmp_path):

@@ -11,6 +11,7 @@ import pytest
 TESTS = Path(__file__).resolve().parent.parent
 REPO = TESTS.parent
 TINY_CONFIG = REPO / "configs" / "tiny_fp8_eagle3.yaml"
+SUPPORT = TESTS / "support"   # helper scripts a test runs (side environments) and fakes
 DATA = TESTS / "data"   # upstream extractions the tests compare against (each folder's README names its source)
 
 
@@ -29,6 +30,24 @@ def real_config(*overrides: str, config: Path = TINY_CONFIG, **sections):
     from pipeline.config import load_config
 
     return load_config(config, list(overrides)).model_copy(update=sections)
+
+
+def shipped_config_validates(path: Path) -> None:
+    """A shipped config loads, and opens with a comment saying what it is and the command that runs it."""
+    from pipeline.config import load_config
+
+    text = path.read_text()
+    load_config(path)
+    assert text.startswith("#"), f"{path.name} must open with a comment saying what it is and how to run it"
+    assert "specpipe build configs/" in text.split("\n\n")[0], f"{path.name}: opening comment must give the command"
+
+
+def triton_model_config(p: Path):
+    """A Triton config.pbtxt parsed with Triton's own ModelConfig message (tritonclient's model_config_pb2)."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    return text_format.Parse(p.read_text(), model_config_pb2.ModelConfig())
 
 
 def script_argv(script: Path, *args: str, **env: str) -> list[str]:

@@ -179,6 +179,64 @@ def run_stage(root: Path, module, section) -> Path:
     return arts / module.NAME
 
 
+def build_context(root: Path, section, tp: int = 1) -> StageContext:
+    """The build stage's context on the artifacts under root/artifacts, `section` its config, TP `tp`."""
+    from stages import build
+
+    arts = root / "artifacts"
+    out = root / ".tmp" / "build"
+    out.mkdir(parents=True)
+    inputs = {n: Artifact(n, arts / n, {"fingerprint": n, "metrics": {}}) for n in build.CONSUMES}
+    cfg = real_config(f"hardware.tensor_parallel_size={tp}", build=section)
+    return StageContext(name="build", config=cfg, section=section, out_dir=out, scratch_dir=root / "scratch",
+                        inputs=inputs, workdir=root, fingerprint="x", log=logging.getLogger("test.build"),
+                        device=ResolvedDevice("cpu", "cpu"))
+
+
+def shipped_build(root: Path, cfg_file: Path, positions: int, **over) -> tuple[dict, dict]:
+    """Run the build stage with `cfg_file`'s build section on synthetic checkpoints covering `positions` tokens, tune's
+    max_num_tokens computed from its tune section as tune computes it: (llm_api_options.yaml, deployment.json)."""
+    import yaml
+
+    from pipeline.config import load_config
+    from runtime.cost import tuning
+    from stages import build
+
+    cfg = load_config(cfg_file, [])
+    algo = cfg.train_draft.algorithm.kind
+    version = cfg.build.trtllm_version
+    mnt = tuning.max_num_tokens(16, 4, cfg.tune.min_num_tokens)
+    write_checkpoints(root, Upstream(algorithm=algo, version=version, positions=positions, max_num_tokens=mnt,
+                                     mode=cfg.build.eagle3_mode if algo == "eagle3" else "one_model"))
+    section = cfg.build.model_copy(update={"load": "never", **over})
+    ctx = build_context(root, section)
+    build.run(ctx)
+    dep = ctx.out_dir / "deployment"
+    return yaml.safe_load((dep / "llm_api_options.yaml").read_text()), json.loads((ctx.out_dir / "deployment.json").read_text())
+
+
+def serves_up_to_max_seq_len(root: Path, cfg_file: Path) -> None:
+    """ModelOpt copies the target's max_position_embeddings into the draft, so max_seq_len is the model's context
+    (131,072 for Llama-3.x) while tune's max_num_tokens stays near 8,192: every prompt up to max_seq_len - 1 must
+    pass TensorRT-LLM's admission rule, which the options without enable_chunked_prefill would fail."""
+    from runtime.trtllm import checks, schema
+
+    opts, doc = shipped_build(root, cfg_file, 131072)
+    assert opts["max_seq_len"] == 131072 and opts["max_num_tokens"] < 131071
+    assert checks.prompt_rejection(opts, opts["max_seq_len"] - 1) is None
+    assert opts["enable_chunked_prefill"] is True and doc["enable_chunked_prefill"] is True
+    assert schema.unknown_keys(opts, doc["trtllm_version"]) == []
+    assert {c["name"]: c["ok"] for c in doc["checks"]}["long_prompts"] is True
+    without = {k: v for k, v in opts.items() if k != "enable_chunked_prefill"}    # what ab12171 wrote
+    assert "should not exceed max_num_tokens" in checks.prompt_rejection(without, opts["max_seq_len"] - 1)
+
+
+def needs_prepared_inputs(cfg_file: Path) -> bool:
+    """A shipped config that reads the real model's prepared inputs (bench/real_model/prepare.sh), which a fresh
+    checkout lacks: it loads only where they are (the `real_model` fixture)."""
+    return "bench/real_model/prepared/" in Path(cfg_file).read_text()
+
+
 def gate(root: Path, passed: bool) -> None:
     write_acceptance(root / "artifacts")       # validate's measurement, with the gate outcome `passed`
     f = root / "artifacts" / "validate" / "acceptance.json"

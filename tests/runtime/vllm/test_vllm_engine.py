@@ -13,7 +13,6 @@ skip (create it with the command in the skip message, or point SPECPIPE_VLLM_PYT
 from __future__ import annotations
 
 import math
-import os
 import subprocess
 import tempfile
 import time
@@ -23,7 +22,7 @@ import pytest
 
 from runtime.vllm import engine as E
 
-from support.vllm_env import VLLM_TINY, vllm_install
+from support.vllm_env import vllm_install
 
 METRICS = """\
 # HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
@@ -86,20 +85,6 @@ def test_server_argv_and_cpu_env():
 
 
 # ---------------------------------------------------------------------------------------------- real vLLM
-
-
-@pytest.fixture(scope="session")
-def vllm_tiny_run(tmp_path_factory) -> Path:
-    """A tiny run whose validate measured the pair in vLLM too (SPECPIPE_VLLM_TEST_RUN=<workdir> reuses one)."""
-    vllm_install()
-    if os.environ.get("SPECPIPE_VLLM_TEST_RUN"):
-        return Path(os.environ["SPECPIPE_VLLM_TEST_RUN"])
-    from conftest import TINY_CONFIG, run_cli, tiny_overrides
-
-    wd = tmp_path_factory.mktemp("vllm_tiny") / "run"
-    r = run_cli("build", str(TINY_CONFIG), "--workdir", str(wd), *tiny_overrides(), *VLLM_TINY)
-    assert r.returncode == 0, f"tiny build with vLLM failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
-    return wd
 
 
 def _group_alive(pgid: int) -> bool:

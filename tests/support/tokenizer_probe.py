@@ -1,7 +1,7 @@
 """Runs under ANY transformers (the project's transformers 5, or the 4.57.1 venv TensorRT-LLM 1.2.1 pins; needs only
 transformers, tokenizers and jinja2, no torch):
 
-    python tests/runtime/text/tokenizer_probe.py DIR [DIR ...]
+    python tests/support/tokenizer_probe.py DIR [DIR ...]
 
 For each directory it loads the tokenizer the way TensorRT-LLM's `load_hf_tokenizer` does
 (`AutoTokenizer.from_pretrained(dir)`, fast tokenizer, no remote code) and prints one JSON object {dir: result}:
