@@ -249,12 +249,14 @@ def test_engine_state_decay_is_diagnosed_and_a_fresh_instance_is_fine(run_dir, t
 def test_traffic_on_a_triton_model_without_speculative_counters_says_what_is_possible(tmp_path):
     """A real Triton server whose model publishes no speculative counters, as TensorRT-LLM's LLM-API model
     (model.py@044a90d209e380c95e23e8ae42f3583fa05ada78 creates no pb_utils.MetricFamily): here the FAKE LLM-API model of
-    tests/integration/fake_trtllm_llmapi (TensorRT-LLM cannot run here). Reading the traffic counters stops with a
+    tests/support/fake_trtllm_llmapi (TensorRT-LLM cannot run here). Reading the traffic counters stops with a
     message that says so and names the ways out, not the generic 'no specpipe_* counters'."""
     from pipeline.monitor_metrics import ProbeError, read_counters
     from runtime.serving import triton_server
 
-    fake = Path(__file__).parents[1] / "integration" / "fake_trtllm_llmapi"
+    from support import SUPPORT
+
+    fake = SUPPORT / "fake_trtllm_llmapi"
     model = tmp_path / "repo" / "tensorrt_llm"
     (model / "1").mkdir(parents=True)
     shutil.copy2(fake / "model.py", model / "1" / "model.py")

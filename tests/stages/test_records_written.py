@@ -8,10 +8,9 @@ import ast
 from pathlib import Path
 
 import pytest
+from support import REPO
 
 pytestmark = pytest.mark.fast
-
-REPO = Path(__file__).resolve().parents[2]
 
 NOT_RECORDS = {    # file name -> why it is written without a record (no other stage reads it)
     "stats.json": "data's statistics, read by its own report only",
