@@ -8,6 +8,7 @@ import ast
 from pathlib import Path
 
 import pytest
+
 from support import REPO
 
 pytestmark = pytest.mark.fast
