@@ -158,5 +158,5 @@ class DFlashDrafter(Drafter):
 
 
 def make_drafter(draft, target: TargetRunner) -> Drafter:
-    return Eagle3Drafter(draft, target) if draft.algorithm == "eagle3" else DFlashDrafter(draft, target)
+    return DFlashDrafter(draft, target) if draft.traits.drafts_block else Eagle3Drafter(draft, target)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import shlex
 
+from runtime.algorithms.registry import get as get_algorithm
 from runtime.vllm.speculators_config import SPECULATORS_VERSION
 from runtime.vllm.speculators_format import SpeculatorsExport
 from runtime.vllm.speculators_weights import WEIGHTS_FILE
@@ -151,11 +152,12 @@ def _checked_text(spec: SpeculatorsExport) -> str:
 def readme(spec: SpeculatorsExport, argv: list[str], *, draft: str, source_draft: str,
            deployed_draft: str | None = None) -> str:
     cmd = shlex.join(argv)
-    kind = "EAGLE-3" if spec.algorithm == "eagle3" else f"DFlash (block {spec.block_size})"
+    algo = get_algorithm(spec.algorithm)
+    kind = algo.title + (f" (block {spec.block_size})" if algo.drafts_block else "")
     vocab = (f"Reduced draft vocabulary: {spec.draft_vocab_size} of {spec.vocab_size} tokens (`d2t`, `t2d`)"
              if spec.has_d2t else f"Full vocabulary ({spec.vocab_size} tokens)")
     shared = ("The token embeddings are the verifier's: `embed_tokens.weight` is a bit-exact copy of the target's, "
-              "which vLLM\nfinds equal to the target's and shares." if spec.algorithm == "eagle3" else
+              "which vLLM\nfinds equal to the target's and shares." if not algo.shares_target_head else
               "Embeddings and LM head are the verifier's and not in this directory: vLLM shares the target's, the "
               f"speculators\nlibrary loads them from `speculators_config.verifier.name_or_path` = `{spec.verifier}`.")
     fp8 = ("" if deployed_draft in (None, source_draft) else
