@@ -17,7 +17,7 @@ for the TensorRT-LLM version it targets (`build.trtllm_version`, default the ver
                                     `bench.rounds` x the bench concurrency requests)
   deployment/README.md              what was built, for which version/container, draft length by batch, checks, usage
   deployment.json                   the same facts for `export` and `status`
-  deployment/ngram/                 with build.ngram.enabled: n-gram drafting of the target (runtime/trtllm/ngram.py)
+  deployment/ngram/                 with build.ngram.enabled: n-gram drafting of the target (runtime/trtllm/ngram_deployment.py)
 
 When `tune` found that speculation never pays, the deployment is the target alone and the README says why. Every key is
 checked against the version's field list; the named checks of `runtime.trtllm.checks.consistency_checks` must pass. Where
@@ -80,7 +80,7 @@ class Bench(Strict):
 
 
 class NgramDeploy(Strict):
-    """n-gram (prompt-lookup) drafting deployed beside the trained pair: deployment/ngram/ (runtime/trtllm/ngram.py)."""
+    """n-gram (prompt-lookup) drafting deployed beside the trained pair: deployment/ngram/ (runtime/trtllm/ngram_deployment.py)"""
 
     enabled: bool = Field(False, description="write TensorRT-LLM's and vLLM's n-gram configs for the target")
     k: int | None = Field(None, ge=1, le=16, description="draft tokens per step; default: what validate measured")
@@ -224,7 +224,7 @@ def run(ctx: StageContext) -> dict:
 
 def _ngram(ctx: StageContext, plan: _Plan, options: dict, out: Path) -> dict:
     from pipeline.artifacts import validate as validate_artifact
-    from runtime.trtllm import ngram as N
+    from runtime.trtllm import ngram_deployment as N
 
     acc = validate_artifact.read_acceptance(ctx.input("validate").path)
     try:

@@ -11,7 +11,7 @@ from runtime.errors import RuntimeFailure
 from runtime.validate.decode import Measurement, MeasureSettings, lossless_subset, measure
 from runtime.validate.hybrid import measure_hybrid
 from runtime.validate.lossless_arms import exact_check, lossless_and_speed
-from runtime.validate.ngram import measure_ngram
+from runtime.validate.ngram_arm import measure_ngram
 
 
 class DraftLoadError(RuntimeFailure):

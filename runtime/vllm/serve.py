@@ -23,7 +23,7 @@ import json
 import shlex
 
 from runtime.algorithms.registry import get as get_algorithm
-from runtime.vllm.speculators_config import SPECULATORS_VERSION
+from runtime.vllm.speculators_config import SPECULATORS_CAPTURE_KEY, SPECULATORS_VERSION
 from runtime.vllm.speculators_format import SpeculatorsExport
 from runtime.vllm.speculators_weights import WEIGHTS_FILE
 
@@ -131,7 +131,7 @@ def _checked_text(spec: SpeculatorsExport) -> str:
   (`layers/quantization/kv_cache.py`), unlike TensorRT-LLM 1.2, which runs unit scales; without the flag vLLM
   picks fp8 anyway from the checkpoint's `kv_cache_scheme`.
 - `--max-model-len`: prompt + generated tokens per request (ModelConfig.max_model_len).
-- Minimum vLLM version: capture ids are read from `eagle_aux_hidden_state_layer_ids` ("Using auxiliary layers from
+- Minimum vLLM version: capture ids are read from `{SPECULATORS_CAPTURE_KEY}` ("Using auxiliary layers from
   speculative config" in `v1/worker/gpu_model_runner.py`); an id equal to the target's layer count (its final
   decoder output) is captured only since vLLM PR #36063 (`_maybe_add_hidden_state(..., idx + 1, ...)`), first
   released in {MIN_VLLM_FINAL_LAYER_CAPTURE} (merged 2026-03-13, after the 0.17 releases).

@@ -44,13 +44,13 @@ def load_draft(path: str | Path, target: TargetShape | None = None, *, compute_d
         if declared is None or sorted(map(int, declared)) != sorted(map(int, expected_capture_layers)):
             raise DraftFormatError(f"{path}: config.json declares capture layers {declared}, but the draft was trained "
                                    f"on target layers {list(expected_capture_layers)}")
-    if algo.drafts_block:
+    if algo.drafts_block:         # DFlash: one block per pass; else EAGLE-3: chain drafting
         m = DFlashDraft(check_dflash(cfg, sd, path, target), sd, compute_dtype)
     else:
         m = Eagle3Draft(check_eagle3(cfg, sd, path, target, strict), sd, compute_dtype, first_layer_norm)
     m.kv_fp8_scale = DRAFT_KV_FP8_SCALE if kv_cache == "fp8" else None
     quant = (path / "hf_quant_config.json").exists()
-    log.info("loaded %s draft %s (%d layers%s, %s KV cache)", algo.title, path, m.num_layers, ", FP8" if quant else "",
+    log.info("loaded %s draft %s (%d layers%s, %s KV cache)", algo.name, path, m.num_layers, ", FP8" if quant else "",
              kv_cache.upper())
     return m.to(device).eval()
 
