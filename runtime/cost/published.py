@@ -2,10 +2,14 @@
 
 A record (bench/published_runs.yaml is the project's; a user may write their own in the same schema) holds:
 - `shapes`: model shapes by key (`kind: target` for a Llama-style decoder, `kind: eagle3` for a one-layer EAGLE-3
-  drafter), each with the source it was read from;
+  drafter, `kind: dflash` for a DFlash block drafter: `feature_layers` target layers fused by `fc`, plain layers,
+  lm_head over the full vocabulary), each with the source it was read from;
 - `runs`: one row a published run (engine, GPU key of pipeline/hardware.py, tensor parallelism, target and drafter
   shape keys, dtype, the speculation shape (`steps`, `topk`, `num_draft_tokens`: a chain when topk is 1),
   batch, and `measured`: what the source printed, among `al`, `base_tokens_per_s`, `spec_tokens_per_s`, `speedup`);
+  `drafter.algorithm` (eagle3, the default, or dflash) must match its shape's kind: a DFlash run is a chain of
+  `steps` = the drafted tokens a step (num_speculative_tokens), priced as one parallel draft pass
+  (runtime.cost.costmodel.Deployment.draft_time);
 - `excluded`: runs read but kept out, each with its reason.
 
 Pricing a run is what `tune` does (runtime.cost.costmodel at tune's default efficiencies), plus the per-step
@@ -47,6 +51,7 @@ class Run:
     measured: dict
     source: str = ""
     assumed: tuple = ()
+    algorithm: str = "eagle3"     # the drafter's: "eagle3" | "dflash"
 
     @property
     def is_tree(self) -> bool:
@@ -106,6 +111,14 @@ def _shape(path: str, key: str, d) -> cm.ModelShape:
     if kind == "target":
         return cm.llama(key, num_layers=dims["num_layers"], hidden=dims["hidden"], heads=dims["heads"],
                         kv_heads=dims["kv_heads"], intermediate=dims["intermediate"], vocab=dims["vocab"], head_dim=hd)
+    if kind == "dflash":
+        th = _need(where, d, "target_hidden", int, positive=True)
+        n_feat = _need(where, d, "feature_layers", int, positive=True)
+        h = dims["hidden"]
+        return cm.ModelShape(key, dims["num_layers"], h, dims["heads"], dims["kv_heads"], hd,
+                             cm.llama_layer_gemms(h, dims["heads"], dims["kv_heads"], hd, dims["intermediate"]),
+                             head_gemms=(cm.Gemm("lm_head", h, dims["vocab"]),),
+                             input_gemms=(cm.Gemm("fc", n_feat * th, h, split=False),))
     if kind == "eagle3":
         th = _need(where, d, "target_hidden", int, positive=True)
         dv = d.get("draft_vocab") or dims["vocab"]
@@ -114,10 +127,10 @@ def _shape(path: str, key: str, d) -> cm.ModelShape:
                              cm.llama_layer_gemms(h, dims["heads"], dims["kv_heads"], hd, dims["intermediate"], qkv_in=2 * h),
                              head_gemms=(cm.Gemm("lm_head", h, dv),),
                              input_gemms=(cm.Gemm("fc", 3 * th, h, split=False),))
-    raise RuntimeUsageError(f"{where}: field 'kind' must be 'target' or 'eagle3', found {kind!r}")
+    raise RuntimeUsageError(f"{where}: field 'kind' must be 'target', 'eagle3' or 'dflash', found {kind!r}")
 
 
-def _run(path: str, i: int, d, shapes: dict, gpus) -> Run:
+def _run(path: str, i: int, d, shapes: dict, gpus, kinds: dict) -> Run:
     if not isinstance(d, dict):
         raise RuntimeUsageError(f"{path}: runs[{i}] must be a mapping, found {type(d).__name__}")
     rid = d.get("id") if isinstance(d.get("id"), str) else f"#{i}"
@@ -137,14 +150,15 @@ def _run(path: str, i: int, d, shapes: dict, gpus) -> Run:
     if dtype not in DTYPES:
         raise RuntimeUsageError(f"{where}: field 'dtype' must be one of {', '.join(DTYPES)}, found {dtype!r}")
     measured = _measured(where, d.get("measured"))
-    steps, topk, nodes, draft = _spec(where, d, shapes)
+    steps, topk, nodes, draft, algorithm = _spec(where, d, shapes, kinds)
     tp = d.get("tp", 1)
     batch = d.get("batch")
     for k, v in (("tp", tp), ("batch", batch), ("context", d.get("context", DEFAULT_CONTEXT))):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise RuntimeUsageError(f"{where}: field '{k}' must be an integer >= 1, found {v!r}")
     return Run(rid, engine, gpu, tp, target, draft, dtype, steps, topk, nodes, batch,
-               d.get("context", DEFAULT_CONTEXT), measured, str(d.get("source", "")), tuple(d.get("assumed") or ()))
+               d.get("context", DEFAULT_CONTEXT), measured, str(d.get("source", "")), tuple(d.get("assumed") or ()),
+               algorithm)
 
 
 def _measured(where: str, m) -> dict:
@@ -161,10 +175,10 @@ def _measured(where: str, m) -> dict:
     return dict(m)
 
 
-def _spec(where: str, d: dict, shapes: dict):
+def _spec(where: str, d: dict, shapes: dict, kinds: dict):
     spec = d.get("spec")
     if spec is None:
-        return 0, 1, 1, None
+        return 0, 1, 1, None, "eagle3"
     if not isinstance(spec, dict):
         raise RuntimeUsageError(f"{where}: field 'spec' must be a mapping (steps, topk, num_draft_tokens)")
     steps = _need(where + " spec", spec, "steps", int, positive=True)
@@ -180,7 +194,13 @@ def _spec(where: str, d: dict, shapes: dict):
     draft = drafter.get("shape") if isinstance(drafter, dict) else None
     if draft not in shapes:
         raise RuntimeUsageError(f"{where}: field 'drafter.shape' {draft!r} names no entry of 'shapes'")
-    return steps, topk, nodes, draft
+    algorithm = drafter.get("algorithm", "eagle3")
+    if algorithm not in ("eagle3", "dflash") or kinds.get(draft) != algorithm:
+        raise RuntimeUsageError(f"{where}: field 'drafter.algorithm' must be eagle3 or dflash and match the kind of "
+                                f"shape {draft!r} ({kinds.get(draft)!r}), found {algorithm!r}")
+    if algorithm == "dflash" and topk != 1:
+        raise RuntimeUsageError(f"{where}: field 'spec.topk' of a DFlash run must be 1 (one block a step), found {topk!r}")
+    return steps, topk, nodes, draft, algorithm
 
 
 def load_record(path: str | Path, gpus: dict) -> Record:
@@ -197,7 +217,8 @@ def load_record(path: str | Path, gpus: dict) -> Record:
     if not isinstance(doc, dict) or not isinstance(doc.get("runs"), list) or not doc["runs"]:
         raise RuntimeUsageError(f"{p}: expected a mapping with a non-empty 'runs' list (and 'shapes')")
     shapes = {k: _shape(str(p), k, v) for k, v in (doc.get("shapes") or {}).items()}
-    runs = [_run(str(p), i, d, shapes, gpus) for i, d in enumerate(doc["runs"])]
+    kinds = {k: v.get("kind") for k, v in (doc.get("shapes") or {}).items()}
+    runs = [_run(str(p), i, d, shapes, gpus, kinds) for i, d in enumerate(doc["runs"])]
     seen = set()
     for r in runs:
         if r.id in seen:
@@ -226,7 +247,7 @@ def deployment(run: Run, shapes: dict, gpus: dict, *, compute: float = 0.8, memo
     wb = DTYPES[run.dtype]
     fmt = "fp8" if run.dtype == "fp8" else "bf16"
     prec = cm.Precision(fmt, wb, wb)
-    return cm.Deployment(shapes[run.target], shapes[run.draft] if run.draft else None, "eagle3", prec,
+    return cm.Deployment(shapes[run.target], shapes[run.draft] if run.draft else None, run.algorithm, prec,
                          cm.Precision("bf16", 2.0, wb), m, run.tp, run.context)
 
 

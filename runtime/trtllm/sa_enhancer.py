@@ -8,7 +8,9 @@ Facts (NVIDIA/TensorRT-LLM; the rule itself is ported in runtime/engine/suffix.p
   1.3.0rc27 (nvidia.github.io/TensorRT-LLM/1.3.0rc27/llm-api/reference/SAEnhancerConfig.html). 1.2.1's
   Eagle3DecodingConfig has no sa_config (runtime/trtllm/schemas/trtllm-1.2.json), DFlashDecodingConfig has none on
   either line. Which release candidate first carried it was not established (the repository is too large to
-  fetch here for `git tag --contains`).
+  fetch here for `git tag --contains`); its predecessor was an `Eagle3DecodingConfig(use_sa_spec=True)` flag
+  (NVIDIA/TensorRT-LLM PR #11878, opened 2026-03-03), so an rc between 1.2.1 and 1.3.0rc27 may have that flag and no
+  sa_config (docs/stages/build_export.md).
 - With sa_config set, TensorRT-LLM turns rejection sampling off unless it was set explicitly, and refuses an explicit
   use_rejection_sampling: true (the 1.3 schema's rules).
 - A matched request still runs the neural draft loop (eagle3.py: the override follows the draft loop), so the

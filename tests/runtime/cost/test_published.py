@@ -95,12 +95,42 @@ def test_fitted_overheads_are_applied_per_engine(tmp_path):
     ({"r1": {"spec": {"steps": 3, "topk": 1, "num_draft_tokens": 6}}}, ["chain-h200", "spec.num_draft_tokens"]),
     ({"r1": {"drafter": {"shape": "nope"}}}, ["chain-h200", "drafter.shape"]),
     ({"r0": {"batch": 0}}, ["plain-h100", "'batch'"]),
+    ({"r1": {"drafter": {"shape": "d8b", "algorithm": "dflash"}}}, ["chain-h200", "drafter.algorithm", "eagle3"]),
 ])
 def test_a_malformed_record_exits_2_naming_the_run_and_field(tmp_path, change, words):
     r = run_cli("predict", str(small_record(tmp_path, **change)))
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert all(w in r.stderr for w in words), r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_dflash_run_is_priced_as_one_parallel_draft_pass(tmp_path):
+    """A `kind: dflash` drafter (fc over `feature_layers` target layers, plain layers, lm_head over the full
+    vocabulary) prices k drafts as one pass of 1 + k rows (costmodel.Deployment.draft_time), not k EAGLE passes."""
+    shapes = {"l8b": L8B, "df": {"kind": "dflash", "num_layers": 5, "hidden": 4096, "heads": 32, "kv_heads": 8,
+                                 "intermediate": 14336, "vocab": 128256, "target_hidden": 4096, "feature_layers": 5,
+                                 "source": "test"}}
+    run = {"id": "dflash-h100", "engine": "vllm", "gpu": "h100_sxm", "target": "l8b", "batch": 1,
+           "drafter": {"shape": "df", "algorithm": "dflash"}, "spec": {"steps": 7, "topk": 1, "num_draft_tokens": 8},
+           "measured": {"al": 4.0, "spec_tokens_per_s": 400.0}}
+    path = tmp_path / "df.yaml"
+    path.write_text(yaml.safe_dump({"shapes": shapes, "runs": [run]}))
+    rec = published.load_record(path, GPUS)
+    r = rec.runs[0]
+    dep = published.deployment(r, rec.shapes, GPUS)
+    assert r.algorithm == "dflash" and dep.algorithm == "dflash"
+    m = cm.machine_from_gpu(GPUS["h100_sxm"], compute_efficiency=0.8, memory_efficiency=0.85, op_overhead_us=2.0)
+    draft = cm.ModelShape("d", 5, 4096, 32, 8, 128, cm.llama_layer_gemms(4096, 32, 8, 128, 14336),
+                          head_gemms=(cm.Gemm("lm_head", 4096, 128256),),
+                          input_gemms=(cm.Gemm("fc", 5 * 4096, 4096, split=False),))
+    one_pass = cm.step_time(cm.forward_ops(draft, batch=1, q_len=8, context=published.DEFAULT_CONTEXT,
+                                           prec=cm.Precision("bf16", 2.0, 2.0), logits_rows=7), m)
+    plain, spec = published.model_times(r, dep)
+    assert spec == pytest.approx(dep.target_time(1, 8) + one_pass, rel=1e-12)
+    shapes["df"]["kind"] = "eagle3"
+    path.write_text(yaml.safe_dump({"shapes": shapes, "runs": [run]}))
+    bad = run_cli("predict", str(path))
+    assert bad.returncode == 2 and "drafter.algorithm" in bad.stderr
 
 
 def test_a_missing_file_exits_2(tmp_path):
@@ -173,11 +203,21 @@ def test_the_record_holds_what_the_issue_asks(record):
 
 
 def test_goals_on_the_held_out_runs(record):
-    """The issue's goals as data checks (docs/benchmarks.md reports every figure, met or not): with the fitted
-    overheads the held-out mean |error| of speedup and plain tokens/s is within 10 %, the uncorrected model's is
-    not; the fastest chain depth is picked at least as often as without the fit."""
-    fitted = engine_fit.evaluate(record, GPUS, engine_fit.FITTED)
-    raw = engine_fit.evaluate(record, GPUS, {})
+    """The issue's goals as data checks (docs/benchmarks.md reports every figure, met or not): on the held-out runs
+    of the engines with fitted overheads (SGLang) the held-out mean |error| of speedup and plain tokens/s is within
+    10 %, the uncorrected model's is not; the fastest chain depth is picked at least as often as without the fit.
+    Over every engine the plain-rate goal is not met (vLLM's TP-8 DFlash runs have no constants: docs say so)."""
+    fitted = engine_fit.evaluate(record, GPUS, engine_fit.FITTED, engines=set(engine_fit.FITTED))
+    raw = engine_fit.evaluate(record, GPUS, {}, engines=set(engine_fit.FITTED))
     assert fitted["speedup"].mean_abs <= 0.10 < raw["speedup"].mean_abs
     assert fitted["plain_tokens_per_s"].mean_abs <= 0.10 < raw["plain_tokens_per_s"].mean_abs
     assert engine_fit.best_k_agreement(record, GPUS, engine_fit.FITTED)[0] >= engine_fit.best_k_agreement(record, GPUS, {})[0]
+    assert engine_fit.evaluate(record, GPUS, engine_fit.FITTED)["plain_tokens_per_s"].mean_abs > 0.10
+
+
+def test_the_record_holds_dflash_runs_on_an_h100(record):
+    """DFlash runs with AL on an H100 (ModelOpt's doc, vLLM), each priced with its DFlash shape."""
+    dflash = [r for r in record.runs if r.algorithm == "dflash"]
+    assert len([r for r in dflash if r.measured.get("al")]) >= 16
+    assert {r.gpu for r in dflash} == {"h100_sxm"} and {r.engine for r in dflash} == {"vllm"}
+    assert all(published.deployment(r, record.shapes, GPUS).algorithm == "dflash" for r in dflash)
