@@ -19,8 +19,6 @@ CODE_DIRS = ("pipeline", "stages", "runtime", "bench")
 ALLOWED_NAME_COMPARISONS = {
     # validate's per-domain comparison labels the arm that pays more "ngram" or "trained" (acceptance.json)
     "runtime/trtllm/ngram_deployment.py": 1,
-    # published_runs.yaml's model `kind` is "target" or "eagle3" (the record's own vocabulary, bench/published_runs.yaml)
-    "runtime/cost/published.py": 1,
     # the benchmark's arms are named plain / trained / ngram / hybrid
     "bench/hybrid_bench.py": 1,
 }
