@@ -84,7 +84,7 @@ def main(argv=None) -> dict:
     import torch
 
     from pipeline.artifacts import quantize as quantize_artifact
-    from runtime.engine.ngram import NgramDrafter
+    from runtime.engine.ngram_drafter import NgramDrafter
     from runtime.engine.speculative import SpeculativeEngine, load_pair
     from runtime.engine.suffix import SuffixEnhancedDrafter
 

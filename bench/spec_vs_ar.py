@@ -53,8 +53,7 @@ def isolated_costs(model, draft, k: int, ctx_len: int, reps: int = 50) -> dict:
     from runtime.engine.drafters import make_drafter
     from runtime.engine.target import TargetRunner
 
-    cap = draft.aux_layer_ids if draft.algorithm == "eagle3" else draft.target_layer_ids
-    r = TargetRunner(model, cap)
+    r = TargetRunner(model, draft.capture_layers)
     r.reset(1, ctx_len + k + 16)
     ids = torch.randint(0, r.vocab_size, (1, ctx_len))
     with torch.no_grad():
@@ -73,8 +72,8 @@ def isolated_costs(model, draft, k: int, ctx_len: int, reps: int = 50) -> dict:
         dr = make_drafter(draft, r)
         dr.reset(1, ctx_len + k + 16)
         dr.observe(hid, ids, torch.tensor([ctx_len]))
-        if draft.algorithm == "eagle3":
-            dr.propose(ids[:, -1], 1, 0.0, None)             # fills the draft cache with the context
+        if not draft.traits.drafts_block:
+            dr.propose(ids[:, -1], 1, 0.0, None)             # fills the chain drafter's cache with the context
         base = dr.cache.lengths.clone()
 
         def one_step():
@@ -162,7 +161,7 @@ def speed_results(a: argparse.Namespace, draft, prompts: list[list[int]], ar: Ar
 
     t_ar, t_sp, st_ar, st_sp = ar.seconds, sp.seconds, ar.stats, sp.stats
     k, N = a.draft_len, a.max_new_tokens
-    parallel = draft.algorithm == "dflash"
+    parallel = draft.traits.drafts_block
     passes = 1 if parallel else k
     t_target1 = st_ar.target_s / len(st_ar.rows_per_step)
     t_verify = st_sp.target_s / st_sp.steps

@@ -159,7 +159,7 @@ class DraftInfo:
     @classmethod
     def from_json(cls, doc: dict) -> DraftInfo:
         algo = str(doc["algorithm"]).lower()
-        layers = doc.get("aux_layer_ids") if algo == "eagle3" else doc.get("target_layer_ids")
+        layers = doc.get("aux_layer_ids", doc.get("target_layer_ids"))   # draft.json holds the one its algorithm names
         return cls(algorithm=algo, num_layers=doc.get("num_layers"), block_size=doc.get("block_size"),
                    capture_layers=list(layers) if layers is not None else None,
                    draft_vocab_size=doc.get("draft_vocab_size"), vocab_size=doc.get("vocab_size"),

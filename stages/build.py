@@ -9,8 +9,7 @@ for the TensorRT-LLM version it targets (`build.trtllm_version`, default the ver
                                     acceptance guard, sa_config where tune chose the suffix-automaton enhancer and the
                                     version has it, else refused with the reason), batch/token/sequence limits, chunked
                                     prefill, KV, CUDA graphs
-  deployment/draft/                 the EAGLE-3 draft with its layers named as the targeted loader reads them (1.2:
-                                    midlayer.*); train_draft's artifact stays as ModelOpt wrote it
+  deployment/draft/                 the EAGLE-3 draft with its layers renamed for the targeted loader (1.2: midlayer.*)
   deployment/[draft/]speculation_profile.json  the draft's measured acceptance (validate's, ModelOpt's proposed schema,
                                     docs/stages/build_export.md): in draft/ where build writes the draft, else beside the options
   deployment/serve.sh               trtllm-serve <FP8 target> --backend pytorch --extra_llm_api_options ...
@@ -18,7 +17,7 @@ for the TensorRT-LLM version it targets (`build.trtllm_version`, default the ver
                                     `bench.rounds` x the bench concurrency requests)
   deployment/README.md              what was built, for which version/container, draft length by batch, checks, usage
   deployment.json                   the same facts for `export` and `status`
-  deployment/ngram/                 with build.ngram.enabled: n-gram drafting of the target (runtime/trtllm/ngram.py)
+  deployment/ngram/                 with build.ngram.enabled: n-gram drafting of the target (runtime/trtllm/ngram_deployment.py)
 
 When `tune` found that speculation never pays, the deployment is the target alone and the README says why. Every key is
 checked against the version's field list; the named checks of `runtime.trtllm.checks.consistency_checks` must pass. Where
@@ -41,6 +40,7 @@ from pipeline.artifacts import train_draft as train_draft_artifact
 from pipeline.artifacts import tune as tune_artifact
 from pipeline.errors import StageError
 from pipeline.stage import Artifact, StageContext, StageSection, Strict
+from runtime.algorithms.registry import get as get_algorithm
 from runtime.algorithms.schedule import DraftSchedule
 from runtime.records_deploy import CheckRow, DeploymentInfo
 from runtime.trtllm import compat, config_checks
@@ -81,7 +81,7 @@ class Bench(Strict):
 
 
 class NgramDeploy(Strict):
-    """n-gram (prompt-lookup) drafting deployed beside the trained pair: deployment/ngram/ (runtime/trtllm/ngram.py)."""
+    """n-gram (prompt-lookup) drafting deployed beside the trained pair: deployment/ngram/ (runtime/trtllm/ngram_deployment.py)"""
 
     enabled: bool = Field(False, description="write TensorRT-LLM's and vLLM's n-gram configs for the target")
     k: int | None = Field(None, ge=1, le=16, description="draft tokens per step; default: what validate measured")
@@ -124,12 +124,12 @@ def check(cfg) -> list[tuple[str, str]]:
         out.append(("build.backend", (
             f"the TensorRT-engine path (trtllm-build --speculative_decoding_mode draft_tokens_external|lookahead_decoding|"
             f"medusa|explicit_draft_tokens|eagle) serves EAGLE-1/2, Medusa, ReDrafter, Lookahead and draft/target only; "
-            f"{'EAGLE-3' if algo == 'eagle3' else 'DFlash'} runs only in the PyTorch backend (LLM API), and the engine "
+            f"{cfg.train_draft.algorithm.traits.title} runs only in the PyTorch backend (LLM API), and the engine "
             "backend gets no new features: set build.backend: pytorch")))
     if (p := compat.algorithm_problem(sec.trtllm_version, algo)) is not None:
         out.append(("build.trtllm_version", p))
     rel = compat.release(sec.trtllm_version)
-    if algo == "eagle3" and sec.eagle3_mode == "two_model" and not rel.eagle3_two_model:
+    if cfg.train_draft.algorithm.traits.trtllm_two_model and sec.eagle3_mode == "two_model" and not rel.eagle3_two_model:
         out.append(("build.eagle3_mode", f"TensorRT-LLM {sec.trtllm_version} always runs EAGLE-3 as one model "
                                          "(eagle3_one_model: false is reset to true); use one_model or a 1.2 version"))
     out += config_checks.fp8_draft_fc_problems(cfg, rel, algo) + config_checks.draft_kv_problems(cfg, rel, algo)
@@ -164,7 +164,7 @@ class _Plan:
 
     @property
     def capture_layers(self) -> list[int] | None:
-        return self.draft.capture_layers if self.algo == "eagle3" else None
+        return self.draft.capture_layers if get_algorithm(self.algo).trtllm_layers_to_capture else None
 
 
 @dataclass
@@ -226,7 +226,7 @@ def run(ctx: StageContext) -> dict:
 
 def _ngram(ctx: StageContext, plan: _Plan, options: dict, out: Path) -> dict:
     from pipeline.artifacts import validate as validate_artifact
-    from runtime.trtllm import ngram as N
+    from runtime.trtllm import ngram_deployment as N
 
     acc = validate_artifact.read_acceptance(ctx.input("validate").path)
     try:
@@ -288,7 +288,7 @@ def _deployment_draft(ctx: StageContext, plan: _Plan, out: Path) -> _DeployedDra
     from runtime.trtllm.draft_weights import trtllm_draft_dir
 
     trtllm_draft, renamed = (plan.draft_src if plan.speculation else None), 0
-    if plan.speculation and plan.algo == "eagle3":
+    if plan.speculation and get_algorithm(plan.algo).trtllm_renamed_weights:
         try:
             trtllm_draft, renamed = trtllm_draft_dir(plan.draft_src, out / "draft", plan.rel,
                                                 int(plan.dcfg.get("num_hidden_layers") or plan.draft.num_layers or 1))

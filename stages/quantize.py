@@ -120,7 +120,7 @@ def check(cfg) -> list[tuple[str, str]]:
     if sec.draft == "fp8" and not td.enabled:
         problems.append(("quantize.draft", "is fp8 but train_draft is disabled: there is no draft to quantize"))
     algo = td.algorithm.kind
-    if sec.draft == "fp8" and algo != "eagle3":
+    if sec.draft == "fp8" and not td.algorithm.traits.fp8_draft:
         problems.append(("quantize.draft", f"fp8 is implemented for EAGLE-3 drafts only; train_draft.algorithm is '{algo}' "
                                            "(use draft: none, NVIDIA's documented FP8 target + BF16 draft)"))
     if len(set(sec.fallback_formats)) != len(sec.fallback_formats) or sec.format in sec.fallback_formats:

@@ -29,6 +29,7 @@ from pipeline.artifacts import train_draft as train_draft_artifact
 from pipeline.errors import StageError
 from pipeline.stage import StageContext, StageSection, Strict
 from runtime.algorithms import dflash, eagle3
+from runtime.algorithms.registry import Named
 from runtime.training.algorithm import shape_problems
 from runtime.training.eval_config import every_problems
 
@@ -52,7 +53,7 @@ def _distinct_nonneg(v: list[int] | None) -> list[int] | None:
     return v
 
 
-class Eagle3(Strict):
+class Eagle3(Strict, Named):
     """EAGLE-3: a small decoder that reads the target's hidden states from 3 of its layers (the aux layers)."""
 
     kind: Literal["eagle3"]
@@ -80,7 +81,7 @@ class Eagle3(Strict):
         return sorted(v) if v is not None else v
 
 
-class DFlash(Strict):
+class DFlash(Strict, Named):
     """DFlash: a block-diffusion draft that predicts `block_size - 1` tokens in one pass from masked slots."""
 
     kind: Literal["dflash"]
@@ -246,7 +247,7 @@ def _draft_len_problems(sec: Config, p: str) -> list[tuple[str, str]]:
     """The algorithm against what it trains: DFlash's whole blocks, eval.draft_len within what the draft drafts."""
     a = sec.algorithm
     out: list[tuple[str, str]] = []
-    if a.kind == "dflash":
+    if a.traits.drafts_block:
         if sec.seq_len % a.block_size:
             out.append((f"{p}.seq_len",
                         f"{sec.seq_len} is not divisible by algorithm.block_size {a.block_size} (DFlash trains whole blocks)"))

@@ -77,7 +77,7 @@ class Gates(Strict):
 
 
 class NgramMeasure(Strict):
-    """Free n-gram (prompt-lookup) drafting measured beside the trained draft (runtime/validate/ngram.py)."""
+    """Free n-gram (prompt-lookup) drafting measured beside the trained draft (runtime/validate/ngram_arm.py)."""
 
     enabled: bool = Field(True, description="measure n-gram drafting on every domain (reference runtime)")
     min_n: int = Field(1, ge=1, description="shortest n-gram matched (vLLM prompt_lookup_min)")
@@ -233,7 +233,7 @@ def _pairs(ctx: StageContext) -> tuple[Path, dict, dict, bool]:
 def _metrics(runtime: str, res: dict) -> dict:
     """The stage's metrics from a passed measurement: the gates, the lossless check, acceptance and retention."""
     from runtime.validate import hybrid as HY
-    from runtime.validate import ngram as NG
+    from runtime.validate import ngram_arm as NG
     from runtime.validate import vllm_arm as V
 
     return {"runtime": runtime, "measured_draft_len": res["measured_draft_len"], "gates_passed": True,
@@ -284,7 +284,7 @@ def draft_kv_cache(sec: Config, target_kv_fp8: bool) -> dict:
 def measure_settings(sec: Config, draft_kv_cache: str = "bf16") -> MeasureSettings:
     """What runtime.validate measures with: the section's decoding settings and the lossless gates' parameters."""
     from runtime.validate import hybrid as HY
-    from runtime.validate import ngram as NG
+    from runtime.validate import ngram_arm as NG
 
     g, n, h = sec.gates, sec.ngram, sec.hybrid
     return MeasureSettings(max_draft_len=sec.max_draft_len, max_new_tokens=sec.max_new_tokens, batch_size=sec.batch_size,
@@ -347,7 +347,7 @@ def report_failed(metrics: dict) -> str:
 def _render(a: dict) -> str:
     from pipeline.report import esc, figure, table
     from runtime.validate import hybrid as HY
-    from runtime.validate import ngram as NG
+    from runtime.validate import ngram_arm as NG
     from runtime.validate import vllm_arm as V
 
     parts = [f"<p>runtime <b>{esc(a['runtime'])}</b> ({esc(a.get('runtime_reason', ''))}); "

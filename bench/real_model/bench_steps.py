@@ -196,6 +196,8 @@ def draft_table(model, draft_dirs: dict, modes: list[str], context: int, k: int,
                 base=None, batch: int = 1) -> list[dict]:
     import torch
 
+    from runtime.algorithms.registry import get as get_algorithm
+
     now = runtime_api("runtime")
     rows = []
     for algo, path in draft_dirs.items():
@@ -203,7 +205,8 @@ def draft_table(model, draft_dirs: dict, modes: list[str], context: int, k: int,
         for mode in (["base"] if base else []) + modes:
             rt = base if mode == "base" else now
             draft = rt.load_draft(path, now.target_shape(model))
-            caps = draft.aux_layer_ids if draft.algorithm == "eagle3" else draft.target_layer_ids
+            chain = not get_algorithm(draft.algorithm).drafts_block     # (the base runtime's drafts may predate traits)
+            caps = draft.aux_layer_ids if chain else draft.target_layer_ids
             r = rt.TargetRunner(model, caps) if mode == "base" else rt.TargetRunner(model, caps, compute=mode)
             dr = rt.make_drafter(draft, r)
             dr.reset(batch, context + 64)
@@ -213,7 +216,7 @@ def draft_table(model, draft_dirs: dict, modes: list[str], context: int, k: int,
             ids = torch.randint(0, 49152, (batch, context), generator=g)
             with torch.no_grad():
                 dr.observe(hid, ids, torch.full((batch,), context))
-                if draft.algorithm == "eagle3":
+                if chain:
                     dr.propose(ids[:, -1], 1, 0.0, None)      # the draft cache now holds the context
             base_len = dr.cache.lengths.clone()
 
@@ -223,7 +226,7 @@ def draft_table(model, draft_dirs: dict, modes: list[str], context: int, k: int,
                 dr.propose(ids[:, -1], k, 0.0, None)
 
             fns[f"{mode}:step"] = step
-            if draft.algorithm == "eagle3":
+            if chain:
                 pre = torch.randn(batch, 1, H, generator=g)
                 emb = r.embed(ids[:, :1]).float()
                 extra = () if mode == "base" else (mode,)

@@ -47,7 +47,7 @@ def speculation_profile(validate: Artifact, quantize: Artifact, train_draft: Art
                      "transformers": pk.get("transformers"), "modelopt": mo.get("nvidia-modelopt")}}
     from pipeline.artifacts import train_draft as train_draft_artifact
 
-    block_size = train_draft_artifact.read_info(train_draft.path).block_size if algorithm == "dflash" else None
+    block_size = train_draft_artifact.read_info(train_draft.path).block_size
     return P.build_profile(acc, method=algorithm or "", conditions=conditions, block_size=block_size,
                            target={"path": pair.get("target_dir"), "precision": q.quant_algo, "kv_cache": q.kv_cache},
                            draft={"path": pair.get("draft_dir"), "precision": q.draft_format, "algorithm": algorithm},

@@ -17,12 +17,16 @@ nvidia-modelopt 0.47.0 as installed):
 """
 from __future__ import annotations
 
-from runtime.algorithms.export import LAYER_TENSORS, Export, Problem, TargetShape
+from dataclasses import dataclass
+
+from runtime.algorithms.export import LAYER_TENSORS, DraftExportError, Export, Problem, TargetShape
 
 ARCHITECTURE = "DFlashDraftModel"
 UPSTREAM = "modelopt 0.47.0 modelopt/torch/export/plugins/hf_spec_export.py DFlashExporter"
 CONFIG_KEYS = ("hidden_size", "num_hidden_layers", "vocab_size", "block_size", "dflash_config")
-DFLASH_CONFIG_KEYS = ("mask_token_id", "target_layer_ids")
+# where config.json declares the capture layers (runtime/training/model.py writes ModelOpt's input from here)
+CAPTURE_SECTION, CAPTURE_KEY = "dflash_config", "target_layer_ids"
+DFLASH_CONFIG_KEYS = ("mask_token_id", CAPTURE_KEY)
 
 
 def max_draft_len(block_size: int) -> int:
@@ -58,7 +62,7 @@ def required_tensors(num_layers: int) -> set[str]:
 
 
 def capture_layer_ids(cfg: dict) -> list[int] | None:
-    ids = (cfg.get("dflash_config") or {}).get("target_layer_ids")
+    ids = (cfg.get(CAPTURE_SECTION) or {}).get(CAPTURE_KEY)
     return [int(i) for i in ids] if ids else None
 
 
@@ -78,7 +82,7 @@ def check_export(ex: Export, *, target: TargetShape | None = None) -> list[Probl
     if int(cfg["block_size"]) < 2:
         out.append(Problem("block_size", f"{ex.where}: block_size must be >= 2, found {cfg['block_size']}"))
     H, L = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"])
-    ids = [int(i) for i in dc["target_layer_ids"]]
+    ids = [int(i) for i in dc[CAPTURE_KEY]]
     required = required_tensors(L)
     keys = ex.names()
     if miss := sorted(required - keys):
@@ -110,3 +114,69 @@ def _pairing_problems(ex: Export, dc: dict, ids: list[int], target: TargetShape)
         out.append(Problem("pairing", f"{ex.where}: exported for a {n}-layer target, paired with a "
                                       f"{target.num_layers}-layer one"))
     return out
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    """A DFlash export's config.json as its consumers read it (`DFLASH.parse`)."""
+
+    hidden_size: int
+    num_layers: int
+    vocab_size: int
+    block_size: int
+    mask_token_id: int
+    capture_layers: tuple[int, ...]      # in the export's order, 0-based
+    causal: bool
+    raw: dict
+
+    @property
+    def max_draft_len(self) -> int:
+        return max_draft_len(self.block_size)
+
+
+@dataclass(frozen=True)
+class DFlash:
+    """DFlash as the `Algorithm` protocol (runtime/algorithms/base.py) answers it."""
+
+    name: str = "dflash"
+    title: str = "DFlash"
+    architecture: str | None = ARCHITECTURE
+    needs_trained_draft: bool = True
+    takes_hidden_states: bool = True
+    drafts_block: bool = True                # one forward drafts the whole block
+    has_draft_vocab: bool = False
+    shares_target_head: bool = True
+    first_layer_norm_choice: bool = False
+    capture_key: str | None = f"{CAPTURE_SECTION}.{CAPTURE_KEY}"
+    capture_field: str | None = "target_layer_ids"
+    capture_count: int | None = None
+    trtllm_decoding_type: str = "DFlash"
+    trtllm_two_model: bool = False           # always one engine (runtime/trtllm/compat.py Release.mode)
+    trtllm_layers_to_capture: bool = False
+    trtllm_renamed_weights: bool = False
+    fp8_draft: bool = False
+    vllm_method: str = "dflash"
+    speculators_model_type: str | None = "dflash"
+
+    def parse(self, cfg: dict) -> DFlashConfig:
+        dc = cfg.get(CAPTURE_SECTION) if isinstance(cfg.get(CAPTURE_SECTION), dict) else {}
+        missing = [k for k in CONFIG_KEYS if cfg.get(k) is None] + [f"{CAPTURE_SECTION}.{k}" for k in DFLASH_CONFIG_KEYS
+                                                                    if dc.get(k) is None]
+        if missing:
+            raise DraftExportError(f"DFlash config.json lacks {missing}; re-export with ModelOpt's "
+                                   "export_speculative_decoding")
+        return DFlashConfig(int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]), int(cfg["vocab_size"]),
+                            int(cfg["block_size"]), int(dc["mask_token_id"]), tuple(int(i) for i in dc[CAPTURE_KEY]),
+                            bool(dc.get("causal", False)), cfg)
+
+    def check_export(self, ex: Export, *, target: TargetShape | None = None) -> list[Problem]:
+        return check_export(ex, target=target)
+
+    def capture_layers(self, cfg: dict) -> list[int] | None:
+        return capture_layer_ids(cfg)
+
+    def draft_len_cap(self, block_size: int | None = None) -> int | None:
+        return max_draft_len(block_size) if block_size else None
+
+
+DFLASH = DFlash()

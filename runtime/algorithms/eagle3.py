@@ -26,7 +26,9 @@ model.safetensors with the draft's tensors. The truth below, and where it was re
 """
 from __future__ import annotations
 
-from runtime.algorithms.export import LAYER_TENSORS, Export, Problem, TargetShape
+from dataclasses import dataclass
+
+from runtime.algorithms.export import LAYER_TENSORS, DraftExportError, Export, Problem, TargetShape
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 UPSTREAM = ("modelopt 0.47.0 modelopt/torch/export/plugins/hf_spec_export.py LLAMA_EAGLE_SINGLE_LAYER / "
@@ -35,6 +37,9 @@ UPSTREAM = ("modelopt 0.47.0 modelopt/torch/export/plugins/hf_spec_export.py LLA
 # config.json keys ModelOpt's template writes and every consumer reads
 CONFIG_KEYS = ("hidden_size", "num_hidden_layers", "vocab_size", "draft_vocab_size", "eagle_config")
 OPTIONAL_TENSORS = ("d2t",)
+# where config.json declares the capture layers: the one spelling of the key outside the writers (ModelOpt reads the
+# same key in `eagle_architecture_config`, runtime/training/model.py writes it from here)
+CAPTURE_SECTION, CAPTURE_KEY = "eagle_config", "eagle_aux_hidden_state_layer_ids"
 # EAGLE-3 drafts read exactly this many target layers where they are deployed. TensorRT-LLM sizes the draft's fc as
 # hidden x (number of capture layers), 3 when eagle3_layers_to_capture is unset (tensorrt_llm/_torch/speculative/
 # eagle3.py, Eagle3SpecMetadata / _get_eagle3_default_capture_layers); vLLM's llama_eagle3.py builds
@@ -69,7 +74,7 @@ def required_tensors(num_layers: int) -> set[str]:
 
 def capture_layer_ids(cfg: dict) -> list[int] | None:
     """The target layers the export declares it reads (ModelOpt / TensorRT-LLM numbering), None when absent."""
-    ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    ids = (cfg.get(CAPTURE_SECTION) or {}).get(CAPTURE_KEY)
     return [int(i) for i in ids] if ids else None
 
 
@@ -105,7 +110,7 @@ def check_export(ex: Export, *, target: TargetShape | None = None) -> list[Probl
     fc = ex.shapes.get("fc.weight")
     if fc is not None and len(fc[0]) == 2 and ids and fc[0][1] != len(ids) * H:
         out.append(Problem("fc_shape", f"{ex.where}: fc.weight takes {fc[0][1]} inputs = {fc[0][1] / H:g} x hidden {H}, "
-                                       f"but eagle_aux_hidden_state_layer_ids lists {len(ids)} layers {ids}"))
+                                       f"but {CAPTURE_KEY} lists {len(ids)} layers {ids}"))
     q = ex.shapes.get("layers.0.self_attn.q_proj.weight")
     if q is not None and len(q[0]) == 2 and q[0][1] != 2 * H:
         out.append(Problem("first_layer_shape", f"{ex.where}: layers.0.self_attn.q_proj takes {q[0][1]} inputs, "
@@ -130,8 +135,8 @@ def _config_problems(ex: Export) -> list[Problem]:
     if not isinstance(ec, dict) or not ec.get("use_aux_hidden_state", False):
         out.append(Problem("eagle_config", f"{ex.where}: eagle_config.use_aux_hidden_state is not true: an EAGLE-1/2 "
                                            "draft, which TensorRT-LLM's Eagle3 path cannot run"))
-    elif not ec.get("eagle_aux_hidden_state_layer_ids"):
-        out.append(Problem("eagle_config", f"{ex.where}: eagle_config.eagle_aux_hidden_state_layer_ids is empty: the "
+    elif not ec.get(CAPTURE_KEY):
+        out.append(Problem("eagle_config", f"{ex.where}: {CAPTURE_SECTION}.{CAPTURE_KEY} is empty: the "
                                            "capture layers the draft was trained on are unknown"))
     if cfg.get("draft_vocab_size") is None:
         out.append(Problem("draft_vocab_size", f"{ex.where}: config.json has no draft_vocab_size: TensorRT-LLM then "
@@ -213,3 +218,68 @@ def _pairing_problems(ex: Export, ids: list[int], target: TargetShape) -> list[P
     if bad := [i for i in ids if not 0 <= i < target.num_layers]:
         out.append(Problem("pairing", f"{ex.where}: aux layer ids {bad} are outside the target's {target.num_layers} layers"))
     return out
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    """An EAGLE-3 export's config.json as its consumers read it (`EAGLE3.parse`)."""
+
+    hidden_size: int
+    num_layers: int
+    vocab_size: int
+    draft_vocab_size: int
+    capture_layers: tuple[int, ...]      # sorted, 0-based (ModelOpt / TensorRT-LLM numbering)
+    use_last_layernorm: bool
+    raw: dict
+
+    @property
+    def has_d2t(self) -> bool:
+        return self.draft_vocab_size < self.vocab_size
+
+
+@dataclass(frozen=True)
+class Eagle3:
+    """EAGLE-3 as the `Algorithm` protocol (runtime/algorithms/base.py) answers it."""
+
+    name: str = "eagle3"
+    title: str = "EAGLE-3"
+    architecture: str | None = ARCHITECTURE
+    needs_trained_draft: bool = True
+    takes_hidden_states: bool = True
+    drafts_block: bool = False               # chain drafting: one forward per drafted token
+    has_draft_vocab: bool = True
+    shares_target_head: bool = False         # its own lm_head (ModelOpt writes the base model's when it has none)
+    first_layer_norm_choice: bool = True     # hidden_norm(input_layernorm(h)) trained vs hidden_norm(h) served
+    capture_key: str | None = f"{CAPTURE_SECTION}.{CAPTURE_KEY}"
+    capture_field: str | None = "aux_layer_ids"
+    capture_count: int | None = CAPTURE_LAYERS
+    trtllm_decoding_type: str = "Eagle3"
+    trtllm_two_model: bool = True
+    trtllm_layers_to_capture: bool = True
+    trtllm_renamed_weights: bool = True
+    fp8_draft: bool = True
+    vllm_method: str = "eagle3"
+    speculators_model_type: str | None = "eagle3"
+
+    def parse(self, cfg: dict) -> Eagle3Config:
+        missing = [k for k in CONFIG_KEYS if k != "draft_vocab_size" and cfg.get(k) is None]
+        ids = capture_layer_ids(cfg)
+        if missing or ids is None:
+            raise DraftExportError(f"EAGLE-3 config.json lacks {missing or [self.capture_key]}; re-export with ModelOpt's "
+                                   "export_speculative_decoding")
+        V = int(cfg["vocab_size"])
+        return Eagle3Config(int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]), V,
+                            int(cfg.get("draft_vocab_size") or V), tuple(sorted(ids)),
+                            bool(cfg[CAPTURE_SECTION].get("use_last_layernorm", True)), cfg)
+
+    def check_export(self, ex: Export, *, target: TargetShape | None = None) -> list[Problem]:
+        return check_export(ex, target=target)
+
+    def capture_layers(self, cfg: dict) -> list[int] | None:
+        return capture_layer_ids(cfg)
+
+    def draft_len_cap(self, block_size: int | None = None) -> int | None:
+        return None
+
+
+EAGLE3 = Eagle3()

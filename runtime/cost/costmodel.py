@@ -26,6 +26,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from runtime.algorithms.registry import get as get_algorithm
+
 if TYPE_CHECKING:
     from runtime.records import DraftInfo, TargetInfo
 
@@ -109,21 +111,23 @@ def draft_shape(draft: DraftInfo, cfg: dict, target_hidden: int) -> ModelShape:
     hd = cfg.get("head_dim") or hidden // heads
     inter = cfg["intermediate_size"]
     layers = int(draft.num_layers or cfg.get("num_hidden_layers", 1))
-    if draft.algorithm == "eagle3":
-        n_aux = len(draft.capture_layers or [0, 0, 0])
-        vocab = int(draft.draft_vocab_size or cfg.get("draft_vocab_size") or cfg["vocab_size"])
-        return ModelShape("draft", layers, hidden, heads, kv_heads, hd,
-                          llama_layer_gemms(hidden, heads, kv_heads, hd, inter, qkv_in=2 * hidden),
-                          head_gemms=(Gemm("lm_head", hidden, vocab),),
-                          input_gemms=(Gemm("fc", n_aux * target_hidden, hidden, split=False),))
-    if draft.algorithm == "dflash":
+    algo = get_algorithm(draft.algorithm)
+    if not algo.takes_hidden_states:
+        raise ValueError(f"a {algo.title} draft has no model to price")
+    if algo.drafts_block:          # DFlash: target features projected by fc, plain layers, the full vocabulary
         n_feat = len(draft.capture_layers or [0])
         vocab = int(cfg.get("vocab_size") or draft.vocab_size)
         return ModelShape("draft", layers, hidden, heads, kv_heads, hd,
                           llama_layer_gemms(hidden, heads, kv_heads, hd, inter),
                           head_gemms=(Gemm("lm_head", hidden, vocab),),
                           input_gemms=(Gemm("fc", n_feat * target_hidden, hidden, split=False),))
-    raise ValueError(f"unknown draft algorithm {draft.algorithm!r}")
+    # EAGLE-3: layer 0's q/k/v read [embedding, hidden]; lm_head over the draft vocabulary
+    n_aux = len(draft.capture_layers or [0, 0, 0])
+    vocab = int(draft.draft_vocab_size or cfg.get("draft_vocab_size") or cfg["vocab_size"])
+    return ModelShape("draft", layers, hidden, heads, kv_heads, hd,
+                      llama_layer_gemms(hidden, heads, kv_heads, hd, inter, qkv_in=2 * hidden),
+                      head_gemms=(Gemm("lm_head", hidden, vocab),),
+                      input_gemms=(Gemm("fc", n_aux * target_hidden, hidden, split=False),))
 
 
 # ------------------------------------------------------------------------------------------ machine
@@ -366,7 +370,7 @@ class Deployment:
         if k == 0 or self.draft is None:
             return 0.0
         d, p, c = self.draft, self.draft_prec, self.context
-        if self.algorithm == "dflash":
+        if get_algorithm(self.algorithm).drafts_block:
             # One parallel pass: 1+k rows per sequence (last token + k masks), logits for the k masks.
             return step_time(forward_ops(d, batch=batch, q_len=1 + k, context=c, prec=p, tp=self.tp,
                                          logits_rows=batch * k), self.machine)

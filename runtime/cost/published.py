@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from runtime.algorithms.registry import ALGORITHMS
 from runtime.cost import costmodel as cm
 from runtime.errors import RuntimeUsageError
 
@@ -111,7 +112,8 @@ def _shape(path: str, key: str, d) -> cm.ModelShape:
     if kind == "target":
         return cm.llama(key, num_layers=dims["num_layers"], hidden=dims["hidden"], heads=dims["heads"],
                         kv_heads=dims["kv_heads"], intermediate=dims["intermediate"], vocab=dims["vocab"], head_dim=hd)
-    if kind == "dflash":
+    algo = ALGORITHMS.get(kind) if isinstance(kind, str) else None   # a draft's shape: its kind is its algorithm
+    if algo is not None and algo.drafts_block:
         th = _need(where, d, "target_hidden", int, positive=True)
         n_feat = _need(where, d, "feature_layers", int, positive=True)
         h = dims["hidden"]
@@ -119,7 +121,7 @@ def _shape(path: str, key: str, d) -> cm.ModelShape:
                              cm.llama_layer_gemms(h, dims["heads"], dims["kv_heads"], hd, dims["intermediate"]),
                              head_gemms=(cm.Gemm("lm_head", h, dims["vocab"]),),
                              input_gemms=(cm.Gemm("fc", n_feat * th, h, split=False),))
-    if kind == "eagle3":
+    if algo is not None and algo.takes_hidden_states:
         th = _need(where, d, "target_hidden", int, positive=True)
         dv = d.get("draft_vocab") or dims["vocab"]
         h = dims["hidden"]
@@ -195,10 +197,11 @@ def _spec(where: str, d: dict, shapes: dict, kinds: dict):
     if draft not in shapes:
         raise RuntimeUsageError(f"{where}: field 'drafter.shape' {draft!r} names no entry of 'shapes'")
     algorithm = drafter.get("algorithm", "eagle3")
-    if algorithm not in ("eagle3", "dflash") or kinds.get(draft) != algorithm:
+    algo = ALGORITHMS.get(algorithm) if isinstance(algorithm, str) else None
+    if algo is None or not algo.needs_trained_draft or kinds.get(draft) != algorithm:
         raise RuntimeUsageError(f"{where}: field 'drafter.algorithm' must be eagle3 or dflash and match the kind of "
                                 f"shape {draft!r} ({kinds.get(draft)!r}), found {algorithm!r}")
-    if algorithm == "dflash" and topk != 1:
+    if algo.drafts_block and topk != 1:
         raise RuntimeUsageError(f"{where}: field 'spec.topk' of a DFlash run must be 1 (one block a step), found {topk!r}")
     return steps, topk, nodes, draft, algorithm
 

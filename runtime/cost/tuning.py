@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from runtime.algorithms.registry import ALGORITHMS
 from runtime.cost import costmodel as cm
 from runtime.errors import RuntimeFailure
 
@@ -42,8 +43,9 @@ def deployment(target: TargetInfo, draft: DraftInfo, draft_cfg: dict, quant: Qua
     `memory`, `op_overhead_us`)."""
     gpu_key, gpu, profile, tp = hardware.gpu_key, hardware.gpu, hardware.profile, hardware.tp
     algo = draft.algorithm
-    if algo not in ("eagle3", "dflash"):
-        raise RuntimeFailure(f"draft.json algorithm is {algo!r}; tune prices eagle3 and dflash drafts")
+    if algo not in ALGORITHMS or not ALGORITHMS[algo].needs_trained_draft:
+        raise RuntimeFailure(f"draft.json algorithm is {algo!r}; tune prices "
+                             f"{' and '.join(a for a in ALGORITHMS if ALGORITHMS[a].needs_trained_draft)} drafts")
     weight_fmt = weight_format(quant.format)
     kv_bytes = 1.0 if quant.kv_cache_fp8 else 2.0
     draft_fp8 = quant.draft_is_fp8
@@ -152,10 +154,9 @@ def acceptance_curves(acc: AcceptanceInfo, draft: DraftInfo, *, domain_weights: 
     K = min(len(c) for c in curves.values())
     if max_draft_len:
         K = min(K, max_draft_len)
-    if draft.algorithm == "dflash" and draft.block_size:
-        from runtime.algorithms import dflash
-
-        K = min(K, dflash.max_draft_len(int(draft.block_size)))
+    cap = ALGORITHMS[draft.algorithm].draft_len_cap(draft.block_size) if draft.algorithm in ALGORITHMS else None
+    if cap is not None:
+        K = min(K, cap)
     return curves, weights, K
 
 

@@ -26,7 +26,7 @@ class Drafter(abc.ABC):
     # that declares them can take new rows into a running batch (`DecodeBatch.add`); None: it cannot.
     row_state: tuple[str, ...] | None = None
     # After `propose`: the real draft length per row when it varies ([B]; the rest of the block is padding that
-    # is never accepted, see runtime.engine.ngram), None when every row drafts k.
+    # is never accepted, see runtime.engine.ngram_drafter), None when every row drafts k.
     draft_lens = None
 
     def reset(self, batch: int, capacity: int) -> None: ...
@@ -158,5 +158,5 @@ class DFlashDrafter(Drafter):
 
 
 def make_drafter(draft, target: TargetRunner) -> Drafter:
-    return Eagle3Drafter(draft, target) if draft.algorithm == "eagle3" else DFlashDrafter(draft, target)
+    return DFlashDrafter(draft, target) if draft.traits.drafts_block else Eagle3Drafter(draft, target)
 

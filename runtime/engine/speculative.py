@@ -46,8 +46,7 @@ class SpeculativeEngine:
         """`compute`: `fp32` (the exact mode, default) | `bf16` | `auto`, for the target and the draft alike (see
         `TargetRunner`)."""
         if drafter is None and draft is not None:
-            self.target = TargetRunner(target_model, draft.aux_layer_ids if draft.algorithm == "eagle3"
-                                       else draft.target_layer_ids, compute=compute)
+            self.target = TargetRunner(target_model, draft.capture_layers, compute=compute)
             self.drafter = make_drafter(draft, self.target)
         else:
             self.drafter = drafter

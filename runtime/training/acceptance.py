@@ -37,7 +37,6 @@ def runtime_acceptance(target_dir: str | Path, draft_dir: str | Path, prompts: d
     verification steps over all its requests (`RunStats.acceptance_length`), overall the same over every domain."""
     import torch
 
-    from runtime.algorithms import dflash
     from runtime.engine.drafts import load_draft
     from runtime.engine.sampling import Sampling
     from runtime.engine.speculative import SpeculativeEngine
@@ -49,9 +48,9 @@ def runtime_acceptance(target_dir: str | Path, draft_dir: str | Path, prompts: d
     t0 = time.monotonic()
     model = load_target(target_dir, device=device)
     draft = load_draft(draft_dir, target_shape(model), device=device, expected_capture_layers=expected_capture_layers)
-    if draft.algorithm == "dflash" and draft_len > dflash.max_draft_len(draft.block_size):
-        raise JobError(f"train_draft.eval.draft_len {draft_len} exceeds what one DFlash block drafts "
-                       f"({dflash.max_draft_len(draft.block_size)})")
+    cap = draft.traits.draft_len_cap(getattr(draft, "block_size", None))
+    if cap is not None and draft_len > cap:
+        raise JobError(f"train_draft.eval.draft_len {draft_len} exceeds what one {draft.traits.title} block drafts ({cap})")
     eng = SpeculativeEngine(model, draft)
     per_domain, total = {}, None
     for domain, ps in prompts.items():

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from runtime.algorithms import dflash, eagle3
+from runtime.algorithms.registry import get as get_algorithm
 from runtime.training.job import JobError
 
 if TYPE_CHECKING:
@@ -27,7 +28,7 @@ def shape_problems(a, n_layers: int, vocab: int, layers_src: str, vocab_src: str
     a `vocab` vocabulary cannot take; `layers_src`/`vocab_src` say where those figures come from."""
     p = "train_draft.algorithm"
     out = []
-    if a.kind == "eagle3":
+    if get_algorithm(a.kind).capture_count:      # EAGLE-3: a fixed number of distinct capture layers
         bad = [i for i in (a.aux_layer_ids or []) if i >= n_layers]
         if n_layers < eagle3.CAPTURE_LAYERS:
             out.append((f"{p}.kind", f"EAGLE-3 captures {eagle3.CAPTURE_LAYERS} distinct target layers, but the target has "
@@ -69,14 +70,15 @@ def resolve_algorithm(a, target: TargetInfo, tok, log) -> dict:
     probs = shape_problems(a, n_layers, vocab, f"target.json num_layers={n_layers}", f"target.json vocab_size={vocab}")
     if probs:
         raise JobError("; ".join(f"{k}: {m}" for k, m in probs))
-    if a.kind == "eagle3":
+    if not get_algorithm(a.kind).drafts_block:  # EAGLE-3's job; else DFlash's
         ids = a.aux_layer_ids or eagle3.default_aux_layer_ids(n_layers)
         log.info("EAGLE-3 capture layers %s of %d (%s)", ids, n_layers, "configured" if a.aux_layer_ids else
                  "TensorRT-LLM's default" if ids == sorted((1, n_layers // 2 - 1, n_layers - 4)) else
                  "spread over the target: TensorRT-LLM's default (1, L//2-1, L-4) is not 3 distinct layers here")
         return {"name": "eagle3", "draft_layers": a.draft_layers, "aux_layer_ids": ids, "ttt_steps": a.ttt_steps,
                 "draft_vocab_size": a.draft_vocab_size or vocab, "intermediate_size": a.intermediate_size,
-                "loss_decay_factor": a.loss_decay_factor, "loss": a.loss, "lk_eta": a.lk_eta, "trained_draft_len": a.ttt_steps}
+                "loss_decay_factor": a.loss_decay_factor, "loss": a.loss, "objective": a.loss, "lk_eta": a.lk_eta,
+                "trained_draft_len": a.ttt_steps}
     ids = a.target_layer_ids
     if not ids:
         ids, modelopt_ids = dflash.default_target_layer_ids(n_layers, a.draft_layers)
@@ -85,7 +87,7 @@ def resolve_algorithm(a, target: TargetInfo, tok, log) -> dict:
                      modelopt_ids, n_layers, ids)
     return {"name": "dflash", "draft_layers": a.draft_layers, "target_layer_ids": ids, "block_size": a.block_size,
             "mask_token_id": _mask_token_id(a.mask_token, tok), "num_anchors": a.num_anchors,
-            "loss_objective": a.loss_objective, "loss_decay_factor": a.loss_decay_factor,
+            "loss_objective": a.loss_objective, "objective": a.loss_objective, "loss_decay_factor": a.loss_decay_factor,
             "intermediate_size": a.intermediate_size, "trained_draft_len": dflash.max_draft_len(a.block_size)}
 
 

@@ -13,9 +13,10 @@ import hashlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from runtime.algorithms import eagle3
+from runtime.algorithms import dflash, eagle3
 from runtime.algorithms.export import DraftExportError, Export, read_export
 from runtime.algorithms.registry import ALGORITHMS
+from runtime.algorithms.registry import get as get_algorithm
 from runtime.text.tokenizer_files import TOKENIZER_FILES, same_tokenizer_config
 
 # the named checks every report lists (passed or not); other problems of check_export join them by their own name
@@ -88,7 +89,7 @@ def check_draft(draft_dir: Path, e: Expect) -> list[Check]:
         return [Check("config", False, str(x))]
     cfg = ex.cfg
     out = format_checks(ex, e.algorithm)
-    if e.algorithm == "eagle3":
+    if not get_algorithm(e.algorithm).drafts_block:
         fc = ex.shapes.get("fc.weight")
         if fc is not None:   # a missing fc is required_tensors' failure
             n_in = fc[0][1] if len(fc[0]) == 2 else None
@@ -120,17 +121,17 @@ def _eagle_checks(cfg: dict, e: Expect) -> list[Check]:
     ids = eagle3.capture_layer_ids(cfg)
     ok = ids is not None and ids == list(e.capture_layer_ids)
     out.append(Check("aux_layer_ids", ok,
-                     "" if ok else f"eagle_config.eagle_aux_hidden_state_layer_ids is {ids}, training captured "
+                     "" if ok else f"{eagle3.EAGLE3.capture_key} is {ids}, training captured "
                                    f"{list(e.capture_layer_ids)}; pass the trained set as eagle3_layers_to_capture"))
     return out
 
 
 def _dflash_checks(cfg: dict, e: Expect) -> list[Check]:
     out = []
-    dc = cfg.get("dflash_config") or {}
-    ids = dc.get("target_layer_ids")
+    dc = cfg.get(dflash.CAPTURE_SECTION) or {}
+    ids = dflash.capture_layer_ids(cfg)
     ok = ids is not None and list(ids) == list(e.capture_layer_ids)
-    out.append(Check("target_layer_ids", ok, "" if ok else f"dflash_config.target_layer_ids is {ids}, training used "
+    out.append(Check("target_layer_ids", ok, "" if ok else f"{dflash.DFLASH.capture_key} is {ids}, training used "
                                                            f"{list(e.capture_layer_ids)}"))
     ok = cfg.get("block_size") == e.block_size
     out.append(Check("block_size", ok, "" if ok else f"block_size is {cfg.get('block_size')}, training used {e.block_size}"))

@@ -7,27 +7,39 @@ import json
 import shutil
 from pathlib import Path
 
+from runtime.algorithms.dflash import DFLASH
+from runtime.algorithms.eagle3 import EAGLE3
 from runtime.training.job import torch_dtype
 from runtime.training.model import draft_module
 
 
 def export_draft(job: dict, model) -> Path:
     """`export_speculative_decoding` into `export_dir`, in the export dtype. Returns the directory."""
-    from modelopt.torch.export import export_speculative_decoding
-
     export_dir = Path(job["export_dir"])
     export_dir.mkdir(parents=True, exist_ok=True)
-    dtype = torch_dtype(job["export_dtype"])
-    if job["algorithm"]["name"] == "eagle3":
-        if job.get("_fsdp"):   # only the draft (and the lm_head it may share) is exported; the target stays sharded
-            draft_module(model).to(dtype)
-            model.get_output_embeddings().to(dtype)
-        else:
-            model.to(dtype)   # EagleExporter writes the state dict as is
-        export_speculative_decoding(model, export_dir=str(export_dir))
-    else:
-        export_speculative_decoding(model, dtype=dtype, export_dir=str(export_dir))
+    _EXPORT[job["algorithm"]["name"]](job, model, torch_dtype(job["export_dtype"]), export_dir)
     return export_dir
+
+
+def _export_eagle3(job: dict, model, dtype, export_dir: Path) -> None:
+    from modelopt.torch.export import export_speculative_decoding
+
+    if job.get("_fsdp"):   # only the draft (and the lm_head it may share) is exported; the target stays sharded
+        draft_module(model).to(dtype)
+        model.get_output_embeddings().to(dtype)
+    else:
+        model.to(dtype)   # EagleExporter writes the state dict as is
+    export_speculative_decoding(model, export_dir=str(export_dir))
+
+
+def _export_dflash(job: dict, model, dtype, export_dir: Path) -> None:
+    from modelopt.torch.export import export_speculative_decoding
+
+    export_speculative_decoding(model, dtype=dtype, export_dir=str(export_dir))   # DFlashExporter casts to dtype
+
+
+# ModelOpt's exporter per algorithm (they differ in who casts to the export dtype)
+_EXPORT = {EAGLE3.name: _export_eagle3, DFLASH.name: _export_dflash}
 
 
 def complete_export(draft_dir: Path, model_dir: Path) -> dict:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from runtime.algorithms.registry import get as get_algorithm
 from runtime.training.eval_config import job_options
 
 if TYPE_CHECKING:
@@ -34,7 +35,7 @@ def target_dtype(job: dict):
 def capture_layer_ids(job: dict) -> list[int]:
     """Target layers whose outputs the draft reads: EAGLE-3 aux layers or DFlash target layers."""
     a = job["algorithm"]
-    return list(a["aux_layer_ids"] if a["name"] == "eagle3" else a["target_layer_ids"])
+    return list(a[get_algorithm(a["name"]).capture_field])
 
 
 # ------------------------------------------------------------------------------------------- assembly
@@ -67,7 +68,7 @@ def make_job(sec, *, algo: dict, target: TargetInfo, dirs: JobDirs, train_sample
     serving = sec.serving_context or positions
     eval_files = {p.stem: str(p) for p in sorted((data_dir / "eval").glob("*.jsonl"))}
     steps = step_count(sec, data_dir, train_samples)
-    d2t = algo["name"] == "eagle3" and algo["draft_vocab_size"] != target.vocab_size
+    d2t = get_algorithm(algo["name"]).has_draft_vocab and algo["draft_vocab_size"] != target.vocab_size
     return {
         "algorithm": algo,
         "target": {k: getattr(target, k) for k in TARGET_SHAPE},

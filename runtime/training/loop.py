@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from runtime.algorithms.registry import get as get_algorithm
 from runtime.training.budget import Budget
 from runtime.training.checkpoint import load_checkpoint, save_checkpoint
 from runtime.training.dist import Process, barrier, dist_group
@@ -92,7 +93,7 @@ def setup_training(job: dict, offline: bool, scratch: Path, proc: Process) -> Ru
         from torch.nn.parallel import DistributedDataParallel
 
         ddp = DistributedDataParallel(model, device_ids=[proc.local_rank] if job["device"] == "cuda" else None,
-                                      find_unused_parameters=job["algorithm"]["name"] == "dflash")
+                                      find_unused_parameters=get_algorithm(job["algorithm"]["name"]).drafts_block)
     evals = Evals.from_job(job, state.get("evals") if state else None)
     budget = Budget.from_job(job, state.get("budget") if state else None)
     return Run(model, ddp, params, opt, sched, fsdp, step0, curve, step_times, evals, budget)

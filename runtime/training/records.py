@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from runtime.algorithms.registry import get as get_algorithm
 from runtime.records import DraftInfo
 from runtime.training.budget import budget_metrics
 from runtime.training.export import tensor_names
@@ -39,7 +40,7 @@ def draft_record(job: dict, cfg: dict, draft_dir: Path, acc: dict, result: dict)
         vocab_size=job["target"]["vocab_size"], draft_vocab_size=cfg.get("draft_vocab_size", job["target"]["vocab_size"]),
         has_d2t="d2t" in tensor_names(draft_dir), block_size=a.get("block_size"), mask_token_id=a.get("mask_token_id"),
         trained_draft_len=a["trained_draft_len"], max_position_embeddings=cfg.get("max_position_embeddings"),
-        objective=a.get("loss", "kl") if a["name"] == "eagle3" else a.get("loss_objective"),
+        objective=a.get("objective"),
         rope_scaling=cfg.get("rope_scaling"), serving_context=job["serving_context"], mode=job["mode"],
         acceptance_length=acc.get("acceptance_length"), eval_draft_len=acc.get("draft_len"),
         acceptance_estimator=acc.get("estimator"),
@@ -51,7 +52,7 @@ def curve_record(job: dict, result: dict, acc: dict) -> dict:
     """curve.json: the worker's curve points and the acceptance estimate."""
     a = job["algorithm"]
     return {"algorithm": a["name"], "steps": result.get("steps", job["train"]["steps"]), "log_every": job["train"]["log_every"],
-            "accuracy_positions": a["ttt_steps"] if a["name"] == "eagle3" else 1,
+            "accuracy_positions": 1 if get_algorithm(a["name"]).drafts_block else a["ttt_steps"],
             "accuracy_note": "EAGLE-3: one accuracy per training-time-test step (draft position); DFlash: ModelOpt "
                              "reports the mean over the block's drafted positions",
             "points": result["curve"], "acceptance": acc,

@@ -133,7 +133,7 @@ def calibrate_d2t(samples, vocab_size: int, draft_vocab_size: int, path: Path) -
 def calibrate_d2t_once(job: dict, samples, proc) -> None:
     """EAGLE-3 with a reduced vocabulary: rank 0 writes the d2t map unless a previous run did, and (every run) its
     statistics into job["d2t_stats"] (`d2t_stats`, a `d2t` event); all wait for it."""
-    if job["algorithm"]["name"] == "eagle3" and job.get("d2t_path") and proc.rank == 0:
+    if job.get("d2t_path") and proc.rank == 0:    # set only for a reduced vocabulary (job.py make_job)
         if not Path(job["d2t_path"]).exists():
             calibrate_d2t(samples, job["target"]["vocab_size"], job["algorithm"]["draft_vocab_size"], Path(job["d2t_path"]))
         job["d2t_stats"] = d2t_stats(Path(job["d2t_path"]), samples, job.get("heldout_parquet"))

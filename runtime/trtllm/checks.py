@@ -8,8 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runtime import hf_config
-from runtime.algorithms import dflash, eagle3
-from runtime.algorithms.export import read_export
+from runtime.algorithms import eagle3
+from runtime.algorithms.export import DraftExportError, read_export
+from runtime.algorithms.registry import get as get_algorithm
 from runtime.algorithms.schedule import DraftSchedule
 from runtime.quant import hf_quant_config
 from runtime.trtllm import compat, draft_schedule
@@ -83,6 +84,10 @@ class _Deployment:
     algorithm: str
     draft_dir: Path
     expected: Expected
+
+    @property
+    def algo(self):
+        return get_algorithm(self.algorithm)
 
 
 def consistency_checks(options: dict, *, version: str, algorithm: str, target_dir: Path, draft_dir: Path | None,
@@ -185,11 +190,15 @@ def _draft_checks(add, d: _Deployment) -> None:
     dcfg, err = _read_json(draft_dir / "config.json")
     tensors = _draft_tensors(draft_dir) if not err else {}
     k = sc.get("max_draft_len") or 0
-    if algorithm == "eagle3":
+    algo = get_algorithm(algorithm)
+    if algo.trtllm_layers_to_capture:
         _eagle3_checks(add, d, dcfg, err, tensors)
-        add("draft_fc_precision", *eagle3_fc_precision(draft_dir, rel, version))
     else:
-        _dflash_checks(add, algorithm, dcfg, k)
+        add("draft_vocab", True, f"not applicable to {algo.title} (the draft reuses the target's vocabulary)")
+    if algo.fp8_draft:
+        add("draft_fc_precision", *eagle3_fc_precision(draft_dir, rel, version))
+    if algo.drafts_block:
+        _block_size_check(add, algo, dcfg, k)
     _draft_file_checks(add, options, rel, version, draft_dir, dcfg, d.expected.draft_rope_theta)
     _parallelism_checks(add, options, sc, algorithm)
     _schedule_checks(add, options, sc, rel, version, mode, k, d.expected.schedule)
@@ -205,12 +214,13 @@ def _eagle3_checks(add, d: _Deployment, dcfg: dict, err: str | None, tensors: di
     # the layers TensorRT-LLM captures = the ones the draft was trained on, and fc is sized for them
     written = sc.get("eagle3_layers_to_capture")
     trained = e.capture_layers if e.capture_layers is not None else \
-        (dcfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        d.algo.capture_layers(dcfg)
     probs = _capture_layer_problems(written, trained, e.num_target_layers)
     add("eagle3_capture_layers", not probs,
         "; ".join(probs) or f"TensorRT-LLM captures target layers {sorted(written)} (the draft's)")
-    _eagle3_fc_check(add, tensors, dcfg, written, e.target_hidden_size)
-    _draft_weight_names_check(add, tensors, d.rel, d.version)
+    _eagle3_fc_check(add, d.draft_dir, {"vocab_size": e.target_vocab_size, **dcfg}, tensors)
+    if d.algo.trtllm_renamed_weights:
+        _draft_weight_names_check(add, tensors, d.rel, d.version)
 
 
 def _draft_vocab(draft_dir: Path, dcfg: dict) -> tuple[bool, str]:
@@ -249,17 +259,24 @@ def _capture_layer_problems(written, trained, num_target_layers: int | None) -> 
     return probs
 
 
-def _eagle3_fc_check(add, tensors: dict, dcfg: dict, written, target_hidden_size: int | None) -> None:
+def _eagle3_fc_check(add, draft_dir: Path, dcfg: dict, tensors: dict) -> None:
+    """fc's width against the capture layers, in the words of the algorithm's own check (runtime/algorithms/eagle3.py
+    `check_export`, rule fc_shape). TensorRT-LLM sizes fc as hidden x the number of layers it captures
+    (modeling_speculative.py Eagle3DraftModel); those are the written eagle3_layers_to_capture, which must equal the
+    layers config.json declares (eagle3_capture_layers above), so the declared ones are the ones to check against."""
     fc = tensors.get("fc.weight")
-    n = len(set(written)) if written else 3   # unset, TensorRT-LLM sizes fc for 3 capture layers
-    hid = dcfg.get("hidden_size")
-    tin = dcfg.get("target_hidden_size") or target_hidden_size or hid
     if fc is None:
         add("eagle3_fc_shape", False, "the draft has no fc.weight")
-    else:
-        ok = tin is not None and fc[1] == n * tin and (hid is None or fc[0] == hid)
-        add("eagle3_fc_shape", ok, f"fc.weight {fc} must be [{hid}, {n} capture layers x {tin} target hidden = "
-                                   f"{n * (tin or 0)}] (TensorRT-LLM sizes fc as hidden x number of capture layers)")
+        return
+    cfg = {**dcfg, "draft_vocab_size": dcfg.get("draft_vocab_size") or dcfg.get("vocab_size")}
+    try:
+        probs = [p for p in eagle3.EAGLE3.check_export(read_export(draft_dir, cfg)) if p.check in ("fc_shape", "config_keys")]
+    except DraftExportError as e:
+        probs = [e]
+    ids = eagle3.capture_layer_ids(cfg) or []
+    add("eagle3_fc_shape", not probs, "; ".join(getattr(p, "message", str(p)) for p in probs) or
+        f"fc.weight {fc} = {len(ids)} capture layers x {cfg.get('hidden_size')} hidden (runtime/algorithms/eagle3.py "
+        "check_export; TensorRT-LLM sizes fc as hidden x number of capture layers)")
 
 
 def eagle3_fc_precision(draft_dir: Path, rel: compat.Release, version: str) -> tuple[bool, str]:
@@ -288,10 +305,9 @@ def _draft_weight_names_check(add, tensors: dict, rel: compat.Release, version: 
                 else 'layers.<i>.* remapped by the loader, or midlayer.*') + ")"))
 
 
-def _dflash_checks(add, algorithm: str, dcfg: dict, k: int) -> None:
-    add("draft_vocab", True, f"not applicable to {algorithm} (the draft reuses the target's vocabulary)")
+def _block_size_check(add, algo, dcfg: dict, k: int) -> None:
     bs = dcfg.get("block_size")
-    cap = dflash.max_draft_len(bs) if isinstance(bs, int) and bs >= 2 else None
+    cap = algo.draft_len_cap(bs) if isinstance(bs, int) and bs >= 2 else None
     add("dflash_block_size", cap is not None and k <= cap,
         f"DFlash max_draft_len {k} must be <= block_size - 1 ({cap if cap is not None else 'block_size missing'})")
 
@@ -317,7 +333,8 @@ def _draft_file_checks(add, options: dict, rel: compat.Release, version: str, dr
 
 def _parallelism_checks(add, options: dict, sc: dict, algorithm: str) -> None:
     one_model = sc.get("eagle3_one_model", True)
-    add("two_model_overlap_scheduler", algorithm != "eagle3" or one_model or options.get("disable_overlap_scheduler") is True,
+    two_model = get_algorithm(algorithm).trtllm_two_model and not one_model
+    add("two_model_overlap_scheduler", not two_model or options.get("disable_overlap_scheduler") is True,
         "two-model EAGLE-3 (eagle3_one_model: false) needs disable_overlap_scheduler: true")
 
     pp = options.get("pipeline_parallel_size", 1)

@@ -40,6 +40,8 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+from runtime.algorithms.registry import get as get_algorithm
+
 Semantics = Literal["lower_bound", "upper_bound"]
 Mode = Literal["one_model", "two_model"]
 
@@ -75,7 +77,7 @@ class Release:
 
     def mode(self, algorithm: str, eagle3_one_model: bool = True) -> Mode:
         """DFlash always runs in one engine; EAGLE-3 as configured (1.3 always one)."""
-        if algorithm == "eagle3" and not eagle3_one_model and self.eagle3_two_model:
+        if get_algorithm(algorithm).trtllm_two_model and not eagle3_one_model and self.eagle3_two_model:
             return "two_model"
         return "one_model"
 
@@ -272,8 +274,10 @@ def algorithm_problem(version: str, algorithm: str) -> str | None:
     rel = release(version)
     if algorithm in rel.algorithms:
         return None
-    if algorithm == "dflash":
-        return (f"DFlash needs TensorRT-LLM 1.3 or newer (DFlashDecodingConfig is absent from {version}; "
+    if algorithm in release(REFERENCE_1_3).algorithms:
+        algo = get_algorithm(algorithm)
+        return (f"{algo.title} needs TensorRT-LLM 1.3 or newer ({algo.trtllm_decoding_type}DecodingConfig is absent from "
+                f"{version}; "
                 f"no Triton image ships 1.3 yet): set build.trtllm_version: {REFERENCE_1_3} and serve with "
                 f"trtllm-serve in nvcr.io/nvidia/tensorrt-llm/release:{REFERENCE_1_3}, or build a custom Triton image "
                 f"on it; {SHIPPED_TRITON_IMAGE} pins {DEFAULT_TRTLLM_VERSION}")

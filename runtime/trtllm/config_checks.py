@@ -3,6 +3,7 @@
 the whole config duck-typed (runtime never imports pipeline)."""
 from __future__ import annotations
 
+from runtime.algorithms.registry import get as get_algorithm
 from runtime.trtllm import compat
 
 
@@ -10,7 +11,7 @@ def fp8_draft_fc_problems(cfg, rel: compat.Release, algo: str) -> list[tuple[str
     """An FP8 EAGLE-3 draft whose fc is FP8 where the version's loader builds fc without a quant config (1.2): the
     FP8 codes would be cast to BF16 without their scale (compat.SOURCES eagle3_fc_quant)."""
     q = cfg.quantize
-    if algo != "eagle3" or rel.eagle3_fc_fp8 or not q.enabled or (q.draft, q.draft_fc) != ("fp8", "fp8"):
+    if not get_algorithm(algo).fp8_draft or rel.eagle3_fc_fp8 or not q.enabled or (q.draft, q.draft_fc) != ("fp8", "fp8"):
         return []
     return [("quantize.draft_fc", f"is fp8, but TensorRT-LLM {cfg.build.trtllm_version}'s EAGLE-3 draft model builds fc without "
              "a quant config: an FP8 fc.weight would be cast to BF16 without its scale, silently. Set quantize.draft_fc: "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from runtime.algorithms.registry import get as get_algorithm
 from runtime.algorithms.schedule import DraftSchedule
 from runtime.trtllm import compat, draft_schedule
 
@@ -113,7 +114,8 @@ def llm_api_options(spec: DeploymentSpec) -> dict:
     sc: dict = {"decoding_type": rel.decoding_types.get(spec.algorithm, spec.algorithm)}
     sc.update(draft_schedule.encode(spec.schedule, rel, mode, spec.max_batch_size))
     sc["speculative_model"] = spec.draft_dir
-    if spec.algorithm == "eagle3":
+    algo = get_algorithm(spec.algorithm)
+    if algo.trtllm_layers_to_capture:
         if rel.emits_eagle3_one_model:
             sc["eagle3_one_model"] = spec.eagle3_one_model
         if spec.capture_layers is not None:
@@ -124,7 +126,7 @@ def llm_api_options(spec: DeploymentSpec) -> dict:
     sc.update(guard)
     if spec.sa_config:
         sc["sa_config"] = dict(spec.sa_config)
-    if spec.algorithm == "eagle3" and mode == "two_model":
+    if algo.trtllm_two_model and mode == "two_model":
         opts["disable_overlap_scheduler"] = True   # two-model EAGLE-3 runs only with it disabled
     opts["speculative_config"] = sc
     return opts

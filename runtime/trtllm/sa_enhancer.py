@@ -36,7 +36,7 @@ def problem(version: str, algorithm: str) -> str | None:
     fields = schema.allowed_fields(version).get(f"speculative:{dtype}", set())
     if "sa_config" in fields:
         return None
-    if algorithm != "eagle3":
+    if "sa_config" not in schema.allowed_fields(FIRST_DOCUMENTED).get(f"speculative:{dtype}", set()):
         return (f"TensorRT-LLM's SAEnhancerConfig combines with Eagle3, MTP and PARD drafts only; "
                 f"{dtype}DecodingConfig has no sa_config in {version}")
     return (f"TensorRT-LLM {version}'s Eagle3DecodingConfig has no sa_config (SAEnhancerConfig is documented from "

@@ -23,7 +23,7 @@ class MeasureSettings:
     max_divergence_ratio: float    # statistical check: H0 rate_speculative <= ratio x rate_noise
     divergence_alpha: float        # statistical check: fail when H0 is rejected at this p-value
     draft_kv_cache: str = "bf16"   # the deployed pair's draft KV cache as the engine runs it: "bf16" or "fp8"
-    ngram: object = None           # runtime.validate.ngram.NgramSettings: also measure n-gram drafting (None: not)
+    ngram: object = None           # runtime.validate.ngram_arm.NgramSettings: also measure n-gram drafting (None: not)
     hybrid: object = None          # runtime.validate.hybrid.HybridSettings: the trained draft + SA enhancer (None: not)
 
 

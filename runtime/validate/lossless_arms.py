@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
+from runtime.algorithms.registry import get as get_algorithm
 from runtime.validate.decode import Measurement, lossless_subset, measure
 
 
@@ -76,7 +77,8 @@ def lossless_and_speed(m: Measurement, eng, prompts: dict, bar, algorithm: str, 
     t_ar = ar.target_s / ar_fwd if ar_fwd else None
     t_ver = spec.target_s / len(spec.rows_per_step) if spec.rows_per_step else None
     t_draft = spec.draft_s / len(spec.rows_per_step) if spec.rows_per_step else None
-    passes = 1 if algorithm == "dflash" else K
+    block = get_algorithm(algorithm).drafts_block      # the whole draft in one pass (DFlash)
+    passes = 1 if block else K
     step_ms = {"batch_size": s.batch_size, "draft_len": K, "target_ar": _ms(t_ar), "target_verify": _ms(t_ver),
                "draft_step": _ms(t_draft), "draft_pass": _ms(t_draft / passes if t_draft else None),
                "draft_passes_per_step": passes, "overhead_per_step": sd["overhead_ms_per_step"]}
@@ -85,7 +87,7 @@ def lossless_and_speed(m: Measurement, eng, prompts: dict, bar, algorithm: str, 
     tps["speedup"] = round(tps["speculative"] / tps["autoregressive"], 3)
     if t_ar and t_ver and t_draft:
         tps["predicted_speedup"] = round(predicted_speedup(spec.acceptance_length, K, t_ar, t_draft / passes, t_ver,
-                                                           parallel_draft=algorithm == "dflash"), 3)
+                                                           parallel_draft=block), 3)
     log.info("tokens/s: speculative %.1f vs autoregressive %.1f (x%.2f; predicted x%s from AL and step costs)",
              tps["speculative"], tps["autoregressive"], tps["speedup"], tps.get("predicted_speedup"))
     return ll, tps, step_ms

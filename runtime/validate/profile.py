@@ -40,6 +40,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from runtime.algorithms.registry import ALGORITHMS
+
 if TYPE_CHECKING:
     from runtime.records_validate import AcceptanceInfo
 
@@ -197,15 +199,12 @@ def build_profile(acc: AcceptanceInfo, *, method: str, target: dict, draft: dict
     K = top["num_speculative_tokens"]
     meth = (method or "").lower() or None
     by_k = top.get("accept_length_by_k") or {}
-    block_k = None
-    if meth == "dflash" and block_size:
-        from runtime.algorithms import dflash
-
-        block_k = dflash.max_draft_len(int(block_size))
+    algo = ALGORITHMS.get(meth or "")
+    block_k = algo.draft_len_cap(int(block_size)) if algo and block_size else None
     return {
         "schema_version": SCHEMA_VERSION, "measured": bool(top.get("measured")), "method": meth,
         "draft_checkpoint": draft, "target_model": target, "num_speculative_tokens": K,
-        "block_size": int(block_size) if meth == "dflash" and block_size else None,
+        "block_size": int(block_size) if algo and algo.drafts_block and block_size else None,
         "max_supported_k": block_k if block_k is not None else K, "verification_method": "longest_prefix",
         "conditional_accept_rates": top.get("conditional_accept_rates"),
         "marginal_accept_rates": top.get("marginal_accept_rates"),
@@ -231,7 +230,8 @@ def served_computation(acc: AcceptanceInfo, meth: str | None) -> dict | None:
     training form `hidden_norm(input_layernorm(h))` (docs/stages/validate.md). Per domain from validate's
     `fp8_other_norm` arm, or from the main measurement when validate ran the serving form; overall only then (the other
     arm records no step counts). None for other methods (DFlash has no such choice)."""
-    if meth != "eagle3":
+    algo = ALGORITHMS.get(meth or "")
+    if not (algo and algo.first_layer_norm_choice):
         return None
     norm = (acc.draft or {}).get("first_layer_norm") or "modelopt"
     key = "fp8" if norm == "serving" else "fp8_other_norm"

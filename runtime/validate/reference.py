@@ -11,7 +11,7 @@ from runtime.errors import RuntimeFailure
 from runtime.validate.decode import Measurement, MeasureSettings, lossless_subset, measure
 from runtime.validate.hybrid import measure_hybrid
 from runtime.validate.lossless_arms import exact_check, lossless_and_speed
-from runtime.validate.ngram import measure_ngram
+from runtime.validate.ngram_arm import measure_ngram
 
 
 class DraftLoadError(RuntimeFailure):
@@ -76,7 +76,7 @@ def run_reference(s: MeasureSettings, pairs: Pairs, prompts: dict, eos, *, load:
             if label == "fp8":
                 ll, res["tokens_per_s"], res["step_ms"] = lossless_and_speed(
                     m, eng, prompts, bar, draft.algorithm, exact=pairs.same)
-                if draft.algorithm == "eagle3" and s.measure_other_norm:
+                if draft.traits.first_layer_norm_choice and s.measure_other_norm:
                     other_norm(m, model, pair, load, prompts, res)
                 if s.draft_kv_cache == "fp8":
                     other_draft_kv(m, model, pair, load, prompts, res)
@@ -112,10 +112,8 @@ def load_measured_pair(s: MeasureSettings, label: str, pair: dict, load: PairLoa
 
 def dflash_draft_len(log, draft, K: int) -> int:
     """`K`, or the most a DFlash draft of its block size drafts when that is fewer (logged)."""
-    from runtime.algorithms import dflash
-
-    if draft.algorithm == "dflash" and K > dflash.max_draft_len(draft.block_size):
-        kmax = dflash.max_draft_len(draft.block_size)
+    kmax = draft.traits.draft_len_cap(getattr(draft, "block_size", None))
+    if kmax is not None and K > kmax:
         log.warning("DFlash block_size %d drafts at most %d tokens: measuring %d positions, not %d",
                     draft.block_size, kmax, kmax, K)
         return kmax

@@ -7,6 +7,8 @@ import json
 import time
 from pathlib import Path
 
+from runtime.algorithms.base import Algorithm
+from runtime.algorithms.registry import get as get_algorithm
 from runtime.validate.decode import MeasureSettings
 
 
@@ -26,16 +28,17 @@ def trtllm_available() -> tuple[bool, str]:
 TRTLLM_SPEC_CLASSES = {"Eagle3": "Eagle3DecodingConfig", "DFlash": "DFlashDecodingConfig"}
 
 
-def trtllm_llm_kwargs(target_dir, draft_dir, *, algorithm: str, max_draft_len: int, num_target_layers: int,
+def trtllm_llm_kwargs(target_dir, draft_dir, *, algorithm: str | Algorithm, max_draft_len: int, num_target_layers: int,
                       aux_layer_ids: list[int] | None, batch_size: int, max_seq_len: int) -> dict:
     """LLM(...) arguments for measuring acceptance with TensorRT-LLM (PyTorch backend, LLM API), field names
     as in `schemas/trtllm-1.2-llmapi.json` (DFlash needs 1.3+)."""
-    spec: dict = {"decoding_type": "Eagle3" if algorithm == "eagle3" else "DFlash",
+    algo = get_algorithm(algorithm)
+    spec: dict = {"decoding_type": algo.trtllm_decoding_type,
                   "max_draft_len": max_draft_len, "speculative_model": str(draft_dir)}
-    if algorithm == "eagle3":
+    if algo.trtllm_layers_to_capture:
         spec["eagle3_one_model"] = True
         if aux_layer_ids is None:
-            raise ValueError("the EAGLE-3 draft's config.json names no eagle_aux_hidden_state_layer_ids")
+            raise ValueError(f"the {algo.title} draft's config.json names no {algo.capture_key}")
         # always: unset, TensorRT-LLM captures (1, L//2-1, L-4) and sizes fc for 3 layers, whatever the draft was
         # trained on (runtime/trtllm/compat.py SOURCES["layers_to_capture"])
         spec["eagle3_layers_to_capture"] = list(aux_layer_ids)
@@ -70,8 +73,7 @@ def run_trtllm(s: MeasureSettings, deployed: dict, bf16: dict | None, prompts: d
     import tensorrt_llm
     from tensorrt_llm import LLM, SamplingParams, llmapi
 
-    from runtime.algorithms import dflash
-    from runtime.engine.drafts import draft_algorithm
+    from runtime.engine.drafts import draft_traits
     from runtime.trtllm import compat
     from runtime.trtllm.draft_weights import trtllm_draft_dir
 
@@ -80,17 +82,17 @@ def run_trtllm(s: MeasureSettings, deployed: dict, bf16: dict | None, prompts: d
     for label, pair in [("fp8", deployed)] + ([("bf16", bf16)] if bf16 else []):
         dcfg = json.loads((Path(pair["draft_dir"]) / "config.json").read_text())
         tcfg = json.loads((Path(pair["target_dir"]) / "config.json").read_text())
-        algo = draft_algorithm(pair["draft_dir"])
-        K = min(s.max_draft_len, dflash.max_draft_len(dcfg["block_size"])) if algo == "dflash" else s.max_draft_len
+        algo = draft_traits(pair["draft_dir"])
+        K = min(s.max_draft_len, algo.draft_len_cap(dcfg.get("block_size")) or s.max_draft_len)
         longest = max(len(p) for ps in prompts.values() for p in ps)
         draft_dir = Path(pair["draft_dir"])
-        if algo == "eagle3":   # the layer names the installed loader reads (build does the same for the deployment)
+        if algo.trtllm_renamed_weights:   # the layer names the installed loader reads (build does the same for the deployment)
             draft_dir, _ = trtllm_draft_dir(draft_dir, scratch_dir / f"trtllm_draft_{label}",
                                             compat.release(compat.normalize_version(tensorrt_llm.__version__)),
                                             int(dcfg.get("num_hidden_layers") or 1))
         kw = trtllm_llm_kwargs(pair["target_dir"], draft_dir, algorithm=algo, max_draft_len=K,
                                num_target_layers=tcfg["num_hidden_layers"],
-                               aux_layer_ids=(dcfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"),
+                               aux_layer_ids=algo.capture_layers(dcfg),
                                batch_size=s.batch_size, max_seq_len=longest + s.max_new_tokens + K + 8)
         spec = kw.pop("speculative_config")
         cls = getattr(llmapi, TRTLLM_SPEC_CLASSES[spec.pop("decoding_type")])

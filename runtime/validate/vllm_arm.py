@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from runtime.algorithms.registry import get as get_algorithm
 from runtime.engine_support import VLLM_CPU_HEAD_SIZES, head_dim
 from runtime.vllm import engine as E
 
@@ -90,7 +91,7 @@ def measure(s: ArmSettings, deployed: dict, bf16: dict, prompts: dict[str, list[
                (v.get(label) or {}).get("per_prompt")) for d, v in res["domains"].items()}
     out["tolerance"] = s.tolerance
     out["validate_first_layer_norm"] = s.first_layer_norm
-    if method == "eagle3" and s.first_layer_norm != "serving":
+    if get_algorithm(method).first_layer_norm_choice and s.first_layer_norm != "serving":
         out["note"] = ("validate's figure computes the EAGLE-3 first layer as ModelOpt trained it (hidden_norm("
                        "input_layernorm(h))); vLLM computes hidden_norm(h): the agreement includes that difference "
                        "(validate.first_layer_norm: serving compares like with like)")

@@ -22,7 +22,8 @@ from __future__ import annotations
 import json
 import shlex
 
-from runtime.vllm.speculators_config import SPECULATORS_VERSION
+from runtime.algorithms.registry import get as get_algorithm
+from runtime.vllm.speculators_config import SPECULATORS_CAPTURE_KEY, SPECULATORS_VERSION
 from runtime.vllm.speculators_format import SpeculatorsExport
 from runtime.vllm.speculators_weights import WEIGHTS_FILE
 
@@ -130,7 +131,7 @@ def _checked_text(spec: SpeculatorsExport) -> str:
   (`layers/quantization/kv_cache.py`), unlike TensorRT-LLM 1.2, which runs unit scales; without the flag vLLM
   picks fp8 anyway from the checkpoint's `kv_cache_scheme`.
 - `--max-model-len`: prompt + generated tokens per request (ModelConfig.max_model_len).
-- Minimum vLLM version: capture ids are read from `eagle_aux_hidden_state_layer_ids` ("Using auxiliary layers from
+- Minimum vLLM version: capture ids are read from `{SPECULATORS_CAPTURE_KEY}` ("Using auxiliary layers from
   speculative config" in `v1/worker/gpu_model_runner.py`); an id equal to the target's layer count (its final
   decoder output) is captured only since vLLM PR #36063 (`_maybe_add_hidden_state(..., idx + 1, ...)`), first
   released in {MIN_VLLM_FINAL_LAYER_CAPTURE} (merged 2026-03-13, after the 0.17 releases).
@@ -151,11 +152,12 @@ def _checked_text(spec: SpeculatorsExport) -> str:
 def readme(spec: SpeculatorsExport, argv: list[str], *, draft: str, source_draft: str,
            deployed_draft: str | None = None) -> str:
     cmd = shlex.join(argv)
-    kind = "EAGLE-3" if spec.algorithm == "eagle3" else f"DFlash (block {spec.block_size})"
+    algo = get_algorithm(spec.algorithm)
+    kind = algo.title + (f" (block {spec.block_size})" if algo.drafts_block else "")
     vocab = (f"Reduced draft vocabulary: {spec.draft_vocab_size} of {spec.vocab_size} tokens (`d2t`, `t2d`)"
              if spec.has_d2t else f"Full vocabulary ({spec.vocab_size} tokens)")
     shared = ("The token embeddings are the verifier's: `embed_tokens.weight` is a bit-exact copy of the target's, "
-              "which vLLM\nfinds equal to the target's and shares." if spec.algorithm == "eagle3" else
+              "which vLLM\nfinds equal to the target's and shares." if not algo.shares_target_head else
               "Embeddings and LM head are the verifier's and not in this directory: vLLM shares the target's, the "
               f"speculators\nlibrary loads them from `speculators_config.verifier.name_or_path` = `{spec.verifier}`.")
     fp8 = ("" if deployed_draft in (None, source_draft) else

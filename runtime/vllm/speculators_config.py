@@ -8,7 +8,16 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from runtime.algorithms import dflash, eagle3
+
 SPECULATORS_VERSION = "0.9.0"
+# speculators' own name for the capture layers (speculators 0.9.0 speculators/models/eagle3/config.py,
+# Eagle3SpeculatorConfig.eagle_aux_hidden_state_layer_ids, numbered from 1): a field of the format this package
+# writes, spelled like ModelOpt's key (runtime/algorithms/eagle3.py CAPTURE_KEY) but not the same fact
+SPECULATORS_CAPTURE_KEY = "eagle_aux_hidden_state_layer_ids"
+# vLLM's llama_eagle3.py sizes fc as this many x hidden (vllm-project/vllm 00bd1493): a fact of that vLLM, not the
+# count specpipe trains (runtime/algorithms/eagle3.py CAPTURE_LAYERS)
+VLLM_FC_CAPTURE_LAYERS = 3
 # The first vLLM release that captures the target's final hidden state, capture id == number of target layers: vLLM's
 # LlamaModel.forward appends the residual stream after layer i as id i + 1 (id 0 before the first layer) since
 # vllm-project/vllm 8b346309a5efbe80ee64f7d3633d2d7dedcc202b (PR #36063 "Consolidate SupportsEagle", merged 2026-03-13,
@@ -119,16 +128,15 @@ def check_eagle3_config(cfg: dict, n_target: int | None, where: str) -> list[int
     if int(ec.get("parallel_draft_step", 1)) != 1:
         raise SpeculatorsFormatError(f"{where}: eagle_config.parallel_draft_step {ec['parallel_draft_step']} "
                                      "(parallel drafting) has no speculators EAGLE-3 equivalent")
-    return check_layer_ids(ec.get("eagle_aux_hidden_state_layer_ids") or [], n_target,
-                            "eagle_config.eagle_aux_hidden_state_layer_ids", where)
+    return check_layer_ids(eagle3.capture_layer_ids(cfg) or [], n_target, eagle3.EAGLE3.capture_key, where)
 
 
 def eagle3_notes(ids: list[int], mo_ids: list[int], n_target: int | None) -> list[str]:
     notes = []
-    if len(ids) != 3:
-        notes.append(f"{len(ids)} capture layers: a vLLM whose llama_eagle3.py sizes fc as 3 x hidden (as at "
-                     "vllm-project/vllm 00bd1493) cannot load this draft; speculators 0.9 sizes fc from "
-                     "eagle_aux_hidden_state_layer_ids")
+    if len(ids) != VLLM_FC_CAPTURE_LAYERS:
+        notes.append(f"{len(ids)} capture layers: a vLLM whose llama_eagle3.py sizes fc as {VLLM_FC_CAPTURE_LAYERS} x hidden "
+                     "(as at vllm-project/vllm 00bd1493) cannot load this draft; speculators 0.9 sizes fc from "
+                     f"{SPECULATORS_CAPTURE_KEY}")
     if n_target is not None and max(ids) == int(n_target):
         notes.append(f"capture id {max(ids)} is the target's final hidden state (ModelOpt layer {max(mo_ids)}): it needs "
                      f"vLLM >= {VLLM_MIN_FINAL_LAYER_CAPTURE}, which captures after each layer (id i + 1 after layer i, "
@@ -155,7 +163,7 @@ def check_dflash_config(cfg: dict, n_target: int | None, where: str) -> list[int
     if any(t != "full_attention" for t in (cfg.get("layer_types") or [])):
         raise SpeculatorsFormatError(f"{where}: layer_types {cfg['layer_types']}: only full-attention DFlash "
                                      "drafts are written")
-    return check_layer_ids(dc.get("target_layer_ids") or [], n_target, "dflash_config.target_layer_ids", where)
+    return check_layer_ids(dflash.capture_layer_ids(cfg) or [], n_target, dflash.DFLASH.capture_key, where)
 
 
 def speculators_config(algorithm: str, speculative_tokens: int, verifier: Verifier) -> dict:
@@ -178,7 +186,7 @@ def eagle3_config(cfg: dict, verifier: Verifier, ids: list[int], draft_vocab_siz
         "transformer_layer_config": decoder_config(cfg, "llama", V, dtype),
         "draft_vocab_size": draft_vocab_size, "norm_before_residual": False, "norm_before_fc": False, "fc_norm": False,
         "norm_output": False, "embed_requires_grad": False,
-        "target_hidden_size": int(verifier.cfg.get("hidden_size") or H), "eagle_aux_hidden_state_layer_ids": ids,
+        "target_hidden_size": int(verifier.cfg.get("hidden_size") or H), SPECULATORS_CAPTURE_KEY: ids,
     }
 
 

@@ -48,6 +48,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from runtime.algorithms import dflash
+from runtime.algorithms.base import Algorithm
+from runtime.algorithms.dflash import DFLASH
+from runtime.algorithms.eagle3 import EAGLE3
+from runtime.algorithms.registry import of_config
 from runtime.vllm import speculators_weights as W
 from runtime.vllm.speculators_config import (
     SPECULATORS_VERSION,
@@ -110,8 +114,8 @@ class _Converted:
         return [i + 1 for i in self.modelopt_layer_ids]
 
 
-def _eagle3(cfg: dict, sd: dict, verifier: Verifier, dtype: str | None, where: str) -> _Converted:
-    W.check_draft(cfg, sd, "eagle3", where)      # what an EAGLE-3 export is first, then what speculators can express
+def _eagle3(cfg: dict, sd: dict, verifier: Verifier, dtype: str | None, speculative_tokens: int, where: str) -> _Converted:
+    W.check_draft(cfg, sd, EAGLE3, where)      # what an EAGLE-3 export is first, then what speculators can express
     mo_ids = check_eagle3_config(cfg, verifier.num_layers, where)
     H, V = int(cfg["hidden_size"]), int(cfg["vocab_size"])
     dv = int(cfg.get("draft_vocab_size") or V)
@@ -119,7 +123,7 @@ def _eagle3(cfg: dict, sd: dict, verifier: Verifier, dtype: str | None, where: s
     tensors = {k: v.contiguous() for k, v in sd.items() if k != "d2t"}
     tensors["embed_tokens.weight"] = W.verifier_embeddings(verifier.dir, V, H)
     tensors.update(W.vocab_map(sd, dv, V))
-    conv = _Converted("eagle3", {}, tensors, mo_ids, dv, V, has_d2t=dv < V)
+    conv = _Converted(EAGLE3.speculators_model_type, {}, tensors, mo_ids, dv, V, has_d2t=dv < V)
     ids = conv.aux_hidden_state_layer_ids
     conv.notes = eagle3_notes(ids, mo_ids, verifier.num_layers)
     conv.doc = eagle3_config(cfg, verifier, ids, dv, dtype)
@@ -128,7 +132,7 @@ def _eagle3(cfg: dict, sd: dict, verifier: Verifier, dtype: str | None, where: s
 
 def _dflash(cfg: dict, sd: dict, verifier: Verifier, dtype: str | None, speculative_tokens: int,
             where: str) -> _Converted:
-    W.check_draft(cfg, sd, "dflash", where)      # what a DFlash export is first, then what speculators can express
+    W.check_draft(cfg, sd, DFLASH, where)      # what a DFlash export is first, then what speculators can express
     mo_ids = check_dflash_config(cfg, verifier.num_layers, where)
     V = int(cfg["vocab_size"])
     block_size = int(cfg["block_size"])
@@ -136,7 +140,8 @@ def _dflash(cfg: dict, sd: dict, verifier: Verifier, dtype: str | None, speculat
         raise SpeculatorsFormatError(f"speculative_tokens {speculative_tokens} > block_size - 1 = {block_size - 1}, "
                                      "what one DFlash block drafts")
     check_verifier_vocab(verifier, V, where)
-    conv = _Converted("dflash", {}, {k: v.contiguous() for k, v in sd.items()}, mo_ids, V, V, block_size=block_size)
+    conv = _Converted(DFLASH.speculators_model_type, {}, {k: v.contiguous() for k, v in sd.items()}, mo_ids, V, V,
+                      block_size=block_size)
     if speculative_tokens < dflash.max_draft_len(block_size):
         conv.notes.append(f"vLLM queries 1 + num_speculative_tokens = {speculative_tokens + 1} positions per request, "
                           f"the draft was trained and validated with blocks of {block_size}: its drafts can differ "
@@ -145,28 +150,29 @@ def _dflash(cfg: dict, sd: dict, verifier: Verifier, dtype: str | None, speculat
     return conv
 
 
+# the conversion per algorithm with a speculators form (Algorithm.speculators_model_type; speculators registers one
+# config class per name, speculators 0.9.0 speculators/config.py SpeculatorModelConfig.register)
+_CONVERTERS: dict[Algorithm, object] = {EAGLE3: _eagle3, DFLASH: _dflash}
+
+
 def write_speculators_draft(draft_dir: str | Path, out_dir: str | Path, *, target_dir: str | Path,
                             speculative_tokens: int, verifier_name_or_path: str | None = None) -> SpeculatorsExport:
     """Write `out_dir/config.json` + `out_dir/model.safetensors`: the ModelOpt draft in `draft_dir` in the
     speculators format, for the verifier (target) in `target_dir`, proposing `speculative_tokens` tokens.
     `verifier_name_or_path` (default: `target_dir` resolved) is what `vllm serve <out_dir>` and speculators'
     loader open as the verifier."""
-    from runtime.engine.drafts import DFLASH_ARCH, EAGLE3_ARCH
-
     draft_dir, out_dir, target_dir = Path(draft_dir), Path(out_dir), Path(target_dir)
     if speculative_tokens < 1:
         raise SpeculatorsFormatError(f"speculative_tokens must be >= 1, got {speculative_tokens}")
     cfg, sd = W.read_draft(draft_dir)
     verifier = read_verifier(target_dir, verifier_name_or_path)
-    archs = cfg.get("architectures") or []
     where = str(draft_dir)
     dtype = W.stored_dtype(cfg, sd)
-    if EAGLE3_ARCH in archs:
-        conv = _eagle3(cfg, sd, verifier, dtype, where)
-    elif DFLASH_ARCH in archs:
-        conv = _dflash(cfg, sd, verifier, dtype, speculative_tokens, where)
-    else:
-        raise SpeculatorsFormatError(f"{where}: architectures {archs} is neither {EAGLE3_ARCH} nor {DFLASH_ARCH}")
+    algo = of_config(cfg)
+    if algo not in _CONVERTERS:
+        raise SpeculatorsFormatError(f"{where}: architectures {cfg.get('architectures') or []} is none of "
+                                     f"{', '.join(a.architecture for a in _CONVERTERS)} (the drafts speculators expresses)")
+    conv = _CONVERTERS[algo](cfg, sd, verifier, dtype, speculative_tokens, where)
     conv.doc["speculators_config"] = speculators_config(conv.algorithm, speculative_tokens, verifier)
     W.save(out_dir, conv.tensors, conv.doc)
     return SpeculatorsExport(path=out_dir, algorithm=conv.algorithm, speculative_tokens=int(speculative_tokens),

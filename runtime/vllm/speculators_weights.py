@@ -27,7 +27,7 @@ def stored_dtype(cfg: dict, sd: dict) -> str | None:
     return stored.pop() if len(stored) == 1 else (cfg.get("torch_dtype") or cfg.get("dtype"))
 
 
-def check_draft(cfg: dict, sd: dict, algorithm: str, where: str) -> None:
+def check_draft(cfg: dict, sd: dict, algorithm, where: str) -> None:
     """The ModelOpt export as its algorithm defines it (runtime/algorithms/: `check_export`, the first problem raised),
     and not FP8: the speculators library cannot run ModelOpt's FP8 weights."""
     import torch

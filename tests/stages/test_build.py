@@ -277,8 +277,10 @@ def _edit(path: Path, **kv):
     ("draft_vocab", lambda o, ck: _resave(ck, drop=("d2t",)), "no d2t tensor"),
     # eagle3.py: unset, TensorRT-LLM captures its own default layers (and raises for L <= 5)
     ("eagle3_capture_layers", lambda o, ck: o["speculative_config"].pop("eagle3_layers_to_capture"), "Not enough hidden layers"),
-    # modeling_speculative.py Eagle3DraftModel: fc = Linear(hidden_in x num_capture_layers, hidden)
-    ("eagle3_fc_shape", lambda o, ck: _resave(ck, add={"fc.weight": np.zeros((H, 2 * H), np.float32)}), "3 capture layers x 8"),
+    # modeling_speculative.py Eagle3DraftModel: fc = Linear(hidden_in x num_capture_layers, hidden); the rule and its
+    # words are runtime/algorithms/eagle3.py check_export's (fc_shape)
+    ("eagle3_fc_shape", lambda o, ck: _resave(ck, add={"fc.weight": np.zeros((H, 2 * H), np.float32)}),
+     "fc.weight takes 16 inputs = 2 x hidden 8, but eagle_aux_hidden_state_layer_ids lists 3 layers"),
     # the 1.2-era Eagle3ForCausalLM.load_weights only prefixes model.: layers.0.* match no module (PR #11010 adds the remap)
     ("draft_weight_names", lambda o, ck: _resave(ck, add={"layers.0.mlp.up_proj.weight": np.zeros((H, H), np.float32)}),
      "skipped silently"),
@@ -354,7 +356,7 @@ def test_build_writes_the_capture_layers_and_checks_fc_for_any_count(tmp_path):
     root = tmp_path / "bad"
     ck = write_checkpoints(root, Upstream(aux=[1, 3, 5]))
     _resave(ck, add={"fc.weight": np.zeros((H, 2 * H), np.float32)})
-    with pytest.raises(StageError, match=r"eagle3_fc_shape: fc.weight \[8, 16\]"):
+    with pytest.raises(StageError, match=r"eagle3_fc_shape: .*fc.weight takes 16 inputs = 2 x hidden 8"):
         run_build(root)
 
 

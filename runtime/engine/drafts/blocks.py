@@ -81,7 +81,7 @@ def draft_plan(draft: nn.Module, compute: str) -> DraftPlan:
     plans = draft.__dict__.setdefault("_specpipe_plans", {})
     key = (compute, str(dev))
     if key not in plans:
-        eagle = draft.algorithm == "eagle3"
+        eagle = not draft.traits.drafts_block   # EAGLE-3: chain drafting; DFlash: context K/V from target features
         layers = [FusedLayer(layer, layer, compute, dev, n_heads=draft.n_heads, n_kv=draft.n_kv,
                              head_dim=draft.head_dim, context_kv=not eagle) for layer in draft.layers]
         hn = draft.layers[0].hidden_norm if eagle else draft.hidden_norm

@@ -17,17 +17,19 @@ from runtime.engine.layers import KVCache, RopeTable, attention, rope_heads, rop
 class DFlashDraft(nn.Module):
     """The exported DFlash draft (no embeddings or lm_head: the target's are passed in)."""
 
-    algorithm = "dflash"
+    algorithm = dflash.DFLASH.name
+    traits = dflash.DFLASH                # the Algorithm (runtime/algorithms/base.py)
     kv_fp8_scale: float | None = None   # FP8 KV cache with this scale (`load_draft(kv_cache="fp8")`), else BF16
 
     def __init__(self, cfg: dict, sd: dict, compute_dtype: torch.dtype):
         super().__init__()
         self.cfg = cfg
-        dc = cfg["dflash_config"]
-        self.block_size = int(cfg["block_size"])
-        self.mask_token_id = int(dc["mask_token_id"])
-        self.target_layer_ids = [int(i) for i in dc["target_layer_ids"]]
-        self.causal = bool(dc.get("causal", False))
+        spec = dflash.DFLASH.parse(cfg)       # the frozen DFlashConfig of the export
+        self.block_size = spec.block_size
+        self.mask_token_id = spec.mask_token_id
+        self.target_layer_ids = list(spec.capture_layers)
+        self.capture_layers = self.target_layer_ids       # the target layers it reads, whatever the algorithm
+        self.causal = spec.causal
         set_attention_shape(self, cfg)
         eps = cfg.get("rms_norm_eps", 1e-6)
         self.fc = make_linear(sd, "fc", compute_dtype)

@@ -22,15 +22,17 @@ log = logging.getLogger("specpipe.runtime")
 class Eagle3Draft(nn.Module):
     """The exported EAGLE-3 draft. `step()` runs the decoder over new positions with a KV cache."""
 
-    algorithm = "eagle3"
+    algorithm = eagle3.EAGLE3.name
+    traits = eagle3.EAGLE3                # the Algorithm (runtime/algorithms/base.py)
     kv_fp8_scale: float | None = None   # FP8 KV cache with this scale (`load_draft(kv_cache="fp8")`), else BF16
 
     def __init__(self, cfg: dict, sd: dict, compute_dtype: torch.dtype, first_layer_norm: str):
         super().__init__()
         self.cfg = cfg
-        ec = cfg["eagle_config"]
+        spec = eagle3.EAGLE3.parse(cfg)       # the frozen Eagle3Config of the export
         set_attention_shape(self, cfg)
-        self.aux_layer_ids = sorted(int(i) for i in ec["eagle_aux_hidden_state_layer_ids"])
+        self.aux_layer_ids = list(spec.capture_layers)
+        self.capture_layers = self.aux_layer_ids          # the target layers it reads, whatever the algorithm
         self.vocab_size = cfg["vocab_size"]
         self.draft_vocab_size = cfg["draft_vocab_size"]
         self.first_layer_norm = first_layer_norm
@@ -42,7 +44,7 @@ class Eagle3Draft(nn.Module):
             if i == 0:
                 layer.hidden_norm = make_norm(sd, f"layers.{i}.hidden_norm", eps, compute_dtype)
             self.layers.append(layer)
-        self.norm = make_norm(sd, "norm", eps, compute_dtype) if ec.get("use_last_layernorm", True) else None
+        self.norm = make_norm(sd, "norm", eps, compute_dtype) if spec.use_last_layernorm else None
         self.lm_head = make_linear(sd, "lm_head", compute_dtype)
         d2t = sd.get("d2t")
         self.register_buffer("d2t", d2t.long() if d2t is not None else None)

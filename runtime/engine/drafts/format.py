@@ -7,7 +7,9 @@ import json
 from pathlib import Path
 
 from runtime.algorithms import dflash, eagle3
+from runtime.algorithms.base import Algorithm
 from runtime.algorithms.export import DraftExportError
+from runtime.algorithms.registry import EXPORTED, of_config
 
 EAGLE3_ARCH = eagle3.ARCHITECTURE
 DFLASH_ARCH = dflash.ARCHITECTURE
@@ -38,11 +40,16 @@ def read_draft_dir(path: Path) -> tuple[dict, dict]:
     return cfg, sd
 
 
-def draft_algorithm(path: str | Path) -> str:
+def draft_traits(path: str | Path) -> Algorithm:
+    """The algorithm a draft directory's config.json declares (runtime/algorithms/registry.py `of_config`)."""
     cfg = json.loads((Path(path) / "config.json").read_text())
-    archs = cfg.get("architectures") or []
-    if EAGLE3_ARCH in archs:
-        return "eagle3"
-    if DFLASH_ARCH in archs:
-        return "dflash"
-    raise DraftFormatError(f"{path}: architectures {archs} is neither {EAGLE3_ARCH} nor {DFLASH_ARCH}")
+    algo = of_config(cfg)
+    if algo is None:
+        raise DraftFormatError(f"{path}: architectures {cfg.get('architectures') or []} is none of "
+                               f"{', '.join(a.architecture for a in EXPORTED)}")
+    return algo
+
+
+def draft_algorithm(path: str | Path) -> str:
+    """The name of the algorithm a draft directory's config.json declares (`draft_traits`)."""
+    return draft_traits(path).name

@@ -10,7 +10,7 @@ import torch
 from runtime.algorithms.export import TargetShape
 from runtime.engine.drafts.dflash import DFlashDraft, check_dflash
 from runtime.engine.drafts.eagle3 import Eagle3Draft, check_eagle3
-from runtime.engine.drafts.format import DraftFormatError, draft_algorithm, read_draft_dir
+from runtime.engine.drafts.format import DraftFormatError, draft_traits, read_draft_dir
 
 log = logging.getLogger("specpipe.runtime")
 
@@ -38,33 +38,30 @@ def load_draft(path: str | Path, target: TargetShape | None = None, *, compute_d
         raise ValueError(f"kv_cache must be one of {DRAFT_KV_CACHES}, not {kv_cache!r}")
     path = Path(path)
     cfg, sd = read_draft_dir(path)
-    algo = draft_algorithm(path)
+    algo = draft_traits(path)
     if expected_capture_layers is not None:
-        declared = ((cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") if algo == "eagle3"
-                    else (cfg.get("dflash_config") or {}).get("target_layer_ids"))
+        declared = algo.capture_layers(cfg)
         if declared is None or sorted(map(int, declared)) != sorted(map(int, expected_capture_layers)):
             raise DraftFormatError(f"{path}: config.json declares capture layers {declared}, but the draft was trained "
                                    f"on target layers {list(expected_capture_layers)}")
-    if algo == "eagle3":
-        cfg = check_eagle3(cfg, sd, path, target, strict)
-        m = Eagle3Draft(cfg, sd, compute_dtype, first_layer_norm)
+    if algo.drafts_block:         # DFlash: one block per pass; else EAGLE-3: chain drafting
+        m = DFlashDraft(check_dflash(cfg, sd, path, target), sd, compute_dtype)
     else:
-        cfg = check_dflash(cfg, sd, path, target)
-        m = DFlashDraft(cfg, sd, compute_dtype)
+        m = Eagle3Draft(check_eagle3(cfg, sd, path, target, strict), sd, compute_dtype, first_layer_norm)
     m.kv_fp8_scale = DRAFT_KV_FP8_SCALE if kv_cache == "fp8" else None
     quant = (path / "hf_quant_config.json").exists()
-    log.info("loaded %s draft %s (%d layers%s, %s KV cache)", algo, path, m.num_layers, ", FP8" if quant else "",
+    log.info("loaded %s draft %s (%d layers%s, %s KV cache)", algo.name, path, m.num_layers, ", FP8" if quant else "",
              kv_cache.upper())
     return m.to(device).eval()
 
 
 def summarize(draft) -> dict:
     """The facts a report shows about a loaded draft."""
-    if draft.algorithm == "eagle3":
-        return {"algorithm": "eagle3", "num_layers": draft.num_layers, "aux_layer_ids": draft.aux_layer_ids,
+    if not draft.traits.drafts_block:
+        return {"algorithm": draft.algorithm, "num_layers": draft.num_layers, "aux_layer_ids": draft.aux_layer_ids,
                 "draft_vocab_size": draft.draft_vocab_size, "has_d2t": draft.d2t is not None,
                 "rope_scaling": draft.cfg.get("rope_scaling"), "first_layer_norm": draft.first_layer_norm,
                 "kv_cache": "fp8" if draft.kv_fp8_scale is not None else "bf16"}
-    return {"algorithm": "dflash", "num_layers": draft.num_layers, "target_layer_ids": draft.target_layer_ids,
+    return {"algorithm": draft.algorithm, "num_layers": draft.num_layers, "target_layer_ids": draft.target_layer_ids,
             "block_size": draft.block_size, "mask_token_id": draft.mask_token_id, "causal": draft.causal,
             "rope_scaling": draft.cfg.get("rope_scaling"), "kv_cache": "fp8" if draft.kv_fp8_scale is not None else "bf16"}

@@ -115,11 +115,15 @@ def _by_quantize(d: Path, algo: str, target: Path) -> str:
 
 
 def _by_trtllm(d: Path, algo: str) -> str:
-    from runtime.trtllm.checks import _draft_vocab
+    """build's TensorRT-LLM checks: the draft's vocabulary (d2t) and fc against the capture layers."""
+    from runtime.trtllm.checks import _draft_tensors, _draft_vocab, _eagle3_fc_check
 
-    ok, msg = _draft_vocab(d, json.loads((d / "config.json").read_text()))
-    assert not ok, msg
-    return msg
+    cfg = json.loads((d / "config.json").read_text())
+    said = []
+    _eagle3_fc_check(lambda name, ok, msg: said.append((ok, msg)), d, cfg, _draft_tensors(d))
+    said.append(_draft_vocab(d, cfg))
+    assert not all(ok for ok, _ in said), said
+    return " | ".join(msg for ok, msg in said if not ok)
 
 
 # defect -> (algorithm, config edit, tensors edit, the check that reports it, the callers that must say the same)
@@ -137,7 +141,7 @@ DEFECTS = {
     "d2t_outside": ("eagle3", None, _set("d2t", lambda: torch.full((DV,), VOCAB, dtype=torch.int64)), "d2t",
                     (*EAGLE, "trtllm")),
     "fc_vs_capture_layers": ("eagle3", None, _set("fc.weight", lambda: torch.zeros(H, 2 * H)), "fc_shape",
-                             ("training", "engine", "speculators", "quantize")),
+                             ("training", "engine", "speculators", "quantize", "trtllm")),
     "config_key_missing": ("eagle3", lambda c: c.pop("hidden_size"), None, "config_keys", ("training", "engine")),
     "draft_vocab_size_missing": ("eagle3", lambda c: c.pop("draft_vocab_size"), None, "draft_vocab_size",
                                  ("training", "speculators", "quantize")),
@@ -164,6 +168,11 @@ def test_modelopt_exports_are_valid(exports):
         assert registry.check_export(exports[algo], target=shape) == [], algo
         assert not _by_training(exports[algo], algo)
     assert registry.algorithm_of(json.loads((exports["eagle3"] / "config.json").read_text())) == "eagle3"
+    # the Algorithm's parse of what ModelOpt wrote: the capture layers it was converted with
+    assert registry.get("eagle3").parse(json.loads((exports["eagle3"] / "config.json").read_text())).capture_layers \
+        == tuple(AUX)
+    dcfg = registry.get("dflash").parse(json.loads((exports["dflash"] / "config.json").read_text()))
+    assert (dcfg.capture_layers, dcfg.block_size, dcfg.max_draft_len) == ((1, 2), 4, 3)
 
 
 @pytest.mark.parametrize("defect", sorted(DEFECTS))
@@ -208,7 +217,7 @@ def test_pairing_with_the_target(exports):
 
 def test_dflash_cap_and_ngram_settings():
     from runtime.algorithms import dflash, ngram
-    from runtime.trtllm.ngram import ngram_speculative_config
+    from runtime.trtllm.ngram_deployment import ngram_speculative_config
 
     assert dflash.max_draft_len(4) == 3
     with pytest.raises(ValueError, match="drafts nothing"):

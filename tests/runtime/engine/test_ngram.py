@@ -1,4 +1,4 @@
-"""Prompt-lookup (n-gram) drafting (runtime/engine/ngram.py): the proposal rule against vLLM's own function, and
+"""Prompt-lookup (n-gram) drafting (runtime/engine/ngram_drafter.py): the proposal rule against vLLM's own function, and
 speculative decoding with it against plain greedy decoding on a tiny target.
 
 Upstream: vLLM 0.32.0 `vllm/v1/spec_decode/ngram_proposer.py::_find_longest_matched_ngram_and_propose_tokens`
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from runtime.engine.lossless import checked_generate
-from runtime.engine.ngram import NgramDrafter, longest_match_proposal
+from runtime.engine.ngram_drafter import NgramDrafter, longest_match_proposal
 from runtime.engine.sampling import Sampling
 from runtime.engine.speculative import SpeculativeEngine
 
@@ -182,7 +182,7 @@ def test_ngram_deployment_files_and_key_checks(run_dir, tmp_path):
     key TensorRT-LLM does not know fails with its name."""
     import yaml
 
-    from runtime.trtllm import ngram as N
+    from runtime.trtllm import ngram_deployment as N
     from runtime.trtllm.schema import unknown_keys
 
     from conftest import artifact_dir
@@ -211,7 +211,7 @@ def test_ngram_deployment_files_and_key_checks(run_dir, tmp_path):
 
 
 def test_real_vllm_serves_the_written_ngram_config(run_dir, tmp_path):
-    """vLLM 0.32 CPU serves the target with the speculative_config build writes (runtime/vllm/ngram.py): greedy
+    """vLLM 0.32 CPU serves the target with the speculative_config build writes (runtime/vllm/ngram_config.py): greedy
     output identical to plain greedy decoding of the same target (specpipe's runtime, fp32), and vLLM's spec-decode
     counters move. The target: a random tiny Llama with head_dim 32 (vLLM's CPU attention has no kernel for 16,
     vllm/v1/attention/backends/cpu_attn.py at v0.32.0) and a peaky head, so its output loops and lookup hits;
@@ -221,7 +221,7 @@ def test_real_vllm_serves_the_written_ngram_config(run_dir, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from runtime.vllm import engine as E
-    from runtime.vllm import ngram as VN
+    from runtime.vllm import ngram_config as VN
 
     from conftest import artifact_dir
 

@@ -2,11 +2,13 @@
 source. vLLM 0.32.0 `vllm/config/speculative.py`: `SpeculativeConfig` fields method ("ngram" among
 `SpeculativeMethod`), num_speculative_tokens, prompt_lookup_min, prompt_lookup_max (both >= 1, min <= max; when
 only one is given the other takes its value); the proposer is `vllm/v1/spec_decode/ngram_proposer.py`, whose rule
-runtime/engine/ngram.py ports (validate measures it)."""
+runtime/engine/ngram_drafter.py ports (validate measures it)."""
 from __future__ import annotations
 
 import json
 import subprocess
+
+from runtime.algorithms.ngram import NGRAM
 
 FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
 
@@ -25,7 +27,7 @@ print(json.dumps({"unknown": sorted(set(sc) - fields), "ngram_method": sc["metho
 def speculative_config(k: int, min_n: int, max_n: int) -> dict:
     if not 1 <= min_n <= max_n or k < 1:
         raise ValueError(f"vLLM ngram needs 1 <= prompt_lookup_min <= prompt_lookup_max and k >= 1, got {min_n}, {max_n}, {k}")
-    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": min_n, "prompt_lookup_max": max_n}
+    return {"method": NGRAM.vllm_method, "num_speculative_tokens": k, "prompt_lookup_min": min_n, "prompt_lookup_max": max_n}
 
 
 def check_with_vllm(python: str, sc: dict, timeout: float = 300) -> dict:

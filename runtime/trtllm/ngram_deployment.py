@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 def ngram_speculative_config(k: int, max_n: int) -> dict:
     if probs := ngram.check_export({"k": k, "min_n": ngram.TRTLLM_MIN_N, "max_n": max_n}, "NGram speculative_config"):
         raise ValueError("; ".join(p.message for p in probs))
-    return {"decoding_type": "NGram", "max_draft_len": k, "max_matching_ngram_size": max_n,
+    return {"decoding_type": ngram.NGRAM.trtllm_decoding_type, "max_draft_len": k, "max_matching_ngram_size": max_n,
             "is_keep_all": True, "is_use_oldest": True, "is_public_pool": False}
 
 
@@ -64,7 +64,7 @@ def write_ngram(out, base_options: dict, version: str, target_dir, settings: dic
 
     from runtime.trtllm import commands as C
     from runtime.trtllm.options import options_yaml
-    from runtime.vllm import ngram as VN
+    from runtime.vllm import ngram_config as VN
 
     out.mkdir(parents=True, exist_ok=True)
     k, lo, hi = settings["k"], settings["min_n"], settings["max_n"]

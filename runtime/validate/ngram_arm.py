@@ -1,5 +1,5 @@
 """Free n-gram (prompt-lookup) drafting measured beside the trained draft: the deployed target, the same runtime,
-the same prompts, batch size, token budget and seeds, with `runtime.engine.ngram.NgramDrafter` (vLLM 0.32.0's
+the same prompts, batch size, token budget and seeds, with `runtime.engine.ngram_drafter.NgramDrafter` (vLLM 0.32.0's
 rule) as the drafter. Per domain: acceptance length (tokens per verification step, every step counted, those
 without a proposal too), tokens/s, how often a proposal was found; then which of the two pays more and by how
 much, judged on AL (tokens/s on a shared CPU is noisy; it is reported beside it). What `validate.ngram` asks."""
@@ -20,7 +20,7 @@ class NgramSettings:
 def measure_ngram(m: Measurement, model, ng: NgramSettings, prompts: dict, res: dict, bar) -> None:
     """Decode every domain's prompts on `model` (the deployed target) with n-gram drafts: res["domains"][d]["ngram"],
     res["overall"]["ngram"] and res["ngram"] (settings and the per-domain comparison with res[...]["fp8"])."""
-    from runtime.engine.ngram import VLLM_RULE, NgramDrafter
+    from runtime.engine.ngram_drafter import VLLM_RULE, NgramDrafter
     from runtime.engine.speculative import SpeculativeEngine
 
     log, m = m.log, replace(m, K=ng.k)
