@@ -117,6 +117,11 @@ class TargetInfo:
 # ------------------------------------------------------------------------------------------------ train_draft
 
 
+# draft.json's capture-layer field per algorithm, as train_draft writes it (the algorithm's `capture_field`,
+# runtime/algorithms/; not imported here so that every stage reading a record does not reach every algorithm)
+_DRAFT_JSON_CAPTURE_FIELD = {"eagle3": "aux_layer_ids", "dflash": "target_layer_ids"}
+
+
 @dataclass(frozen=True)
 class DraftInfo:
     """draft.json. `algorithm` is required (no reader guesses it)."""
@@ -126,6 +131,8 @@ class DraftInfo:
     block_size: int | None = None         # DFlash's block; None for EAGLE-3
     capture_layers: list[int] | None = None   # the target layers training captured (EAGLE-3 aux_layer_ids, DFlash
                                           # target_layer_ids); None when draft.json does not say
+    capture_field: str | None = None      # draft.json's field holding them: the algorithm's `capture_field`
+                                          # (runtime/algorithms/, given by the writer), or the one a file holds
     draft_vocab_size: int | None = None   # EAGLE-3's reduced vocabulary (d2t); None for DFlash or when not said
     vocab_size: int | None = None         # the target's vocabulary, as draft.json records it
     max_position_embeddings: int | None = None
@@ -146,8 +153,8 @@ class DraftInfo:
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     def to_json(self) -> dict:
-        layers_key = "aux_layer_ids" if self.algorithm == "eagle3" else "target_layer_ids"
-        return {"algorithm": self.algorithm, "num_layers": self.num_layers, layers_key: self.capture_layers,
+        layers = {self.capture_field: self.capture_layers} if self.capture_field else {}
+        return {"algorithm": self.algorithm, "num_layers": self.num_layers, **layers,
                 "vocab_size": self.vocab_size, "draft_vocab_size": self.draft_vocab_size, "has_d2t": self.has_d2t,
                 "block_size": self.block_size, "mask_token_id": self.mask_token_id,
                 "trained_draft_len": self.trained_draft_len, "max_position_embeddings": self.max_position_embeddings,
@@ -159,9 +166,11 @@ class DraftInfo:
     @classmethod
     def from_json(cls, doc: dict) -> DraftInfo:
         algo = str(doc["algorithm"]).lower()
-        layers = doc.get("aux_layer_ids", doc.get("target_layer_ids"))   # draft.json holds the one its algorithm names
+        named = _DRAFT_JSON_CAPTURE_FIELD.get(algo)   # the field its algorithm writes, else whichever the file holds
+        capture_field = named if named in doc else next((k for k in _DRAFT_JSON_CAPTURE_FIELD.values() if k in doc), None)
+        layers = doc.get(capture_field) if capture_field else None
         return cls(algorithm=algo, num_layers=doc.get("num_layers"), block_size=doc.get("block_size"),
-                   capture_layers=list(layers) if layers is not None else None,
+                   capture_layers=list(layers) if layers is not None else None, capture_field=capture_field,
                    draft_vocab_size=doc.get("draft_vocab_size"), vocab_size=doc.get("vocab_size"),
                    max_position_embeddings=doc.get("max_position_embeddings"), has_d2t=doc.get("has_d2t"),
                    mask_token_id=doc.get("mask_token_id"), trained_draft_len=doc.get("trained_draft_len"),

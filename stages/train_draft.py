@@ -13,8 +13,7 @@
   files, then named checks (`runtime.training.draft_checks`); any failing check fails the stage.
 
 The job (`runtime/training/job.py`) runs in `runtime/training/draft_training.py`, in this process or as torchrun
-workers (`runtime/training/launch.py`). Options and the GPU / multi-node settings: docs/stages/train_draft.md.
-Artifact: see docs/architecture.md (train_draft).
+workers (`runtime/training/launch.py`). Options, GPU/multi-node: docs/stages/train_draft.md; artifact: docs/architecture.md.
 """
 from __future__ import annotations
 

@@ -37,6 +37,7 @@ def draft_record(job: dict, cfg: dict, draft_dir: Path, acc: dict, result: dict)
     ev = result.get("evals") or {}
     return DraftInfo(
         algorithm=a["name"], num_layers=a["draft_layers"], capture_layers=capture_layer_ids(job),
+        capture_field=get_algorithm(a["name"]).capture_field,
         vocab_size=job["target"]["vocab_size"], draft_vocab_size=cfg.get("draft_vocab_size", job["target"]["vocab_size"]),
         has_d2t="d2t" in tensor_names(draft_dir), block_size=a.get("block_size"), mask_token_id=a.get("mask_token_id"),
         trained_draft_len=a["trained_draft_len"], max_position_embeddings=cfg.get("max_position_embeddings"),

@@ -29,13 +29,15 @@ RECORDS = [
                model_type="llama", tokenizer_size=513, end_of_turn={"id": 9, "token": "<|end|>"},
                eos_sources={"config": [2]}, eos_rejected=[{"id": 3, "token": "x", "source": "s", "why": "w"}],
                pad_token_id=0, has_chat_template=True, num_parameters=123456),
-    DraftInfo(algorithm="eagle3", num_layers=1, block_size=4, capture_layers=[1, 2, 3], draft_vocab_size=256,
+    DraftInfo(algorithm="eagle3", num_layers=1, block_size=4, capture_layers=[1, 2, 3], capture_field="aux_layer_ids",
+              draft_vocab_size=256,
               vocab_size=512, max_position_embeddings=512, has_d2t=True, mask_token_id=5, trained_draft_len=3,
               objective="kl", rope_scaling={"type": "linear", "factor": 2.0}, serving_context={"max_seq_len": 512},
               mode="online", acceptance_length=2.1, eval_draft_len=3, acceptance_estimator="runtime", exported_step=40,
               export_reason="best held-out AL", draft_vocab={"token_coverage": 0.99},
               budget={"max_minutes": 36, "steps": 423}),
-    DraftInfo(algorithm="dflash", capture_layers=[0, 3], block_size=8),     # the other capture-layer key
+    DraftInfo(algorithm="dflash", capture_layers=[0, 3], capture_field="target_layer_ids",
+              block_size=8),     # the other capture-layer key
     QuantizeInfo(format="fp8", quant_algo="FP8", kv_cache="fp8", target_rel="quantize/target_fp8",
                  draft_rel="train_draft/draft", draft_format="bf16", exclude_modules=["lm_head"],
                  auto_excluded=["model.layers.0.*"], recipes_tried=["fp8"], calib_samples=64, calib_seq_len=256,
@@ -122,3 +124,14 @@ def test_target_stop_ids_come_from_one_field():
     t = RECORDS[1]
     assert (t.eos_token_id, t.stop_ids) == (9, (2, 9))
     assert TargetInfo.from_json({**t.to_json(), "eos_token_ids": None, "eos_token_id": [7, 3]}).stop_ids == (3, 7)
+
+
+@pytest.mark.fast
+def test_draft_json_capture_fields_are_the_algorithms():
+    """records.py keeps draft.json's capture-layer field per algorithm without importing the algorithms (a stage
+    reading a record would reach every algorithm's code): the table must say what each algorithm's writer writes."""
+    from runtime.algorithms import registry
+    from runtime.records import _DRAFT_JSON_CAPTURE_FIELD
+
+    trained = {n: registry.get(n).capture_field for n in ("eagle3", "dflash")}
+    assert _DRAFT_JSON_CAPTURE_FIELD == trained
