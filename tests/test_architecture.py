@@ -242,7 +242,8 @@ def test_the_cycle_check_sees_imports_in_functions_and_under_type_checking(tmp_p
 
 # ---------------------------------------------------------------------------------------------- the test tree
 
-TREE_WIDE = {"test_architecture.py", "test_fast_selection.py"}   # checks on the whole tree, at tests/ itself
+TIERS = ("unit", "integration", "e2e")    # by what a test needs (tests/unit/test_tiers.py checks which tier)
+TREE_WIDE = {"test_architecture.py", "test_tiers.py"}   # checks on the whole tree, at tests/unit/ itself
 
 
 def suite_modules(repo: Path) -> list[Path]:
@@ -250,20 +251,24 @@ def suite_modules(repo: Path) -> list[Path]:
 
 
 def misplaced_tests(repo: Path) -> dict[str, str]:
-    """Test modules outside the mirror of the code (docs/architecture.md): tests/pipeline/, tests/stages/,
-    tests/runtime/ (runtime/'s own modules) or tests/runtime/<package>/ naming a runtime package, tests/integration/;
-    at tests/ itself only the checks on the whole tree."""
+    """Test modules outside the mirror of the code (docs/architecture.md) inside a tier folder: tests/<tier>/pipeline/,
+    tests/<tier>/stages/, tests/<tier>/runtime/ (runtime/'s own modules) or tests/<tier>/runtime/<package>/ naming a
+    runtime package; at tests/<tier>/ itself the modules that run the CLI across stages (the whole pipeline, serving,
+    Slurm, the containers) and, in tests/unit/, the checks on the whole tree."""
     out = {}
+    where = "not in tests/<unit|integration|e2e>/{pipeline,stages,runtime/<package>}/"
     for p in suite_modules(repo):
         parts = p.relative_to(repo / "tests").parts
-        if len(parts) == 1:
-            ok = parts[0] in TREE_WIDE
+        if len(parts) < 2 or parts[0] not in TIERS:
+            ok = False
         elif len(parts) == 2:
-            ok = parts[0] in ("pipeline", "stages", "runtime", "integration")
+            ok = parts[1] not in TREE_WIDE or parts[0] == "unit"
+        elif len(parts) == 3:
+            ok = parts[1] in ("pipeline", "stages", "runtime")
         else:
-            ok = len(parts) == 3 and parts[0] == "runtime" and (repo / "runtime" / parts[1] / "__init__.py").is_file()
+            ok = len(parts) == 4 and parts[1] == "runtime" and (repo / "runtime" / parts[2] / "__init__.py").is_file()
         if not ok:
-            out[p.relative_to(repo).as_posix()] = "not in tests/{pipeline,stages,runtime/<package>,integration}/"
+            out[p.relative_to(repo).as_posix()] = where
     seen: dict[str, Path] = {}
     for p in suite_modules(repo):   # pytest imports test modules by basename (prepend mode, no __init__.py)
         if p.name in seen:
@@ -293,19 +298,21 @@ def test_the_tests_mirror_the_code_and_import_no_other_test_module():
 def test_the_test_tree_check_can_fail(tmp_path):
     (tmp_path / "runtime" / "engine").mkdir(parents=True)
     (tmp_path / "runtime" / "engine" / "__init__.py").write_text("")
-    files = {"tests/runtime/engine/test_a.py": "def f():\n    from test_b import x\n", "tests/runtime/nosuch/test_b.py": "",
-             "tests/test_c.py": "import test_a.sub\n", "tests/stages/test_a.py": "", "tests/pipeline/test_d.py": "",
-             "tests/support/test_e.py": ""}
+    files = {"tests/unit/runtime/engine/test_a.py": "def f():\n    from test_b import x\n",
+             "tests/unit/runtime/nosuch/test_b.py": "", "tests/test_c.py": "import test_a.sub\n",
+             "tests/integration/stages/test_a.py": "", "tests/e2e/pipeline/test_d.py": "", "tests/support/test_e.py": "",
+             "tests/stages/test_f.py": "", "tests/integration/test_g.py": "", "tests/e2e/test_architecture.py": "",
+             "tests/unit/test_tiers.py": "", "tests/unit/other/test_h.py": ""}
     for rel, text in files.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
+    where = "not in tests/<unit|integration|e2e>/{pipeline,stages,runtime/<package>}/"
     assert misplaced_tests(tmp_path) == {
-        "tests/runtime/nosuch/test_b.py": "not in tests/{pipeline,stages,runtime/<package>,integration}/",
-        "tests/test_c.py": "not in tests/{pipeline,stages,runtime/<package>,integration}/",
-        "tests/support/test_e.py": "not in tests/{pipeline,stages,runtime/<package>,integration}/",
-        "tests/stages/test_a.py": "same basename as tests/runtime/engine/test_a.py"}
-    assert imports_of_test_modules(tmp_path) == ["tests/runtime/engine/test_a.py:2 imports test_b",
-                                             "tests/test_c.py:1 imports test_a.sub"]
+        "tests/unit/runtime/nosuch/test_b.py": where, "tests/test_c.py": where, "tests/support/test_e.py": where,
+        "tests/stages/test_f.py": where, "tests/e2e/test_architecture.py": where, "tests/unit/other/test_h.py": where,
+        "tests/unit/runtime/engine/test_a.py": "same basename as tests/integration/stages/test_a.py"}
+    assert imports_of_test_modules(tmp_path) == ["tests/test_c.py:1 imports test_a.sub",
+                                             "tests/unit/runtime/engine/test_a.py:2 imports test_b"]
 
 
 # A path the code or the docs name (`runtime/engine/speculative.py`, `docs/stages/tune.md`, `runtime/vllm/engine.VllmServer`)
