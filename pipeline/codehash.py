@@ -33,10 +33,10 @@ What is not followed (the code that does not decide what a stage commits), by ru
   the stage runs, not what it produces (data: the vLLM server it may start to regenerate answers, whose `vllm`
   config section data's fingerprint leaves out for the same reason). The walk does not enter such a module, nor
   the package `__init__.py` above it unless something else under that package is followed;
-  tests/pipeline/test_codehash.py checks each declaration names a module the stage would otherwise reach.
+  tests/unit/pipeline/test_codehash.py checks each declaration names a module the stage would otherwise reach.
 The shared facts several stages read live on the ground floor (runtime/hf_config.py, runtime/engine_support.py,
 runtime/algorithms/), so that data, train_draft and quantize reach nothing of runtime/validate, vllm, trtllm or
-serving (tests/pipeline/test_codehash.py checks every file there).
+serving (tests/unit/pipeline/test_codehash.py checks every file there).
 
 `chains` gives, for each file of a closure, the shortest import chain from the stage module to it: `plan` prints it
 beside a changed file, so a rerun is explained down to the file and the path by which the stage reaches it.

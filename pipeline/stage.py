@@ -36,7 +36,7 @@ and optionally (every hook the pipeline reads; `pipeline.registry` picks them up
 
 Config reads across sections: a stage reads `ctx.config.<section>` only for its own section, `run` (never
 fingerprinted), a section in USES, or the section of a stage it consumes (directly or not: that stage's
-fingerprint holds it). tests/test_architecture.py checks this. `run.device` is resolved once by the runner
+fingerprint holds it). tests/unit/test_architecture.py checks this. `run.device` is resolved once by the runner
 (`pipeline.device`): a stage reads `ctx.device`, never `run.device`.
 
 Rules that keep the pipeline honest:

@@ -8,4 +8,4 @@ call. `export` holds what the algorithms share (reading an export, `Problem`, `D
 `registry` the algorithms by name and `check_export` dispatching on config.json's architecture; `schedule` the
 version-free draft length per batch size (`DraftSchedule`).
 
-Nothing here imports the engine, TensorRT-LLM's or vLLM's packages: they import this (tests/test_architecture.py)."""
+Nothing here imports the engine, TensorRT-LLM's or vLLM's packages: they import this (tests/unit/test_architecture.py)."""

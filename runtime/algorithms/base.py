@@ -11,7 +11,7 @@ runtime/algorithms/registry.py (`get(name)`), and `parse` turns what it is confi
 config.json; n-gram's settings) into a frozen typed value.
 
 Traits are the questions callers branch on today; add one here (and answer it in each algorithm) rather than
-comparing `algorithm == "..."` at the call site (tests/runtime/algorithms/test_algorithm_protocol.py counts them).
+comparing `algorithm == "..."` at the call site (tests/unit/runtime/algorithms/test_algorithm_protocol.py counts them).
 """
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ from runtime.cost.published import Overheads, Record, Run, deployment, errors, m
 FIT_SOURCES = ("specbundle",)
 
 # `fit(load_record("bench/published_runs.yaml"))`, copied here so that `specpipe predict` and tune need not refit
-# (tests/runtime/cost/test_published.py refits the record and compares). Fitted on the 90 SpecBundle runs of the fit
+# (tests/unit/runtime/cost/test_published.py refits the record and compares). Fitted on the 90 SpecBundle runs of the fit
 # set (SGLang on an H200: Llama-3.1-8B at batch 1, Llama-3.3-70B at batch 8, EAGLE-3 chains and trees); the step,
 # verify and draft-pass constants came out at their bound 0 (the two scales took up what they would carry). vLLM and
 # TensorRT-LLM have no run in the fit set: they get none (docs/benchmarks.md shows what borrowing SGLang's would do).
@@ -162,7 +162,7 @@ def best_k_agreement(record: Record, gpus: dict, overheads: dict[str, Overheads]
 
 # The model as tune prices it (no engine overheads: tune's engine, TensorRT-LLM, has no fitted constants) against
 # the runs of bench/published_runs.yaml held out of the fit: `evaluate(record, GPUS, {})`, copied here so tune needs
-# no record (tests/runtime/cost/test_published.py recomputes and compares). Relative errors, predicted / published - 1.
+# no record (tests/unit/runtime/cost/test_published.py recomputes and compares). Relative errors, predicted / published - 1.
 RAW_HELD_OUT = {
     "speedup": Summary(52, 0.2181, 0.7447, "sglang-pr4716-l70b-h100tp8-b1-s8t8n64"),
     "plain_tokens_per_s": Summary(11, 0.3255, 0.5991, "specbundle-l70b-gsm8k-b8-s3t1n4-lmsys-v1"),

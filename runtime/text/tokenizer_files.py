@@ -19,12 +19,12 @@ transformers 4.57.1 reads `extra_special_tokens` as a dict of named tokens (toke
 `PreTrainedTokenizerBase.__init__` -> `_set_model_specific_special_tokens`: `special_tokens.keys()`), so a list raises
 AttributeError inside the tokenizer's constructor, and `from_pretrained` reports it as a protobuf ImportError where
 protobuf is absent. Both versions read the same list under `additional_special_tokens` (measured: ids, decodings,
-special ids and chat renderings equal under 4.57.1 and 5.14.1, tests/runtime/text/test_tokenizer_compat.py), so a list
+special ids and chat renderings equal under 4.57.1 and 5.14.1, tests/e2e/runtime/text/test_tokenizer_compat.py), so a list
 is moved there; a dict (named tokens, which 4.57.1 understands) stays.
 
 The chat template stays where transformers 5 writes it, `chat_template.jinja`: 4.57.1 reads that file too
 (tokenization_utils_base.py, CHAT_TEMPLATE_FILE) and it wins over a `chat_template` key.
-tests/runtime/text/test_tokenizer_compat.py loads every shipped tokenizer under both versions and compares ids,
+tests/e2e/runtime/text/test_tokenizer_compat.py loads every shipped tokenizer under both versions and compares ids,
 decoding and chat rendering.
 
 `portable_tokenizer(dir)` is the one place this is done; every writer of a shipped model directory calls it (quantize's

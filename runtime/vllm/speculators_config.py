@@ -24,7 +24,7 @@ VLLM_FC_CAPTURE_LAYERS = 3
 # after the 0.17 branch: 0.17.1 was out by 2026-03-17), so from 0.18.0; before it the state *entering* layer i was
 # captured as id i, ids stop at L - 1 and a draft asking for id L gets one aux state fewer than its fc expects. Read in
 # vLLM 0.32.0: model_executor/models/llama.py LlamaModel.forward, model_executor/models/interfaces.py
-# EagleModelMixin._maybe_add_hidden_state (tests/runtime/vllm/test_vllm_capture.py).
+# EagleModelMixin._maybe_add_hidden_state (tests/integration/runtime/vllm/test_vllm_capture.py).
 VLLM_MIN_FINAL_LAYER_CAPTURE = "0.18.0"
 # decoder fields of the transformer_layer_config, copied from the draft's config.json when present
 _DECODER_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",

@@ -6,7 +6,7 @@ model_definitions}.py`, `speculators/models/dflash/{config,core,model_definition
 `speculators/model.py`, `speculators/config.py`, `speculators/models/utils.py`) and from vLLM's loader
 (`vllm/transformers_utils/configs/speculators/{base,algos}.py`, `vllm/model_executor/models/llama_eagle3.py`,
 `vllm/model_executor/models/qwen3_dflash.py`, `vllm/v1/spec_decode/dflash.py`; commits named in
-tests/runtime/vllm/test_speculators.py).
+tests/e2e/runtime/vllm/test_speculators.py).
 
 EAGLE-3 (`speculators_model_type: eagle3`, `architectures: ["Eagle3Speculator"]`):
 - tensor names are ModelOpt's own: `fc.weight`, `layers.{i}.*` (HF Llama decoder names, `layers.0.hidden_norm`,

@@ -6,13 +6,9 @@ import json
 import re
 import shutil
 
-import pytest
-
 from pipeline import registry
 
 from conftest import TINY_CONFIG, run_cli, status_json, tiny_overrides
-
-pytestmark = pytest.mark.fast
 
 
 def _downstream(of: str) -> set[str]:

@@ -37,7 +37,7 @@ def test_serve_vllm_without_vllm_says_how_to_install_and_exits_2(tmp_path):
 
 @pytest.fixture(scope="module")
 def vllm_run(vllm_tiny_run) -> Path:
-    """conftest's session run, shared with tests/runtime/vllm/test_vllm_engine.py (the same build)."""
+    """conftest's session run, shared with tests/integration/runtime/vllm/test_vllm_engine.py (the same build)."""
     return vllm_tiny_run
 
 

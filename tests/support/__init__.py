@@ -1,5 +1,5 @@
 """What several test modules share. Test modules import from here (and from conftest.py), never from each other
-(tests/test_architecture.py checks it): the tree under tests/ mirrors the code (docs/architecture.md)."""
+(tests/unit/test_architecture.py checks it): the tree under tests/ mirrors the code (docs/architecture.md)."""
 from __future__ import annotations
 
 import os

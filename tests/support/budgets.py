@@ -1,5 +1,5 @@
 """train_draft against a shipped config's own budgets, from the config alone (no training): what
-tests/stages/test_train_draft_budgets.py checks on every shipped config, and test_train_draft_real.py on the ones that
+tests/unit/stages/test_train_draft_budgets.py checks on every shipped config, and test_train_draft_real.py on the ones that
 read the real model's prepared inputs."""
 from __future__ import annotations
 

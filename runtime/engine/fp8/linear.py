@@ -32,7 +32,7 @@ def qdq_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def qdq_e4m3_fast(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """`qdq_e4m3` (x * (1 / scale) -> clamp +-448 -> E4M3 -> float32 * scale, TensorRT-LLM's static quantization) in
     fewer ops, for float32 x and a float32 scale already on x's device (anything else goes through `qdq_e4m3`); the
-    same arithmetic, bit for bit (tests/runtime/engine/test_runtime_speed.py). The runtime's fused layers and FP8 KV
+    same arithmetic, bit for bit (tests/unit/runtime/engine/test_runtime_speed.py). The runtime's fused layers and FP8 KV
     caches use it."""
     if x.dtype != torch.float32 or scale.dtype != torch.float32 or scale.device != x.device:
         return qdq_e4m3(x, scale)
