@@ -1,5 +1,6 @@
 """Stages `target` (local model route, bootstrap determinism) and `data` (formats, masks, malformed lines,
-regeneration, local HF datasets), through the real CLI."""
+regeneration, local HF datasets), through the real CLI: `specpipe build` processes on a tiny target (~2 minutes of CPU in
+all), so integration, not unit (pytest.mark.slow; tests/unit/test_tiers.py). In process: tests/unit/stages/test_target_data_config.py."""
 from __future__ import annotations
 
 import json
@@ -12,6 +13,8 @@ from support.stage_runs import config_file as _config
 from support.stage_runs import jsonl as _jsonl
 from support.stage_runs import only_upto as _only_upto
 from support.stage_runs import parquet_rows as _rows
+
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
