@@ -1,6 +1,7 @@
 """Stages `target` (local model route, bootstrap determinism) and `data` (formats, masks, malformed lines,
 regeneration, local HF datasets), through the real CLI: `specpipe build` processes on a tiny target (~2 minutes of CPU in
-all), so integration, not unit (pytest.mark.slow; tests/unit/test_tiers.py). In process: tests/unit/stages/test_target_data_config.py."""
+all), so integration, not unit (pytest.mark.slow; tests/unit/test_tiers.py).
+In process: tests/unit/stages/test_target_data_config.py."""
 from __future__ import annotations
 
 import json
