@@ -83,16 +83,16 @@ class Budget:
             fit = done + int(max(0.0, self.max_s - spent) // self.rate_s) if self.rate_s > 0 else self.configured_steps
             self.resolved_steps = steps = max(done, min(self.configured_steps, fit))
             proc.emit0({"event": "budget", "steps": steps, "configured_steps": self.configured_steps,
-                        "rate_s": self.rate_s, "max_minutes": round(self.max_s / 60, 3), "spent_s": round(spent, 1)})
+                        "rate_s": self.rate_s, "max_minutes": round(self.max_s / 60, 6), "spent_s": round(spent, 1)})
         if spent >= self.max_s and done < steps:
             self.stopped, steps = "time", done
             proc.emit0({"event": "budget_stop", "step": done, "spent_s": round(spent, 1),
-                        "max_minutes": round(self.max_s / 60, 3), "resolved_steps": self.resolved_steps})
+                        "max_minutes": round(self.max_s / 60, 6), "resolved_steps": self.resolved_steps})
         return steps
 
     def record(self, job: dict) -> dict:
         """result.json's `budget`: the configured budget and count, the resolved count, the steps done and why."""
-        return {"max_minutes": round(self.max_s / 60, 3), "configured_steps": self.configured_steps,
+        return {"max_minutes": round(self.max_s / 60, 6), "configured_steps": self.configured_steps,
                 "resolved_steps": self.resolved_steps, "rate_s": self.rate_s, "steps": job["train"]["steps"],
                 "stopped": self.stopped or ("budget" if job["train"]["steps"] < self.configured_steps else None)}
 
