@@ -121,9 +121,9 @@ SMALL = ["train_draft.batch_size=2", "train_draft.seq_len=64", "train_draft.warm
 @pytest.mark.parametrize("launcher", ["none", "{kind: torchrun, nproc_per_node: 2, timeout_s: 600}"])
 def test_a_build_under_a_budget_commits_the_steps_it_did(run_dir, tmp_path, launcher):
     """A 0.6-ms budget: the first step takes longer on any CPU (one of 0.06 s did not on an idle one), so training
-    stops there (the hard stop, before any count is resolved); the draft of step 1 is exported, passes its checks, and the steps done, the configured count and why
-    are in the metrics, draft.json, curve.json, the log and the report. Under torchrun both ranks stop at step 1 (one
-    that went on would hang its peer's all-reduce)."""
+    stops there (the hard stop, before any count is resolved); the draft of step 1 is exported, passes its checks,
+    and the steps done, the configured count and why are in the metrics, draft.json, curve.json, the log and the
+    report. Under torchrun both ranks stop at step 1 (one that went on would hang its peer's all-reduce)."""
     wd = tmp_path / "run"
     (wd / "artifacts").mkdir(parents=True)
     for stage in ("target", "data"):
