@@ -26,7 +26,7 @@ import pytest
 
 from pipeline.monitor import perf_counts
 
-from conftest import REPO, artifact_dir
+from conftest import REPO
 from support.serve import cli_server, http_generate
 
 MAX_TOKENS = 16
@@ -34,13 +34,6 @@ MAX_BATCH, MAX_QUEUE = 4, 4
 LONG = 1500          # tokens: a request that decodes for a second or more on the tiny pair
 
 
-@pytest.fixture(scope="module")
-def run_dir(request) -> Path:
-    if os.environ.get("SPECPIPE_TEST_RUN"):
-        return Path(os.environ["SPECPIPE_TEST_RUN"])
-    wd, r = request.getfixturevalue("tiny_run")
-    artifact_dir(wd, "export")
-    return wd
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ wrote an FP8 KV cache; the artifacts are only read.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -29,15 +28,6 @@ from runtime.engine.layers import KVCache
 from stages import validate as V
 
 from conftest import artifact_dir, stage_context
-
-
-@pytest.fixture(scope="module")
-def run_dir(request) -> Path:
-    if os.environ.get("SPECPIPE_TEST_RUN"):
-        return Path(os.environ["SPECPIPE_TEST_RUN"])
-    wd, _ = request.getfixturevalue("tiny_run")
-    artifact_dir(wd, "validate")
-    return wd
 
 
 def test_fp8_kv_cache_holds_e4m3_values_at_its_scale():

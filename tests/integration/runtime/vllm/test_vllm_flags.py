@@ -17,8 +17,6 @@ import os
 import subprocess
 from pathlib import Path
 
-import pytest
-
 from runtime.algorithms.schedule import DraftSchedule
 from runtime.vllm import serve as V
 from runtime.vllm.speculators_format import SpeculatorsExport
@@ -79,15 +77,6 @@ def test_serve_script_binds_loopback_unless_told_and_the_container_form_binds_al
 # ---------------------------------------------------------------------------------------------- real vLLM
 
 
-@pytest.fixture(scope="module")
-def run_dir(request) -> Path:
-    if os.environ.get("SPECPIPE_TEST_RUN"):
-        return Path(os.environ["SPECPIPE_TEST_RUN"])
-    from conftest import artifact_dir
-
-    wd, _ = request.getfixturevalue("tiny_run")
-    artifact_dir(wd, "export")
-    return wd
 
 
 def _check(python: str, cases: list[list[str]], tmp_path: Path) -> list[dict]:
